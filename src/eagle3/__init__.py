@@ -1,0 +1,11 @@
+"""eagle3: EAGLE-3 speculative decoding for Hugging Face models.
+
+Train a drafter for your model, decode losslessly (chain or tree), and export checkpoints that vLLM and
+SGLang load. Start with `eagle3 --help` or README.md.
+"""
+
+from eagle3.config import ConfigError, DrafterConfig, SamplingConfig, SpecConfig
+from eagle3.drafter import Eagle3Drafter
+
+__all__ = ["ConfigError", "DrafterConfig", "Eagle3Drafter", "SamplingConfig", "SpecConfig"]
+__version__ = "0.1.0"

@@ -1,0 +1,271 @@
+"""Typed configuration and the one set of defaults shared by library, CLI and benchmarks.
+
+`DrafterConfig` describes an EAGLE-3 drafter (what its checkpoint's config holds).
+`SpecConfig` describes how a decoding run drafts (chain or tree, sizes).
+`SamplingConfig` describes how tokens are chosen (greedy or sampled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Defaults (one place). EAGLE-2 tree defaults follow SafeAILab/EAGLE `eagle/model/ea_model.py`
+# (`total_token=60, depth=7, top_k=10`) with depth counted as draft steps (paper depth 6 = 6 steps).
+# ---------------------------------------------------------------------------------------------
+DEFAULT_TREE_DEPTH = 6
+DEFAULT_TREE_TOP_K = 10
+DEFAULT_TREE_TOTAL_TOKENS = 60
+DEFAULT_CHAIN_LENGTH = 5
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_DRAFT_VOCAB_SIZE = 32000
+DEFAULT_NGRAM_MAX = 4
+DEFAULT_NGRAM_MIN = 1
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid or does not fit its target; the message says which field and what to do."""
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Target layers whose *input* residual stream feeds the drafter, in HF `hidden_states` indexing.
+
+    The EAGLE-3 rule is `[2, L//2, L-3]` (SafeAILab/EAGLE `eagle/model/modeling_llama_kv.py`; vLLM
+    `get_eagle3_aux_hidden_state_layers`). Shallow targets would repeat ids (L=5 gives [2, 2, 2]), which
+    speculators refuses (`src/speculators/models/utils.py`); we then spread three distinct ids over the depth.
+    """
+    if num_layers < 3:
+        raise ConfigError(f"target has {num_layers} decoder layers; EAGLE-3 needs at least 3 to tap low/mid/high")
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) == 3 and ids == sorted(ids) and ids[0] >= 1:
+        return ids
+    # distinct, ascending, inside [1, L-1]
+    lo, hi = 1, num_layers - 1
+    mid = max(lo + 1, min(hi - 1, num_layers // 2))
+    return [lo, mid, hi]
+
+
+@dataclass
+class DrafterConfig:
+    """Shape and flags of an EAGLE-3 drafter (one Llama-style decoder layer reading fused target features).
+
+    Field names follow the speculators `transformer_layer_config` / native EAGLE-3 `config.json` keys.
+    `aux_layer_ids` use the vLLM convention: id k is HF `hidden_states[k]`, the residual stream *entering*
+    decoder layer k (k = L means the last layer's output before the final norm).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # target vocabulary V
+    draft_vocab_size: int  # Vd; == vocab_size means "no reduction"
+    aux_layer_ids: list[int]
+    target_num_layers: int
+    head_dim: int | None = None
+    target_hidden_size: int | None = None  # Ht when it differs from hidden_size
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    num_hidden_layers: int = 1
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    use_aux_hidden_state: bool = True
+    torch_dtype: str = "float32"
+    # provenance, written into checkpoints
+    verifier_name_or_path: str | None = None
+    verifier_architectures: list[str] = field(default_factory=list)
+    speculative_tokens: int = DEFAULT_CHAIN_LENGTH
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def resolved_target_hidden_size(self) -> int:
+        return self.target_hidden_size or self.hidden_size
+
+    @property
+    def uses_draft_vocab(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+    # -- checks ------------------------------------------------------------------------------
+    def validate(self) -> None:
+        if self.num_hidden_layers != 1:
+            raise ConfigError(
+                f"num_hidden_layers={self.num_hidden_layers}: only 1-layer EAGLE-3 drafters are supported "
+                "(multi-layer weight names differ between vLLM and SGLang; see docs/formats.md)"
+            )
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act={self.hidden_act!r}: the EAGLE-3 drafter MLP is SwiGLU ('silu')")
+        if not self.use_aux_hidden_state:
+            raise ConfigError(
+                "use_aux_hidden_state=false (EAGLE-1-style drafter on the last layer only) is not supported; "
+                "re-train or convert to an EAGLE-3 drafter with three aux layers"
+            )
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError("fc_norm and norm_before_fc are mutually exclusive; set at most one")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(
+                f"draft_vocab_size={self.draft_vocab_size} is larger than the target vocabulary "
+                f"vocab_size={self.vocab_size}; choose draft_vocab_size <= {self.vocab_size}"
+            )
+        if self.draft_vocab_size <= 0:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} must be positive")
+        if len(self.aux_layer_ids) != 3:
+            raise ConfigError(
+                f"aux_layer_ids={self.aux_layer_ids}: EAGLE-3 fuses exactly 3 target layers (low, mid, high)"
+            )
+        if sorted(set(self.aux_layer_ids)) != list(self.aux_layer_ids):
+            raise ConfigError(f"aux_layer_ids={self.aux_layer_ids} must be distinct and ascending")
+        for k in self.aux_layer_ids:
+            if not 0 <= k <= self.target_num_layers:
+                raise ConfigError(
+                    f"aux layer id {k} is out of range for a target with {self.target_num_layers} layers "
+                    f"(valid: 0..{self.target_num_layers}, HF hidden_states indexing)"
+                )
+        if (self.num_attention_heads * self.resolved_head_dim) <= 0:
+            raise ConfigError("num_attention_heads * head_dim must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown DrafterConfig fields {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids: list[int] | None = None,
+        **overrides: Any,
+    ) -> DrafterConfig:
+        """A drafter shaped like one decoder layer of `target_config` (an HF `PretrainedConfig`)."""
+        tc = getattr(target_config, "text_config", None) or target_config
+        num_layers = tc.num_hidden_layers
+        vocab = tc.vocab_size
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        # MoE targets: use the dense FFN size if any, else the expert size times the routed top-k
+        inter = getattr(tc, "intermediate_size", None)
+        if not inter:
+            inter = getattr(tc, "moe_intermediate_size", 4 * tc.hidden_size)
+        kw: dict[str, Any] = dict(
+            hidden_size=tc.hidden_size,
+            intermediate_size=inter,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            draft_vocab_size=min(draft_vocab_size or vocab, vocab),
+            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(num_layers),
+            target_num_layers=num_layers,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6) or 1e-6),
+            rope_theta=_rope_theta(tc),
+            max_position_embeddings=max(2048, int(getattr(tc, "max_position_embeddings", 2048) or 2048)),
+            verifier_name_or_path=getattr(tc, "_name_or_path", None) or None,
+            verifier_architectures=list(getattr(target_config, "architectures", None) or []),
+            bos_token_id=getattr(tc, "bos_token_id", None),
+            eos_token_id=getattr(tc, "eos_token_id", None),
+            pad_token_id=getattr(tc, "pad_token_id", None),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def _rope_theta(tc: Any) -> float:
+    params = getattr(tc, "rope_parameters", None)
+    if isinstance(params, dict):
+        if "rope_theta" in params:
+            return float(params["rope_theta"])
+        # per-layer-type dicts (Gemma-3): take the full-attention one
+        for v in params.values():
+            if isinstance(v, dict) and "rope_theta" in v:
+                return float(v["rope_theta"])
+    return float(getattr(tc, "rope_theta", 10000.0) or 10000.0)
+
+
+@dataclass
+class SpecConfig:
+    """How to draft: `mode` is 'tree' (EAGLE-2 dynamic tree), 'chain' (K argmax tokens) or 'none'."""
+
+    mode: str = "tree"
+    depth: int = DEFAULT_TREE_DEPTH
+    top_k: int = DEFAULT_TREE_TOP_K
+    total_tokens: int = DEFAULT_TREE_TOTAL_TOKENS  # draft tokens verified per cycle (root excluded)
+    chain_length: int = DEFAULT_CHAIN_LENGTH
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("tree", "chain", "none"):
+            raise ConfigError(f"mode={self.mode!r}: expected 'tree', 'chain' or 'none'")
+        if self.mode == "tree":
+            if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+                raise ConfigError(
+                    f"tree depth={self.depth}, top_k={self.top_k}, total_tokens={self.total_tokens} must all be >= 1"
+                )
+        if self.mode == "chain" and self.chain_length < 1:
+            raise ConfigError(f"chain length {self.chain_length} must be >= 1")
+
+    @classmethod
+    def parse_tree(cls, text: str) -> SpecConfig:
+        """'DEPTH,TOPK,TOTAL' as given to `--tree`."""
+        try:
+            depth, top_k, total = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ConfigError(f"--tree {text!r}: expected three integers DEPTH,TOPK,TOTAL such as 6,10,60") from None
+        return cls(mode="tree", depth=depth, top_k=top_k, total_tokens=total)
+
+    @property
+    def max_depth(self) -> int:
+        return {"tree": self.depth, "chain": self.chain_length, "none": 0}[self.mode]
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return {"tree": self.total_tokens, "chain": self.chain_length, "none": 0}[self.mode]
+
+
+@dataclass
+class SamplingConfig:
+    """Temperature 0 means greedy. top_p/top_k are applied to the target distribution only."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ConfigError(f"temperature={self.temperature} must be in [0, 100]")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

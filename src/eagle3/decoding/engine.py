@@ -1,0 +1,213 @@
+"""The decoding cycle: prefill -> draft -> verify -> accept -> update (reference §C), batch size 1.
+
+Per-request state lives in `_Request`, so a batched scheduler can hold many of them. Metrics:
+tau = tokens emitted per target verification forward, counting the bonus token; acceptance_per_position[i]
+= fraction of cycles that drafted at depth >= i+1 in which at least i+1 drafts were accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from eagle3.decoding.proposers import Proposer
+from eagle3.decoding.sampling import process_logits, sample
+from eagle3.decoding.verify import accept
+from eagle3.target import Target
+
+
+@dataclass
+class GenerationStats:
+    cycles: int = 0
+    accepted_per_cycle: list[int] = field(default_factory=list)
+    drafted_depth_per_cycle: list[int] = field(default_factory=list)
+    drafted_tokens: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    new_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        return (sum(self.accepted_per_cycle) + self.cycles) / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        depth = max(self.drafted_depth_per_cycle, default=0)
+        out = []
+        for i in range(1, depth + 1):
+            tried = sum(1 for d in self.drafted_depth_per_cycle if d >= i)
+            ok = sum(1 for a, d in zip(self.accepted_per_cycle, self.drafted_depth_per_cycle, strict=True)
+                     if d >= i and a >= i)
+            out.append(ok / tried if tried else 0.0)
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("accepted_per_cycle")
+        d.pop("drafted_depth_per_cycle")
+        d.update(tau=self.tau, acceptance_per_position=self.acceptance_per_position,
+                 tokens_per_s=self.tokens_per_s)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+
+
+class _Stream:
+    """Turns a growing token list into text deltas, holding back incomplete characters and stop prefixes."""
+
+    def __init__(self, tokenizer, callback, stop_strings: Sequence[str]):
+        self.tokenizer, self.callback, self.stop = tokenizer, callback, list(stop_strings)
+        self.sent = 0
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def find_stop(self, text: str) -> int:
+        hits = [text.find(s) for s in self.stop if s and s in text]
+        return min(hits) if hits else -1
+
+    def push(self, text: str, final: bool) -> None:
+        if self.callback is None:
+            return
+        end = len(text)
+        if not final:
+            if text.endswith("\ufffd"):
+                end = len(text.rstrip("\ufffd"))
+            for s in self.stop:  # hold back a suffix that could start a stop string
+                for j in range(min(len(s) - 1, end), 0, -1):
+                    if text[:end].endswith(s[:j]):
+                        end = min(end, len(text[:end]) - j)
+                        break
+        if end > self.sent:
+            self.callback(text[self.sent:end])
+            self.sent = end
+
+
+class SpeculativeEngine:
+    """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`."""
+
+    def __init__(self, target: Target, proposer: Proposer, tokenizer=None):
+        self.target = target
+        self.proposer = proposer
+        self.tokenizer = tokenizer
+
+    def _sync(self) -> None:
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, gen) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        probs = process_logits(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+        return int(sample(probs, gen))
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | None = None,
+        eos_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        sampling = sampling or SamplingConfig()
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        dev = self.target.device
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).view(1, -1)  # [1, T]
+        if prompt.shape[1] == 0:
+            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        eos = set(int(e) for e in eos_token_ids)
+        stream = _Stream(self.tokenizer, on_text, stop_strings)
+        need_text = bool(stop_strings) or on_text is not None
+        if need_text and self.tokenizer is None:
+            raise ValueError("stop strings and streaming need a tokenizer")
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+
+        cache = self.target.new_cache()
+        logits, aux = self.target.forward(prompt, cache, logits_to_keep=1)
+        first = self._choose(logits[0, -1], sampling, gen)
+        out: list[int] = [first]
+        finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
+        self.proposer.begin(prompt[0], aux if self.proposer.needs_aux else None, first)
+        self._sync()
+        stats.prefill_s = time.perf_counter() - t0
+
+        while finish is None:
+            t1 = time.perf_counter()
+            tree = self.proposer.propose()
+            self._sync()
+            t2 = time.perf_counter()
+            root = torch.tensor([out[-1]], device=dev)
+            ids = torch.cat([root, tree.tokens.to(dev)])[None]  # [1, N+1]
+            past = cache.get_seq_length()
+            logits, aux = self.target.forward(
+                ids, cache, tree_mask=tree.attention_mask().to(dev),
+                position_offsets=tree.position_offsets().to(dev),
+            )
+            acc = accept(tree, logits[0], sampling, gen)
+            keep = torch.tensor([0, *acc.path], dtype=torch.long, device=dev)  # root + accepted nodes
+            Target.compact(cache, past, keep)
+            new = [int(tree.tokens[p - 1]) for p in acc.path] + [acc.next_token]
+            stats.cycles += 1
+            stats.accepted_per_cycle.append(len(acc.path))
+            stats.drafted_depth_per_cycle.append(int(tree.depths().max()) if tree.n else 0)
+            stats.drafted_tokens += tree.n
+            for tok in new:
+                out.append(tok)
+                finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
+                if finish is not None:
+                    break
+            if finish is None:
+                self.proposer.accept(aux[0, keep] if self.proposer.needs_aux else None,
+                                     torch.tensor(new, device=dev))
+            self._sync()
+            t3 = time.perf_counter()
+            stats.draft_s += t2 - t1
+            stats.verify_s += t3 - t2
+
+        text = ""
+        if self.tokenizer is not None:
+            text = stream.text(out)
+            cut = stream.find_stop(text)
+            if cut >= 0:
+                text = text[:cut]
+            stream.push(text, final=True)
+        stats.total_s = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        return GenerationResult(token_ids=out, text=text, finish_reason=finish, stats=stats)
+
+    @staticmethod
+    def _finished(out, eos, max_new_tokens, stream: _Stream, stop_strings) -> str | None:
+        if out[-1] in eos:
+            return "stop"
+        if stop_strings or stream.callback is not None:
+            text = stream.text(out)
+            if stop_strings and stream.find_stop(text) >= 0:
+                return "stop"
+            stream.push(text, final=False)
+        if len(out) >= max_new_tokens:
+            return "length"
+        return None

@@ -1,0 +1,228 @@
+"""Drafters behind one interface: a proposer sees what the target accepted and proposes a `DraftTree`.
+
+    proposer.begin(prompt_ids, aux, first_token)   # after prefill
+    tree = proposer.propose()                     # draft nodes after the last emitted token (the root)
+    proposer.accept(aux_rows, next_tokens)        # after verification: features of the root and accepted
+                                                  # nodes, paired with the token that followed each of them
+
+Implementations: `Eagle3Proposer` (chain or EAGLE-2 dynamic tree), `NgramProposer` (prompt lookup),
+`NoDraftProposer` (plain decoding through the same engine), `ModelProposer` (a small draft LM with the
+target's tokenizer; with the target itself it is the always-right drafter the tests use).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SpecConfig
+from eagle3.decoding.tree import DraftTree
+from eagle3.drafter import DrafterKV, Eagle3Drafter
+
+
+class Proposer:
+    """Base class; `name` is what stats and run records call it."""
+
+    name = "none"
+    needs_aux = False  # whether `accept` needs the target's aux features
+
+    def begin(self, prompt_ids: torch.Tensor, aux: torch.Tensor | None, first_token: int) -> None:
+        pass
+
+    def propose(self) -> DraftTree:
+        raise NotImplementedError
+
+    def accept(self, aux_rows: torch.Tensor | None, next_tokens: torch.Tensor) -> None:
+        pass
+
+
+class NoDraftProposer(Proposer):
+    """Plain autoregressive decoding: every cycle verifies the root alone."""
+
+    name = "none"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    def propose(self) -> DraftTree:
+        return DraftTree.empty(self.device)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup decoding: match the longest recent n-gram earlier in the context, propose what followed.
+
+    As HF `PromptLookupCandidateGenerator` (transformers `generation/candidate_generator.py`), but the most
+    recent earlier match wins, which tracks the text being written more closely.
+    """
+
+    name = "ngram"
+
+    def __init__(self, length: int, ngram_max: int = DEFAULT_NGRAM_MAX, ngram_min: int = DEFAULT_NGRAM_MIN,
+                 device: torch.device | str = "cpu"):
+        self.length, self.ngram_max, self.ngram_min = length, ngram_max, ngram_min
+        self.device = torch.device(device)
+        self.tokens: list[int] = []
+
+    def begin(self, prompt_ids, aux, first_token):
+        self.tokens = [int(t) for t in prompt_ids.view(-1).tolist()] + [int(first_token)]
+
+    def accept(self, aux_rows, next_tokens):
+        self.tokens.extend(int(t) for t in next_tokens.view(-1).tolist())
+
+    def propose(self) -> DraftTree:
+        toks = self.tokens
+        for n in range(min(self.ngram_max, len(toks) - 1), self.ngram_min - 1, -1):
+            tail = toks[-n:]
+            # scan backwards for the most recent earlier occurrence whose continuation is non-empty
+            for start in range(len(toks) - n - 1, -1, -1):
+                if toks[start : start + n] == tail:
+                    cont = toks[start + n : start + n + self.length]
+                    if cont:
+                        return DraftTree.chain(torch.tensor(cont, dtype=torch.long, device=self.device))
+        return DraftTree.empty(self.device)
+
+
+class ModelProposer(Proposer):
+    """A draft language model sharing the target's vocabulary, drafting a greedy chain of `length` tokens."""
+
+    name = "model"
+
+    def __init__(self, model, length: int):
+        from eagle3.target import Target  # local: Target wraps any HF causal LM
+
+        self.model = model.eval()
+        self.length = length
+        self._target = Target(model, aux_layer_ids=[])
+        self.cache = None
+        self.pending: list[int] = []
+
+    @property
+    def device(self):
+        return self._target.device
+
+    def begin(self, prompt_ids, aux, first_token):
+        self.cache = self._target.new_cache()
+        self._target.forward(prompt_ids.view(1, -1).to(self.device), self.cache, logits_to_keep=1)
+        self.pending = [int(first_token)]
+
+    def accept(self, aux_rows, next_tokens):
+        self.pending.extend(int(t) for t in next_tokens.view(-1).tolist())
+
+    def propose(self) -> DraftTree:
+        stable = self.cache.get_seq_length()
+        inp = torch.tensor([self.pending], device=self.device)
+        drafts = []
+        for _ in range(self.length):
+            logits, _ = self._target.forward(inp, self.cache, logits_to_keep=1)
+            nxt = int(logits[0, -1].argmax())
+            drafts.append(nxt)
+            inp = torch.tensor([[nxt]], device=self.device)
+        # keep only the context positions; the last pending token is fed again next cycle
+        self._target.crop(self.cache, stable + len(self.pending) - 1)
+        self.pending = self.pending[-1:]
+        return DraftTree.chain(torch.tensor(drafts, dtype=torch.long, device=self.device))
+
+
+class Eagle3Proposer(Proposer):
+    """EAGLE-3 drafting: a chain (top-1) or the EAGLE-2 dynamic tree (SafeAILab/EAGLE `cnets.py` `topK_genrate`).
+
+    Drafter row t pairs target features g_t with token x_{t+1} at RoPE position t (reference §A.3). The
+    drafter cache keeps only rows computed from target features; tree-expansion rows are dropped after
+    each proposal.
+
+    Tree expansion, for depth D, branching k, and a budget of N nodes:
+      step 1: top-k of the last row's draft distribution -> k nodes at depth 1 (scores = log-probs)
+      step d (2..D): run the k frontier nodes (all at position p_last + d - 1); each proposes its top-k
+              children with cumulative score; all k² are recorded, the best k become the new frontier
+      rerank: keep the N highest-scoring recorded nodes; a stable sort by (score desc, record order) keeps
+              every parent ahead of its children, since a child's score never exceeds its parent's
+    """
+
+    name = "eagle3"
+    needs_aux = True
+
+    def __init__(self, drafter: Eagle3Drafter, spec: SpecConfig):
+        self.drafter = drafter.eval()
+        if spec.mode == "chain":
+            self.depth, self.top_k, self.budget = spec.chain_length, 1, spec.chain_length
+        elif spec.mode == "tree":
+            self.depth, self.top_k, self.budget = spec.depth, spec.top_k, spec.total_tokens
+        else:
+            raise ValueError("Eagle3Proposer needs a chain or tree SpecConfig")
+        self.cache = DrafterKV()
+        self.next_pos = 0  # RoPE position of the next target-feature row
+        self.last_out: torch.Tensor | None = None  # [1, H] pre-norm output of the newest row
+
+    @property
+    def device(self):
+        return self.drafter.fc.weight.device
+
+    @torch.inference_mode()
+    def _extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Append target-feature rows: aux [1, m, 3Ht] with the token following each row, [m]."""
+        d = self.drafter
+        m = aux.shape[1]
+        hidden = d.combine(aux.to(self.device))  # [1, m, H]
+        pos = torch.arange(self.next_pos, self.next_pos + m, device=self.device)[None]  # [1, m]
+        out = d(hidden, next_tokens.view(1, m).to(self.device), pos, mask=None, cache=self.cache)  # [1, m, H]
+        self.next_pos += m
+        self.last_out = out[:, -1]  # [1, H]
+
+    def begin(self, prompt_ids, aux, first_token):
+        self.cache = DrafterKV()
+        self.next_pos = 0
+        ids = prompt_ids.view(-1).to(self.device)
+        next_tokens = torch.cat([ids[1:], torch.tensor([first_token], device=self.device)])  # x_1..x_T
+        self._extend(aux, next_tokens)
+
+    def accept(self, aux_rows, next_tokens):
+        self._extend(aux_rows.view(1, -1, aux_rows.shape[-1]), next_tokens.view(-1))
+
+    @torch.inference_mode()
+    def propose(self) -> DraftTree:
+        d, k, dev = self.drafter, self.top_k, self.device
+        stable = self.cache.length
+        p_last = self.next_pos - 1
+        logp = torch.log_softmax(d.logits(self.last_out).float(), dim=-1)[0]  # [Vd]
+        scores, draft_ids = logp.topk(k)  # [k]
+        rec_scores = [scores]
+        rec_tokens = [d.draft_ids_to_target(draft_ids)]
+        rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        frontier = torch.arange(k, device=dev)  # record indices of the frontier nodes
+        f_hidden = d.feedback(self.last_out).expand(k, -1)[None]  # [1, k, H]
+        f_scores = scores
+        anc = torch.eye(k, dtype=torch.bool, device=dev)  # [k, rows so far] frontier ancestry over tree rows
+        n_rec = k
+        for step in range(1, self.depth):
+            tokens = torch.cat(rec_tokens)[frontier]  # [k]
+            pos = torch.full((1, k), p_last + step, device=dev)
+            mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=dev), anc], dim=1)[None, None]
+            out = d(f_hidden, tokens[None], pos, mask=mask, cache=self.cache)  # [1, k, H]
+            child_logp = torch.log_softmax(d.logits(out).float(), dim=-1)[0]  # [k, Vd]
+            top_lp, top_ids = child_logp.topk(k, dim=-1)  # [k, k]
+            cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k*k]
+            rec_scores.append(cum)
+            rec_tokens.append(d.draft_ids_to_target(top_ids.reshape(-1)))
+            rec_parents.append(frontier.repeat_interleave(k))
+            best = cum.topk(k).indices  # [k] among this step's k*k
+            parent_row = best // k  # which frontier row each new frontier node extends
+            frontier = n_rec + best
+            n_rec += k * k
+            f_scores = cum[best]
+            f_hidden = d.feedback(out)[:, parent_row]  # [1, k, H]
+            # ancestry of the new frontier rows: their parent's ancestry plus themselves (rows added next step)
+            anc = torch.cat([anc[parent_row], torch.eye(k, dtype=torch.bool, device=dev)], dim=1)
+        self.cache.crop(stable)
+
+        all_scores = torch.cat(rec_scores)  # [R]
+        all_tokens = torch.cat(rec_tokens)
+        all_parents = torch.cat(rec_parents)
+        n = min(self.budget, all_scores.numel())
+        order = torch.sort(-all_scores, stable=True).indices[:n]  # best first, parents before children
+        keep = torch.sort(order).values  # record order: parents precede children
+        remap = torch.full((all_scores.numel(),), -1, dtype=torch.long, device=dev)
+        remap[keep] = torch.arange(n, device=dev)
+        parents = all_parents[keep]
+        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
+        if bool((parents[all_parents[keep] >= 0] < 0).any()):
+            raise RuntimeError("draft tree rerank dropped a parent of a kept node")
+        return DraftTree(tokens=all_tokens[keep], parents=parents)

@@ -1,0 +1,122 @@
+"""Assemble a ready-to-run decoder from names: target, drafter, draft kind, spec. Shared by CLI, eval,
+benchmarks and the server, so they all take the same defaults."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3.config import ConfigError, DrafterConfig, SpecConfig
+from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.proposers import Eagle3Proposer, NgramProposer, NoDraftProposer, Proposer
+from eagle3.drafter import Eagle3Drafter
+from eagle3.target import Target
+
+log = logging.getLogger("eagle3")
+
+DRAFT_KINDS = ("eagle3", "ngram", "none")
+
+
+@dataclass
+class Runtime:
+    model: torch.nn.Module
+    tokenizer: object
+    target: Target
+    engine: SpeculativeEngine
+    drafter: Eagle3Drafter | None
+    spec: SpecConfig
+    draft: str
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.model, self.tokenizer)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if e is None:
+            continue
+        ids.update([e] if isinstance(e, int) else list(e))
+    return sorted(ids)
+
+
+def encode_prompt(tokenizer, prompt: str | None = None, chat: str | list[dict] | None = None) -> list[int]:
+    """Token ids for a raw prompt (with the tokenizer's BOS) or a chat turn rendered by the chat template."""
+    if (prompt is None) == (chat is None):
+        raise ValueError("give exactly one of prompt or chat")
+    if chat is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("this target's tokenizer has no chat template; use --prompt instead of --chat")
+        messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else chat
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # the template writes its own BOS, if any
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if not ids and tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id]
+    return ids
+
+
+def make_proposer(draft: str, spec: SpecConfig, drafter: Eagle3Drafter | None, device) -> Proposer:
+    if draft == "none" or spec.mode == "none":
+        return NoDraftProposer(device)
+    if draft == "ngram":
+        length = spec.chain_length if spec.mode == "chain" else spec.depth
+        return NgramProposer(length=length, device=device)
+    if draft == "eagle3":
+        if drafter is None:
+            raise ConfigError("--draft eagle3 needs --drafter DIR (a drafter checkpoint)")
+        return Eagle3Proposer(drafter, spec)
+    raise ConfigError(f"unknown draft kind {draft!r}; expected one of {DRAFT_KINDS}")
+
+
+def load_runtime(
+    target: str,
+    drafter: str | Path | None = None,
+    draft: str | None = None,
+    spec: SpecConfig | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+) -> Runtime:
+    from eagle3.formats import load_drafter
+    from eagle3.models import load_target
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    draft = draft or ("eagle3" if drafter else "none")
+    spec = spec or SpecConfig()
+    model, tokenizer = load_target(target, dtype=dtype, device=device)
+    tcfg = getattr(model.config, "text_config", None) or model.config
+    d = None
+    if draft == "eagle3":
+        if drafter is None:
+            raise ConfigError("--draft eagle3 needs --drafter DIR")
+        d = load_drafter(drafter, target_config=model.config,
+                         target_embedding=model.get_input_embeddings().weight, device=device,
+                         dtype=next(model.parameters()).dtype)
+        aux_ids = d.config.aux_layer_ids
+    else:
+        aux_ids = []
+    tgt = Target(model, aux_ids)
+    if d is None and draft == "eagle3":
+        raise ConfigError("no drafter loaded")
+    proposer = make_proposer(draft, spec, d, device)
+    log.debug("target %s (%d layers), draft=%s, spec=%s", target, tcfg.num_hidden_layers, draft, spec)
+    return Runtime(model=model, tokenizer=tokenizer, target=tgt,
+                   engine=SpeculativeEngine(tgt, proposer, tokenizer), drafter=d, spec=spec, draft=draft)
+
+
+def init_drafter(model, draft_vocab_size: int | None = None, seed: int = 0, **overrides) -> Eagle3Drafter:
+    """A randomly initialised drafter shaped for `model`, with the target's embedding and an identity-prefix
+    draft vocabulary (the first `draft_vocab_size` ids; `eagle3 prepare` computes a frequency-based one)."""
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(model.config, draft_vocab_size=draft_vocab_size, **overrides)
+    d = Eagle3Drafter(cfg)
+    d.load_target_embedding(model.get_input_embeddings().weight.detach().float().cpu())
+    if cfg.uses_draft_vocab:
+        d.set_vocab_mapping(torch.arange(cfg.draft_vocab_size))
+    return d
