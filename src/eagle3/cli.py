@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
+    DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     ConfigError,
     SamplingConfig,
@@ -96,6 +99,90 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from eagle3.models import load_tokenizer
+    from eagle3.training.prepare import prepare
+
+    tok, vocab_size = load_tokenizer(args.target)
+    report = prepare(tok, args.data, args.out, max_length=args.max_length, length_policy=args.length_policy,
+                     draft_vocab_size=args.draft_vocab_size, system_prompt=args.system_prompt,
+                     num_workers=args.workers, vocab_size=vocab_size, max_rows=args.max_rows)
+    print(json.dumps(report.to_dict() if hasattr(report, "to_dict") else report.__dict__, indent=2, default=str))
+    return 0
+
+
+def cmd_regenerate(args) -> int:
+    from eagle3.training.regenerate import EndpointBackend, LocalBackend, regenerate
+
+    if args.endpoint:
+        if not args.model:
+            raise ConfigError("--endpoint needs --model NAME (the model name the server serves)")
+        backend = EndpointBackend(args.endpoint, args.model, concurrency=args.concurrency,
+                                  api_key=os.environ.get("OPENAI_API_KEY"))
+    else:
+        if not args.target:
+            raise ConfigError("give --target (local generation) or --endpoint URL --model NAME")
+        from eagle3.models import load_target
+
+        model, tok = load_target(args.target, dtype=args.dtype, device=args.device or _default_device())
+        backend = LocalBackend(model, tok, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed)
+    report = regenerate(args.data, args.out, backend, temperature=args.temperature,
+                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                        max_turns=args.max_turns, limit=args.limit)
+    return 0 if not getattr(report, "error", None) else 1
+
+
+def cmd_train(args) -> int:
+    from eagle3.training.trainer import TrainConfig, train
+
+    cfg = TrainConfig(
+        target=args.target, data=args.data, out=args.out, init=args.init, ttt_steps=args.ttt_steps,
+        lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, stop_after=args.stop_after,
+        batch_size=args.batch_size, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
+        max_length=args.max_length, packing=args.packing, dtype=args.dtype, device=args.device, seed=args.seed,
+        save_every=args.save_every, log_every=args.log_every, features=args.features,
+        feature_cache=args.feature_cache, resume=args.resume, noise=args.noise, tensorboard=args.tensorboard,
+        warmup_ratio=args.warmup_ratio,
+    )
+    res = train(cfg)
+    print(f"drafter written to {res.drafter_dir} after {res.steps} steps (final loss {res.final_loss})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from eagle3.evaluate import BENCH_SETS, load_prompts, plot_report, run_dataset
+    from eagle3.record import run_record, write_json
+    from eagle3.runtime import load_runtime
+
+    out = Path(args.out)
+    spec = _spec_from_args(args)
+    datasets = args.datasets or list(BENCH_SETS)
+    rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
+                      dtype=args.dtype)
+    runs = []
+    for temp in args.temperatures:
+        sampling = SamplingConfig(temperature=temp, seed=args.seed)
+        for ds in datasets:
+            name, prompts = load_prompts(ds, limit=args.limit)
+            r = run_dataset(rt, name, prompts, sampling, args.max_new_tokens)
+            runs.append(r.to_dict())
+            print(f"{name:10s} {r.method:22s} T={temp:<4} tau {r.tau:.3f}  "
+                  f"accept/pos {[round(x, 2) for x in r.acceptance_per_position]}  "
+                  f"{r.to_dict()['tokens_per_s']} tok/s", flush=True)
+    report = run_record("eval", target=args.target, drafter=str(args.drafter), draft=rt.draft,
+                        spec=rt.spec.__dict__, max_new_tokens=args.max_new_tokens, limit=args.limit, runs=runs)
+    write_json(report, out / "eval.json")
+    png = plot_report(report, out / "eval.png")
+    print(f"report: {out / 'eval.json'}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+    return 0
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 speculative decoding for HF models")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -126,6 +213,80 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=("speculators", "eagle"), required=True)
     e.add_argument("--out", required=True)
     e.set_defaults(func=cmd_export)
+
+    pr = sub.add_parser("prepare", help="tokenize conversations with the target's chat template, build loss masks "
+                        "and the draft vocabulary")
+    pr.add_argument("--target", required=True, help="the target whose tokenizer and chat template to use")
+    pr.add_argument("--data", nargs="+", required=True, help="ShareGPT/OpenAI JSON or JSONL files, parquet, "
+                    "or HF datasets folders")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--max-length", type=int, default=2048)
+    pr.add_argument("--length-policy", choices=("drop", "truncate"), default="drop")
+    pr.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE)
+    pr.add_argument("--system-prompt", default=None, help="added to conversations that have none")
+    pr.add_argument("--workers", type=int, default=1)
+    pr.add_argument("--max-rows", type=int, default=None)
+    pr.set_defaults(func=cmd_prepare)
+
+    rg = sub.add_parser("regenerate", help="answer every user turn with the target (on-policy training data)")
+    rg.add_argument("--target", default=None, help="local generation with this model")
+    rg.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL (vLLM, SGLang, eagle3 serve)")
+    rg.add_argument("--model", default=None, help="model name at the endpoint")
+    rg.add_argument("--concurrency", type=int, default=16)
+    rg.add_argument("--data", nargs="+", required=True)
+    rg.add_argument("--out", required=True, help="output JSONL (resumable: rerun the same command to continue)")
+    rg.add_argument("--temperature", type=float, default=0.0)
+    rg.add_argument("--max-new-tokens", type=int, default=512)
+    rg.add_argument("--batch-size", type=int, default=32)
+    rg.add_argument("--max-turns", type=int, default=None)
+    rg.add_argument("--max-prompt-tokens", type=int, default=None)
+    rg.add_argument("--limit", type=int, default=None)
+    rg.add_argument("--seed", type=int, default=None)
+    rg.add_argument("--device", default=None)
+    rg.add_argument("--dtype", default="auto")
+    rg.set_defaults(func=cmd_regenerate)
+
+    t = sub.add_parser("train", help="train a drafter with training-time test (TTT); torchrun for several processes")
+    _add_target(t)
+    t.add_argument("--data", required=True, help="a folder written by eagle3 prepare")
+    t.add_argument("--out", required=True)
+    t.add_argument("--init", default=None, help="continue from this drafter checkpoint")
+    t.add_argument("--ttt-steps", type=int, default=7)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--warmup-ratio", type=float, default=0.015)
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps (resume later)")
+    t.add_argument("--batch-size", type=int, default=None, help="rows per optimizer step (global)")
+    t.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per optimizer step (global)")
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--max-length", type=int, default=2048)
+    t.add_argument("--packing", action="store_true")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=int, default=500)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--features", choices=("online", "offline"), default="online")
+    t.add_argument("--feature-cache", default=None)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--noise", type=float, default=0.0)
+    t.add_argument("--tensorboard", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="acceptance (tau, per position) on benchmark prompts; JSON report and chart")
+    _add_target(ev)
+    ev.add_argument("--drafter", default=None)
+    ev.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None)
+    ev.add_argument("--datasets", nargs="+", default=None,
+                    help="bundled sets (mt_bench humaneval gsm8k alpaca sum qa) or JSONL files; default all six")
+    ev.add_argument("--limit", type=int, default=None, help="prompts per dataset")
+    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
+    ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    ev.add_argument("--seed", type=int, default=0)
+    shape = ev.add_mutually_exclusive_group()
+    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
+    shape.add_argument("--chain", type=int, default=None, metavar="K")
+    ev.add_argument("--out", required=True, help="folder for eval.json and eval.png")
+    ev.set_defaults(func=cmd_eval)
     return p
 
 

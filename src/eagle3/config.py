@@ -204,6 +204,9 @@ def _rope_theta(tc: Any) -> float:
         if "rope_theta" in params:
             return float(params["rope_theta"])
         # per-layer-type dicts (Gemma-3): take the full-attention one
+        full = params.get("full_attention")
+        if isinstance(full, dict) and "rope_theta" in full:
+            return float(full["rope_theta"])
         for v in params.values():
             if isinstance(v, dict) and "rope_theta" in v:
                 return float(v["rope_theta"])
@@ -223,11 +226,10 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("tree", "chain", "none"):
             raise ConfigError(f"mode={self.mode!r}: expected 'tree', 'chain' or 'none'")
-        if self.mode == "tree":
-            if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
-                raise ConfigError(
-                    f"tree depth={self.depth}, top_k={self.top_k}, total_tokens={self.total_tokens} must all be >= 1"
-                )
+        if self.mode == "tree" and min(self.depth, self.top_k, self.total_tokens) < 1:
+            raise ConfigError(
+                f"tree depth={self.depth}, top_k={self.top_k}, total_tokens={self.total_tokens} must all be >= 1"
+            )
         if self.mode == "chain" and self.chain_length < 1:
             raise ConfigError(f"chain length {self.chain_length} must be >= 1")
 

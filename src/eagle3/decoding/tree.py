@@ -1,0 +1,140 @@
+"""The draft tree that one verification step checks: tokens, parent pointers, and what the target needs.
+
+A drafter (EAGLE-3 tree or chain, n-gram, ...) proposes a `DraftTree`; the target runs one forward pass over
+`[root, node 0, ..., node N-1]` with `attention_mask()` and positions `prefix_len + position_offsets()`;
+`eagle3.decoding.verify` then walks the tree. Chains are trees whose every node has one child.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DraftTree"]
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes below a root, as token ids and parent pointers; parents precede children.
+
+    The root is the last accepted token: the target has not scored it yet, it is part of the verification
+    input, but it is not stored here. Two indexings are in use:
+
+    * *node index* `i` in `0..N-1` for `tokens` and `parents` (`parents[i] == -1`: child of the root);
+    * *N+1 indexing* for everything the target sees: `0` is the root and draft node `i` is `i + 1`
+      (rows of the verification logits, `attention_mask()`, `position_offsets()`, `children()`, and
+      `Acceptance.path`).
+
+    Worked example (N = 5)::
+
+                 root                         N+1 index:        0
+               /      \\                                      /     \\
+           "the"      "a"                                   1       2
+           /    \\                                        /   \\
+        "cat"  "dog"                                      3     4
+          |                                               |
+        "sat"                                             5
+
+        tokens   = [the, a, cat, dog, sat]
+        parents  = [-1, -1, 0, 0, 2]
+        depths()            = [1, 1, 2, 2, 3]
+        position_offsets()  = [0, 1, 1, 2, 2, 3]          # root first
+        children()          = [[1, 2], [3, 4], [], [5], [], []]
+        attention_mask()[5] = columns {0, 1, 3, 5} True    # "sat" sees root, "the", "cat", itself
+
+    Row `j` of the verification logits is the target's prediction after node `j`, so the draft at node
+    `3` ("cat") is checked against row `1` (after "the").
+    """
+
+    tokens: torch.Tensor  # [N] long, target-vocabulary ids
+    parents: torch.Tensor  # [N] long, in -1..i-1
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1 or self.parents.dim() != 1:
+            raise ValueError(
+                f"DraftTree.tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be 1-D"
+            )
+        if self.tokens.shape != self.parents.shape:
+            raise ValueError(
+                f"DraftTree has {self.tokens.numel()} tokens but {self.parents.numel()} parents; "
+                "give one parent per token"
+            )
+
+    # -- construction ------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Number of draft nodes N (the root excluded)."""
+        return self.tokens.numel()
+
+    @classmethod
+    def empty(cls, device: torch.device | str | None = None) -> DraftTree:
+        """No drafts: verification then only samples the next token after the root."""
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(tokens=z, parents=z.clone())
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> DraftTree:
+        """A chain `root -> tokens[0] -> tokens[1] -> ...`."""
+        tokens = tokens.reshape(-1).long()
+        parents = torch.arange(tokens.numel(), device=tokens.device) - 1  # [N] = [-1, 0, 1, ...]
+        return cls(tokens=tokens, parents=parents)
+
+    def validate(self) -> None:
+        """Raise ValueError unless every parent is -1 or an earlier node and every token id is >= 0."""
+        if self.tokens.dtype != torch.long or self.parents.dtype != torch.long:
+            raise ValueError(
+                f"DraftTree tensors must be torch.long, got tokens {self.tokens.dtype}, parents {self.parents.dtype}"
+            )
+        for i, p in enumerate(self.parents.tolist()):
+            if not -1 <= p < i:
+                raise ValueError(
+                    f"DraftTree node {i} has parent {p}; a parent must be -1 (the root) or an earlier node "
+                    f"in 0..{i - 1} (sort nodes so that parents precede children)"
+                )
+        if self.n and int(self.tokens.min()) < 0:
+            raise ValueError(f"DraftTree tokens must be vocabulary ids >= 0, got {self.tokens.tolist()}")
+
+    # -- what the target needs ----------------------------------------------------------------
+    def ancestors(self) -> torch.Tensor:
+        """Bool [N+1, N+1]: entry [i, j] is True iff node j is node i or an ancestor of it (N+1 indexing).
+
+        Computed without host syncs: start from "self or parent" and square the relation until it
+        covers paths of length N (each squaring doubles the covered length).
+        """
+        n1 = self.n + 1
+        dev = self.parents.device
+        parent1 = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.parents + 1])  # [N+1]
+        reach = torch.eye(n1, dtype=torch.float32, device=dev)  # [N+1, N+1]
+        reach[torch.arange(n1, device=dev), parent1] = 1.0
+        covered = 1
+        while covered < self.n:
+            reach = ((reach @ reach) > 0).float()  # [N+1, N+1]
+            covered *= 2
+        return reach > 0
+
+    def attention_mask(self) -> torch.Tensor:
+        """Bool [N+1, N+1]: row i may attend to column j (itself and its ancestors; column 0 all True)."""
+        return self.ancestors()
+
+    def depths(self) -> torch.Tensor:
+        """Long [N]: depth of each draft node, 1 for children of the root."""
+        return self.position_offsets()[1:]
+
+    def position_offsets(self) -> torch.Tensor:
+        """Long [N+1]: depth of each node with the root at 0; positions are `prefix_len + offsets`."""
+        return self.ancestors().sum(dim=-1) - 1  # [N+1]
+
+    def children(self) -> list[list[int]]:
+        """For each node in N+1 indexing, its children in N+1 indexing, in node order."""
+        kids: list[list[int]] = [[] for _ in range(self.n + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i + 1)
+        return kids
+
+    def to(self, device: torch.device | str) -> DraftTree:
+        """This tree with both tensors on `device` (itself when already there)."""
+        device = torch.device(device)
+        if self.tokens.device == device and self.parents.device == device:
+            return self
+        return DraftTree(tokens=self.tokens.to(device), parents=self.parents.to(device))

@@ -1,0 +1,151 @@
+"""`eagle3 eval`: acceptance (tau and per-position) of a drafter on benchmark prompts, with the chat template.
+
+The bundled sets are the EAGLE-3 paper's evaluation prompts (SafeAILab/EAGLE `eagle/data/*/question.jsonl`,
+Apache-2.0): mt_bench, humaneval, gsm8k, alpaca, sum (CNN/DM), qa (Natural Questions). Any JSONL whose rows
+have `turns` (first turn used), `prompt`, `question` or OpenAI `messages` works too.
+
+tau is aggregated over all cycles of a run (tokens emitted / target verification forwards, bonus included);
+per-position acceptance is aggregated the same way (see eagle3.decoding.engine).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+
+BENCH_SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
+
+
+def bench_path(name: str) -> Path:
+    return Path(str(resources.files("eagle3") / "assets" / "bench" / f"{name}.jsonl"))
+
+
+def load_prompts(name_or_path: str, limit: int | None = None) -> tuple[str, list[list[dict]]]:
+    """(dataset name, list of chat message lists) from a bundled set name or a JSONL path."""
+    path = bench_path(name_or_path) if name_or_path in BENCH_SETS else Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"no benchmark set or file {name_or_path!r}; bundled sets: {', '.join(BENCH_SETS)}")
+    out: list[list[dict]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if "messages" in row:
+                msgs = [m for m in row["messages"] if m.get("role") != "assistant"][:2]
+            else:
+                text = (row.get("turns") or [None])[0] or row.get("prompt") or row.get("question")
+                if not isinstance(text, str) or not text.strip():
+                    raise ConfigError(f"{path}:{lineno}: needs 'turns', 'prompt', 'question' or 'messages'")
+                msgs = [{"role": "user", "content": text}]
+            out.append(msgs)
+            if limit and len(out) >= limit:
+                break
+    name = name_or_path if name_or_path in BENCH_SETS else path.stem
+    return name, out
+
+
+@dataclass
+class RunResult:
+    dataset: str
+    method: str  # e.g. "eagle3-tree-6,10,60" or "ngram-chain-5"
+    temperature: float
+    prompts: int = 0
+    new_tokens: int = 0
+    cycles: int = 0
+    accepted: list[int] = field(default_factory=list)  # per position: cycles with >= i+1 accepted
+    tried: list[int] = field(default_factory=list)  # per position: cycles that drafted depth >= i+1
+    seconds: float = 0.0
+    new_tokens_in_cycles: int = 0  # tokens emitted by verification cycles (the prefill token excluded)
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens_in_cycles / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tried, strict=True)]
+
+    def to_dict(self) -> dict:
+        return {"dataset": self.dataset, "method": self.method, "temperature": self.temperature,
+                "prompts": self.prompts, "new_tokens": self.new_tokens, "cycles": self.cycles,
+                "tau": round(self.tau, 4), "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
+                "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0,
+                "seconds": round(self.seconds, 2)}
+
+
+def method_name(draft: str, spec: SpecConfig) -> str:
+    if draft == "none" or spec.mode == "none":
+        return "none"
+    if spec.mode == "chain":
+        return f"{draft}-chain-{spec.chain_length}"
+    return f"{draft}-tree-{spec.depth},{spec.top_k},{spec.total_tokens}"
+
+
+def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingConfig, max_new_tokens: int,
+                progress: bool = True) -> RunResult:
+    from eagle3.runtime import encode_prompt
+
+    res = RunResult(dataset=dataset, method=method_name(rt.draft, rt.spec), temperature=sampling.temperature)
+    t0 = time.perf_counter()
+    for i, msgs in enumerate(tqdm(prompts, desc=f"{dataset} {res.method} T={sampling.temperature}",
+                                  disable=not progress, leave=False)):
+        ids = encode_prompt(rt.tokenizer, chat=msgs) if getattr(rt.tokenizer, "chat_template", None) else \
+            encode_prompt(rt.tokenizer, prompt=msgs[0]["content"])
+        s = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                           seed=None if sampling.seed is None else sampling.seed + i)
+        st = rt.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=s,
+                                eos_token_ids=rt.eos_token_ids).stats
+        res.prompts += 1
+        res.new_tokens += st.new_tokens
+        res.cycles += st.cycles
+        res.new_tokens_in_cycles += sum(st.accepted_per_cycle) + st.cycles
+        depth = max(st.drafted_depth_per_cycle, default=0)
+        if len(res.accepted) < depth:
+            res.accepted += [0] * (depth - len(res.accepted))
+            res.tried += [0] * (depth - len(res.tried))
+        for a, d in zip(st.accepted_per_cycle, st.drafted_depth_per_cycle, strict=True):
+            for j in range(d):
+                res.tried[j] += 1
+                res.accepted[j] += a > j
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def plot_report(report: dict, png: str | Path) -> Path | None:
+    """Per-position acceptance per dataset, one panel per method and temperature. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = report["runs"]
+    keys = sorted({(r["method"], r["temperature"]) for r in runs})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, (method, temp) in zip(axes[0], keys, strict=True):
+        for r in runs:
+            if (r["method"], r["temperature"]) == (method, temp) and r["acceptance_per_position"]:
+                xs = range(1, len(r["acceptance_per_position"]) + 1)
+                ax.plot(xs, r["acceptance_per_position"], marker="o", label=f"{r['dataset']} (tau {r['tau']:.2f})")
+        ax.set_title(f"{method}, T={temp}")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)

@@ -1,0 +1,593 @@
+"""Training conversations: read them, normalise them, render them with the target's chat template, mask them.
+
+Three steps, each usable alone:
+
+* `iter_rows(path, problems)` streams raw rows from ShareGPT/FastChat JSON (an array, possibly truncated
+  mid-record), JSONL, parquet, or a `datasets.save_to_disk` folder; unreadable parts are counted in `problems`.
+* `normalize_conversation(row)` turns a ShareGPT (`conversations`/`from`/`value`) or OpenAI (`messages`/
+  `role`/`content`) row into a clean `[{"role", "content"}]` list, or raises `BadRow(reason)`.
+* `ChatRenderer.encode(...)` renders with the chat template and builds the assistant-only loss mask.
+
+How the loss mask is found, without `{% generation %}` markers (HF `return_assistant_tokens_mask` needs them
+and silently returns an all-zero mask otherwise). For each assistant message i:
+
+    A = render(messages[:i],   add_generation_prompt=True)    # "...<|im_start|>assistant\\n"
+    B = render(messages[:i+1], add_generation_prompt=False)   # A + "Hello<|im_end|>\\n"
+    F = render(messages)                                      # the text we train on
+
+If A is a prefix of B and B a prefix of F, the span F[len(A):len(B)] is what the template writes for this
+turn. Inside it we locate the message content (exactly, else ignoring whitespace, since templates `trim`);
+template text before the content (an empty `<think>\\n\\n</think>\\n\\n` that a Qwen3-style template adds) is
+masked out; after the content we supervise up to and including the first special token (`<|im_end|>`,
+`<|eot_id|>`, `</s>`), not the newline after it. A turn where the prefix property fails (templates that
+rewrite earlier turns, e.g. drop their reasoning) is left unsupervised and counted; a row with no supervised
+turn is bad. F is tokenised once with `add_special_tokens=False` (the template writes its own BOS, as in HF
+`apply_chat_template(tokenize=True)` and vLLM chat serving) and character spans map to tokens by overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle3.config import ConfigError
+
+# Role names seen in ShareGPT/FastChat dumps and OpenAI-style rows, mapped to chat-template roles.
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+# Why a row was rejected (keys of the report's `dropped` counter).
+BAD_REASONS = (
+    "malformed",  # not a dict, no `conversations`/`messages` list, a message without role or text field
+    "empty",  # no messages at all
+    "unknown_role",  # a role outside ROLE_MAP (e.g. "bing", "tool")
+    "non_text_content",  # image/audio parts, or content that is not text (e.g. tool calls with content=None)
+    "empty_turn",  # a message whose text is empty or whitespace
+    "misplaced_system",  # a system message after the first position
+    "not_alternating",  # two user or two assistant messages in a row
+    "no_assistant_turn",  # nothing to supervise
+    "template_error",  # the chat template raised (e.g. "roles must alternate", "system role not supported")
+    "prefix_mismatch",  # no assistant turn passed the prefix-rendering check (see module docstring)
+    "content_not_found",  # the template changed the assistant text beyond whitespace in every turn
+)
+
+# Turn-level outcomes (the report's `turns` counter).
+TURN_SUPERVISED = "supervised"
+TURN_INSERTED_TEXT_MASKED = (
+    "template_inserted_text_masked"  # e.g. an empty <think></think> the template added
+)
+TURN_NO_END_TOKEN = "no_end_token_after_content"  # no special token right after the content; none supervised
+TURN_SKIP_GENERATION_PROMPT = "skipped_generation_prompt_mismatch"  # A is not a prefix of B
+TURN_SKIP_PREFIX = "skipped_prefix_mismatch"  # B is not a prefix of F
+TURN_SKIP_CONTENT = "skipped_content_not_found"
+
+_SKIP_TO_ROW_REASON = {
+    TURN_SKIP_GENERATION_PROMPT: "prefix_mismatch",
+    TURN_SKIP_PREFIX: "prefix_mismatch",
+    TURN_SKIP_CONTENT: "content_not_found",
+}
+
+
+class BadRow(Exception):
+    """A row that cannot become a training example; `reason` is one of BAD_REASONS."""
+
+    def __init__(self, reason: str, detail: str = "", turns: Counter[str] | None = None) -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+        self.turns: Counter[str] = (
+            turns if turns is not None else Counter()
+        )  # turn outcomes seen before failing
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across worker processes
+        return (BadRow, (self.reason, self.detail, self.turns))
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers
+# ---------------------------------------------------------------------------------------------
+_JSON_CHUNK_CHARS = 1 << 20
+_JSON_SEPARATORS = re.compile(r"[\s,]*")
+_SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+
+
+def iter_rows(path: str | os.PathLike[str], problems: Counter[str] | None = None) -> Iterator[Any]:
+    """Stream the raw rows of one data file or folder.
+
+    `problems` counts what could not be read (`jsonl_invalid_line`, `json_broken_tail`); a truncated JSON array
+    yields every complete record before the break. Raises ConfigError for a missing path or unknown format.
+    """
+    problems = problems if problems is not None else Counter()
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--data {p}: no such file or folder")
+    if p.is_dir():
+        yield from _iter_dir(p, problems)
+        return
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        yield from _iter_parquet(p)
+    elif suffix == ".arrow":
+        yield from _iter_arrow_file(p)
+    elif suffix in (".json", ".jsonl"):
+        first = _first_non_space_char(p)
+        if first == "[":
+            yield from _iter_json_array(p, problems)
+        elif first == "{":
+            yield from _iter_jsonl(p, problems)
+        elif first == "":
+            return
+        else:
+            raise ConfigError(
+                f"--data {p}: expected a JSON array of conversations or JSONL (one object per line), "
+                f"but the file starts with {first!r}"
+            )
+    else:
+        raise ConfigError(
+            f"--data {p}: unknown file type {suffix!r}; use one of {', '.join(_SUPPORTED_SUFFIXES)} "
+            "or a folder written by datasets' save_to_disk"
+        )
+
+
+def _first_non_space_char(path: Path) -> str:
+    with open(path, encoding="utf-8") as f:
+        while True:
+            chunk = f.read(4096)
+            if not chunk:
+                return ""
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[0]
+
+
+def _iter_json_array(path: Path, problems: Counter[str]) -> Iterator[Any]:
+    """Decode array elements one at a time (`raw_decode`), so a file truncated mid-record still yields its head.
+
+    Memory stays at about one chunk plus the largest record. Reading stops at the first element that cannot be
+    decoded once the whole rest of the file is in the buffer (a truncated or broken tail), counted once.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(_JSON_CHUNK_CHARS)
+        eof = not buf
+        pos = len(buf) - len(buf.lstrip())
+        if pos >= len(buf) or buf[pos] != "[":
+            raise ConfigError(f"--data {path}: expected a JSON array starting with '['")
+        pos += 1
+        while True:
+            pos = _JSON_SEPARATORS.match(buf, pos).end()
+            if pos >= len(buf):
+                if eof:
+                    problems["json_unterminated_array"] += 1
+                    return
+                buf, pos, eof = _refill(f, buf, pos, _JSON_CHUNK_CHARS)
+                continue
+            if buf[pos] == "]":
+                return
+            try:
+                obj, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    problems["json_broken_tail"] += 1
+                    return
+                # the record runs past the buffer: read at least as much again (geometric growth)
+                buf, pos, eof = _refill(f, buf, pos, max(_JSON_CHUNK_CHARS, len(buf) - pos))
+                continue
+            if end >= len(buf) and not eof:
+                # a scalar could continue in the next chunk; records are objects, but stay exact anyway
+                buf, pos, eof = _refill(f, buf, pos, _JSON_CHUNK_CHARS)
+                continue
+            yield obj
+            pos = end
+
+
+def _refill(f: Any, buf: str, pos: int, size: int) -> tuple[str, int, bool]:
+    more = f.read(size)
+    return buf[pos:] + more, 0, not more
+
+
+def _iter_jsonl(path: Path, problems: Counter[str]) -> Iterator[Any]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                problems["jsonl_invalid_line"] += 1
+
+
+def _require_pyarrow(path: Path) -> Any:
+    try:
+        import pyarrow
+    except ImportError:
+        raise ConfigError(
+            f"--data {path}: reading parquet/arrow data needs the 'pyarrow' package (pip install pyarrow), "
+            "or convert the data to JSONL first"
+        ) from None
+    return pyarrow
+
+
+def _iter_parquet(path: Path) -> Iterator[Any]:
+    _require_pyarrow(path)
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+        yield from batch.to_pylist()
+
+
+def _iter_arrow_file(path: Path) -> Iterator[Any]:
+    """Arrow IPC as written by `datasets` (stream format), or the random-access file format."""
+    pa = _require_pyarrow(path)
+    import pyarrow.ipc
+
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = pyarrow.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            file_reader = pyarrow.ipc.open_file(source)
+            for i in range(file_reader.num_record_batches):
+                yield from file_reader.get_batch(i).to_pylist()
+            return
+        for batch in reader:
+            yield from batch.to_pylist()
+
+
+def _iter_dir(path: Path, problems: Counter[str]) -> Iterator[Any]:
+    """A `save_to_disk` folder (state.json lists the arrow shards), its DatasetDict parent, or a folder of files."""
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        if "train" not in splits:
+            raise ConfigError(
+                f"--data {path}: a DatasetDict without a 'train' split; pass one split's folder of {splits}"
+            )
+        yield from _iter_dir(path / "train", problems)
+        return
+    if (path / "state.json").exists():
+        state = json.loads((path / "state.json").read_text())
+        for shard in state.get("_data_files", []):
+            yield from _iter_arrow_file(path / shard["filename"])
+        return
+    files = sorted(q for q in path.rglob("*") if q.is_file() and q.suffix.lower() in _SUPPORTED_SUFFIXES)
+    if not files:
+        raise ConfigError(f"--data {path}: the folder holds no {', '.join(_SUPPORTED_SUFFIXES)} files")
+    for q in files:
+        yield from iter_rows(q, problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation
+# ---------------------------------------------------------------------------------------------
+def _message_text(content: Any) -> str:
+    """A message's text: a string, or OpenAI content parts that are all `{"type": "text"}`."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise BadRow("non_text_content", f"content part {str(part)[:60]!r}")
+        # vLLM joins text parts with a newline (vllm-project/vllm `vllm/entrypoints/chat_utils.py`)
+        return "\n".join(texts)
+    raise BadRow("non_text_content", f"content of type {type(content).__name__}")
+
+
+def normalize_conversation(
+    row: Any, system_prompt: str | None = None, repairs: Counter[str] | None = None
+) -> list[dict[str, str]]:
+    """A clean `[{"role": "system"|"user"|"assistant", "content": str}, ...]` list, or `BadRow`.
+
+    Repairs that keep the row (counted in `repairs`): a leading assistant message is dropped, as FastChat/EAGLE
+    do (SafeAILab/EAGLE `eagle/ge_data/ge_data_all_vicuna.py`: `if roles[source[0]["from"]] != conv.roles[0]:
+    source = source[1:]`) - ShareGPT splits long chats into parts that start with the assistant; trailing user
+    messages are dropped (nothing after them to supervise); `system_prompt` is inserted when the row has no
+    system message. A row-level `"system"` string (some ShareGPT variants) counts as a system message.
+    """
+    repairs = repairs if repairs is not None else Counter()
+    if not isinstance(row, dict):
+        raise BadRow("malformed", f"row is a {type(row).__name__}, not an object")
+    raw = row.get("conversations", row.get("messages"))
+    if raw is None and "conversation" in row:
+        raw = row["conversation"]
+    if not isinstance(raw, list):
+        raise BadRow("malformed", "no 'conversations' or 'messages' list")
+    if not raw:
+        raise BadRow("empty")
+    messages: list[dict[str, str]] = []
+    for m in raw:
+        if not isinstance(m, dict):
+            raise BadRow("malformed", "a message is not an object")
+        role_name = m.get("from", m.get("role"))
+        if not isinstance(role_name, str):
+            raise BadRow("malformed", "a message has no 'from'/'role'")
+        role = ROLE_MAP.get(role_name.lower())
+        if role is None:
+            raise BadRow("unknown_role", role_name)
+        if "value" in m:
+            content = m["value"]
+        elif "content" in m:
+            content = m["content"]
+        else:
+            raise BadRow("malformed", "a message has no 'value'/'content'")
+        messages.append({"role": role, "content": _message_text(content)})
+
+    system: list[dict[str, str]] = []
+    if messages[0]["role"] == "system":
+        system, messages = messages[:1], messages[1:]
+    elif isinstance(row.get("system"), str) and row["system"].strip():
+        system = [{"role": "system", "content": row["system"]}]
+    elif system_prompt is not None:
+        system = [{"role": "system", "content": system_prompt}]
+        repairs["system_prompt_added"] += 1
+    if any(m["role"] == "system" for m in messages):
+        raise BadRow("misplaced_system")
+    if messages and messages[0]["role"] == "assistant":
+        messages = messages[1:]
+        repairs["leading_assistant_dropped"] += 1
+    if messages and messages[-1]["role"] == "user":
+        messages = messages[:-1]
+        repairs["trailing_user_dropped"] += 1
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no_assistant_turn")
+    for i, m in enumerate(messages):
+        if m["role"] != ("user" if i % 2 == 0 else "assistant"):
+            raise BadRow("not_alternating", f"message {i} is {m['role']!r}")
+        if not m["content"].strip():
+            raise BadRow("empty_turn", f"message {i} ({m['role']}) is empty")
+    if system and not system[0]["content"].strip():
+        raise BadRow("empty_turn", "empty system message")
+    return system + messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering and loss masks
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class EncodedRow:
+    """One conversation ready to train on: token ids and the assistant-only loss mask, both [T]."""
+
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] uint8, 1 on assistant content and its end-of-turn token
+    turns: Counter[str] = field(default_factory=Counter)  # turn outcomes (TURN_* keys)
+    repairs: Counter[str] = field(default_factory=Counter)  # what normalize_conversation fixed
+
+
+@dataclass
+class _Spans:
+    text: str
+    spans: list[tuple[int, int]]
+    turns: Counter[str]
+
+
+class ChatRenderer:
+    """Renders conversations with one tokenizer's chat template and finds the supervised character spans.
+
+    `chat_template` overrides the tokenizer's; `template_kwargs` go to every render (e.g.
+    `{"enable_thinking": False}` for Qwen3). Picklable, so worker processes can hold a copy.
+    """
+
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError(
+                f"tokenizer {type(tokenizer).__name__} is not a fast (Rust `tokenizers`) tokenizer; the loss mask "
+                "needs character offsets (return_offsets_mapping). Load it with AutoTokenizer (use_fast=True)"
+            )
+        template = chat_template if chat_template is not None else tokenizer.chat_template
+        if isinstance(template, dict):
+            template = template.get("default")
+        if not template:
+            raise ConfigError(
+                f"tokenizer {tokenizer.name_or_path!r} has no chat template; pass chat_template= (a Jinja "
+                "string, e.g. the target's tokenizer_config.json 'chat_template')"
+            )
+        self.tokenizer = tokenizer
+        self.chat_template: str = template
+        self.template_kwargs = dict(template_kwargs or {})
+        specials = {str(t) for t in tokenizer.all_special_tokens}
+        specials |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        self.end_tokens = sorted((s for s in specials if s), key=len, reverse=True)  # longest match first
+
+    # -- rendering -------------------------------------------------------------------------------
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
+        except Exception as e:  # jinja2 TemplateError, raise_exception(...) in templates, KeyError in filters
+            raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
+        if not isinstance(text, str):
+            raise BadRow("template_error", f"apply_chat_template returned {type(text).__name__}")
+        return text
+
+    def supervised_spans(self, messages: list[dict[str, str]]) -> _Spans:
+        """The full render and the character spans to supervise (see the module docstring)."""
+        full = self.render(messages)
+        spans: list[tuple[int, int]] = []
+        turns: Counter[str] = Counter()
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not upto.startswith(prompt):
+                turns[TURN_SKIP_GENERATION_PROMPT] += 1
+                continue
+            if not full.startswith(upto):
+                turns[TURN_SKIP_PREFIX] += 1
+                continue
+            found = self._locate(upto, len(prompt), m["content"])
+            if found is None:
+                turns[TURN_SKIP_CONTENT] += 1
+                continue
+            start, end, inserted, has_end_token = found
+            spans.append((start, end))
+            turns[TURN_SUPERVISED] += 1
+            if inserted:
+                turns[TURN_INSERTED_TEXT_MASKED] += 1
+            if not has_end_token:
+                turns[TURN_NO_END_TOKEN] += 1
+        if not spans:
+            skips = Counter({k: v for k, v in turns.items() if k in _SKIP_TO_ROW_REASON})
+            reason = _SKIP_TO_ROW_REASON[skips.most_common(1)[0][0]] if skips else "no_assistant_turn"
+            raise BadRow(reason, turns=turns)
+        return _Spans(full, spans, turns)
+
+    def _locate(self, upto: str, turn_start: int, content: str) -> tuple[int, int, bool, bool] | None:
+        """Where the content sits in `upto[turn_start:]`: (start, end, inserted text before it?, end token?).
+
+        Among the places the content occurs, take the last one that is followed by only whitespace and/or a
+        special token, so that a template header or tail that happens to contain the content's text is skipped.
+        """
+        turn = upto[turn_start:]
+        match = _find_exact(turn, content, self._tail_ok) or _find_ignoring_space(
+            turn, content, self._tail_ok
+        )
+        if match is None:
+            return None
+        c0, c1 = match
+        inserted = bool(turn[:c0].strip())
+        tail = turn[c1:]
+        stripped = tail.lstrip()
+        end = c1
+        has_end_token = False
+        for tok in self.end_tokens:
+            if stripped.startswith(tok):
+                end = c1 + (len(tail) - len(stripped)) + len(tok)
+                has_end_token = True
+                break
+        return turn_start + c0, turn_start + end, inserted, has_end_token
+
+    def _tail_ok(self, tail: str) -> bool:
+        stripped = tail.lstrip()
+        return not stripped or any(stripped.startswith(t) for t in self.end_tokens)
+
+    # -- tokenising -----------------------------------------------------------------------------
+    def encode_many(self, rows: list[Any], system_prompt: str | None = None) -> list[EncodedRow | BadRow]:
+        """Normalise, render and tokenise a batch of raw rows (one batched tokenizer call)."""
+        results: list[EncodedRow | BadRow | None] = [None] * len(rows)
+        texts: list[str] = []
+        pending: list[tuple[int, _Spans, Counter[str]]] = []
+        for k, row in enumerate(rows):
+            repairs: Counter[str] = Counter()
+            try:
+                messages = normalize_conversation(row, system_prompt, repairs)
+                spans = self.supervised_spans(messages)
+            except BadRow as e:
+                results[k] = e
+                continue
+            pending.append((k, spans, repairs))
+            texts.append(spans.text)
+        if texts:
+            enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+            for (k, spans, repairs), ids, offsets in zip(
+                pending, enc["input_ids"], enc["offset_mapping"], strict=True
+            ):
+                mask = _token_mask(len(spans.text), spans.spans, offsets)
+                results[k] = EncodedRow(np.asarray(ids, dtype=np.int32), mask, spans.turns, repairs)
+        return results  # type: ignore[return-value]
+
+    def encode(self, row: Any, system_prompt: str | None = None) -> EncodedRow:
+        """One raw row (or a message list) to tokens and mask; raises BadRow."""
+        if isinstance(row, list):
+            row = {"messages": row}
+        (result,) = self.encode_many([row], system_prompt)
+        if isinstance(result, BadRow):
+            raise result
+        return result
+
+
+def _find_exact(turn: str, content: str, tail_ok: Any) -> tuple[int, int] | None:
+    for needle in dict.fromkeys((content, content.strip())):  # unique, in order
+        if not needle:
+            continue
+        hi = len(turn)
+        while True:
+            p = turn.rfind(needle, 0, hi)
+            if p < 0:
+                break
+            if tail_ok(turn[p + len(needle) :]):
+                return p, p + len(needle)
+            hi = p + len(needle) - 1
+    return None
+
+
+_NON_SPACE = re.compile(r"\S")
+
+
+def _find_ignoring_space(turn: str, content: str, tail_ok: Any) -> tuple[int, int] | None:
+    """Match with all whitespace removed from both sides; map back to `turn` positions."""
+    needle = "".join(content.split())
+    if not needle:
+        return None
+    positions = [m.start() for m in _NON_SPACE.finditer(turn)]  # compact index -> turn index
+    compact = "".join(turn[i] for i in positions)
+    hi = len(compact)
+    while True:
+        p = compact.rfind(needle, 0, hi)
+        if p < 0:
+            return None
+        start, end = positions[p], positions[p + len(needle) - 1] + 1
+        if tail_ok(turn[end:]):
+            return start, end
+        hi = p + len(needle) - 1
+
+
+def _token_mask(n_chars: int, spans: list[tuple[int, int]], offsets: Any) -> np.ndarray:
+    """1 for every token whose character range overlaps a supervised span."""
+    chars = np.zeros(n_chars + 1, dtype=np.int32)  # [C+1] +1 at span starts, -1 at span ends
+    for a, b in spans:
+        chars[a] += 1
+        chars[b] -= 1
+    inside = np.cumsum(chars[:-1]) > 0  # [C] char is supervised
+    prefix = np.concatenate([[0], np.cumsum(inside, dtype=np.int64)])  # [C+1]
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] (start, end) chars
+    return (prefix[off[:, 1]] - prefix[off[:, 0]] > 0).astype(np.uint8)  # [T]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprints (so training can check data and target agree)
+# ---------------------------------------------------------------------------------------------
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+    """Name, size and a hash of the full token -> id table (added tokens included)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+    return {
+        "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+        "class": type(tokenizer).__name__,
+        "size": len(tokenizer),
+        "vocab_sha256": digest,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+    }
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,0 +1,750 @@
+"""`eagle3 train`: train an EAGLE-3 drafter for a target on a prepared folder, with TTT, checkpoints and DDP.
+
+    cfg = TrainConfig(target="stories260k", data="runs/data", out="runs/drafter", max_steps=1000)
+    result = train(cfg)            # result.drafter_dir is a speculators-format checkpoint vLLM can serve
+
+One optimizer step consumes one *global* batch from a deterministic plan (`dataset.TrainData.plan_epoch`);
+under `torchrun` each rank takes rows `rank::world` of it, splits them into `grad_accum` micro-batches, and the
+per-step loss denominators are counted over the whole global batch, so 1 process and N processes (and any
+`grad_accum`) compute the same gradient up to float rounding (see `ttt` for the reduction).
+
+Output directory:
+    drafter/                     the final drafter (speculators format, `eagle3.formats.save_drafter`)
+    checkpoints/step_XXXXXXXX/   drafter/ (same format), training_state.pt (exact fp32 drafter weights,
+                                 optimizer, scheduler, data position, config), rng_rank{r}.pt
+    train_log.jsonl              one JSON object per log interval
+    train_config.json            the TrainConfig and package versions of the run
+
+Checkpoints are built in a hidden temporary directory, fsync'ed and renamed into place; older ones are removed
+only after that, so a crash at any point leaves the previous complete checkpoint. `resume=True` continues from
+the newest one and reaches the same weights as a run that was never interrupted.
+
+Large targets: the target is replicated on every rank (it is frozen and runs forward only). Sharding it with
+FSDP is not implemented; a target that does not fit one device stops with a ConfigError that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eagle3.config import ConfigError, DrafterConfig
+from eagle3.drafter import Eagle3Drafter
+from eagle3.target import Target
+from eagle3.training.dataset import TrainData, shard_rows
+from eagle3.training.features import FeatureCache, Features, OnlineFeatures, human_bytes
+from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, ttt_loss
+from eagle3.training.vocab import draft_ids_to_target
+
+log = logging.getLogger("eagle3")
+
+CHECKPOINT_DIR = "checkpoints"
+STATE_FILE = "training_state.pt"
+LOG_FILE = "train_log.jsonl"
+CONFIG_FILE = "train_config.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+# fields that fix the data order and the objective; a resumed run must keep them
+_RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs")
+
+
+@dataclass
+class TrainConfig:
+    """Everything `train` needs. Defaults follow official EAGLE-3 where it makes sense (reference §B.5).
+
+    lr: 3e-4 with cosine decay (official 5e-5 is for an 8B target over 40 epochs; SpecForge and speculators
+    use 1e-4). AdamW is invariant to the scale of the loss, so our per-token reduction changes only how
+    `grad_clip` bites, not the step size.
+    Batch: `batch_size` rows or `batch_tokens` padded tokens per optimizer step (global, over all ranks);
+    default 16384 tokens. `features`: "online" runs the target per batch, "offline" fills `feature_cache`
+    once (resumable) and reads it.
+    """
+
+    target: str
+    data: str
+    out: str
+    init: str | None = None  # an existing drafter directory to continue from; else a fresh one for the target
+    aux_layer_ids: list[int] | None = None  # vLLM convention; default [2, L//2, L-3] (or spread for shallow targets)
+    ttt_steps: int = DEFAULT_TTT_STEPS
+    step_decay: float = DEFAULT_STEP_DECAY
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.0  # cosine ends at lr * min_lr_ratio
+    warmup_steps: int | None = None  # default: warmup_ratio of the total steps
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    grad_clip: float = 0.5  # 0 disables
+    epochs: int = 1
+    max_steps: int | None = None  # caps the run (and sets the schedule length) when given
+    stop_after: int | None = None  # end this invocation (with a checkpoint) after this many steps; resume later
+    batch_size: int | None = None
+    batch_tokens: int | None = None
+    grad_accum: int = 1  # micro-batches per rank and step (memory only; the result does not change)
+    max_length: int = 2048
+    packing: bool = False
+    dtype: str = "auto"  # target dtype: bf16 on CUDA, fp32 on CPU
+    autocast: bool | None = None  # bf16 autocast for the drafter; default on for CUDA, off on CPU
+    device: str | None = None  # default cuda:LOCAL_RANK if available, else cpu
+    seed: int = 0
+    save_every: int = 500  # optimizer steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    features: str = "online"
+    feature_cache: str | None = None
+    feature_dtype: str = "auto"  # dtype of cached features; auto = the target's
+    feature_batch_tokens: int = 16384  # padded tokens per target forward while building the cache
+    resume: bool = False
+    noise: float = 0.0  # half-width of uniform noise added to the aux features (speculators uses 0.05)
+    tensorboard: bool = False  # also write TensorBoard events under out/tensorboard (needs `tensorboard`)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # JSON round trips give lists
+        if self.batch_size is None and self.batch_tokens is None:
+            self.batch_tokens = max(16384, self.max_length)
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.batch_size is None or self.batch_tokens is None,
+             f"batch_size={self.batch_size} and batch_tokens={self.batch_tokens}: give only one")
+        need(self.ttt_steps >= 1, f"ttt_steps={self.ttt_steps} must be >= 1 (official EAGLE-3 uses 7)")
+        need(0 < self.step_decay <= 1, f"step_decay={self.step_decay} must be in (0, 1]")
+        need(self.lr > 0, f"lr={self.lr} must be positive")
+        need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        need(self.warmup_steps is None or self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
+        need(self.epochs >= 1, f"epochs={self.epochs} must be >= 1")
+        need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
+        need(self.stop_after is None or self.stop_after >= 1, f"stop_after={self.stop_after} must be >= 1")
+        need(self.grad_accum >= 1, f"grad_accum={self.grad_accum} must be >= 1")
+        need(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        need(self.save_every >= 0, f"save_every={self.save_every} must be >= 0 (0 = only at the end)")
+        need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
+        need(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
+        need(self.noise >= 0, f"noise={self.noise} must be >= 0")
+        need(self.features in ("online", "offline"), f"features={self.features!r}: expected 'online' or 'offline'")
+        need(self.features == "online" or bool(self.feature_cache),
+             "features='offline' needs feature_cache (--feature-cache DIR), where the target's features are written")
+        need(all(0 <= b < 1 for b in self.betas) and len(self.betas) == 2, f"betas={self.betas} must be two values in [0, 1)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    drafter_dir: Path
+    steps: int
+    epochs_completed: float
+    final_loss: float | None
+    step_accuracy: list[float] = field(default_factory=list)  # last logged interval, per TTT step
+    tokens: int = 0
+    seconds: float = 0.0
+    last_checkpoint: Path | None = None
+    log_file: Path | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed helpers
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def on_main(self, fn, device: torch.device):
+        """Run `fn` on rank 0 only; a ConfigError there stops every rank (instead of leaving them waiting)."""
+        err, result = None, None
+        if self.main:
+            try:
+                result = fn()
+            except ConfigError as e:
+                err = e
+        if self.world > 1:
+            flag = torch.tensor([0.0 if err is None else 1.0], device=device)
+            dist.all_reduce(flag)
+            if flag.item() and err is None:
+                raise ConfigError("rank 0 stopped with a configuration error; see its output")
+        if err is not None:
+            raise err
+        return result
+
+
+def _init_dist(device_hint: str | None) -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_initialized():
+        return _Dist(dist.get_rank(), dist.get_world_size(), local_rank, owns_group=False)
+    use_cuda = torch.cuda.is_available() and (device_hint is None or device_hint.startswith("cuda"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return _Dist(dist.get_rank(), dist.get_world_size(), local_rank, owns_group=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model pieces
+# ---------------------------------------------------------------------------------------------
+class TTTModel(nn.Module):
+    """The drafter plus its TTT objective in one `forward`, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.steps, self.decay = steps, decay
+
+    def forward(self, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits, target_argmax,
+                denominators, scale: float):
+        out = ttt_loss(self.drafter, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits,
+                       target_argmax, self.steps, self.decay, denominators, scale)
+        return out.loss, out.step_loss_sum, out.step_correct, out.step_count, out.step_kept
+
+
+def _load_target(cfg: TrainConfig, device: torch.device):
+    from eagle3.models import load_target
+
+    try:
+        return load_target(cfg.target, dtype=cfg.dtype, device=device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise ConfigError(
+            f"target {cfg.target} does not fit on {device} ({e}); eagle3 train replicates the frozen target on "
+            "every GPU and does not shard it (no FSDP). Use a device with more memory, a smaller dtype "
+            "(--dtype bfloat16), or build an offline feature cache on a larger machine"
+        ) from None
+
+
+def _build_drafter(cfg: TrainConfig, model: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
+    """A fresh drafter shaped for the target, or the `--init` one, with the data's draft vocabulary."""
+    emb = model.get_input_embeddings().weight.detach().float().cpu()
+    vd, v = d2t.numel(), t2d.numel()
+    if cfg.init:
+        from eagle3.formats import load_drafter
+
+        d = load_drafter(cfg.init, target_config=model.config, device="cpu", dtype=torch.float32,
+                         target_embedding=emb)
+        if d.config.draft_vocab_size != vd or not torch.equal(d.draft_ids_to_target(torch.arange(vd)),
+                                                               draft_ids_to_target(d2t)):
+            raise ConfigError(
+                f"--init {cfg.init} has a draft vocabulary of {d.config.draft_vocab_size} ids that differs from the "
+                f"data's ({vd} ids in vocab.safetensors); prepare the data with that drafter's vocabulary or "
+                "train from scratch"
+            )
+        if cfg.aux_layer_ids and list(cfg.aux_layer_ids) != list(d.config.aux_layer_ids):
+            raise ConfigError(
+                f"aux_layer_ids={cfg.aux_layer_ids} differ from --init's {d.config.aux_layer_ids}; drop the option"
+            )
+        return d.float()
+    torch.manual_seed(cfg.seed)
+    dcfg = DrafterConfig.for_target(model.config, draft_vocab_size=vd, aux_layer_ids=cfg.aux_layer_ids)
+    if dcfg.vocab_size != v:
+        raise ConfigError(
+            f"the data's vocab.safetensors covers {v} target ids but the target has vocab_size={dcfg.vocab_size}; "
+            "re-run `eagle3 prepare` with this target"
+        )
+    d = Eagle3Drafter(dcfg)
+    d.load_target_embedding(emb)
+    if dcfg.uses_draft_vocab:
+        d.set_vocab_mapping(draft_ids_to_target(d2t))
+    return d
+
+
+def _lr_lambda(cfg: TrainConfig, total: int):
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total)
+
+    def f(step: int) -> float:  # `step` optimizer steps done so far
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+def latest_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under out_dir/checkpoints (complete = renamed into place), or None."""
+    root = Path(out_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return None
+    found = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).exists())
+    return found[-1] if found else None
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [path, *sorted(q for q in path.rglob("*") if q.is_dir())]:
+        _fsync_dir(d)
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name == "posix":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_checkpoint(ctx: _Dist, out: Path, step: int, drafter: Eagle3Drafter, state: dict[str, Any],
+                     keep: int) -> Path:
+    from eagle3.formats import save_drafter
+
+    root = out / CHECKPOINT_DIR
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}"
+    if ctx.main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    ctx.barrier()
+    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
+    ctx.barrier()
+    if ctx.main:
+        save_drafter(drafter, tmp / "drafter", format="speculators")
+        torch.save(state, tmp / STATE_FILE)
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (e.g. the end of a resumed run)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    ctx.barrier()
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train a drafter as `cfg` says (see the module docstring); returns where the result went and final metrics."""
+    cfg.validate()
+    ctx = _init_dist(cfg.device)
+    try:
+        return _Trainer(cfg, ctx).run()
+    finally:
+        if ctx.owns_group:
+            dist.destroy_process_group()
+
+
+class _Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: _Dist):
+        self.cfg, self.ctx = cfg, ctx
+        if cfg.device:
+            self.device = torch.device(cfg.device)
+            if self.device.type == "cuda" and self.device.index is None:
+                self.device = torch.device("cuda", ctx.local_rank)
+        elif torch.cuda.is_available():
+            self.device = torch.device("cuda", ctx.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.out = Path(cfg.out)
+        self.use_autocast = cfg.autocast if cfg.autocast is not None else self.device.type == "cuda"
+        if self.use_autocast and self.device.type != "cuda":
+            raise ConfigError("autocast=True needs a CUDA device; bf16 autocast is off on CPU (fp32 training)")
+        self.tb = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("tensorboard=True needs the tensorboard package: pip install tensorboard") from None
+            self._summary_writer = SummaryWriter
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg = self.cfg
+        self.data = TrainData(cfg.data, cfg.max_length)
+        if len(self.data.trainable_ids) == 0:
+            raise ConfigError(
+                f"{cfg.data} has no trainable rows: no sample has a supervised (loss_mask = 1) token at index >= 2 "
+                f"within max_length={cfg.max_length}; check the chat template and loss masks (`eagle3 prepare`)"
+            )
+        model, tokenizer = _load_target(cfg, self.device)
+        self.data.dataset.check_tokenizer(tokenizer)
+        d2t, t2d = self.data.dataset.vocab_mapping()
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if d2t.numel() > vocab:
+            raise ConfigError(
+                f"the data's draft vocabulary has {d2t.numel()} ids, more than the target's vocabulary ({vocab}); "
+                "re-run `eagle3 prepare` with --draft-vocab-size <= the target's vocabulary"
+            )
+        if t2d.numel() != vocab:
+            raise ConfigError(
+                f"the data was prepared for a vocabulary of {t2d.numel()} ids, the target has {vocab}; "
+                "re-run `eagle3 prepare` with this target"
+            )
+        drafter = _build_drafter(cfg, model, d2t, t2d).to(self.device)
+        self.drafter = drafter
+        self.target = Target(model, drafter.config.aux_layer_ids)
+        if cfg.features == "online":
+            if cfg.packing and self.target.sliding_window:
+                raise ConfigError(
+                    "packing=True with online features needs one block-diagonal mask for every layer, but this "
+                    "target has sliding-window layers; train without packing, or with --features offline (the "
+                    "cache is built one sample at a time)"
+                )
+            self.source = OnlineFeatures(self.target, drafter.t2d)
+        else:
+            self.cache = self._build_cache(drafter.t2d)
+            self.source = None
+            # the target is needed no more: free its memory (the drafter holds its own embedding copy)
+            self.target.close()
+            self.target = None
+            del model
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.model = TTTModel(drafter, cfg.ttt_steps, cfg.step_decay)
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        if self.ctx.world > 1:
+            self.ddp = nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
+        else:
+            self.ddp = self.model
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        self.plan_sizes = [len(self._plan(e)) for e in range(cfg.epochs)]
+        self.total = sum(self.plan_sizes) if cfg.max_steps is None else min(cfg.max_steps, sum(self.plan_sizes))
+        if cfg.max_steps is not None and cfg.max_steps > sum(self.plan_sizes):
+            log.warning("max_steps=%d exceeds %d epochs (%d steps); training stops after the epochs",
+                        cfg.max_steps, cfg.epochs, sum(self.plan_sizes))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.total))
+
+    def _plan(self, epoch: int) -> list[list[list[int]]]:
+        cfg = self.cfg
+        return self.data.plan_epoch(epoch, cfg.seed, batch_rows=cfg.batch_size, batch_tokens=cfg.batch_tokens,
+                                    packing=cfg.packing)
+
+    def _build_cache(self, t2d: torch.Tensor) -> FeatureCache:
+        cfg, ctx = self.cfg, self.ctx
+        from eagle3.models import resolve_dtype
+
+        dtype = self.target.dtype if cfg.feature_dtype == "auto" else resolve_dtype(cfg.feature_dtype, self.device)
+        expected = FeatureCache.describe(self.target, self.data, t2d.cpu(), dtype)
+        ctx.on_main(lambda: FeatureCache.open(cfg.feature_cache, expected), self.device)
+        cache = FeatureCache.open(cfg.feature_cache, expected, create=False)
+        missing = cache.missing()
+        need = cache.estimate(self.data, missing)
+
+        def check_disk() -> None:
+            total = cache.estimate(self.data, list(range(len(cache.shards))))
+            free = cache.check_disk(need)
+            print(f"eagle3 train: feature cache {cache.path}: {len(missing)} of {len(cache.shards)} shards to write, "
+                  f"about {human_bytes(need)} ({need} bytes; {human_bytes(total)} in all), "
+                  f"{human_bytes(free)} free", file=sys.stderr)
+
+        ctx.on_main(check_disk, self.device)
+        mine = [i for i in missing if i % ctx.world == ctx.rank]
+        bar = None
+        if ctx.main and cfg.progress and mine:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=sum(int(self.data.lengths[a:b][self.data.trainable[a:b]].sum())
+                                 for a, b in (cache.shards[i] for i in mine)),
+                       unit="tok", desc="features", unit_scale=True)
+        cache.build(self.target, self.data, t2d, mine, cfg.feature_batch_tokens,
+                    progress=bar.update if bar is not None else None)
+        if bar is not None:
+            bar.close()
+        ctx.barrier()
+        if cache.missing():
+            raise ConfigError(f"feature cache {cache.path} is still incomplete after the build: {cache.missing()[:5]}")
+        return cache
+
+    # -- resume ---------------------------------------------------------------------------------------
+    def _restore(self) -> tuple[int, int, int]:
+        """(step, epoch, batch index) to start from: from the newest checkpoint when resuming, else zeros."""
+        if not self.cfg.resume:
+            return 0, 0, 0
+        ckpt = latest_checkpoint(self.out)
+        if ckpt is None:
+            if self.ctx.main:
+                log.warning("resume: no checkpoint in %s; starting from scratch", self.out / CHECKPOINT_DIR)
+            return 0, 0, 0
+        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        saved = state["config"]
+        changed = [k for k in _RESUME_FIXED if saved.get(k) != self.cfg.to_dict().get(k)]
+        if changed:
+            raise ConfigError(
+                f"cannot resume from {ckpt}: {', '.join(f'{k}={saved.get(k)!r}' for k in changed)} differ in this "
+                "run; use the same values or a new output directory"
+            )
+        missing = [n for n in state["drafter"] if n not in dict(self.drafter.named_parameters())]
+        if missing:
+            raise ConfigError(f"checkpoint {ckpt} holds tensors this drafter lacks: {missing[:5]}")
+        with torch.no_grad():
+            params = dict(self.drafter.named_parameters())
+            for n, t in state["drafter"].items():
+                params[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng_file = ckpt / f"rng_rank{self.ctx.rank}.pt"
+        if rng_file.exists():
+            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        if self.ctx.main:
+            log.warning("resumed from %s (step %d)", ckpt, state["step"])
+        return state["step"], state["epoch"], state["batch_in_epoch"]
+
+    def _state(self, step: int, epoch: int, batch_in_epoch: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "epoch": epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "drafter": {n: p.detach().cpu().clone() for n, p in self.drafter.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "config": self.cfg.to_dict(),
+        }
+
+    # -- one step -------------------------------------------------------------------------------------
+    def _features(self, batch) -> Features:
+        if self.source is not None:
+            return self.source(batch)
+        return self.cache.load(batch, self.device)
+
+    def _step(self, rows: list[list[int]]) -> tuple[torch.Tensor, int, float, float]:
+        """One optimizer step on a global batch; returns (local metric sums [4, K], local tokens, grad norm, lr)."""
+        cfg, ctx = self.cfg, self.ctx
+        den = self.data.step_denominators(rows, cfg.ttt_steps).to(self.device, torch.float32)  # [K] global N_k
+        mine = shard_rows(rows, ctx.rank, ctx.world)
+        dummy = not mine  # fewer rows than ranks: run row 0 with zero weight so the gradient all-reduce happens
+        if dummy:
+            mine = rows[:1]
+        parts = [list(p) for p in np.array_split(np.arange(len(mine)), min(cfg.grad_accum, len(mine)))]
+        metrics = torch.zeros(4, cfg.ttt_steps, device=self.device)
+        tokens = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        pad = 8 if self.device.type == "cuda" else 1
+        for j, idx in enumerate(parts):
+            batch = self.data.collate([mine[i] for i in idx], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
+            if dummy:
+                batch.loss_mask.zero_()
+            else:
+                tokens += batch.num_tokens
+            feats = self._features(batch)
+            aux = feats.aux
+            if cfg.noise > 0:
+                aux = aux + (torch.rand_like(aux, dtype=torch.float32) * 2 - 1).to(aux.dtype) * cfg.noise
+            last = j == len(parts) - 1
+            sync = contextlib.nullcontext() if (last or ctx.world == 1) else self.ddp.no_sync()
+            amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext())
+            with sync:
+                with amp:
+                    loss, lsum, corr, cnt, kept = self.ddp(aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+                                                           batch.loss_mask, feats.target_logits, feats.target_argmax,
+                                                           den, float(ctx.world))
+                loss.backward()
+            metrics += torch.stack([lsum, corr, cnt, kept]).detach()
+        if cfg.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params])))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics, tokens, grad_norm, lr
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg, ctx = self.cfg, self.ctx
+        started = time.perf_counter()
+        if not cfg.resume and latest_checkpoint(self.out) is not None:
+            raise ConfigError(
+                f"{self.out} holds checkpoints of an earlier run ({latest_checkpoint(self.out).name}); pass "
+                "resume=True (--resume) to continue it, or choose a new output directory"
+            )
+        if ctx.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        ctx.barrier()
+        self._setup()
+        step, epoch, bi = self._restore()
+        log_path = self.out / LOG_FILE
+        if ctx.main:
+            self._write_config()
+            _truncate_log(log_path, step)
+            if cfg.tensorboard:
+                self.tb = self._summary_writer(str(self.out / "tensorboard"))
+        bar = None
+        if ctx.main and cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        window = torch.zeros(4, cfg.ttt_steps, device=self.device)
+        window_tokens, window_start, total_tokens = 0, time.perf_counter(), 0
+        last_record: dict[str, Any] | None = None
+        last_ckpt = latest_checkpoint(self.out) if cfg.resume else None
+        plan = self._plan(epoch) if step < self.total else []
+        end = self.total if cfg.stop_after is None else min(self.total, step + cfg.stop_after)
+        while step < end:
+            if bi >= len(plan):
+                epoch, bi = epoch + 1, 0
+                plan = self._plan(epoch)
+                continue
+            metrics, tokens, grad_norm, lr = self._step(plan[bi])
+            step, bi = step + 1, bi + 1
+            window += metrics
+            window_tokens += tokens
+            if bar is not None:
+                bar.update(1)
+            if step % cfg.log_every == 0 or step == end:
+                stats = torch.cat([window.flatten(), torch.tensor([float(window_tokens)], device=self.device)])
+                ctx.all_reduce(stats)
+                w = stats[:-1].view(4, cfg.ttt_steps).cpu()
+                n_tok = int(stats[-1].item())
+                total_tokens += n_tok
+                elapsed = time.perf_counter() - window_start
+                last_record = self._record(step, epoch + bi / max(1, len(plan)), w, n_tok, elapsed, grad_norm, lr)
+                if ctx.main:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(last_record) + "\n")
+                    if bar is not None:
+                        acc = last_record["acc_per_step"]
+                        bar.set_postfix(loss=f"{last_record['loss']:.3f}", acc0=f"{acc[0]:.2f}",
+                                        lr=f"{last_record['lr']:.2e}")
+                    if self.tb is not None:
+                        self._tensorboard(last_record)
+                window.zero_()
+                window_tokens, window_start = 0, time.perf_counter()
+            if (cfg.save_every and step % cfg.save_every == 0) or step == end:
+                last_ckpt = _save_checkpoint(ctx, self.out, step, self.drafter, self._state(step, epoch, bi),
+                                             cfg.keep_checkpoints)
+        if bar is not None:
+            bar.close()
+        drafter_dir = self.out / "drafter"
+        if ctx.main:
+            from eagle3.formats import save_drafter
+
+            if step >= self.total:  # a run cut short by stop_after leaves only its checkpoint
+                save_drafter(self.drafter, drafter_dir, format="speculators")
+            if self.tb is not None:
+                self.tb.close()
+        ctx.barrier()
+        return TrainResult(
+            out_dir=self.out,
+            drafter_dir=drafter_dir,
+            steps=step,
+            epochs_completed=epoch + bi / max(1, len(plan)),
+            final_loss=last_record["loss"] if last_record else None,
+            step_accuracy=last_record["acc_per_step"] if last_record else [],
+            tokens=total_tokens,
+            seconds=time.perf_counter() - started,
+            last_checkpoint=last_ckpt,
+            log_file=log_path,
+        )
+
+    def _record(self, step: int, epoch: float, w: torch.Tensor, tokens: int, elapsed: float,
+                grad_norm: float, lr: float) -> dict[str, Any]:
+        loss_sum, correct, count, kept = w  # each [K]
+        count = count.clamp_min(1)
+        per_step = (loss_sum / count).tolist()
+        decay = torch.tensor([self.cfg.step_decay**k for k in range(self.cfg.ttt_steps)])
+        return {
+            "step": step,
+            "epoch": round(epoch, 4),
+            "lr": lr,  # the learning rate of this interval's last step
+            "loss": float((decay * loss_sum / count).sum()),
+            "loss_per_step": [round(x, 6) for x in per_step],
+            "acc_per_step": [round(x, 6) for x in (correct / count).tolist()],
+            "in_draft_vocab": round(float(kept[0] / count[0]), 6),
+            "supervised_tokens": int(w[2, 0].item()),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / max(elapsed, 1e-9), 2),
+            "grad_norm": round(grad_norm, 6),
+        }
+
+    def _tensorboard(self, rec: dict[str, Any]) -> None:
+        s = rec["step"]
+        self.tb.add_scalar("train/loss", rec["loss"], s)
+        self.tb.add_scalar("train/lr", rec["lr"], s)
+        self.tb.add_scalar("train/tokens_per_s", rec["tokens_per_s"], s)
+        for k, (lo, acc) in enumerate(zip(rec["loss_per_step"], rec["acc_per_step"], strict=True)):
+            self.tb.add_scalar(f"loss/step{k}", lo, s)
+            self.tb.add_scalar(f"acc/step{k}", acc, s)
+
+    def _write_config(self) -> None:
+        import transformers
+
+        record = {
+            "config": self.cfg.to_dict(),
+            "drafter": self.drafter.config.to_dict(),
+            "world_size": self.ctx.world,
+            "device": str(self.device),
+            "argv": sys.argv,
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "python": sys.version.split()[0]},
+        }
+        tmp = self.out / f".{CONFIG_FILE}.tmp"
+        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        os.replace(tmp, self.out / CONFIG_FILE)
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep only log records up to `step` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        if line.strip() and json.loads(line).get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    os.replace(tmp, path)

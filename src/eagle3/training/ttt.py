@@ -1,0 +1,186 @@
+"""Training-time test (TTT): the unrolled EAGLE-3 drafter forward, its attention masks, loss and accuracy.
+
+The drafter is trained on the situation it meets when drafting: step 0 reads target features, steps 1..K-1
+read its own previous (pre-norm) output, and every step is scored against the target's distribution.
+Follows SafeAILab/EAGLE `eagle/traineagle3/cnets.py` (`Model.forward`, `dataprepare`) and reference §B.3-B.4.
+
+Alignment (row t of a document x_0 .. x_{n-1}; g_t = target aux features at t; z_j = target logits at j,
+the target's distribution over x_{j+1}):
+
+    step k   hidden                token      RoPE position   target     weight (loss_mask convention)
+    0        fc(g_t)               x_{t+1}    t               z_{t+1}    loss_mask[t+2]
+    k >= 1   feedback(out^{k-1}_t) x_{t+1+k}  t + k           z_{t+1+k}  loss_mask[t+2+k]
+
+Tokens are teacher forced (ground truth, pitfall 9). Worked example, n = 6, row t = 1:
+
+    step 0: g_1 + x_2 at position 1 -> z_2 (predicts x_3), weight loss_mask[3]; keys K0[0], K0[1]
+    step 1: out^0_1 + x_3 at position 2 -> z_3 (predicts x_4), weight loss_mask[4]; keys K0[0], K0[1], K1[1]
+    step 2: out^1_1 + x_4 at position 3 -> z_4 (predicts x_5), weight loss_mask[5]; keys K0[0..1], K1[1], K2[1]
+    step 3: would need x_6 -> row 1 is out of the document at step 3 and carries no weight.
+
+Attention at step k (pitfall 10): a query row t sees the step-0 keys of rows s <= t of its own document
+(non-padding) plus the keys that row t itself produced at steps 1..k: exactly a draft-tree node at depth k
+seeing the accepted prefix and its own k ancestors. `DrafterKV` appends one block of T keys per step, so
+step k runs against [K0 | K1 | ... | Kk] with the mask built by `step_mask`. A plain causal mask over the
+concatenated blocks would let row t see other rows' later-step keys, which inference never provides.
+
+Loss-mask convention. `loss_mask[i] = 1` marks token x_i as one the target wrote (an assistant token). A
+prediction of x_{j+1} from z_j is weighted by `loss_mask[j+1]`, i.e. the drafter is trained exactly on
+the tokens it will be asked to draft. EAGLE/SpecForge weight it by `loss_mask[j-1]` and speculators by
+`loss_mask[j]` (reference §B.3 "Mask alignment subtlety"); the conventions differ only at the one or two
+tokens at each span boundary. Supervised positions whose target argmax lies outside the draft vocabulary
+add no loss (official; speculators keeps them), but still count as misses in the accuracy, since such a
+token can never be drafted.
+
+Reduction: loss_k = (sum of soft cross-entropies over supervised, in-vocabulary positions) / N_k, where
+N_k is the number of supervised positions (`step_supervision`); total = sum_k decay^k * loss_k. EAGLE and
+SpecForge divide by all B x T positions instead, masked ones included, so their loss value and gradient
+shrink with padding and with the share of prompt tokens (AdamW's step barely notices a constant scale, but
+gradient clipping and loss-based comparisons do); ours is a per-token mean over the tokens that matter
+(pitfall 12). N_k depends only on the data, so a trainer can compute it for the
+*global* batch before any forward pass and pass it as `denominators`: data-parallel ranks and
+gradient-accumulation micro-batches then add up exactly to one big batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.drafter import DrafterKV, Eagle3Drafter
+
+DEFAULT_TTT_STEPS = 7
+DEFAULT_STEP_DECAY = 0.8
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """x[:, n:] padded with `fill` at the end to the same length (dim 1 is time)."""
+    if n == 0:
+        return x
+    t = x.shape[1]
+    if n >= t:
+        return torch.full_like(x, fill)
+    pad = torch.full((x.shape[0], n, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def base_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Step-0 mask bool [B, T, T]: causal, same document, key not padding; the diagonal always (no empty rows).
+
+    doc_ids: [B, T] int, one id per packed document, -1 on padding.
+    """
+    t = doc_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()  # [T, T]
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # [B, T(query), T(key)]
+    keep = same & causal & (doc_ids[:, None, :] >= 0)
+    return keep | torch.eye(t, dtype=torch.bool, device=doc_ids.device)
+
+
+def step_mask(doc_ids: torch.Tensor, k: int, base: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask for TTT step k over keys [K0 | K1 | ... | Kk]: bool [B, 1, T, (k+1)·T] (True = attend).
+
+    Block 0 is `base_mask`; block j >= 1 is the identity (row t sees only its own step-j key).
+    """
+    m0 = base_mask(doc_ids) if base is None else base  # [B, T, T]
+    if k == 0:
+        return m0[:, None]
+    b, t = doc_ids.shape
+    eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device).expand(b, t, t)
+    return torch.cat([m0, *([eye] * k)], dim=-1)[:, None]  # [B, 1, T, (k+1)T]
+
+
+def step_supervision(
+    loss_mask: torch.Tensor,  # [B, T] 0/1: token i was written by the target
+    doc_ids: torch.Tensor,  # [B, T], -1 on padding
+    k: int,
+) -> torch.Tensor:
+    """1.0 where row t is supervised at step k: the label x_{t+2+k} lies in row t's document and was written
+    by the target (loss_mask[t+2+k] = 1), else 0.0.  [B, T]"""
+    same_doc = (shift_left(doc_ids, 2 + k, -1) == doc_ids) & (doc_ids >= 0)
+    return (same_doc & shift_left(loss_mask, 2 + k, 0).bool()).float()
+
+
+def step_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """N_k, the number of supervised positions per step, float [K]. For one document with loss mask m,
+    N_k = sum(m[2 + k:]), so a trainer can count it straight from the data."""
+    return torch.stack([step_supervision(loss_mask, doc_ids, k).sum() for k in range(steps)])
+
+
+def unroll(
+    drafter: Eagle3Drafter,
+    hidden: torch.Tensor,  # [B, T, H] = drafter.combine(aux)
+    input_ids: torch.Tensor,  # [B, T] x_0 .. x_{T-1}
+    position_ids: torch.Tensor,  # [B, T] position of row t inside its document
+    doc_ids: torch.Tensor,  # [B, T], -1 on padding
+    steps: int,
+) -> Iterator[torch.Tensor]:
+    """Yield the pre-norm drafter output of each TTT step k = 0..steps-1, [B, T, H] (see module docstring)."""
+    cache = DrafterKV()
+    base = base_mask(doc_ids)  # [B, T, T]
+    for k in range(steps):
+        ids_k = shift_left(input_ids, 1 + k, 0)  # [B, T] x_{t+1+k}, teacher forced
+        out = drafter(hidden, ids_k, position_ids + k, mask=step_mask(doc_ids, k, base), cache=cache)  # [B, T, H]
+        yield out
+        hidden = drafter.feedback(out)
+
+
+@dataclass
+class TTTOutput:
+    """`loss` carries the graph; the rest are detached per-step sums for logging (reduce across ranks first)."""
+
+    loss: torch.Tensor  # scalar, sum_k decay^k * loss_k
+    step_loss_sum: torch.Tensor  # [K] sum of weighted soft cross-entropies
+    step_correct: torch.Tensor  # [K] supervised positions where the drafter's argmax equals the target's
+    step_count: torch.Tensor  # [K] supervised positions (N_k of this batch)
+    step_kept: torch.Tensor  # [K] supervised positions whose target argmax is in the draft vocabulary
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """-sum_v softmax(target)_v * log_softmax(logits)_v in fp32, [B, T] (both inputs [B, T, Vd])."""
+    p = torch.softmax(target_logits.float(), dim=-1)  # [B, T, Vd], renormalised over the draft vocab
+    logq = torch.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
+    return -(p * logq).sum(-1)
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    aux: torch.Tensor,  # [B, T, 3Ht] target features
+    input_ids: torch.Tensor,  # [B, T]
+    position_ids: torch.Tensor,  # [B, T]
+    doc_ids: torch.Tensor,  # [B, T], -1 on padding
+    loss_mask: torch.Tensor,  # [B, T]
+    target_logits: torch.Tensor,  # [B, T, Vd] target logits restricted to the draft vocabulary (t2d)
+    target_argmax: torch.Tensor,  # [B, T] argmax of the full-vocabulary target logits (target ids)
+    steps: int = DEFAULT_TTT_STEPS,
+    step_decay: float = DEFAULT_STEP_DECAY,
+    denominators: torch.Tensor | None = None,  # [K] global N_k; None = this batch's own
+    denominator_scale: float = 1.0,  # world size under DDP (its gradient average divides by it)
+) -> TTTOutput:
+    """The TTT objective: soft cross-entropy to the renormalised draft-vocab target, per step, summed with
+    weights decay^k (see the module docstring for alignment and reduction)."""
+    in_vocab = drafter.t2d[target_argmax]  # [B, T] bool
+    if denominators is None:
+        denominators = step_denominators(loss_mask, doc_ids, steps)
+    denominators = denominators.to(aux.device, torch.float32).clamp_min(1.0)
+    hidden = drafter.combine(aux)  # [B, T, H]
+    total = aux.new_zeros((), dtype=torch.float32)
+    loss_sums, correct, counts, kept = [], [], [], []
+    for k, out in enumerate(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps)):
+        sup = step_supervision(loss_mask, doc_ids, k)  # [B, T]
+        w = sup * shift_left(in_vocab, 1 + k, False)  # [B, T] drop targets whose argmax has no draft id
+        logits = drafter.logits(out)  # [B, T, Vd]
+        # unweighted rows (padding, other documents) may hold anything; zero them so no NaN reaches backward
+        tgt = torch.where(w[..., None] > 0, shift_left(target_logits, 1 + k, 0), 0.0)  # [B, T, Vd]
+        ce = soft_cross_entropy(logits, tgt)  # [B, T]
+        step_sum = (ce * w).sum()
+        total = total + (step_decay**k) * step_sum * denominator_scale / denominators[k]
+        with torch.no_grad():
+            pred = drafter.draft_ids_to_target(logits.argmax(-1))  # [B, T] target ids
+            hit = (pred == shift_left(target_argmax, 1 + k, -1)).float() * sup
+            loss_sums.append(step_sum.detach())
+            correct.append(hit.sum())
+            counts.append(sup.sum())
+            kept.append(w.sum())
+    return TTTOutput(total, torch.stack(loss_sums), torch.stack(correct), torch.stack(counts), torch.stack(kept))

@@ -1,0 +1,411 @@
+"""Speculative sampling is lossless: emitted tokens follow the target's distribution exactly.
+
+A synthetic target LM over a tiny vocabulary (V = 5..6) gives the next-token distribution as a fixed random
+table keyed by the last two tokens, so the exact joint distribution of the first L emitted tokens is a
+product of table rows. A deterministic drafter (the top-ranked tokens of another table, or of the target
+itself) proposes chains and trees; each sample runs verification rounds from a fixed context until L tokens
+are out. The empirical joint over all V**L cells must match the exact one within a bound derived from the
+sample count, and deliberately wrong acceptance rules (negative controls) must fail the same check.
+Modelled on vLLM `tests/v1/sample/test_rejection_sampler.py`; the code here is our own.
+
+Run: pytest tests/test_sampling_stats.py -q
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from eagle3.config import SamplingConfig
+from eagle3.decoding.sampling import process_logits, sample
+from eagle3.decoding.tree import DraftTree
+from eagle3.decoding.verify import Acceptance, accept, accept_from_probs
+
+DELTA = 1e-6  # allowed probability that a correct implementation fails one check (union over its cells)
+START = (0, 1)  # the context tail every sample starts from
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add wake-up latency (and noise on a shared 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bound
+# ---------------------------------------------------------------------------------------------
+def bernstein_halfwidth(p: float, n: int, cells: int, delta: float = DELTA) -> float:
+    """Half-width t with P(|p_hat - p| >= t) <= delta / cells for a mean of n Bernoulli(p) draws.
+
+    Bernstein's inequality for i.i.d. X in [0, 1] with variance s2 = p(1-p):
+        P(|mean - p| >= t) <= 2 exp(-n t^2 / (2 s2 + 2t/3)).
+    Setting the right side to delta / cells and solving the quadratic in t gives
+        t = l/(3n) + sqrt((l/(3n))^2 + 2 s2 l / n),  l = ln(2 cells / delta).
+    A union bound over the cells makes the whole check fail with probability <= delta = 1e-6 when the
+    implementation is correct. (Cells with p = 0 get t = 2l/(3n) > 0, but must in fact stay at 0.)
+    """
+    ln_term = math.log(2 * cells / delta)
+    a = ln_term / (3 * n)
+    return a + math.sqrt(a * a + 2 * p * (1 - p) * ln_term / n)
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    worst: float  # max over cells of |p_hat - p| / half-width (> 1 fails)
+    tv: float  # total-variation distance, for the message
+
+    def __str__(self) -> str:
+        return f"worst cell at {self.worst:.2f}x its bound, TV {self.tv:.4f}"
+
+
+def check(counts: torch.Tensor, exact: torch.Tensor) -> Verdict:
+    n = int(counts.sum())
+    emp = counts.double() / n  # [V**L]
+    worst = 0.0
+    for p_hat, p in zip(emp.tolist(), exact.double().tolist(), strict=True):
+        if p == 0.0 and p_hat > 0:
+            worst = math.inf  # a token sequence the target cannot produce
+        worst = max(worst, abs(p_hat - p) / bernstein_halfwidth(p, n, exact.numel()))
+    tv = 0.5 * float((emp - exact.double()).abs().sum())
+    return Verdict(passed=worst <= 1.0, worst=worst, tv=tv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The synthetic target and drafter
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Round:
+    """Everything a verification round from one context needs, precomputed."""
+
+    tree: DraftTree
+    tokens: list[int]  # tree.tokens on the host
+    logits: torch.Tensor  # [N+1, V] raw target logits after the root and each node
+    probs: torch.Tensor  # [N+1, V] target distributions after filtering
+    draft_probs: torch.Tensor  # [N+1, V] drafter softmax at the root and each node (negative control only)
+
+
+@dataclass
+class Scenario:
+    name: str
+    vocab: int
+    emitted: int  # L: how many leading tokens are compared
+    target: torch.Tensor  # [V, V, V] logits of the next token given the last two
+    draft: torch.Tensor  # [V, V, V] drafter logits; drafts are its top-ranked tokens, deterministically
+    shape: list[tuple[int, int]]  # per node: (parent, rank among the drafter's tokens at the parent)
+    sampling: SamplingConfig
+
+    def round_for(self, ctx: tuple[int, int]) -> Round:
+        tokens, parents, ctxs = [], [], [ctx]
+        for parent, rank in self.shape:
+            node_ctx = ctxs[parent + 1]
+            tok = int(torch.argsort(self.draft[node_ctx], descending=True, stable=True)[rank])
+            tokens.append(tok)
+            parents.append(parent)
+            ctxs.append((node_ctx[1], tok))
+        tree = DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents))
+        tree.validate()
+        logits = torch.stack([self.target[c] for c in ctxs])  # [N+1, V]
+        s = self.sampling
+        probs = process_logits(logits, s.temperature, s.top_p, s.top_k)  # [N+1, V]
+        draft_probs = torch.stack([self.draft[c].softmax(-1) for c in ctxs])  # [N+1, V]
+        return Round(tree, tokens, logits, probs, draft_probs)
+
+    def exact_joint(self) -> torch.Tensor:
+        """[V**L] exact probability of each sequence of the first L tokens under the filtered target."""
+        s = self.sampling
+        p = process_logits(self.target, s.temperature, s.top_p, s.top_k).double()  # [V, V, V]
+        joint = torch.ones(1, dtype=torch.float64)  # over sequences so far, in row-major order
+        seqs: list[tuple[int, ...]] = [START]
+        for _ in range(self.emitted):
+            nxt = torch.stack([p[seq[-2], seq[-1]] for seq in seqs])  # [S, V]
+            joint = (joint[:, None] * nxt).reshape(-1)  # [S * V]
+            seqs = [(*seq, t) for seq in seqs for t in range(self.vocab)]
+        return joint
+
+
+AcceptFn = Callable[[Scenario, Round, torch.Generator], Acceptance]
+
+
+def real_accept(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """The implementation under test, end to end from raw logits (filtering included)."""
+    return accept(rnd.tree, rnd.logits, scen.sampling, gen)
+
+
+def real_accept_from_probs(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """The implementation under test, from precomputed filtered probabilities (faster, same walk)."""
+    return accept_from_probs(rnd.tree, rnd.probs, gen)
+
+
+def simulate(scen: Scenario, accept_fn: AcceptFn, n_samples: int, seed: int) -> torch.Tensor:
+    """Counts [V**L] of the first L emitted tokens over n_samples independent speculative runs."""
+    gen = torch.Generator().manual_seed(seed)
+    rounds: dict[tuple[int, int], Round] = {}
+    counts = [0] * scen.vocab**scen.emitted
+    for _ in range(n_samples):
+        ctx, out = START, []
+        while len(out) < scen.emitted:
+            rnd = rounds.get(ctx) or rounds.setdefault(ctx, scen.round_for(ctx))
+            acc = accept_fn(scen, rnd, gen)
+            emitted = [rnd.tokens[i - 1] for i in acc.path] + [acc.next_token]
+            out += emitted
+            ctx = (*ctx, *emitted)[-2:]
+        cell = 0
+        for t in out[: scen.emitted]:
+            cell = cell * scen.vocab + t
+        counts[cell] += 1
+    return torch.tensor(counts)
+
+
+def make_tables(vocab: int, seed: int, scale: float = 1.5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    target = scale * torch.randn(vocab, vocab, vocab, generator=g)  # [V, V, V]
+    draft = target + 1.5 * torch.randn(vocab, vocab, vocab, generator=g)  # correlated, not equal
+    return target, draft
+
+
+CHAIN3 = [(-1, 0), (0, 0), (1, 0)]
+# root: three children; first child: two children; second child: one; a grandchild of the first: one
+TREE7 = [(-1, 0), (-1, 1), (-1, 2), (0, 0), (0, 1), (1, 0), (3, 0)]
+# duplicated siblings at the root and below the first child (EAGLE trees never do this; a drafter could)
+DUPS = [(-1, 0), (-1, 0), (-1, 1), (0, 0), (0, 0), (0, 1)]
+
+
+def scenario(name: str) -> Scenario:
+    v = 6
+    target, draft = make_tables(v, seed=sum(map(ord, name)))
+    sampling = SamplingConfig(temperature=1.0)
+    shape, emitted = CHAIN3, 2
+    if name == "chain":
+        pass
+    elif name == "chain_draft_is_target_argmax":
+        draft = target.clone()
+    elif name == "tree_siblings":
+        shape = TREE7
+    elif name == "tree_duplicate_siblings":
+        shape = DUPS
+    elif name == "tree_depth3_first3":
+        v, emitted, shape = 5, 3, TREE7
+        target, draft = make_tables(v, seed=7)
+    elif name == "disjoint_support":
+        # the target never emits tokens 0 and 1; the drafter proposes them first (and others after)
+        target[..., :2] = float("-inf")
+        draft[..., :2] += 100.0
+        shape = TREE7
+    elif name == "one_hot_target":
+        # in every context whose tail sums to an even number the target is certain of one token
+        for a in range(v):
+            for b in range(v):
+                if (a + b) % 2 == 0:
+                    certain = (a * 3 + b) % v
+                    target[a, b] = float("-inf")
+                    target[a, b, certain] = 0.0
+        shape = TREE7
+    elif name == "temperature_top_p":
+        target, draft = make_tables(v, seed=3, scale=0.5)  # soft enough that top-p keeps several tokens
+        sampling = SamplingConfig(temperature=0.7, top_p=0.8)
+        shape = TREE7
+    elif name == "temperature_top_k":
+        sampling = SamplingConfig(temperature=1.6, top_k=3)
+    elif name == "top_k_top_p_draft_is_target":
+        sampling = SamplingConfig(temperature=1.3, top_k=4, top_p=0.9)
+        draft = target.clone()
+        shape = TREE7
+    else:
+        raise KeyError(name)
+    return Scenario(name, v, emitted, target, draft, shape, sampling)
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementation passes
+# ---------------------------------------------------------------------------------------------
+# scenario -> (accept function, samples). End-to-end `accept` where filtering matters. ~8k samples each
+# keeps this file near 12 s of CPU. With n = 8k and 36 cells of p ~ 1/36 the bound is ~0.012 absolute
+# (~40% relative); the negative controls below exceed it 3-17x with only 4k samples, and so do single-line
+# mutations of verify.py (no residual, no renormalisation, duplicates not skipped).
+CASES = {
+    "chain": (real_accept_from_probs, 8_000),
+    "chain_draft_is_target_argmax": (real_accept_from_probs, 8_000),
+    "tree_siblings": (real_accept_from_probs, 8_000),
+    "tree_duplicate_siblings": (real_accept_from_probs, 8_000),
+    "tree_depth3_first3": (real_accept_from_probs, 10_000),
+    "disjoint_support": (real_accept_from_probs, 8_000),
+    "one_hot_target": (real_accept_from_probs, 8_000),
+    "temperature_top_p": (real_accept, 8_000),
+    "temperature_top_k": (real_accept, 8_000),
+    "top_k_top_p_draft_is_target": (real_accept, 8_000),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_speculative_sampling_matches_the_target(name):
+    scen = scenario(name)
+    fn, n = CASES[name]
+    verdict = check(simulate(scen, fn, n, seed=11), scen.exact_joint())
+    assert verdict.passed, f"{name}: emitted tokens do not follow the target ({verdict})"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_scenarios_are_not_vacuous(name):
+    """Each scenario spreads mass over many sequences and both accepts and rejects drafts."""
+    scen = scenario(name)
+    exact = scen.exact_joint()
+    assert int((exact > 0.005).sum()) >= 8 and float(exact.max()) < 0.5, (name, exact)
+    gen = torch.Generator().manual_seed(5)
+    lengths = set()
+    for a in range(scen.vocab):
+        for b in range(scen.vocab):
+            rnd = scen.round_for((a, b))
+            lengths |= {len(real_accept(scen, rnd, gen).path) for _ in range(10)}
+    deepest = 1 if name == "disjoint_support" else 2  # there only one depth-1 draft can ever be accepted
+    assert 0 in lengths and max(lengths) >= deepest, (name, lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Negative controls: wrong rules must fail the same check
+# ---------------------------------------------------------------------------------------------
+def _walk(rnd: Round, gen: torch.Generator, accept_prob, residual) -> Acceptance:
+    """A sequential tree walk with pluggable acceptance probability and residual update.
+
+    `p` is the (unnormalised) residual at the current node, `p0` that node's full distribution, `q` the
+    drafter's softmax there. The right rule is `accept_prob = p[x] / p.sum()`, `residual: p[x] = 0`.
+    """
+    kids = rnd.tree.children()
+    node, path = 0, []
+    while True:
+        p0, q = rnd.probs[node], rnd.draft_probs[node]
+        p = p0.clone()
+        for child in kids[node]:
+            tok = rnd.tokens[child - 1]
+            if float(torch.rand(1, generator=gen)) < accept_prob(p0, p, q, tok):
+                node = child
+                path.append(node)
+                break
+            p = residual(p, q, tok)
+        else:
+            return Acceptance(path=path, next_token=int(sample(p / p.sum(), gen)))
+
+
+def _zero(p: torch.Tensor, q: torch.Tensor, tok: int) -> torch.Tensor:
+    p = p.clone()
+    p[tok] = 0.0
+    return p
+
+
+def reference_rule(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """The right rule through the same harness: shows the controls fail because of their rule."""
+    return _walk(rnd, gen, lambda p0, p, q, tok: float(p[tok] / p.sum()), _zero)
+
+
+def wrong_argmax_always(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """Accept with probability 1 whenever the draft is the target's argmax (greedy thinking at T > 0)."""
+    return _walk(
+        rnd, gen, lambda p0, p, q, tok: 1.0 if tok == int(p0.argmax()) else float(p[tok] / p.sum()), _zero
+    )
+
+
+def wrong_draft_softmax_as_q(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """Textbook speculative sampling with q = drafter softmax, although drafts were not sampled from q."""
+
+    def residual(p, q, tok):
+        r = (p / p.sum() - q).clamp_min(0)
+        return r if r.sum() > 0 else p
+
+    return _walk(rnd, gen, lambda p0, p, q, tok: min(1.0, float(p[tok] / p.sum() / q[tok])), residual)
+
+
+def wrong_no_residual(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """Right first acceptance probability, but rejected drafts are not removed (nor resampling restricted)."""
+    return _walk(rnd, gen, lambda p0, p, q, tok: float(p[tok]), lambda p, q, tok: p)
+
+
+def wrong_no_renormalise(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """Rejected drafts are zeroed, but later siblings are accepted with p(x), not p(x) / remaining mass."""
+    return _walk(rnd, gen, lambda p0, p, q, tok: float(p[tok]), _zero)
+
+
+def wrong_duplicate_second_chance(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
+    """A duplicated sibling is judged on the full distribution again after its twin was rejected."""
+    return _walk(rnd, gen, lambda p0, p, q, tok: min(1.0, float(p0[tok] / p.sum())), _zero)
+
+
+def test_reference_rule_passes_in_the_control_harness():
+    scen = scenario("tree_duplicate_siblings")
+    verdict = check(simulate(scen, reference_rule, 4_000, seed=13), scen.exact_joint())
+    assert verdict.passed, f"the harness of the negative controls is broken ({verdict})"
+
+
+@pytest.mark.parametrize(
+    ("wrong", "name"),
+    [
+        (wrong_argmax_always, "chain_draft_is_target_argmax"),
+        (wrong_draft_softmax_as_q, "chain"),
+        (wrong_no_residual, "tree_siblings"),
+        (wrong_no_renormalise, "tree_siblings"),
+        (wrong_duplicate_second_chance, "tree_duplicate_siblings"),
+    ],
+)
+def test_negative_controls_fail_the_check(wrong, name):
+    scen = scenario(name)
+    verdict = check(simulate(scen, wrong, 4_000, seed=13), scen.exact_joint())
+    assert not verdict.passed, f"{wrong.__name__} passed on {name} ({verdict}): the check cannot detect bias"
+
+
+# ---------------------------------------------------------------------------------------------
+# process_logits and sample
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (0.5, 4, 0.9), (2.0, 100, 0.01), (1.0, 1, 1.0)],
+)
+def test_process_logits_matches_hf_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 12, generator=g)  # [R, V]
+    logits[:4] = torch.randint(-2, 3, (4, 12), generator=g).float()  # ties at the top-k / top-p edges
+    logits[4, :6] = float("-inf")  # already masked entries
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    expected = scores.softmax(-1)
+    got = process_logits(logits, temperature, top_p=top_p, top_k=top_k)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.sum(-1), torch.ones(16), rtol=0, atol=1e-5)
+    # leading batch dims are fine
+    torch.testing.assert_close(
+        process_logits(logits.view(4, 4, 12), temperature, top_p, top_k), got.view(4, 4, 12)
+    )
+
+
+def test_process_logits_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="temperature"):
+        process_logits(torch.zeros(3), 0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        process_logits(torch.zeros(3), 1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        process_logits(torch.zeros(3), 1.0, top_k=-1)
+
+
+def test_sample_is_seeded_and_respects_zeros():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    a = sample(probs.expand(200, 2, 4), torch.Generator().manual_seed(9))
+    b = sample(probs.expand(200, 2, 4), torch.Generator().manual_seed(9))
+    assert a.shape == (200, 2) and torch.equal(a, b)
+    assert set(a[:, 0].tolist()) == {1, 2}
+    assert set(a[:, 1].tolist()) == {0}
+    assert sample(probs[0], torch.Generator().manual_seed(1)).shape == ()

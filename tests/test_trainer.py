@@ -1,0 +1,282 @@
+"""`eagle3 train` on CPU with the bundled stories260k target: resume, DDP, offline cache, batching, config errors.
+
+Run: pytest tests/test_trainer.py -q     (about a minute on 2 cores; the DDP test starts `torchrun`)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from eagle3.config import ConfigError
+from eagle3.models import STORIES260K_DIR, load_target
+from eagle3.target import Target
+from eagle3.training.data import tokenizer_fingerprint
+from eagle3.training.dataset import TrainData
+from eagle3.training.features import OnlineFeatures
+from eagle3.training.prepare import (
+    MASK_FILE,
+    OFFSETS_FILE,
+    REPORT_FILE,
+    TOKENS_FILE,
+    PrepareReport,
+    write_json_atomic,
+)
+from eagle3.training.trainer import CHECKPOINT_DIR, LOG_FILE, TrainConfig, latest_checkpoint, train
+from eagle3.training.vocab import build_vocab_mapping, save_token_freq, save_vocab_mapping
+
+V = 512  # stories260k vocabulary
+VD = 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_prepared(path: Path, rows: list[tuple[np.ndarray, np.ndarray]], vocab_size: int = V,
+                   draft_vocab_size: int = VD, tokenizer_fp: dict | None = None) -> Path:
+    """A prepared folder in the `eagle3 prepare` format (see eagle3.training.prepare)."""
+    path.mkdir(parents=True, exist_ok=True)
+    ids = np.concatenate([r[0] for r in rows]).astype("<i4")
+    mask = np.concatenate([r[1] for r in rows]).astype(np.uint8)
+    offsets = np.cumsum([0] + [len(r[0]) for r in rows]).astype(np.int64)
+    ids.tofile(path / TOKENS_FILE)
+    mask.tofile(path / MASK_FILE)
+    np.save(path / OFFSETS_FILE, offsets)
+    freq = torch.from_numpy(np.bincount(ids[mask.astype(bool)], minlength=vocab_size).astype(np.int64))
+    d2t, t2d = build_vocab_mapping(freq, draft_vocab_size)
+    save_token_freq(freq, path / "token_freq.safetensors")
+    save_vocab_mapping(d2t, t2d, path / "vocab.safetensors")
+    if tokenizer_fp is None:
+        tokenizer_fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(STORIES260K_DIR)))
+    report = PrepareReport(rows_read=len(rows), rows_kept=len(rows), total_tokens=int(offsets[-1]),
+                           trainable_tokens=int(mask.sum()), vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
+                           tokenizer=tokenizer_fp, max_length=max(len(r[0]) for r in rows))
+    write_json_atomic(report.to_dict(), path / REPORT_FILE)
+    return path
+
+
+def random_rows(n: int = 24, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Token rows whose first few tokens are 'prompt' (mask 0) and the rest 'assistant' (mask 1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        length = int(rng.integers(12, 40))
+        ids = rng.integers(3, V, size=length)
+        ids[0] = 1  # BOS
+        mask = np.zeros(length, dtype=np.uint8)
+        mask[int(rng.integers(2, 6)) :] = 1
+        rows.append((ids, mask))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_prepared(tmp_path_factory.mktemp("data"), random_rows())
+
+
+def base_cfg(data_dir: Path, out: Path, **kw) -> TrainConfig:
+    args = dict(target="stories260k", data=str(data_dir), out=str(out), ttt_steps=3, batch_size=4, max_steps=6,
+                lr=1e-3, warmup_steps=2, max_length=64, save_every=3, log_every=1, seed=3, progress=False)
+    args.update(kw)
+    return TrainConfig(**args)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "drafter" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def straight_run(data_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("straight")
+    res = train(base_cfg(data_dir, out))
+    assert res.steps == 6
+    return out
+
+
+def assert_same_weights(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_reaches_the_same_weights(data_dir, straight_run, tmp_path):
+    out = tmp_path / "resumed"
+    first = train(base_cfg(data_dir, out, stop_after=3))
+    assert first.steps == 3 and not (out / "drafter").exists()
+    assert latest_checkpoint(out).name == "step_00000003"
+    # a crash while writing the next checkpoint leaves a hidden temporary directory, which resume ignores
+    (out / CHECKPOINT_DIR / ".tmp-step_00000004").mkdir()
+    second = train(base_cfg(data_dir, out, resume=True))
+    assert second.steps == 6
+    assert_same_weights(weights(straight_run), weights(out), atol=0.0)
+    steps = [json.loads(x)["step"] for x in (out / LOG_FILE).read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    ckpts = sorted(p.name for p in (out / CHECKPOINT_DIR).iterdir() if not p.name.startswith("."))
+    assert ckpts == ["step_00000003", "step_00000006"]  # keep_checkpoints = 2
+
+
+def test_log_records(straight_run):
+    recs = [json.loads(x) for x in (straight_run / LOG_FILE).read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    r = recs[-1]
+    assert len(r["loss_per_step"]) == len(r["acc_per_step"]) == 3
+    assert r["tokens_per_s"] > 0 and r["tokens"] > 0 and 0 <= r["in_draft_vocab"] <= 1
+    assert recs[0]["lr"] == pytest.approx(1e-3 / 2)  # warmup step 1 of 2
+    assert all(np.isfinite(x["loss"]) for x in recs)
+    cfg = json.loads((straight_run / "train_config.json").read_text())
+    assert cfg["config"]["ttt_steps"] == 3 and cfg["drafter"]["draft_vocab_size"] == VD
+
+
+def test_grad_accum_matches_one_batch(data_dir, straight_run, tmp_path):
+    out = tmp_path / "accum"
+    train(base_cfg(data_dir, out, grad_accum=3))
+    assert_same_weights(weights(straight_run), weights(out), atol=1e-6)
+
+
+def test_ddp_two_processes_match_one(data_dir, straight_run, tmp_path):
+    out = tmp_path / "ddp"
+    cfg = base_cfg(data_dir, out)
+    script = tmp_path / "run_train.py"
+    script.write_text("import json, sys\nfrom eagle3.training.trainer import TrainConfig, train\n"
+                      "train(TrainConfig(**json.loads(sys.argv[1])))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+         json.dumps(cfg.to_dict())],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_weights(weights(straight_run), weights(out), atol=1e-6)
+
+
+def test_offline_cache_trains_like_online(data_dir, straight_run, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    out = tmp_path / "offline"
+    cfg = base_cfg(data_dir, out, features="offline", feature_cache=str(cache))
+    train(cfg)
+    assert_same_weights(weights(straight_run), weights(out), atol=1e-6)
+    meta = json.loads((cache / "meta.json").read_text())
+    assert meta["draft_vocab_size"] == VD and meta["dtype"] == "float32"
+    shards = sorted(cache.glob("shard_*.safetensors"))
+    assert len(shards) == 1
+    one = load_file(str(shards[0]))
+    k = next(iter(one)).split(".")[0]
+    assert one[f"{k}.logits"].shape[-1] == VD and one[f"{k}.aux"].shape[-1] == 3 * 64  # no full-vocab logits
+
+    # resumable: an existing shard is not rewritten
+    stamp = shards[0].stat().st_mtime_ns
+    train(base_cfg(data_dir, tmp_path / "offline2", features="offline", feature_cache=str(cache), max_steps=1))
+    assert shards[0].stat().st_mtime_ns == stamp
+
+    # a cache made for other inputs is refused
+    with pytest.raises(ConfigError, match="different inputs"):
+        train(base_cfg(data_dir, tmp_path / "x", features="offline", feature_cache=str(cache), max_length=32))
+
+    # not enough disk: refused before any target forward
+    shards[0].unlink()
+    real = __import__("shutil").disk_usage
+
+    def tiny(path):
+        u = real(path)
+        return type(u)(u.total, u.used, 100)
+
+    monkeypatch.setattr("eagle3.training.features.shutil.disk_usage", tiny)
+    with pytest.raises(ConfigError, match="needs about"):
+        train(base_cfg(data_dir, tmp_path / "y", features="offline", feature_cache=str(cache)))
+
+
+def test_packed_training_runs_and_plans_cover_each_sample(data_dir, tmp_path):
+    data = TrainData(str(data_dir), max_length=64)
+    for packing in (False, True):
+        plan = data.plan_epoch(0, seed=1, batch_tokens=128, packing=packing)
+        seen = sorted(s for batch in plan for row in batch for s in row)
+        assert seen == sorted(data.trainable_ids.tolist())
+        for batch in plan:
+            b = data.collate(batch, packed=packing)
+            assert b.input_ids.numel() <= 128 or len(batch) == 1
+            assert all(sum(n for _, _, n in segs) <= 64 for segs in b.segments)
+        assert plan == data.plan_epoch(0, seed=1, batch_tokens=128, packing=packing)  # deterministic
+        assert plan != data.plan_epoch(1, seed=1, batch_tokens=128, packing=packing)  # reshuffled per epoch
+    res = train(base_cfg(data_dir, tmp_path / "packed", packing=True, batch_size=None, batch_tokens=128,
+                         max_steps=3, save_every=0, ttt_steps=TrainConfig.ttt_steps))  # the default, 7
+    assert res.steps == 3 and np.isfinite(res.final_loss) and len(res.step_accuracy) == 7
+
+
+def test_packed_online_features_equal_separate_documents(data_dir):
+    data = TrainData(str(data_dir), max_length=64)
+    model, _ = load_target("stories260k")
+    target = Target(model, [1, 2, 4])
+    src = OnlineFeatures(target, torch.ones(V, dtype=torch.bool))
+    packed = src(data.collate([[0, 1, 2]], packed=True))
+    for s, start, n in data.collate([[0, 1, 2]], packed=True).segments[0]:
+        alone = src(data.collate([[s]]))
+        torch.testing.assert_close(packed.aux[0, start : start + n], alone.aux[0, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(packed.target_logits[0, start : start + n], alone.target_logits[0, :n],
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_training_lowers_the_loss(data_dir, tmp_path):
+    res = train(base_cfg(data_dir, tmp_path / "learn", epochs=8, max_steps=40, lr=3e-3, save_every=0, log_every=5))
+    recs = [json.loads(x) for x in (tmp_path / "learn" / LOG_FILE).read_text().splitlines()]
+    assert recs[-1]["loss"] < 0.8 * recs[0]["loss"]
+    assert res.step_accuracy[0] > recs[0]["acc_per_step"][0]
+
+
+def test_tokenizer_mismatch_is_refused(tmp_path):
+    fp = {"name_or_path": "other", "vocab_sha256": "0" * 64}
+    data = write_prepared(tmp_path / "d", random_rows(4), tokenizer_fp=fp)
+    with pytest.raises(ConfigError, match="tokenizer"):
+        train(base_cfg(data, tmp_path / "o"))
+
+
+def test_draft_vocab_larger_than_target_is_refused(tmp_path):
+    rows = [(np.concatenate([[1], np.arange(3, 603)]) % 600, np.ones(601, dtype=np.uint8))]
+    data = write_prepared(tmp_path / "d", rows, vocab_size=600, draft_vocab_size=550)
+    with pytest.raises(ConfigError, match="more than the target's vocabulary"):
+        train(base_cfg(data, tmp_path / "o", max_length=1024))
+
+
+def test_no_trainable_rows_is_refused(tmp_path):
+    rows = [(np.arange(1, 20), np.r_[np.ones(2), np.zeros(17)].astype(np.uint8))]  # only x_0, x_1 supervised
+    data = write_prepared(tmp_path / "d", rows)
+    with pytest.raises(ConfigError, match="no trainable rows"):
+        train(base_cfg(data, tmp_path / "o"))
+
+
+def test_bad_config_values_are_refused(data_dir, tmp_path):
+    with pytest.raises(ConfigError, match="feature_cache"):
+        train(base_cfg(data_dir, tmp_path / "o", features="offline"))
+    with pytest.raises(ConfigError, match="give only one"):
+        train(base_cfg(data_dir, tmp_path / "o", batch_tokens=256))
+    out = tmp_path / "r"
+    train(base_cfg(data_dir, out, stop_after=1))
+    with pytest.raises(ConfigError, match="cannot resume"):
+        train(base_cfg(data_dir, out, resume=True, seed=4))
+    with pytest.raises(ConfigError, match="earlier run"):  # would mix two runs' checkpoints
+        train(base_cfg(data_dir, out))
+
+
+def test_init_from_an_existing_drafter(data_dir, straight_run, tmp_path):
+    out = tmp_path / "init"
+    train(base_cfg(data_dir, out, init=str(straight_run / "drafter"), max_steps=1, lr=1e-9, save_every=0))
+    assert_same_weights(weights(straight_run), weights(out), atol=1e-7)  # started from it, barely moved
+    other = write_prepared(tmp_path / "d64", random_rows(), draft_vocab_size=64)
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        train(base_cfg(other, tmp_path / "o", init=str(straight_run / "drafter")))

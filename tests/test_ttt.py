@@ -1,0 +1,246 @@
+"""TTT unrolling: attention equals chained inference, alignment, weights and loss reduction.
+
+Run: pytest tests/test_ttt.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.config import DrafterConfig
+from eagle3.drafter import DrafterKV, Eagle3Drafter
+from eagle3.training.ttt import (
+    base_mask,
+    shift_left,
+    step_denominators,
+    step_mask,
+    step_supervision,
+    ttt_loss,
+    unroll,
+)
+
+V, VD, HT = 64, 40, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_drafter(seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[1, 2, 3], target_num_layers=4)
+    d = Eagle3Drafter(cfg)
+    with torch.no_grad():
+        d.embed_tokens.weight.normal_()
+        for name, p in d.named_parameters():  # non-trivial norms so that their placement matters
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    ids = torch.sort(torch.randperm(V)[:VD]).values
+    d.set_vocab_mapping(ids)
+    return d.eval()
+
+
+def packed_batch():
+    """Row 0: two packed documents (5 + 6 tokens); row 1: one document of 7 tokens, then 4 pad slots."""
+    t = 11
+    doc = torch.tensor([[0] * 5 + [1] * 6, [0] * 7 + [-1] * 4])
+    pos = torch.tensor([list(range(5)) + list(range(6)), list(range(7)) + [0] * 4])
+    ids = torch.randint(0, V, (2, t))
+    ids[1, 7:] = 0
+    return ids, pos, doc
+
+
+def chain_reference(d: Eagle3Drafter, hidden, ids, pos, doc, b: int, t: int, k: int) -> torch.Tensor:
+    """Inference-style: prefill the document up to row t (step-0 keys of rows <= t), then k single-token
+    draft steps for row t with teacher-forced tokens, each attending to the whole cache."""
+    start = int((doc[b] == doc[b, t]).nonzero()[0])
+    cache = DrafterKV()
+    rows = slice(start, t + 1)
+    out = d(hidden[b : b + 1, rows], ids[b : b + 1, start + 1 : t + 2], pos[b : b + 1, rows], cache=cache)
+    h = out[:, -1:]
+    for j in range(1, k + 1):
+        x = ids[b : b + 1, t + 1 + j : t + 2 + j]
+        h = d(d.feedback(h), x, pos[b : b + 1, t : t + 1] + j, cache=cache)
+    return h[0, -1]
+
+
+def test_ttt_attention_equals_chained_inference():
+    d = make_drafter()
+    ids, pos, doc = packed_batch()
+    aux = torch.randn(2, ids.shape[1], 3 * HT)
+    steps = 4
+    with torch.no_grad():
+        hidden = d.combine(aux)
+        outs = list(unroll(d, hidden, ids, pos, doc, steps))
+        checked = 0
+        for b in range(2):
+            for t in range(ids.shape[1]):
+                for k in range(steps):
+                    # the teacher-forced token x_{t+1+k} must exist inside row t's document
+                    if doc[b, t] < 0 or t + 1 + k >= ids.shape[1] or doc[b, t + 1 + k] != doc[b, t]:
+                        continue
+                    ref = chain_reference(d, hidden, ids, pos, doc, b, t, k)
+                    torch.testing.assert_close(outs[k][b, t], ref, atol=2e-5, rtol=1e-4)
+                    checked += 1
+    assert checked >= 20
+
+
+def test_plain_causal_mask_over_steps_differs():
+    """Pitfall 10: letting step k attend causally over all concatenated step blocks is a different model."""
+    d = make_drafter()
+    t = 8
+    ids = torch.randint(0, V, (1, t))
+    pos = torch.arange(t)[None]
+    doc = torch.zeros(1, t, dtype=torch.long)
+    aux = torch.randn(1, t, 3 * HT)
+    with torch.no_grad():
+        hidden = d.combine(aux)
+        right = list(unroll(d, hidden, ids, pos, doc, 3))
+        cache, h, wrong = DrafterKV(), hidden, []
+        for k in range(3):
+            out = d(h, shift_left(ids, 1 + k), pos + k, mask=None, cache=cache)  # causal after the cache
+            wrong.append(out)
+            h = d.feedback(out)
+    torch.testing.assert_close(right[0], wrong[0])  # step 0 has no earlier blocks
+    for k in (1, 2):
+        assert (right[k][0, :-3] - wrong[k][0, :-3]).abs().max() > 1e-3
+
+
+def test_step_mask_blocks():
+    doc = torch.tensor([[0, 0, 1, 1, -1]])
+    m = step_mask(doc, 2)
+    assert m.shape == (1, 1, 5, 15)
+    b0 = m[0, 0, :, :5]
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]])
+    assert torch.equal(b0, expect.bool())
+    for j in (1, 2):
+        assert torch.equal(m[0, 0, :, 5 * j : 5 * (j + 1)], torch.eye(5, dtype=torch.bool))
+    assert torch.equal(base_mask(doc)[0], b0)
+
+
+def test_step_supervision_worked_example():
+    """Docstring example, n = 6: row t is supervised at step k iff x_{t+2+k} exists and is a target token."""
+    doc = torch.zeros(1, 6, dtype=torch.long)
+    lm = torch.ones(1, 6)
+    for k in range(4):
+        w = step_supervision(lm, doc, k)[0]
+        assert w.tolist() == [1.0 if t + 2 + k <= 5 else 0.0 for t in range(6)]
+    lm = torch.tensor([[0, 0, 0, 1, 1, 0]])  # tokens x_3, x_4 written by the target
+    assert step_supervision(lm, doc, 0)[0].tolist() == [0, 1, 1, 0, 0, 0]  # rows predicting x_3, x_4
+    assert step_supervision(lm, doc, 1)[0].tolist() == [1, 1, 0, 0, 0, 0]
+    assert step_denominators(lm, doc, 3).tolist() == [2, 2, 1]  # N_k = sum(m[2 + k:])
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1]])  # labels must stay inside the row's document
+    assert step_supervision(torch.ones(1, 6), doc, 0)[0].tolist() == [1, 0, 0, 1, 0, 0]
+    doc = torch.tensor([[0, 0, 0, 0, -1, -1]])  # nor run into padding
+    assert step_supervision(torch.ones(1, 6), doc, 0)[0].tolist() == [1, 1, 0, 0, 0, 0]
+
+
+def _targets(b, t, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(b, t, V, generator=g) * 3
+    return full
+
+
+def _loss_inputs(d, full):
+    return full[..., d.t2d], full.argmax(-1)
+
+
+def test_one_step_loss_matches_soft_cross_entropy():
+    d = make_drafter()
+    b, t = 2, 9
+    ids = torch.randint(0, V, (b, t))
+    pos = torch.arange(t).expand(b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    lm = (torch.rand(b, t) > 0.3).float()
+    aux = torch.randn(b, t, 3 * HT)
+    full = _targets(b, t)
+    full[0, 4, :] = -10.0
+    full[0, 4, int((~d.t2d).nonzero()[0])] = 10.0  # argmax outside the draft vocab: dropped
+    tl, ta = _loss_inputs(d, full)
+    lm[0, 5] = 1.0  # row 3 is supervised
+    out = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=1)
+    with torch.no_grad():
+        logits = d.logits(d(d.combine(aux), shift_left(ids, 1), pos, mask=step_mask(doc, 0), cache=DrafterKV()))
+    sup = step_supervision(lm, doc, 0)
+    w = sup * shift_left(d.t2d[ta], 1)
+    assert sup[0, 3] == 1 and w[0, 3] == 0  # row 3 reads z_4, whose argmax has no draft id
+    ce = F.cross_entropy(logits.reshape(-1, VD), torch.softmax(shift_left(tl, 1), -1).reshape(-1, VD),
+                         reduction="none").view(b, t)
+    expect = (ce * w).sum() / sup.sum()  # dropped positions count in the denominator, add no loss
+    torch.testing.assert_close(out.loss, expect, rtol=1e-5, atol=1e-6)
+    assert out.step_count.tolist() == [sup.sum().item()]
+    assert out.step_kept.tolist() == [w.sum().item()]
+
+
+def test_split_batch_with_global_denominators_equals_full_batch():
+    """What makes DDP and gradient accumulation exact: per-part sums over the global count add up."""
+    d = make_drafter()
+    b, t, steps = 4, 10, 3
+    ids = torch.randint(0, V, (b, t))
+    pos = torch.arange(t).expand(b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    doc[1, 7:] = -1
+    lm = (torch.rand(b, t) > 0.2).float()
+    aux = torch.randn(b, t, 3 * HT)
+    tl, ta = _loss_inputs(d, _targets(b, t))
+    full = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=steps)
+    full.loss.backward()
+    g_full = d.fc.weight.grad.clone()
+    d.zero_grad()
+    den = step_denominators(lm, doc, steps)
+    total = 0.0
+    for part in (slice(0, 1), slice(1, 4)):
+        o = ttt_loss(d, aux[part], ids[part], pos[part], doc[part], lm[part], tl[part], ta[part],
+                     steps=steps, denominators=den)
+        o.loss.backward()
+        total += o.loss.item()
+    assert total == pytest.approx(full.loss.item(), rel=1e-5)
+    torch.testing.assert_close(d.fc.weight.grad, g_full, rtol=1e-4, atol=1e-7)
+
+
+def test_step_decay_and_accuracy():
+    d = make_drafter()
+    b, t, steps = 1, 12, 3
+    ids = torch.randint(0, V, (b, t))
+    pos = torch.arange(t)[None]
+    doc = torch.zeros(b, t, dtype=torch.long)
+    lm = torch.ones(b, t)
+    aux = torch.randn(b, t, 3 * HT)
+    full = _targets(b, t)
+    full[..., ~d.t2d] = -20.0  # every target argmax inside the draft vocab
+    tl, ta = _loss_inputs(d, full)
+    o = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=steps, step_decay=0.5)
+    per_step = o.step_loss_sum / o.step_count
+    torch.testing.assert_close(o.loss, (per_step * torch.tensor([1.0, 0.5, 0.25])).sum())
+    assert o.step_count.tolist() == [t - 2, t - 3, t - 4]
+    # a target whose argmax is the drafter's step-0 prediction gives step-0 accuracy 1
+    with torch.no_grad():
+        out0 = next(unroll(d, d.combine(aux), ids, pos, doc, 1))
+        pred = d.draft_ids_to_target(d.logits(out0).argmax(-1))  # [B, T] row r predicts position r + 1
+    agree = torch.full((b, t, V), -5.0)
+    agree[0, torch.arange(1, t), pred[0, :-1]] = 5.0
+    o2 = ttt_loss(d, aux, ids, pos, doc, lm, *_loss_inputs(d, agree), steps=1)
+    assert o2.step_correct.item() == o2.step_count.item() == t - 2
+    o3 = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=1)
+    assert o3.step_correct.item() < o3.step_count.item()
+
+
+def test_garbage_on_unsupervised_rows_does_not_reach_the_gradient():
+    d = make_drafter()
+    ids, pos, doc = packed_batch()
+    b, t = ids.shape
+    lm = torch.ones(b, t)
+    tl, ta = _loss_inputs(d, _targets(b, t))
+    tl[1, 7:] = float("nan")  # padding
+    o = ttt_loss(d, torch.randn(b, t, 3 * HT), ids, pos, doc, lm, tl, ta, steps=3)
+    o.loss.backward()
+    assert torch.isfinite(o.loss)
+    assert all(torch.isfinite(p.grad).all() for p in d.trainable_parameters() if p.grad is not None)
