@@ -60,7 +60,12 @@ def cmd_generate(args) -> int:
                       device=args.device, dtype=args.dtype)
     ids = encode_prompt(rt.tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    res = rt.engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+    engine = rt.engine
+    if args.fast:
+        from eagle3.fast.engine import FastOptions, fast_engine_for
+
+        engine = fast_engine_for(rt, FastOptions(graphs=not args.no_graphs, compile=args.compile))
+    res = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                              eos_token_ids=rt.eos_token_ids, stop_strings=args.stop or (), on_text=stream)
     st = res.stats
     if args.json:
@@ -177,6 +182,15 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from eagle3.demo import run_demo
+
+    spec = _spec_from_args(args) if (args.tree or args.chain) else None
+    summary = run_demo(prompts=args.prompts, max_new_tokens=args.max_new_tokens, spec=spec, device=args.device,
+                       drafter=args.drafter, record=args.record)
+    return 0 if summary["identical"] else 1
+
+
 def _default_device() -> str:
     import torch
 
@@ -199,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument("--fast", action="store_true", help="static-cache, graph-captured path (Llama/Qwen families)")
+    g.add_argument("--no-graphs", action="store_true", help="with --fast: no CUDA graphs")
+    g.add_argument("--compile", action="store_true", help="with --fast: torch.compile the captured steps")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
@@ -287,6 +304,24 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--chain", type=int, default=None, metavar="K")
     ev.add_argument("--out", required=True, help="folder for eval.json and eval.png")
     ev.set_defaults(func=cmd_eval)
+
+    dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "
+                        "identical answers, tau and speedup (offline)")
+    dm.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer")
+    dm.add_argument("--max-new-tokens", type=int, default=128)
+    dm.add_argument("--device", default="cpu")
+    dm.add_argument("--drafter", default=None, help="another drafter for SmolLM2 (default: the bundled one)")
+    shape = dm.add_mutually_exclusive_group()
+    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
+    shape.add_argument("--chain", type=int, default=None, metavar="K")
+    dm.add_argument("--record", default="runs/demo.json", help="where to write the run record")
+    dm.set_defaults(func=cmd_demo)
+
+    from eagle3.bench import add_bench_parser
+    from eagle3.serving.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return p
 
 

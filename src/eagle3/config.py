@@ -39,12 +39,10 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     if num_layers < 3:
         raise ConfigError(f"target has {num_layers} decoder layers; EAGLE-3 needs at least 3 to tap low/mid/high")
     ids = [2, num_layers // 2, num_layers - 3]
-    if len(set(ids)) == 3 and ids == sorted(ids) and ids[0] >= 1:
+    if len(set(ids)) == 3 and ids == sorted(ids):
         return ids
-    # distinct, ascending, inside [1, L-1]
-    lo, hi = 1, num_layers - 1
-    mid = max(lo + 1, min(hi - 1, num_layers // 2))
-    return [lo, mid, hi]
+    # distinct and ascending: [1, L//2, L-1] for L >= 4; [0, 1, 2] (embedding output first) for L = 3
+    return [1, num_layers // 2, num_layers - 1] if num_layers >= 4 else [0, 1, 2]
 
 
 @dataclass

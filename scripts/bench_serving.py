@@ -1,0 +1,277 @@
+"""Serving benchmark: throughput and latency against concurrency, plain batched decoding vs speculative.
+
+Loads a target (+ EAGLE-3 drafter), starts `eagle3 serve`'s app in-process on 127.0.0.1, and drives it over
+HTTP with N concurrent streaming clients (httpx, closed loop) on MT-bench prompts, for every concurrency
+level, first with speculation off (same server code, no drafter), then on. Writes `bench_serving.json` (a
+run record: git SHA, versions, device, argv, policy, per-level numbers) and `bench_serving.png`, and prints
+a table. Output tokens/s counts completion tokens over the level's wall time; TTFT is arrival to first
+content chunk; latency is arrival to the last chunk (p50 and p90 over requests).
+
+GPU (the issue's target; SmolLM2 + our drafter):
+    python scripts/bench_serving.py --target smollm2 --drafter runs/smollm2-drafter --out runs/bench-serving
+CPU smoke test (random drafter, seconds):
+    python scripts/bench_serving.py --target stories260k --random-drafter --device cpu \\
+        --concurrency 1 4 --max-tokens 16 --out /tmp/bench-serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+import torch
+
+from eagle3.config import SpecConfig
+from eagle3.evaluate import load_prompts
+from eagle3.models import load_target
+from eagle3.record import run_record, write_json
+from eagle3.runtime import eos_token_ids, init_drafter
+from eagle3.serving.app import create_app
+from eagle3.serving.config import ServeConfig
+from eagle3.serving.drafting import Eagle3BatchDrafter
+from eagle3.serving.policy import SpecPolicy, default_token_budget
+from eagle3.serving.server import ServerThread, build_scheduler
+from eagle3.target import Target
+
+MODEL = "bench"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--drafter", help="EAGLE-3 drafter checkpoint")
+    src.add_argument("--random-drafter", action="store_true", help="a random drafter (smoke tests only)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--modes", nargs="+", choices=("plain", "spec"), default=["plain", "spec"])
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", default="mt_bench", help="bundled set name or JSONL")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per mode")
+    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="largest tree (default 6,10,60)")
+    p.add_argument("--spec-budget", type=int, default=None)
+    p.add_argument("--spec-max-batch", type=int, default=None)
+    p.add_argument("--spec-min-accept", type=float, default=0.3)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> dict:
+    t0 = time.perf_counter()
+    ttft, tokens, error = None, 0, None
+    async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                error = msg["error"]["message"]
+                continue
+            if msg.get("usage"):
+                tokens = msg["usage"]["completion_tokens"]
+            for ch in msg.get("choices", []):
+                piece = ch.get("delta", {}).get("content") if chat else ch.get("text")
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - t0
+    return {"ttft": ttft, "latency": time.perf_counter() - t0, "tokens": tokens, "error": error}
+
+
+async def drive(url: str, bodies: list[dict], concurrency: int, chat: bool, timeout: float) -> tuple[list, float]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def worker():
+            while not queue.empty():
+                body = queue.get_nowait()
+                try:
+                    results.append(await one_request(client, url, body, chat))
+                except httpx.HTTPError as e:
+                    results.append({"error": f"{type(e).__name__}: {e}"})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        return results, time.perf_counter() - t0
+
+
+def request_bodies(prompts: list[list[dict]], n: int, start: int, chat: bool, args) -> list[dict]:
+    out = []
+    for i in range(n):
+        msgs = prompts[(start + i) % len(prompts)]
+        body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if args.temperature > 0:
+            body["seed"] = start + i
+        body.update({"messages": msgs} if chat else {"prompt": msgs[-1]["content"]})
+        out.append(body)
+    return out
+
+
+def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: str) -> list[dict]:
+    spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
+    policy = SpecPolicy.from_spec(spec, token_budget=args.spec_budget or default_token_budget(device),
+                                  max_batch=args.spec_max_batch, min_accept=args.spec_min_accept)
+    if mode == "plain":
+        target, batch_drafter, policy = Target(model, []), None, SpecPolicy(enabled=False)
+    else:
+        target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
+    config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens)
+    sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config)
+    rows = []
+    srv = ServerThread(create_app(sched), shutdown_timeout=10).start()
+    try:
+        if args.warmup:
+            asyncio.run(drive(srv.url, request_bodies(prompts, args.warmup, 0, chat, args), 1, chat, args.timeout))
+        start = args.warmup
+        for c in args.concurrency:
+            n = max(args.min_requests, c * args.rounds)
+            before = sched.metrics.snapshot()
+            res, wall = asyncio.run(drive(srv.url, request_bodies(prompts, n, start, chat, args), c, chat,
+                                          args.timeout))
+            after = sched.metrics.snapshot()
+            start += n
+
+            def delta(key, after=after, before=before):
+                return after.get(key, 0.0) - before.get(key, 0.0)
+
+            ok = [r for r in res if not r.get("error")]
+            tokens = sum(r["tokens"] for r in ok)
+            spec_rows = delta("eagle3_spec_row_steps_total")
+            row = {
+                "mode": mode, "concurrency": c, "requests": n, "errors": len(res) - len(ok),
+                "error_examples": [r["error"] for r in res if r.get("error")][:3],
+                "output_tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
+                "ttft_p50_s": round(pct([r["ttft"] for r in ok if r["ttft"] is not None], 0.5), 4),
+                "ttft_p90_s": round(pct([r["ttft"] for r in ok if r["ttft"] is not None], 0.9), 4),
+                "latency_p50_s": round(pct([r["latency"] for r in ok], 0.5), 4),
+                "latency_p90_s": round(pct([r["latency"] for r in ok], 0.9), 4),
+                "verify_steps": int(delta("eagle3_verify_steps_total")),
+                "mean_batch": round(delta("eagle3_batch_size_sum") / max(1.0, delta("eagle3_batch_size_count")), 2),
+                "spec_row_fraction": round(spec_rows / max(1.0, delta("eagle3_batch_size_sum")), 3),
+                "tau": round(1 + delta("eagle3_accepted_tokens_total") / spec_rows, 3) if spec_rows else None,
+                "mean_cycle_ms": round(1000 * delta("eagle3_cycle_seconds_sum")
+                                       / max(1.0, delta("eagle3_cycle_seconds_count")), 2),
+            }
+            rows.append(row)
+            print(f"{mode:5s} c={c:<3d} {row['tokens_per_s']:9.1f} tok/s  ttft p50 {row['ttft_p50_s']:.3f}s  "
+                  f"lat p50 {row['latency_p50_s']:.3f}s p90 {row['latency_p90_s']:.3f}s  batch {row['mean_batch']:.1f}"
+                  f"  tau {row['tau']}  errors {row['errors']}", flush=True)
+    finally:
+        srv.stop()
+        target.close()
+    rows_policy = asdict(policy)
+    for r in rows:
+        r["policy"] = rows_policy
+    return rows
+
+
+def plot(results: list[dict], png: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    colors = {"plain": "C0", "spec": "C1"}
+    for mode in sorted({r["mode"] for r in results}):
+        rs = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["concurrency"])
+        cs, col = [r["concurrency"] for r in rs], colors[mode]
+        axes[0].plot(cs, [r["tokens_per_s"] for r in rs], marker="o", color=col, label=mode)
+        axes[2].plot(cs, [r["latency_p50_s"] for r in rs], marker="o", color=col, label=f"{mode} latency p50")
+        axes[2].plot(cs, [r["ttft_p50_s"] for r in rs], marker="x", linestyle="--", color=col,
+                     label=f"{mode} TTFT p50")
+    plain = {r["concurrency"]: r["tokens_per_s"] for r in results if r["mode"] == "plain"}
+    spec = {r["concurrency"]: r["tokens_per_s"] for r in results if r["mode"] == "spec"}
+    both = sorted(set(plain) & set(spec))
+    if both:
+        axes[1].plot(both, [spec[c] / plain[c] if plain[c] else 0 for c in both], marker="o", color="C2")
+        axes[1].axhline(1.0, color="grey", linestyle=":")
+    for ax, title, ylabel in zip(axes, ("output throughput", "speculative / plain", "latency"),
+                                 ("tokens/s", "speedup", "seconds"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_target(args.target, dtype=args.dtype, device=device)
+    dtype = next(model.parameters()).dtype
+    if args.random_drafter:
+        drafter = init_drafter(model, seed=0).to(device=device, dtype=dtype)
+    else:
+        from eagle3.formats import load_drafter
+
+        drafter = load_drafter(args.drafter, target_config=model.config,
+                               target_embedding=model.get_input_embeddings().weight, device=device, dtype=dtype)
+    chat = bool(getattr(tok, "chat_template", None))
+    name, prompts = load_prompts(args.prompts)
+    results = []
+    for mode in args.modes:
+        results += run_mode(mode, model, tok, drafter, args, prompts, chat, device)
+    plain = {r["concurrency"]: r["tokens_per_s"] for r in results if r["mode"] == "plain"}
+    speedup = {c: round(r["tokens_per_s"] / plain[c], 3) for r in results if r["mode"] == "spec"
+               for c in [r["concurrency"]] if plain.get(c)}
+    out = Path(args.out)
+    record = run_record("bench_serving", target=args.target, drafter=args.drafter or "random", device_name=device,
+                        dtype=str(dtype), prompts=name, endpoint="chat" if chat else "completions",
+                        max_tokens=args.max_tokens, temperature=args.temperature, results=results,
+                        speedup_spec_over_plain=speedup)
+    write_json(record, out / "bench_serving.json")
+    png = plot(results, out / "bench_serving.png")
+    print()
+    print(f"{'clients':>7} | " + " | ".join(f"{m + ' tok/s':>11} {m + ' p50 lat':>12} {m + ' ttft':>10}"
+                                            for m in args.modes) + (" | speedup" if speedup else ""))
+    for c in args.concurrency:
+        cells = []
+        for m in args.modes:
+            r = next(r for r in results if r["mode"] == m and r["concurrency"] == c)
+            cells.append(f"{r['tokens_per_s']:>11.1f} {r['latency_p50_s']:>11.3f}s {r['ttft_p50_s']:>9.3f}s")
+        print(f"{c:>7} | " + " | ".join(cells) + (f" | {speedup.get(c, float('nan')):.2f}x" if speedup else ""))
+    errors = sum(r["errors"] for r in results)
+    print(f"\nreport: {out / 'bench_serving.json'}" + (f", chart: {png}" if png else "")
+          + (f"; {errors} failed requests" if errors else ""))
+    if speedup:
+        print(f"geometric-mean speedup {statistics.geometric_mean(speedup.values()):.2f}x")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""`eagle3 bench`: one command, one device, one run: tokens/s and tau of eagle3 against HF baselines.
+
+Methods (letters as in the issue):
+
+    (a) hf         HF `generate`, default (dynamic cache, eager)
+    (b) hf_static  HF `generate(cache_implementation="static")`: transformers compiles the decoding step itself
+                   on CUDA (its automatic compilation for static caches); on CPU it runs eager
+    (c) hf_lookup  HF prompt lookup decoding (`prompt_lookup_num_tokens=10`)
+    (d) plain      eagle3 plain decoding on the fast path (static cache, CUDA graphs)
+    (e) ngram      eagle3 n-gram drafting (prompt lookup) on the fast path
+    (f) chain      EAGLE-3 chain of K drafts on the fast path
+    (g) tree       EAGLE-3 EAGLE-2-style tree on the fast path
+
+Each method is warmed up (graph capture, compilation) on the longest prompt, then run once per prompt; rows are
+per prompt, summaries are medians of per-prompt tokens/s (plus the aggregate). tau = tokens emitted per target
+verification forward, bonus token included (for HF prompt lookup: forwards counted with a hook). Every method's
+greedy token ids are compared with (d)'s. The bandwidth floor is (weight bytes + KV bytes at the mean context) /
+measured device copy bandwidth; the fraction (d)'s decoding rate reaches is printed beside it.
+
+`eagle3 bench --overhead` measures the per-cycle cost at the Llama-3.1-8B shape instead (`eagle3.fast.overhead`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
+
+log = logging.getLogger("eagle3.bench")
+
+METHODS: dict[str, tuple[str, str]] = {
+    "hf": ("a", "HF generate (default)"),
+    "hf_static": ("b", "HF generate, static cache + compile"),
+    "hf_lookup": ("c", "HF prompt lookup decoding"),
+    "plain": ("d", "eagle3 plain decoding (fast path)"),
+    "ngram": ("e", "eagle3 n-gram (fast path)"),
+    "chain": ("f", "EAGLE-3 chain (fast path)"),
+    "tree": ("g", "EAGLE-3 tree (fast path)"),
+}
+HF_LOOKUP_TOKENS = 10
+NEEDS_DRAFTER = ("chain", "tree")
+
+
+def parse_methods(text: str | list[str] | None) -> list[str]:
+    """'all', a comma list of names (hf, hf_static, hf_lookup, plain, ngram, chain, tree) or letters a-g."""
+    if text is None or text == "all":
+        return list(METHODS)
+    items = text if isinstance(text, list) else text.split(",")
+    by_letter = {v[0]: k for k, v in METHODS.items()}
+    out = []
+    for item in (i.strip() for i in items if i.strip()):
+        name = by_letter.get(item, item)
+        if name not in METHODS:
+            raise ConfigError(f"--methods: unknown method {item!r}; choose from {', '.join(METHODS)} (or a-g)")
+        if name not in out:
+            out.append(name)
+    return sorted(out, key=list(METHODS).index)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# method runners: ids -> (new token ids, seconds, accepted tokens per forward info)
+# ------------------------------------------------------------------------------------------------
+def _hf_runner(model, kind: str, max_new_tokens: int, eos: list[int], pad: int, cache_len: int):
+    device = next(model.parameters()).device
+    kw: dict = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None, pad_token_id=pad)
+    if kind == "hf_static":
+        kw["cache_implementation"] = "static"
+        if hasattr(model.generation_config, "max_cache_len"):  # one cache size for every prompt: no recompiles
+            kw["max_cache_len"] = cache_len
+    if kind == "hf_lookup":
+        kw["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
+    count = kind != "hf_static"  # a Python hook inside a compiled call would break its graph
+
+    def run(ids: list[int]) -> dict:
+        calls = [0]
+        hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if count else None
+        x = torch.tensor([ids], device=device)
+        try:
+            _sync(device)
+            t0 = time.perf_counter()
+            y = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+            _sync(device)
+            dt = time.perf_counter() - t0
+        finally:
+            if hook is not None:
+                hook.remove()
+        new = y[0, len(ids):].tolist()
+        cycles = calls[0] - 1 if count else max(len(new) - 1, 0)  # forwards after the prefill
+        return {"ids": new, "seconds": dt, "cycles": cycles, "emitted_in_cycles": len(new) - 1,
+                "decode_s": None}
+
+    return run
+
+
+def _engine_runner(engine, max_new_tokens: int, eos: list[int]):
+    def run(ids: list[int]) -> dict:
+        res = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+        st = res.stats
+        return {"ids": res.token_ids, "seconds": st.total_s, "cycles": st.cycles,
+                "emitted_in_cycles": sum(st.accepted_per_cycle) + st.cycles, "decode_s": st.verify_s}
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------------
+# the benchmark
+# ------------------------------------------------------------------------------------------------
+def run_bench(
+    target: str,
+    drafter: str | None = None,
+    dataset: str = "mt_bench",
+    limit: int | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    methods: list[str] | None = None,
+    chain: int = DEFAULT_CHAIN_LENGTH,
+    tree: SpecConfig | None = None,
+    ngram_tokens: int = HF_LOOKUP_TOKENS,
+    device: str | None = None,
+    dtype: str = "auto",
+    graphs: bool = True,
+    compile: bool = False,
+    pipeline: bool = True,
+    warmup: int = 1,
+    echo: Callable[[str], None] = print,
+) -> dict:
+    """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it."""
+    import transformers
+
+    from eagle3.evaluate import load_prompts
+    from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
+    from eagle3.fast.overhead import copy_bandwidth
+    from eagle3.models import load_target
+    from eagle3.record import run_record
+    from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter
+
+    methods = methods or list(METHODS)
+    tree = tree or SpecConfig()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index or 0)  # set_device needs an index: "cuda" means cuda:0
+        torch.cuda.set_device(dev)
+    transformers.logging.set_verbosity_error()  # generation-config notices would drown the table
+    model, tok = load_target(target, dtype=dtype, device=dev)
+    eos = eos_token_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+    name, chats = load_prompts(dataset, limit=limit)
+    use_chat = bool(getattr(tok, "chat_template", None))
+    prompts = [encode_prompt(tok, chat=m) if use_chat else encode_prompt(tok, prompt=m[0]["content"]) for m in chats]
+    if not prompts:
+        raise ConfigError(f"dataset {dataset!r} has no prompts")
+    longest = max(prompts, key=len)
+
+    d = None
+    if any(m in NEEDS_DRAFTER for m in methods):
+        if drafter is None:
+            echo("no --drafter: skipping the EAGLE-3 methods (chain, tree); pass --drafter DIR or --drafter random")
+            methods = [m for m in methods if m not in NEEDS_DRAFTER]
+        elif drafter == "random":
+            d = init_drafter(model, seed=0).to(device=dev, dtype=next(model.parameters()).dtype).eval()
+        else:
+            from eagle3.formats import load_drafter
+
+            d = load_drafter(drafter, target_config=model.config, target_embedding=model.get_input_embeddings().weight,
+                             device=dev, dtype=next(model.parameters()).dtype)
+    reason = fast_support(model)
+    if reason is not None:
+        echo(f"fast path unavailable ({reason}): methods d-g use the generic engine")
+    chain_spec = SpecConfig(mode="chain", chain_length=chain)
+    ngram_spec = SpecConfig(mode="chain", chain_length=ngram_tokens)
+    max_nodes = max(tree.total_tokens, chain, ngram_tokens)
+    cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max(tree.depth, chain, ngram_tokens) + 2
+    options = FastOptions(graphs=graphs, compile=compile, pipeline=pipeline, max_seq_len=cache_len)
+    shared = None
+    if reason is None:
+        shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
+
+    def engine_for(kind: str):
+        draft, spec = {"plain": ("none", SpecConfig(mode="none")), "ngram": ("ngram", ngram_spec),
+                       "chain": ("eagle3", chain_spec), "tree": ("eagle3", tree)}[kind]
+        if shared is not None:
+            return FastEngine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options, target=shared)
+        return build_engine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options)
+
+    rows: list[dict] = []
+    summary: list[dict] = []
+    results: dict[str, list[dict]] = {}
+    for m in methods:
+        letter, label = METHODS[m]
+        if m.startswith("hf"):
+            run = _hf_runner(model, m, max_new_tokens, eos, pad, cache_len)
+            engine = None
+        else:
+            engine = engine_for(m)
+            run = _engine_runner(engine, max_new_tokens, eos)
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            run(longest)
+        warm_s = time.perf_counter() - t0
+        results[m] = [run(ids) for ids in prompts]
+        fast = isinstance(engine, FastEngine)
+        compiled = (m == "hf_static" and dev.type == "cuda") or (fast and engine.compiled)
+        summary.append({"method": m, "letter": letter, "label": label, "warmup_s": round(warm_s, 3),
+                        "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed})
+        echo(f"({letter}) {label}: done ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
+        del engine
+
+    ref_method = "plain" if "plain" in results else methods[0]
+    ref = results[ref_method]
+    for s in summary:
+        res = results[s["method"]]
+        tps = [len(r["ids"]) / r["seconds"] for r in res]
+        taus = [r["emitted_in_cycles"] / r["cycles"] if r["cycles"] else 1.0 for r in res]
+        identical = [r["ids"] == q["ids"] for r, q in zip(res, ref, strict=True)]
+        for i, (r, t, tau, same) in enumerate(zip(res, tps, taus, identical, strict=True)):
+            rows.append({"method": s["method"], "prompt": i, "prompt_tokens": len(prompts[i]),
+                         "new_tokens": len(r["ids"]), "seconds": round(r["seconds"], 5),
+                         "tokens_per_s": round(t, 3), "tau": round(tau, 4), "cycles": r["cycles"],
+                         "identical_to_reference": same})
+        total_tokens = sum(len(r["ids"]) for r in res)
+        s.update(
+            tokens_per_s_median=round(statistics.median(tps), 3),
+            tokens_per_s_aggregate=round(total_tokens / sum(r["seconds"] for r in res), 3),
+            tau=round(sum(r["emitted_in_cycles"] for r in res) / max(1, sum(r["cycles"] for r in res)), 4),
+            tau_median=round(statistics.median(taus), 4),
+            identical=sum(identical), prompts=len(res), new_tokens=total_tokens,
+        )
+        decode = [(len(r["ids"]) - 1) / r["decode_s"] for r in res if r["decode_s"] and len(r["ids"]) > 1]
+        s["decode_tokens_per_s_median"] = round(statistics.median(decode), 3) if decode else None
+    by = {s["method"]: s for s in summary}
+    for s in summary:
+        for base in ("plain", "hf", "hf_static"):
+            if base in by:
+                s[f"speedup_vs_{base}"] = round(s["tokens_per_s_median"] / by[base]["tokens_per_s_median"], 3)
+
+    bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, by.get("plain"), copy_bandwidth)
+    return run_record(
+        "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=use_chat,
+        max_new_tokens=max_new_tokens, methods=methods, reference=ref_method,
+        spec={"chain": chain, "tree": [tree.depth, tree.top_k, tree.total_tokens], "ngram_tokens": ngram_tokens,
+              "hf_lookup_tokens": HF_LOOKUP_TOKENS},
+        options={"graphs": graphs, "compile": compile, "pipeline": pipeline, "warmup": warmup,
+                 "device": str(dev), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                 "cache_slots": cache_len},
+        summary=summary, bandwidth=bandwidth, rows=rows,
+    )
+
+
+def _bandwidth(model, fast_target, prompts, max_new_tokens, dev, plain, copy_bandwidth) -> dict:
+    """Bytes one decoding step must read, the floor they imply at the measured copy bandwidth, and the
+    fraction of that floor plain decoding reaches."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    if fast_target is not None:
+        wbytes = fast_target.weight_bytes()
+    else:
+        emb = model.get_input_embeddings().weight
+        tied = emb.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+        wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        wbytes -= 0 if tied else emb.numel() * emb.element_size()
+    nkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elt = next(model.parameters()).element_size()
+    mean_ctx = statistics.mean(len(p) for p in prompts) + max_new_tokens / 2
+    kv = int(2 * cfg.num_hidden_layers * nkv * hd * elt * mean_ctx)
+    bw = copy_bandwidth(dev)
+    floor = bw / (wbytes + kv)
+    out = {"weight_bytes": wbytes, "kv_bytes_mean_context": kv, "mean_context": round(mean_ctx, 1),
+           "copy_bandwidth_gbs": round(bw / 1e9, 2), "floor_tokens_per_s": round(floor, 2)}
+    if fast_target is not None and fast_target.seq_len:
+        out["kv_bytes_static_cache"] = fast_target.kv_bytes(fast_target.seq_len)
+    if plain and plain.get("decode_tokens_per_s_median"):
+        out["plain_decode_tokens_per_s"] = plain["decode_tokens_per_s_median"]
+        out["plain_fraction_of_floor"] = round(plain["decode_tokens_per_s_median"] / floor, 4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# output
+# ------------------------------------------------------------------------------------------------
+def format_table(record: dict) -> str:
+    lines = [f"{'method':44s} {'tok/s med':>10s} {'tok/s agg':>10s} {'tau':>6s} {'x(d)':>6s} {'x(a)':>6s} "
+             f"{'x(b)':>6s} {'same as ' + record['reference']:>14s}"]
+    for s in record["summary"]:
+        def x(base, s=s):
+            v = s.get(f"speedup_vs_{base}")
+            return f"{v:6.2f}" if v is not None else f"{'-':>6s}"
+
+        lines.append(f"({s['letter']}) {s['label']:40s} {s['tokens_per_s_median']:10.1f} "
+                     f"{s['tokens_per_s_aggregate']:10.1f} {s['tau']:6.2f} {x('plain')} {x('hf')} {x('hf_static')} "
+                     f"{s['identical']:>8d}/{s['prompts']:<5d}")
+    b = record["bandwidth"]
+    lines.append(
+        f"bandwidth floor: ({b['weight_bytes'] / 1e9:.3f} GB weights + {b['kv_bytes_mean_context'] / 1e9:.4f} GB KV "
+        f"at mean context {b['mean_context']:.0f}) / {b['copy_bandwidth_gbs']:.1f} GB/s measured copy bandwidth "
+        f"= {b['floor_tokens_per_s']:.1f} tok/s")
+    if "plain_fraction_of_floor" in b:
+        lines.append(f"plain decoding (d) reaches {b['plain_decode_tokens_per_s']:.1f} tok/s while decoding = "
+                     f"{100 * b['plain_fraction_of_floor']:.1f}% of the floor")
+    return "\n".join(lines)
+
+
+def plot_bench(record: dict, png: str | Path) -> Path | None:
+    """Bar charts of median tokens/s (with the bandwidth floor) and tau per method. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    s = record["summary"]
+    names = [f"({r['letter']}) {r['method']}" for r in s]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    tps = [r["tokens_per_s_median"] for r in s]
+    a1.bar(names, tps, color="tab:blue")
+    floor = record["bandwidth"]["floor_tokens_per_s"]
+    if floor <= 3 * max(tps):  # a far-away floor would flatten the bars; it is in the title then
+        a1.axhline(floor, color="tab:red", ls="--", label=f"bandwidth floor {floor:.0f} tok/s")
+        a1.legend(fontsize=8)
+    else:
+        a1.set_title(f"bandwidth floor {floor:.0f} tok/s (off the chart)", fontsize=9)
+    a1.set_ylabel("tokens/s (median over prompts)")
+    a2.bar(names, [r["tau"] for r in s], color="tab:green")
+    a2.set_ylabel("tau (tokens per target forward)")
+    dev = record["device"].get("gpu") or record["device"].get("cpu")
+    fig.suptitle(f"{record['target']} on {dev}, {record['dataset']} x{record['prompts']}, "
+                 f"{record['max_new_tokens']} new tokens")
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
+def format_overhead(res: dict) -> str:
+    lines = [f"{'config':18s} {'draft':>8s} {'verify':>8s} {'bookkeep':>9s} {'cycle':>8s}  (target steps; "
+             f"1 step = {res['target_step_ms']:.3f} ms)"]
+    for r in res["rows"]:
+        name = f"{r['kind']}-{r['depth']},{r['top_k']},{r['tokens']}"
+        lines.append(f"{name:18s} {r['draft_units']:8.3f} {r['verify_units']:8.3f} {r['bookkeeping_units']:9.3f} "
+                     f"{r['cycle_units']:8.3f}")
+    lines.append(f"plain decoding: {res['plain_bandwidth_gbs']:.0f} GB/s of weights "
+                 f"({100 * res['plain_fraction_of_copy']:.1f}% of measured copy bandwidth "
+                 f"{res['copy_bandwidth_gbs']:.0f} GB/s)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `eagle3 bench` on an argparse subparsers object."""
+    b = subparsers.add_parser("bench", help="tokens/s and tau of eagle3 vs HF generate, prompt lookup and the "
+                              "bandwidth floor; --overhead: per-cycle cost at the Llama-3.1-8B shape")
+    b.add_argument("--target", default=None, help="the target model (required unless --overhead)")
+    b.add_argument("--drafter", default=None, help="drafter checkpoint directory, or 'random' (timing only)")
+    b.add_argument("--dataset", default="mt_bench", help="bundled set name or JSONL file (default mt_bench)")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts")
+    b.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    b.add_argument("--methods", default="all",
+                   help="comma list of hf,hf_static,hf_lookup,plain,ngram,chain,tree (or letters a-g); default all")
+    b.add_argument("--chain", type=int, default=DEFAULT_CHAIN_LENGTH, metavar="K", help="EAGLE-3 chain length")
+    b.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-3 tree (default 6,10,60)")
+    b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, help="n-gram draft length (e)")
+    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
+    b.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
+    b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
+    b.add_argument("--warmup", type=int, default=1, help="warm-up runs per method on the longest prompt")
+    b.add_argument("--out", default="bench-out", help="folder for bench.json / bench.png (overhead.json)")
+    b.add_argument("--overhead", action="store_true", help="per-cycle cost with random Llama-3.1-8B-shape weights")
+    b.add_argument("--tiny", action="store_true", help="--overhead on a tiny random Llama (CPU tests)")
+    b.add_argument("--context", type=int, default=None, help="--overhead: cached context length (default 512)")
+    b.add_argument("--reps", type=int, default=None, help="--overhead: replays per timing (default 20)")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def cmd_bench(args) -> int:
+    from eagle3.record import run_record, write_json
+
+    out = Path(args.out)
+    graphs = not args.no_graphs
+    if args.overhead:
+        from eagle3.fast.overhead import run_overhead
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not args.tiny:
+            torch.cuda.set_device(torch.device("cuda", torch.device(device).index or 0))
+        res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
+                           reps=args.reps)
+        record = run_record("bench-overhead", **res)
+        path = write_json(record, out / "overhead.json")
+        print(format_overhead(res))
+        print(f"record: {path}")
+        return 0
+    if not args.target:
+        raise ConfigError("eagle3 bench needs --target (or --overhead for the random 8B-shape measurement)")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    tree = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
+    record = run_bench(
+        args.target, drafter=args.drafter, dataset=args.dataset, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=tree,
+        ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
+        pipeline=not args.no_pipeline, warmup=args.warmup,
+    )
+    path = write_json(record, out / "bench.json")
+    png = plot_bench(record, out / "bench.png")
+    print(format_table(record))
+    print(f"record: {path}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+    return 0

@@ -1,0 +1,19 @@
+"""The fast path: static KV caches, fixed-shape draft trees, CUDA-graph-captured cycles (batch size 1).
+
+    from eagle3.fast import build_engine
+    engine = build_engine(model, draft="eagle3", spec=SpecConfig(), drafter=drafter, tokenizer=tok)
+    engine.generate(prompt_ids, max_new_tokens=256, eos_token_ids=[...])
+
+Modules: `target` (functional Llama/Qwen forward over a static cache), `drafter` (the EAGLE-3 drafter over a
+static cache), `core` (draft / verify / accept / compact as fixed-shape device steps), `graphs` (capture and
+replay), `engine` (the decoding loop, same interface as `eagle3.decoding.engine.SpeculativeEngine`),
+`overhead` (the cost of one speculative cycle in target-step units).
+"""
+
+from eagle3.fast.core import FastCore
+from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.engine import FastEngine, FastOptions, build_engine, fast_engine_for
+from eagle3.fast.target import FAST_MODEL_TYPES, FastTarget, fast_support
+
+__all__ = ["FAST_MODEL_TYPES", "FastCore", "FastDrafter", "FastEngine", "FastOptions", "FastTarget",
+           "build_engine", "fast_engine_for", "fast_support"]

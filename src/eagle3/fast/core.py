@@ -1,0 +1,326 @@
+"""The fixed-shape speculative cycle on device: draft a tree, verify it, accept greedily, compact the KV cache.
+
+Every step reads and writes preallocated buffers only, takes no Python value that changes between calls, and
+never copies to the host, so each step (or a whole cycle) can be replayed as one CUDA graph. Lengths are device
+tensors. With N draft nodes and a maximum accepted depth D:
+
+    state      length [1]     committed tokens in the target cache == committed drafter rows
+               root [1]       last emitted token: verified this cycle, not yet in the cache
+               last_out [1,H] drafter output of the newest committed row (EAGLE-3 only)
+    tree       tree_tokens [N], tree_parents1 [N+1] (N+1 indexing, root's parent is itself), tree_valid [N]
+    verify     top [N+1] (argmax after each node) or logits [N+1, V]; aux [N+1, 3·Ht]; anc [N+1, N+1]
+    accept     keep [D+1] (N+1 indices of root + accepted path, padded with 0), n_acc [1],
+               emitted [D+1] (accepted tokens, then the bonus token at index n_acc, padded)
+               packet [D+3] = [n_acc, deepest drafted depth, emitted...]: the one thing the host reads per cycle
+
+Worked example (chain, N = D = 3, length L = 10, drafts [a, b, c], target argmax after root/a/b/c = [a, b, x, y]):
+match = [T, T, F] -> accepted nodes 1, 2 -> n_acc = 2, keep = [0, 1, 2, 0], emitted = [a, b, x, ·];
+commit copies cache slots L + keep = [10, 11, 12, 10] to slots [10, 11, 12, 13] (slot 13 is garbage, beyond
+the new length), feeds the drafter rows (aux of root, a, b) with tokens (a, b, x) at slots 10..12, and sets
+root = x, length = 13.
+
+Drafter cache layout: slot s < length is the committed drafter row at RoPE position s. Tree-expansion rows of
+step j (1..depth-1) go to scratch slots length + (j-1)·k + [0, k); commit overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.target import FastTarget
+
+MODES = ("none", "eagle3", "host")
+
+
+class FastCore(nn.Module):
+    """Static buffers and step functions of one decoding setup (mode, tree shape); see the module docstring.
+
+    mode "none": plain decoding (N = 0). "eagle3": the drafter expands a tree of `depth` steps with `top_k`
+    branching and keeps `total_tokens` nodes (a chain is top_k = 1). "host": the host writes a tree of at most
+    `max_nodes` nodes into the tree buffers before each cycle (n-gram, test doubles).
+    """
+
+    def __init__(
+        self,
+        target: FastTarget,
+        mode: str,
+        drafter: FastDrafter | None = None,
+        depth: int = 0,
+        top_k: int = 1,
+        total_tokens: int = 0,
+        max_nodes: int = 0,
+    ):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+        if (mode == "eagle3") != (drafter is not None):
+            raise ValueError("a drafter is needed for mode 'eagle3' and only there")
+        self.target, self.drafter, self.mode = target, drafter, mode
+        if mode == "eagle3":
+            self.top_k, self.depth = top_k, depth
+            recorded = top_k + (depth - 1) * top_k * top_k  # nodes the expansion records
+            self.n_nodes = min(total_tokens, recorded)
+            self.max_depth = depth
+            self.scratch = (depth - 1) * top_k  # drafter rows of tree expansion
+        elif mode == "host":
+            self.n_nodes = self.max_depth = max_nodes
+            self.top_k = self.depth = self.scratch = 0
+        else:
+            self.n_nodes = self.max_depth = self.top_k = self.depth = self.scratch = 0
+        if mode != "none" and self.n_nodes < 1:
+            raise ValueError(f"mode {mode!r} needs at least one draft node")
+        n, d = self.n_nodes, self.max_depth
+        dev = target.device
+        self.register_buffer("length", torch.zeros(1, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("root", torch.zeros(1, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("ar", torch.arange(max(n, d, self.top_k) + 2, device=dev), persistent=False)
+        self.register_buffer("tree_tokens", torch.zeros(n, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("tree_parents1", torch.zeros(n + 1, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("tree_valid", torch.ones(n, dtype=torch.bool, device=dev), persistent=False)
+        self.register_buffer("earlier", torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1), persistent=False)
+        self.register_buffer("top", torch.zeros(n + 1, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("logits", None, persistent=False)  # [N+1, V] fp32, allocated for sampling
+        self.register_buffer("anc", torch.zeros(n + 1, n + 1, dtype=torch.bool, device=dev), persistent=False)
+        self.register_buffer("keep", torch.zeros(d + 1, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("n_acc", torch.zeros(1, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("emitted", torch.zeros(d + 1, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("packet", torch.zeros(d + 3, dtype=torch.long, device=dev), persistent=False)
+        if drafter is not None:
+            ht3 = 3 * target.hidden_size
+            self.register_buffer("aux", torch.zeros(n + 1, ht3, dtype=target.dtype, device=dev), persistent=False)
+            self.register_buffer("last_out", torch.zeros(1, drafter.hidden_size, dtype=drafter.dtype, device=dev),
+                                 persistent=False)
+        self.register_buffer("ar_s", None, persistent=False)
+        self.register_buffer("ar_sd", None, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.length.device
+
+    # -- allocation ----------------------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        return self.target.seq_len
+
+    def slots_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Target cache slots for one request: prompt, output, one verification beyond the end (the pipelined
+        cycle the host launches before it reads that generation stopped), and compaction padding."""
+        return prompt_len + max_new_tokens + 2 * (self.n_nodes + 1) + self.max_depth + 2
+
+    @torch.no_grad()
+    def allocate(self, seq_len: int) -> None:
+        """Size the caches for `seq_len` target slots (the drafter gets room for its scratch rows too)."""
+        self.target.allocate(seq_len)
+        dev = self.device
+        self.ar_s = torch.arange(seq_len, device=dev)
+        if self.drafter is not None:
+            sd = -(-(seq_len + max(self.scratch, self.max_depth + 1)) // 128) * 128  # aligned, as the target
+            self.drafter.allocate(sd)
+            self.ar_sd = torch.arange(sd, device=dev)
+
+    def alloc_ids(self) -> tuple[int, int]:
+        """Changes whenever a cache this core uses was reallocated (graphs captured before are stale)."""
+        return self.target.alloc_id, (self.drafter.alloc_id if self.drafter is not None else 0)
+
+    def enable_sampling(self) -> None:
+        if self.logits is None:
+            self.logits = torch.zeros(self.n_nodes + 1, self.target.vocab_size, device=self.device)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Zero the state scalars (after graph warm-up, which runs real cycles on whatever is in the buffers)."""
+        self.length.zero_()
+        self.root.zero_()
+        if self.drafter is not None:
+            self.last_out.zero_()
+
+    # -- prefill (eager, variable length) -------------------------------------------------------
+    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the prompt [T] into slots 0..T-1; returns next-token logits [V] and aux [T, 3·Ht] (EAGLE-3)."""
+        t = prompt.shape[0]
+        pos = torch.arange(t, device=self.device)  # [T]
+        mask = self.ar_s[None, :] <= pos[:, None]  # [T, S] causal
+        logits, aux = self.target(prompt, pos, pos, mask, last_only=True, want_aux=self.drafter is not None)
+        return logits[0], aux
+
+    def begin(self, prompt: torch.Tensor, aux: torch.Tensor | None, first: torch.Tensor) -> None:
+        """After prefill: drafter rows for the prompt (row t pairs features g_t with token x_{t+1}), state."""
+        t = prompt.shape[0]
+        if self.drafter is not None:
+            pos = torch.arange(t, device=self.device)
+            mask = self.ar_sd[None, :] <= pos[:, None]  # [T, Sd]
+            hidden = self.drafter.combine(aux)  # [T, H]
+            out = self.drafter(hidden, torch.cat([prompt[1:], first]), pos, pos, mask)  # [T, H]
+            self.last_out.copy_(out[-1:])
+        self.root.copy_(first)
+        self.length.fill_(t)
+
+    # -- step functions (fixed shapes, no host sync) ------------------------------------------
+    def draft(self) -> None:
+        """EAGLE-2 dynamic tree expansion and rerank (as `Eagle3Proposer.propose`) into the tree buffers."""
+        d, k, dev = self.drafter, self.top_k, self.device
+        length = self.length  # [1]
+        lp0 = d.log_probs(self.last_out)[0]  # [Vd]
+        scores, ids = lp0.topk(k)  # [k]
+        rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
+        rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        ar_k = self.ar[:k]
+        eye = ar_k[:, None] == ar_k[None, :]  # [k, k]
+        frontier = ar_k  # record indices of the frontier nodes
+        f_hidden = d.feedback(self.last_out).expand(k, -1)  # [k, H]
+        f_scores = scores
+        anc = eye  # [k, rows so far]: frontier ancestry over the scratch rows
+        base = (self.ar_sd < length)[None].repeat(k, 1)  # [k, Sd]: committed rows
+        all_tokens = rec_tokens[0]
+        n_rec = k
+        for step in range(1, self.depth):
+            cols = length + torch.arange(step * k, device=dev)  # [step·k] scratch slots so far
+            mask = base.clone().scatter_(1, cols[None].expand(k, -1), anc)  # [k, Sd]
+            pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
+            out = d(f_hidden, all_tokens[frontier], pos, cols[-k:], mask)  # [k, H]
+            top_lp, top_ids = d.log_probs(out).topk(k, dim=-1)  # [k, k]
+            cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
+            rec_scores.append(cum)
+            rec_tokens.append(d.to_target_ids(top_ids.reshape(-1)))
+            rec_parents.append(frontier[:, None].expand(k, k).reshape(-1))
+            all_tokens = torch.cat(rec_tokens)
+            best = cum.topk(k).indices  # [k] among this step's k·k
+            parent_row = best // k
+            frontier = n_rec + best
+            n_rec += k * k
+            f_scores = cum[best]
+            f_hidden = d.feedback(out)[parent_row]  # [k, H]
+            anc = torch.cat([anc[parent_row], eye], dim=1)  # [k, (step+1)·k]
+        all_scores = torch.cat(rec_scores)  # [R]
+        all_parents = torch.cat(rec_parents)  # [R]
+        n = self.n_nodes
+        order = torch.sort(-all_scores, stable=True).indices[:n]  # best first; parents rank before children
+        keep = torch.sort(order).values  # [N] record order: parents precede children
+        remap = torch.full_like(all_parents, -1).scatter_(0, keep, self.ar[:n])  # [R] record -> node index
+        parents = all_parents[keep]  # [N] record indices (-1: root)
+        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
+        self.tree_tokens.copy_(all_tokens[keep])
+        self.tree_parents1[1:].copy_(parents + 1)
+        self.tree_parents1[:1].zero_()
+
+    def _ancestors(self) -> torch.Tensor:
+        """Bool [N+1, N+1]: [i, j] iff j is i or an ancestor of i, by walking parent pointers max_depth times."""
+        n1 = self.n_nodes + 1
+        idx = self.ar[:n1]
+        anc = idx[:, None] == idx[None, :]  # [N+1, N+1]
+        cur = idx
+        for _ in range(self.max_depth):
+            cur = self.tree_parents1[cur]  # [N+1]
+            anc = anc | (cur[:, None] == idx[None, :])
+        return anc
+
+    def verify(self, greedy: bool = True) -> None:
+        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]."""
+        n1 = self.n_nodes + 1
+        length = self.length
+        ids = torch.cat([self.root, self.tree_tokens])  # [N+1]
+        anc = self._ancestors()  # [N+1, N+1]
+        pos = length + anc.sum(dim=-1) - 1  # [N+1]
+        slots = length + self.ar[:n1]  # [N+1]
+        mask = (self.ar_s < length)[None].repeat(n1, 1)  # [N+1, S] the committed prefix
+        mask.scatter_(1, slots[None].expand(n1, -1), anc)  # plus each node's ancestors and itself
+        logits, aux = self.target(ids, pos, slots, mask, want_aux=self.drafter is not None)  # [N+1, V]
+        if greedy:
+            self.top.copy_(logits.argmax(dim=-1))
+        else:
+            self.logits.copy_(logits.float())
+        if aux is not None:
+            self.aux.copy_(aux)
+        self.anc.copy_(anc)
+
+    def accept(self) -> None:
+        """Greedy acceptance on device (same rule as `eagle3.decoding.verify.accept_greedy`)."""
+        n, d = self.n_nodes, self.max_depth
+        top = self.top  # [N+1]
+        if n == 0:
+            self.keep.zero_()
+            self.n_acc.zero_()
+            self.emitted.copy_(top[:1])
+            self.packet.copy_(torch.cat([self.n_acc, self.n_acc, top[:1]]))
+            return
+        tok = self.tree_tokens  # [N]
+        par = self.tree_parents1[1:]  # [N] parent in N+1 indexing
+        match = (tok == top[par]) & self.tree_valid  # [N] draft equals the argmax after its parent
+        same = (par[:, None] == par[None, :]) & (tok[:, None] == tok[None, :])  # [N, N] sibling, same token
+        ok = match & ~(same & self.earlier).any(dim=-1)  # [N] the first of equal siblings only
+        anc = self.anc[1:, 1:]  # [N, N]
+        accepted = ~(anc & ~ok[None, :]).any(dim=-1)  # [N] every node on the path to it is ok
+        depth = anc.sum(dim=-1)  # [N] 1 for children of the root
+        n_acc = accepted.sum().view(1)  # [1]
+        at_depth = accepted[None, :] & (depth[None, :] == self.ar[1 : d + 1, None])  # [D, N] one-hot rows
+        path = (at_depth.long() * self.ar[1 : n + 1][None, :]).sum(dim=-1)  # [D] N+1 index at depth i+1, or 0
+        keep = torch.cat([self.ar[:1], path])  # [D+1]
+        bonus = top[keep.gather(0, n_acc)]  # [1] target choice after the deepest accepted node
+        tok1 = torch.cat([self.root, tok])  # [N+1]
+        emitted = torch.cat([tok1[path], bonus]).scatter_(0, n_acc, bonus)  # [D+1]
+        drafted = (depth * self.tree_valid).max().view(1)  # [1] deepest valid node
+        self.keep.copy_(keep)
+        self.n_acc.copy_(n_acc)
+        self.emitted.copy_(emitted)
+        self.packet.copy_(torch.cat([n_acc, drafted, emitted]))
+
+    def commit(self) -> None:
+        """Move the accepted path's K/V next to the prefix, feed the drafter, advance root and length."""
+        d1 = self.max_depth + 1
+        length, keep, n_acc = self.length, self.keep, self.n_acc
+        dst = length + self.ar[:d1]  # [D+1]
+        if self.max_depth > 0:
+            t = self.target
+            src = length + keep  # [D+1], src >= dst elementwise: gather first, then write
+            k_sel = t.k_cache.index_select(2, src)  # [L, nkv, D+1, hd]
+            v_sel = t.v_cache.index_select(2, src)
+            t.k_cache.index_copy_(2, dst, k_sel)
+            t.v_cache.index_copy_(2, dst, v_sel)
+        if self.drafter is not None:
+            hidden = self.drafter.combine(self.aux.index_select(0, keep))  # [D+1, H]
+            mask = self.ar_sd[None, :] <= dst[:, None]  # [D+1, Sd] committed rows + causal
+            out = self.drafter(hidden, self.emitted, dst, dst, mask)  # [D+1, H]; rows > n_acc are padding
+            self.last_out.copy_(out.index_select(0, n_acc))
+        self.root.copy_(self.emitted.gather(0, n_acc))
+        self.length.add_(n_acc + 1)
+
+    # -- whole cycles (what the engine captures) ----------------------------------------------
+    def cycle_greedy(self) -> None:
+        if self.mode == "eagle3":
+            self.draft()
+        self.verify(greedy=True)
+        self.accept()
+        self.commit()
+
+    def cycle_logits(self) -> None:
+        """Draft (EAGLE-3) and verify, leaving fp32 logits for host-side sampling acceptance."""
+        if self.mode == "eagle3":
+            self.draft()
+        self.verify(greedy=False)
+
+    # -- host-side helpers (outside graphs) -------------------------------------------------
+    def load_tree(self, tokens: list[int], parents: list[int]) -> None:
+        """Write a host tree (parents: -1 = root, earlier node otherwise) padded to N invalid root children."""
+        n = self.n_nodes
+        m = len(tokens)
+        if m > n:
+            raise ValueError(f"the proposer drafted {m} nodes; this engine was built for at most {n}")
+        pad = n - m
+        host = torch.tensor([*tokens, *([0] * pad), 0, *[p + 1 for p in parents], *([0] * pad),
+                             *([1] * m), *([0] * pad)], dtype=torch.long)
+        host = host.to(self.device, non_blocking=False)
+        self.tree_tokens.copy_(host[:n])
+        self.tree_parents1.copy_(host[n : 2 * n + 1])
+        self.tree_valid.copy_(host[2 * n + 1 :].bool())
+
+    def set_acceptance(self, path: list[int], emitted: list[int]) -> None:
+        """Write a host-side acceptance (sampling): path in N+1 indexing, emitted = path tokens + next token."""
+        d = self.max_depth
+        a = len(path)
+        host = torch.tensor([0, *path, *([0] * (d - a)), a, *emitted, *([0] * (d - a))], dtype=torch.long)
+        host = host.to(self.device)
+        self.keep.copy_(host[: d + 1])
+        self.n_acc.copy_(host[d + 1 : d + 2])
+        self.emitted.copy_(host[d + 2 :])

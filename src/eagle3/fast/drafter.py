@@ -1,0 +1,136 @@
+"""The EAGLE-3 drafter over a static KV cache: same maths as `eagle3.drafter.Eagle3Drafter`, fixed shapes.
+
+Rows are written at cache slots given as device tensors and attend through a `[T, S]` boolean mask, so the
+draft steps can be captured in a CUDA graph. Slot s holds the drafter row at RoPE position s for rows computed
+from target features; tree-expansion rows live in scratch slots above the committed length and are overwritten
+by the next commit (see `eagle3.fast.core`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.drafter import Eagle3Drafter
+from eagle3.fast.target import apply_rope, attention_bias, grouped_attention, rms_norm, rope_tables
+
+
+class FastDrafter(nn.Module):
+    """Weights of an `Eagle3Drafter` (fused q/k/v and gate/up) plus a static KV cache `[n_kv, S, hd]`."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        cfg = drafter.config
+        self.config = cfg
+        layer = drafter.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        self.nh, self.nkv, self.hd = attn.nh, attn.nkv, attn.hd
+        self.hidden_size = cfg.hidden_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.hd**-0.5
+        self.norm_before_residual = cfg.norm_before_residual
+        self.norm_output = cfg.norm_output
+
+        def buf(name: str, t: torch.Tensor | None) -> None:
+            self.register_buffer(name, None if t is None else t.detach(), persistent=False)
+
+        buf("embed", drafter.embed_tokens.weight)
+        buf("fc", drafter.fc.weight)
+        buf("input_norm", drafter.input_norm.weight if cfg.norm_before_fc else None)
+        buf("fc_norm", torch.stack([n.weight for n in drafter.fc_norm]) if cfg.fc_norm else None)  # [3, Ht]
+        buf("hidden_norm", layer.hidden_norm.weight)
+        buf("input_layernorm", layer.input_layernorm.weight)
+        buf("post_ln", layer.post_attention_layernorm.weight)
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        buf("wqkv", torch.cat([p.weight for p in qkv]))
+        buf("bqkv", torch.cat([p.bias for p in qkv]) if attn.q_proj.bias is not None else None)
+        buf("wo", attn.o_proj.weight)
+        buf("bo", attn.o_proj.bias)
+        buf("w13", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        buf("b13", torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None)
+        buf("w2", mlp.down_proj.weight)
+        buf("b2", mlp.down_proj.bias)
+        buf("norm", drafter.norm.weight)
+        buf("lm_head", drafter.lm_head.weight)
+        buf("d2t", drafter.d2t)
+        self._rotary = [drafter.rotary_emb]  # a list, so it is not registered as a submodule
+        self.dtype = self.fc.dtype
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+        self.seq_len = 0
+        self.alloc_id = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.device
+
+    @torch.no_grad()
+    def allocate(self, seq_len: int) -> None:
+        """Allocate the KV cache [n_kv, S, hd] and RoPE table (a no-op when the size is unchanged)."""
+        if seq_len == self.seq_len:
+            return
+        dev, dt = self.device, self.dtype
+        pos = torch.arange(seq_len, device=dev)[None]  # [1, S]
+        cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd]
+        self.cos, self.sin = rope_tables(cos[0].to(dt), sin[0].to(dt))
+        self.k_cache = torch.zeros(self.nkv, seq_len, self.hd, dtype=dt, device=dev)
+        self.v_cache = torch.zeros(self.nkv, seq_len, self.hd, dtype=dt, device=dev)
+        self.seq_len = seq_len
+        self.alloc_id += 1
+
+    def weight_bytes(self) -> int:
+        skip = {"embed", "cos", "sin", "k_cache", "v_cache", "d2t"}
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n not in skip)
+
+    # -- the maths of Eagle3Drafter ------------------------------------------------------------
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [T, 3·Ht] -> drafter hidden states [T, H] (fc, with the optional input norms)."""
+        if self.fc_norm is not None:
+            ht = aux.shape[-1] // 3
+            parts = [rms_norm(c, self.fc_norm[j], self.eps) for j, c in enumerate(aux.split(ht, dim=-1))]
+            aux = torch.cat(parts, dim=-1)
+        elif self.input_norm is not None:
+            aux = rms_norm(aux, self.input_norm, self.eps)
+        return F.linear(aux.to(self.dtype), self.fc)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        tokens: torch.Tensor,  # [T] target-vocabulary ids
+        pos: torch.Tensor,  # [T] RoPE positions
+        slots: torch.Tensor,  # [T] cache slots to write
+        mask: torch.Tensor,  # bool [T, S]
+    ) -> torch.Tensor:
+        """The pre-norm drafter output [T, H] (as `Eagle3Drafter.forward`)."""
+        t = hidden.shape[0]
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        emb = F.embedding(tokens, self.embed).to(hidden.dtype)  # [T, H]
+        normed = rms_norm(hidden, self.hidden_norm, self.eps)
+        residual = normed if self.norm_before_residual else hidden
+        u = torch.cat([rms_norm(emb, self.input_layernorm, self.eps), normed], dim=-1)  # [T, 2H]
+        qkv = F.linear(u, self.wqkv, self.bqkv)  # [T, (nh + 2·nkv)·hd]
+        cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
+        q = apply_rope(qkv[:, : nh * hd].view(t, nh, hd), cos, sin)
+        k = apply_rope(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd), cos, sin)
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+        self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd]
+        self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        bias = attention_bias(mask, nh // nkv, self.dtype)  # [1, 1, g·T, S]
+        o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale)  # [T, nh·hd]
+        r1 = residual + F.linear(o, self.wo, self.bo)
+        gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
+        return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary log-probabilities [T, Vd] (fp32) of pre-norm outputs [T, H]."""
+        return torch.log_softmax(F.linear(rms_norm(out, self.norm, self.eps), self.lm_head).float(), dim=-1)
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """The hidden state fed to the next draft step (pre-norm, or post-norm with `norm_output`)."""
+        return rms_norm(out, self.norm, self.eps) if self.norm_output else out
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]

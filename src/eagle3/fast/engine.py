@@ -1,0 +1,362 @@
+"""`FastEngine`: the speculative decoding loop on the static-cache, graph-captured path (batch size 1).
+
+Same `generate(...)` signature and `GenerationResult` as `eagle3.decoding.engine.SpeculativeEngine`. Greedy
+decoding runs one captured graph per cycle (draft -> verify -> accept -> compact -> feed the drafter) and reads
+one small packet back per cycle: the accepted count and the emitted tokens, which the host needs for EOS, stop
+strings and streaming. With `pipeline` (CUDA only) the next cycle is launched before that packet is read, so the
+GPU does not wait for the host; when generation stops, the extra cycle's work is discarded.
+
+Draft kinds: "none" (plain decoding), "eagle3" (chain or EAGLE-2 tree drafted on device), "ngram" and any
+`eagle3.decoding.proposers.Proposer` (drafted on the host, padded to a fixed node count; one host round trip per
+cycle). Sampling (temperature > 0) verifies on device and accepts with the generic lossless rule of
+`eagle3.decoding.verify` on the host (two small syncs per cycle: the tree and the acceptance walk).
+
+`build_engine` returns a `FastEngine` when the target is a Llama/Mistral/Qwen2/Qwen3 model, else the generic
+engine with a logged notice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SamplingConfig, SpecConfig
+from eagle3.decoding.engine import GenerationResult, GenerationStats, SpeculativeEngine, _Stream
+from eagle3.decoding.proposers import NgramProposer, Proposer
+from eagle3.decoding.sampling import process_logits, sample
+from eagle3.decoding.tree import DraftTree
+from eagle3.decoding.verify import accept
+from eagle3.drafter import Eagle3Drafter
+from eagle3.fast.core import FastCore
+from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.graphs import StepRunner, graph_pool
+from eagle3.fast.target import FastTarget, fast_support
+
+log = logging.getLogger("eagle3.fast")
+
+FAST_DRAFT_KINDS = ("none", "eagle3", "ngram")
+
+
+@dataclass
+class FastOptions:
+    """How the fast path runs. `graphs` and `pipeline` only matter on CUDA."""
+
+    graphs: bool = True  # capture each cycle in a CUDA graph (False: eager kernels, same code)
+    compile: bool = False  # inductor-compile the step functions before capture (slower start, fewer kernels)
+    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
+    pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
+    max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
+    seq_align: int = 128  # slot counts are rounded up to a multiple of this
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class FastEngine:
+    """Batch-1 speculative decoding on `eagle3.fast` (static caches, fixed shapes, CUDA graphs)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        draft: str | Proposer = "none",
+        spec: SpecConfig | None = None,
+        drafter: Eagle3Drafter | None = None,
+        tokenizer=None,
+        options: FastOptions | None = None,
+        max_nodes: int | None = None,
+        target: FastTarget | None = None,
+    ):
+        """`target`: a `FastTarget` to share with other engines (one copy of the fused weights and caches);
+        it must carry the drafter's aux layer ids when `draft` is 'eagle3'."""
+        self.model, self.tokenizer = model, tokenizer
+        self.options = options or FastOptions()
+        self.spec = spec or SpecConfig()
+        self.proposer: Proposer | None = None
+        if isinstance(draft, Proposer):
+            if not max_nodes:
+                raise ConfigError("a host-side proposer needs max_nodes (the most draft nodes it proposes)")
+            self.proposer, mode, self.draft = draft, "host", draft.name
+        elif draft == "none" or self.spec.mode == "none":
+            mode, self.draft = "none", "none"
+        elif draft == "ngram":
+            k = self.spec.chain_length if self.spec.mode == "chain" else self.spec.depth
+            self.proposer, mode, self.draft, max_nodes = NgramProposer(length=k), "host", "ngram", k
+        elif draft == "eagle3":
+            if drafter is None:
+                raise ConfigError("draft 'eagle3' needs a drafter (--drafter DIR)")
+            mode, self.draft = "eagle3", "eagle3"
+        else:
+            raise ConfigError(f"unknown draft kind {draft!r}; expected one of {FAST_DRAFT_KINDS} or a Proposer")
+        aux_ids = sorted(drafter.config.aux_layer_ids) if mode == "eagle3" else []
+        if target is None:
+            target = FastTarget(model, aux_ids)
+        elif mode == "eagle3" and target.aux_layer_ids != aux_ids:
+            raise ConfigError(f"the shared FastTarget taps layers {target.aux_layer_ids}; the drafter needs "
+                              f"{aux_ids}: build the FastTarget with the drafter's aux_layer_ids")
+        self.target = target
+        fd = FastDrafter(drafter) if mode == "eagle3" else None
+        if mode == "eagle3":
+            chain = self.spec.mode == "chain"
+            depth = self.spec.chain_length if chain else self.spec.depth
+            top_k = 1 if chain else self.spec.top_k
+            total = self.spec.chain_length if chain else self.spec.total_tokens
+            self.core = FastCore(self.target, "eagle3", fd, depth=depth, top_k=top_k, total_tokens=total)
+        elif mode == "host":
+            self.core = FastCore(self.target, "host", max_nodes=int(max_nodes))
+        else:
+            self.core = FastCore(self.target, "none")
+        self.mode = mode
+        self.device = self.target.device
+        self._pool = None
+        self._alloc: tuple[int, int] | None = None  # cache allocation the runners were captured against
+        self._runners: dict[str, StepRunner] = {}
+
+    # -- setup ---------------------------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        return self.core.seq_len
+
+    def reserve(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Make the caches big enough for a request; (re)allocating drops captured graphs."""
+        need = self.core.slots_needed(prompt_len, max_new_tokens)
+        if need <= self.seq_len and self._alloc == self.core.alloc_ids():
+            return
+        size = _round_up(max(need, self.options.max_seq_len, self.seq_len), self.options.seq_align)
+        if self._alloc is not None:
+            log.info("fast path: caches resized or shared target reallocated (%d slots); capturing again", size)
+        self._runners.clear()
+        self.core.allocate(size)
+        self._alloc = self.core.alloc_ids()
+        self._pool = graph_pool(self.device)
+
+    def _runner(self, name: str) -> StepRunner:
+        if name not in self._runners:
+            fn = {"cycle": self.core.cycle_greedy, "logits": self.core.cycle_logits,
+                  "commit": self.core.commit}[name]
+            o = self.options
+            r = StepRunner(fn, self.device, graphs=o.graphs, compile=o.compile, pool=self._pool, name=name,
+                           compile_backend=o.compile_backend)
+            if name == "logits":
+                self.core.enable_sampling()
+            r.prepare()
+            self.core.reset()
+            self._runners[name] = r
+        return self._runners[name]
+
+    @torch.no_grad()
+    def prepare(self, prompt_len: int, max_new_tokens: int, greedy: bool = True) -> float:
+        """Allocate and capture everything a request of this size needs; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.reserve(prompt_len, max_new_tokens)
+        for name in (("cycle",) if greedy else ("logits", "commit")):
+            self._runner(name)
+        return time.perf_counter() - t0
+
+    @property
+    def graphed(self) -> bool:
+        """Whether every prepared step replays a CUDA graph (False on CPU, with --no-graphs, or after a
+        capture failure)."""
+        return bool(self._runners) and all(r.graph is not None for r in self._runners.values())
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self._runners) and all(r.compiled for r in self._runners.values())
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- generate ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | None = None,
+        eos_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        sampling = sampling or SamplingConfig()
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
+        if prompt.numel() == 0:
+            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        stream = _Stream(self.tokenizer, on_text, stop_strings)
+        if (stop_strings or on_text is not None) and self.tokenizer is None:
+            raise ValueError("stop strings and streaming need a tokenizer")
+        self.prepare(prompt.numel(), max_new_tokens, greedy=sampling.greedy)
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        eos = {int(e) for e in eos_token_ids}
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+
+        core = self.core
+        dev_prompt = prompt.to(self.device)
+        logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
+        if sampling.greedy:
+            first_t = logits.argmax().view(1)
+        else:
+            first_t = sample(process_logits(logits.float(), sampling.temperature, sampling.top_p, sampling.top_k),
+                             gen).view(1)
+        core.begin(dev_prompt, aux, first_t)
+        out = [int(first_t)]
+        finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
+        if self.proposer is not None:
+            self.proposer.begin(prompt, None, out[0])
+        self._sync()
+        stats.prefill_s = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        if finish is None:
+            if not sampling.greedy:
+                finish = self._loop_sampling(out, stats, sampling, gen, eos, max_new_tokens, stream, stop_strings)
+            elif self.mode == "host":
+                finish = self._loop_host(out, stats, eos, max_new_tokens, stream, stop_strings)
+            else:
+                finish = self._loop_device(out, stats, eos, max_new_tokens, stream, stop_strings)
+        self._sync()
+        stats.verify_s = time.perf_counter() - t1  # cycles are fused: drafting time is inside verify_s
+
+        text = ""
+        if self.tokenizer is not None:
+            text = stream.text(out)
+            cut = stream.find_stop(text)
+            if cut >= 0:
+                text = text[:cut]
+            stream.push(text, final=True)
+        stats.total_s = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        return GenerationResult(token_ids=out, text=text, finish_reason=finish, stats=stats)
+
+    def _emit(self, out, new, eos, max_new_tokens, stream, stop_strings) -> str | None:
+        for tok in new:
+            out.append(tok)
+            finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
+            if finish is not None:
+                return finish
+        return None
+
+    def _loop_device(self, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
+        """Greedy, drafting on device: one graph and one packet read per cycle, optionally pipelined."""
+        core, cycle = self.core, self._runner("cycle")
+        cuda = self.device.type == "cuda"
+        pipeline = cuda and self.options.pipeline
+        bufs = [torch.empty(core.packet.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+        def launch(i: int) -> None:
+            cycle()
+            bufs[i % 2].copy_(core.packet, non_blocking=cuda)
+            if cuda:
+                events[i % 2].record()
+
+        launch(0)
+        i = 0
+        while True:
+            if pipeline:
+                launch(i + 1)
+            if cuda:
+                events[i % 2].synchronize()
+            pkt = bufs[i % 2].tolist()  # [n_acc, drafted depth, emitted...]
+            n_acc = pkt[0]
+            stats.cycles += 1
+            stats.accepted_per_cycle.append(n_acc)
+            stats.drafted_depth_per_cycle.append(pkt[1])
+            stats.drafted_tokens += core.n_nodes
+            finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
+            if finish is not None:
+                return finish
+            if not pipeline:
+                launch(i + 1)
+            i += 1
+
+    def _loop_host(self, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
+        """Greedy with a host proposer: write its tree, run the cycle graph, read the packet."""
+        core, cycle = self.core, self._runner("cycle")
+        while True:
+            tree = self.proposer.propose()
+            tree.validate()
+            core.load_tree(tree.tokens.tolist(), tree.parents.tolist())
+            cycle()
+            pkt = core.packet.tolist()
+            n_acc = pkt[0]
+            stats.cycles += 1
+            stats.accepted_per_cycle.append(n_acc)
+            stats.drafted_depth_per_cycle.append(pkt[1])
+            stats.drafted_tokens += tree.n
+            new = pkt[2 : 3 + n_acc]
+            finish = self._emit(out, new, eos, max_new_tokens, stream, stop_strings)
+            if finish is not None:
+                return finish
+            self.proposer.accept(None, torch.tensor(new))
+
+    def _loop_sampling(self, out, stats, sampling, gen, eos, max_new_tokens, stream, stop_strings) -> str:
+        """Temperature > 0: device draft + verify, host-side lossless acceptance (eagle3.decoding.verify)."""
+        core = self.core
+        verify, commit = self._runner("logits"), self._runner("commit")
+        while True:
+            if self.mode == "host":
+                tree = self.proposer.propose()
+                tree.validate()
+                core.load_tree(tree.tokens.tolist(), tree.parents.tolist())
+            verify()
+            if self.mode == "eagle3":
+                tree = DraftTree(tokens=core.tree_tokens.clone(), parents=core.tree_parents1[1:] - 1)
+            elif self.mode == "none":
+                tree = DraftTree.empty(self.device)
+            acc = accept(tree, core.logits[: tree.n + 1], sampling, gen)
+            new = acc.emitted(tree)
+            core.set_acceptance(acc.path, new)
+            commit()
+            stats.cycles += 1
+            stats.accepted_per_cycle.append(acc.n_accepted)
+            stats.drafted_depth_per_cycle.append(int(tree.depths().max()) if tree.n else 0)
+            stats.drafted_tokens += tree.n
+            finish = self._emit(out, new, eos, max_new_tokens, stream, stop_strings)
+            if finish is not None:
+                return finish
+            if self.mode == "host":
+                self.proposer.accept(None, torch.tensor(new))
+
+
+def build_engine(
+    model: torch.nn.Module,
+    draft: str = "none",
+    spec: SpecConfig | None = None,
+    drafter: Eagle3Drafter | None = None,
+    tokenizer=None,
+    options: FastOptions | None = None,
+):
+    """A `FastEngine` when the target's family is supported, else `SpeculativeEngine` (with a logged notice)."""
+    spec = spec or SpecConfig()
+    reason = fast_support(model)
+    if reason is None:
+        return FastEngine(model, draft=draft, spec=spec, drafter=drafter, tokenizer=tokenizer, options=options)
+    log.warning("fast path unavailable (%s); using the generic engine", reason)
+    from eagle3.runtime import make_proposer
+    from eagle3.target import Target
+
+    device = next(model.parameters()).device
+    target = Target(model, drafter.config.aux_layer_ids if draft == "eagle3" and drafter is not None else [])
+    return SpeculativeEngine(target, make_proposer(draft, spec, drafter, device), tokenizer)
+
+
+def fast_engine_for(runtime, options: FastOptions | None = None):
+    """The fast engine for an `eagle3.runtime.Runtime` (what `eagle3 generate --fast` uses), or its own
+    generic engine when the target is not supported (logged)."""
+    reason = fast_support(runtime.model)
+    if reason is not None:
+        log.warning("fast path unavailable (%s); using the generic engine", reason)
+        return runtime.engine
+    return FastEngine(runtime.model, draft=runtime.draft, spec=runtime.spec, drafter=runtime.drafter,
+                      tokenizer=runtime.tokenizer, options=options)

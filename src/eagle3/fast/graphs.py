@@ -1,0 +1,92 @@
+"""Run a fixed-shape step function eagerly, or replay it as a manually captured CUDA graph.
+
+Manual capture (`torch.cuda.CUDAGraph` with a shared memory pool) rather than `torch.compile(mode=
+"reduce-overhead")`: the step functions read and write preallocated buffers only, so the graph needs no static
+input copies and its behaviour does not depend on cudagraph-tree heuristics. Optionally the function is first
+compiled with inductor (`torch.compile(fullgraph=True, dynamic=False)`, no cudagraphs of its own), which fuses
+the elementwise work, and the compiled kernels are then captured. If compilation fails, the runner logs it and
+captures the eager function instead; if capture itself fails, the runner logs it and runs eagerly.
+
+Warm-up runs the function for real, so callers capture before loading a request and reset their state after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("eagle3.fast")
+
+
+class StepRunner:
+    """`runner()` runs `fn`; on CUDA with `graphs`, `prepare()` captures it and later calls replay the graph."""
+
+    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool = True, compile: bool = False,
+                 pool=None, name: str = "step", warmup: int = 2, compile_backend: str = "inductor"):
+        self.fn, self.name, self.warmup = fn, name, warmup
+        self.device = torch.device(device)
+        self.use_graphs = graphs and self.device.type == "cuda"
+        self.pool = pool
+        self.compiled = False
+        self.call = fn
+        if compile:
+            self.call = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
+            self.compiled = True
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.prepare_s = 0.0
+
+    def _warm(self) -> None:
+        if self.compiled:
+            try:
+                self.call()
+            except Exception as e:  # an inductor or dynamo failure must not stop decoding: run eager instead
+                log.warning("torch.compile of %s failed (%s: %s); capturing the eager function instead",
+                            self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.call, self.compiled = self.fn, False
+        for _ in range(self.warmup):
+            self.call()
+
+    def prepare(self) -> None:
+        """Warm up (compiles on the first call) and capture; a no-op for eager runners without compile."""
+        if self.graph is not None or not (self.use_graphs or self.compiled):
+            return
+        t0 = time.perf_counter()
+        if not self.use_graphs:
+            self._warm()
+        else:
+            torch.cuda.synchronize(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._warm()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.call()
+                torch.cuda.synchronize(self.device)
+                self.graph = graph
+            except RuntimeError as e:  # keep decoding (eagerly) and say so; --no-graphs avoids the attempt
+                log.warning("CUDA graph capture of %s failed (%s); running it eagerly", self.name,
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self.use_graphs = False
+        self.prepare_s = time.perf_counter() - t0
+        log.info("prepared %s in %.2fs (graph=%s, compiled=%s)", self.name, self.prepare_s,
+                 self.graph is not None, self.compiled)
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.call()
+
+
+def graph_pool(device: torch.device):
+    """One memory pool shared by the graphs of an engine (they never run concurrently)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.graph_pool_handle()
+    return None

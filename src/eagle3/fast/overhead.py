@@ -1,0 +1,203 @@
+"""`eagle3 bench --overhead`: what one speculative cycle costs, in target-step units, at a realistic size.
+
+Random weights at the Llama-3.1-8B shape in bf16 (32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads,
+vocabulary 128256) and a random EAGLE-3 drafter at H = 4096 with a 32000-token draft vocabulary. Timings come
+from the fast path (`eagle3.fast.core`), each piece captured in its own CUDA graph and replayed `reps` times:
+
+    target step   one-token verification (forward + argmax): the unit everything is divided by
+    draft         the d draft steps of a chain (K) or tree (depth, top_k, N nodes), rerank included
+    verify        the target forward over N+1 tokens with the tree mask
+    bookkeeping   greedy acceptance, KV compaction, and the drafter pass over the accepted rows
+    cycle         all of the above in one graph (what the engine replays)
+
+The published engines pay 1.4-2.3 target steps per tree cycle (../shared/docs/performance.md §1.4). Plain
+decoding's achieved bandwidth is weight bytes / target-step time, next to the measured device copy bandwidth.
+`tiny=True` is the same on a small random Llama (for CPU tests).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import transformers
+
+from eagle3.config import DrafterConfig
+from eagle3.drafter import Eagle3Drafter
+from eagle3.fast.core import FastCore
+from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.graphs import StepRunner, graph_pool
+from eagle3.fast.target import FastTarget
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def build_random(shape: dict, device: str | torch.device, dtype: torch.dtype, draft_vocab_size: int):
+    """A random `LlamaForCausalLM` and EAGLE-3 drafter created directly on `device` in `dtype` (no fp32 copy)."""
+    cfg = transformers.LlamaConfig(**shape)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg).eval()
+            dcfg = DrafterConfig.for_target(cfg, draft_vocab_size=min(draft_vocab_size, cfg.vocab_size))
+            drafter = Eagle3Drafter(dcfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    model.requires_grad_(False)
+    drafter.requires_grad_(False)
+    if dcfg.uses_draft_vocab:
+        drafter.set_vocab_mapping(torch.arange(dcfg.draft_vocab_size))
+    return model, drafter
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, reps: int = 10) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of `reps` copies)."""
+    device = torch.device(device)
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 26)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        times.append(_time_once(lambda: dst.copy_(src), device))
+    return 2 * nbytes / statistics.median(times)
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_step(runner: Callable[[], None], device: torch.device, reps: int, rounds: int = 5) -> float:
+    """Median over `rounds` of the mean seconds per call over `reps` back-to-back calls."""
+    def burst():
+        for _ in range(reps):
+            runner()
+
+    burst()  # warm
+    return statistics.median(_time_once(burst, device) / reps for _ in range(rounds))
+
+
+def _prefill(core: FastCore, context: int, vocab: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (context,), generator=g).to(core.device)
+    logits, aux = core.prefill(prompt)
+    core.begin(prompt, aux, logits.argmax().view(1))
+
+
+@torch.no_grad()
+def measure_overhead(
+    model: torch.nn.Module,
+    drafter: Eagle3Drafter,
+    context: int = 512,
+    chains: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
+    trees: tuple[int, ...] = (16, 32, 48, 60, 64),
+    tree_depth: int = 6,
+    tree_top_k: int = 10,
+    graphs: bool = True,
+    compile: bool = False,
+    reps: int = 20,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Per-cycle costs for each chain length and tree size, in seconds and in target-step units."""
+    target = FastTarget(model, drafter.config.aux_layer_ids)
+    fdrafter = FastDrafter(drafter)
+    dev = target.device
+    vocab = target.vocab_size
+    biggest = max([*trees, *chains, 1])
+    seq_len = -(-(context + 2 * biggest + tree_depth + 16) // 128) * 128
+    pool = graph_pool(dev)
+
+    def runner(fn, name):
+        r = StepRunner(fn, dev, graphs=graphs, compile=compile, pool=pool, name=name)
+        r.prepare()
+        return r
+
+    # the unit: plain decoding's step (one-token forward + argmax), state left unchanged
+    plain = FastCore(target, "none")
+    plain.allocate(seq_len)
+    _prefill(plain, context, vocab)
+    t_step = time_step(runner(partial(plain.verify, greedy=True), "target-step"), dev, reps)
+    wbytes = target.weight_bytes()
+    kv_ctx = target.kv_bytes(context)
+    bw = copy_bandwidth(dev)
+    out: dict = {
+        "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
+        "graphs": graphs and dev.type == "cuda", "compile": compile, "reps": reps,
+        "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
+        "kv_bytes_static": target.kv_bytes(seq_len),
+        "copy_bandwidth_gbs": bw / 1e9,
+        "plain_bandwidth_gbs": wbytes / t_step / 1e9,
+        "plain_bandwidth_with_kv_gbs": (wbytes + kv_ctx) / t_step / 1e9,
+        "plain_fraction_of_copy": wbytes / t_step / bw,
+        "drafter_weight_bytes": fdrafter.weight_bytes(), "rows": [],
+    }
+    log(f"target step {t_step * 1e3:.3f} ms; weights {wbytes / 1e9:.2f} GB -> {out['plain_bandwidth_gbs']:.0f} GB/s "
+        f"({100 * out['plain_fraction_of_copy']:.0f}% of measured copy bandwidth {bw / 1e9:.0f} GB/s)")
+    del plain
+
+    configs = [("chain", k, 1, k) for k in chains] + [("tree", tree_depth, tree_top_k, n) for n in trees]
+    for kind, depth, top_k, total in configs:
+        core = FastCore(target, "eagle3", fdrafter, depth=depth, top_k=top_k, total_tokens=total)
+        core.allocate(seq_len)
+        _prefill(core, context, vocab)
+        core.draft()
+        saved = core.length.clone()
+
+        def book(core=core, saved=saved):
+            core.accept()
+            core.commit()
+            core.length.copy_(saved)  # keep the state fixed across repetitions
+
+        def cycle(core=core, book=book):
+            core.draft()
+            core.verify(greedy=True)
+            book()
+
+        name = f"{kind}-{depth},{top_k},{core.n_nodes}"
+        t_draft = time_step(runner(core.draft, name + " draft"), dev, reps)
+        t_verify = time_step(runner(partial(core.verify, greedy=True), name + " verify"), dev, reps)
+        core.verify(greedy=True)
+        t_book = time_step(runner(book, name + " bookkeeping"), dev, reps)
+        t_cycle = time_step(runner(cycle, name + " cycle"), dev, reps)
+        row = {"kind": kind, "depth": depth, "top_k": top_k, "tokens": core.n_nodes, "draft_steps": depth,
+               "draft_ms": t_draft * 1e3, "verify_ms": t_verify * 1e3, "bookkeeping_ms": t_book * 1e3,
+               "cycle_ms": t_cycle * 1e3, "draft_units": t_draft / t_step, "verify_units": t_verify / t_step,
+               "bookkeeping_units": t_book / t_step, "cycle_units": t_cycle / t_step}
+        out["rows"].append(row)
+        log(f"{name:18s} draft {row['draft_units']:.3f}  verify {row['verify_units']:.3f}  "
+            f"bookkeeping {row['bookkeeping_units']:.3f}  cycle {row['cycle_units']:.3f} target steps "
+            f"({t_cycle * 1e3:.3f} ms)")
+    return out
+
+
+def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
+                 compile: bool = False, reps: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Build the random model (8B shape in bf16, or tiny in fp32) and measure; returns the result dict."""
+    dev = torch.device(device)
+    if tiny:
+        model, drafter = build_random(TINY, dev, torch.float32, draft_vocab_size=256)
+        return {"shape": "tiny-llama", **measure_overhead(
+            model, drafter, context=context or 32, chains=(1, 2, 3), trees=(8, 16), tree_depth=3, tree_top_k=4,
+            graphs=graphs, compile=compile, reps=reps or 3, log=log)}
+    t0 = time.perf_counter()
+    model, drafter = build_random(LLAMA_8B, dev, torch.bfloat16, draft_vocab_size=32000)
+    log(f"built random Llama-3.1-8B-shape target and drafter on {dev} in {time.perf_counter() - t0:.1f}s")
+    return {"shape": "llama-3.1-8b", **measure_overhead(
+        model, drafter, context=context or 512, graphs=graphs, compile=compile, reps=reps or 20, log=log)}

@@ -1,0 +1,264 @@
+"""A compact functional forward for Llama/Mistral/Qwen2/Qwen3 targets over a preallocated, position-indexed KV cache.
+
+The weights are read from the loaded HF model (no modeling file is copied): q/k/v and gate/up are fused into one
+matrix each (a copy; the rest are shared), RoPE cos/sin come from the model's own rotary module evaluated once for
+every cache slot (so every static HF rope type is honoured). The KV cache is one tensor per K and V,
+`[L, n_kv, S, hd]`, written at slot indices with `index_copy_`; attention always reads all S slots and a
+`[T, S]` boolean mask says which are visible, so every shape is static and the forward can be captured in a CUDA
+graph (the habit of pytorch-labs/gpt-fast `model.py`: `KVCache.update` writes by `input_pos`).
+
+GQA without copying K/V: the g = n_heads / n_kv query heads that share a KV head are stacked along the query axis,
+`q [n_kv, g·T, hd]` against `k [n_kv, S, hd]`, with the `[T, S]` mask tiled g times.
+
+Aux features (EAGLE-3): id k is HF `hidden_states[k]`, the residual stream entering decoder layer k; k = L is the
+input of the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.config import ConfigError
+
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_DYNAMIC_ROPE = ("dynamic", "longrope")  # cos/sin depend on the sequence length: not a fixed table
+
+
+def _text_config(model: nn.Module):
+    return getattr(model.config, "text_config", None) or model.config
+
+
+def fast_support(model: nn.Module) -> str | None:
+    """None when `model` can run on the fast path, else the reason it cannot (for the fallback notice)."""
+    cfg = _text_config(model)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in FAST_MODEL_TYPES:
+        return f"model_type {mt!r} is not one of the fast-path families {FAST_MODEL_TYPES}"
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or getattr(base, "rotary_emb", None) is None or getattr(base, "norm", None) is None:
+        return f"{type(model).__name__} has no model.layers / model.rotary_emb / model.norm"
+    rope_type = getattr(base.rotary_emb, "rope_type", "default")
+    if rope_type in _DYNAMIC_ROPE:
+        return f"rope_type {rope_type!r} changes with the sequence length; the fast path uses a fixed table"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}: the fast path implements SwiGLU (silu) only"
+    types = set(getattr(cfg, "layer_types", None) or [])
+    if "sliding_attention" in types and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window layers are not implemented on the fast path"
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True) and window < cfg.max_position_embeddings:
+        return f"sliding_window={window} < max_position_embeddings: sliding attention is not on the fast path"
+    if getattr(model, "hf_quantizer", None) is not None:
+        return "quantized weights (the fast path reads plain float matrices)"
+    attn = layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        lin = getattr(attn, name, None)
+        if not isinstance(lin, nn.Linear) or not lin.weight.is_floating_point():
+            return f"decoder layer self_attn has no float nn.Linear {name}"
+    mlp = layers[0].mlp
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not isinstance(getattr(mlp, name, None), nn.Linear):
+            return f"decoder layer mlp has no nn.Linear {name} (MoE targets use the generic path)"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale (same op order as `LlamaRMSNorm`).
+
+    On CUDA `F.rms_norm` (one fused kernel where torch has it; fp32 accumulation, one rounding at the end) is
+    used instead: bf16 results can differ from HF's by one unit in the last place, identically on every path.
+    """
+    if x.is_cuda and x.dtype == weight.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [S, hd] for `apply_rope`: the first half of sin negated, so that
+    rotate_half(x) * sin == roll(x, hd/2) * signed_sin exactly (negation is exact in floating point)."""
+    half = sin.shape[-1] // 2
+    sign = torch.cat([-torch.ones(half, dtype=sin.dtype, device=sin.device),
+                      torch.ones(sin.shape[-1] - half, dtype=sin.dtype, device=sin.device)])
+    return cos, sin * sign
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd]; cos/signed_sin [T, hd] from `rope_tables`. Equals HF `apply_rotary_pos_emb`
+    (rotate-half layout, `x * cos + rotate_half(x) * sin`) with one roll instead of slice-negate-concatenate."""
+    return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin[:, None]
+
+
+def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask [T, S] -> additive bias [1, 1, g·T, S] for `grouped_attention` (built once per forward)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return bias.repeat(groups, 1)[None, None]  # row r·T + t belongs to token t
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [T, nh, hd]
+    k_all: torch.Tensor,  # [nkv, S, hd]
+    v_all: torch.Tensor,  # [nkv, S, hd]
+    bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias
+    scale: float,
+) -> torch.Tensor:
+    """GQA attention over a static cache without repeating K/V; returns [T, nh·hd]."""
+    t, nh, hd = q.shape
+    nkv = k_all.shape[0]
+    g = nh // nkv
+    qg = q.transpose(0, 1).reshape(nkv, g * t, hd)  # [nkv, g·T, hd]; row r·T + t is head (kv·g + r), token t
+    o = F.scaled_dot_product_attention(qg[None], k_all[None], v_all[None], attn_mask=bias, scale=scale)
+    return o[0].reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
+
+
+def _cat_bias(parts: list[nn.Linear]) -> torch.Tensor | None:
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([
+        p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in parts
+    ])
+
+
+class _Layer(nn.Module):
+    """One decoder layer's weights, as buffers (fused q/k/v and gate/up are copies; the others are shared)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        a, m = layer.self_attn, layer.mlp
+        self.register_buffer("ln1", layer.input_layernorm.weight.detach(), persistent=False)
+        self.register_buffer("ln2", layer.post_attention_layernorm.weight.detach(), persistent=False)
+        qkv = [a.q_proj, a.k_proj, a.v_proj]
+        self.register_buffer("wqkv", torch.cat([p.weight.detach() for p in qkv]), persistent=False)
+        self.register_buffer("bqkv", _cat_bias(qkv), persistent=False)
+        self.register_buffer("wo", a.o_proj.weight.detach(), persistent=False)
+        self.register_buffer("bo", None if a.o_proj.bias is None else a.o_proj.bias.detach(), persistent=False)
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)  # Qwen3: RMSNorm over head_dim
+        self.register_buffer("q_norm", None if qn is None else qn.weight.detach(), persistent=False)
+        self.register_buffer("k_norm", None if kn is None else kn.weight.detach(), persistent=False)
+        gu = [m.gate_proj, m.up_proj]
+        self.register_buffer("w13", torch.cat([p.weight.detach() for p in gu]), persistent=False)
+        self.register_buffer("b13", _cat_bias(gu), persistent=False)
+        self.register_buffer("w2", m.down_proj.weight.detach(), persistent=False)
+        self.register_buffer("b2", None if m.down_proj.bias is None else m.down_proj.bias.detach(),
+                             persistent=False)
+
+
+class FastTarget(nn.Module):
+    """The target's weights plus a static KV cache; `forward` runs T tokens at given positions and cache slots."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
+        super().__init__()
+        reason = fast_support(model)
+        if reason is not None:
+            raise ConfigError(f"this target cannot use the fast path: {reason}; use the generic engine")
+        cfg = _text_config(model)
+        base = model.model
+        self.num_layers = len(base.layers)
+        self.nh = cfg.num_attention_heads
+        self.nkv = getattr(cfg, "num_key_value_heads", None) or self.nh
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
+        self.hidden_size = cfg.hidden_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = float(getattr(base.layers[0].self_attn, "scaling", self.hd**-0.5))
+        self.max_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.aux_layer_ids = sorted(aux_layer_ids or [])
+        for k in self.aux_layer_ids:
+            if not 0 <= k <= self.num_layers:
+                raise ConfigError(f"aux layer id {k} is out of range (0..{self.num_layers}) for this target")
+        self.layers = nn.ModuleList([_Layer(layer) for layer in base.layers])
+        self.register_buffer("embed", model.get_input_embeddings().weight.detach(), persistent=False)
+        self.register_buffer("norm", base.norm.weight.detach(), persistent=False)
+        self.register_buffer("lm_head", model.get_output_embeddings().weight.detach(), persistent=False)
+        self._rotary = [base.rotary_emb]  # a list, so it is not registered as a submodule
+        self.dtype = self.embed.dtype
+        self.vocab_size = self.lm_head.shape[0]
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+        self.seq_len = 0
+        self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    # -- static buffers ------------------------------------------------------------------------
+    @torch.no_grad()
+    def allocate(self, seq_len: int) -> None:
+        """(Re)allocate the KV cache [L, n_kv, S, hd] and the RoPE table for S = seq_len slots (a no-op when
+        the size is unchanged, so engines sharing this target keep their captured graphs)."""
+        if seq_len == self.seq_len:
+            return
+        if self.max_window and seq_len > self.max_window:
+            raise ConfigError(
+                f"the fast path needs {seq_len} cache slots but this target's sliding_window is "
+                f"{self.max_window}; shorten the prompt or max_new_tokens, or use the generic engine"
+            )
+        dev, dt = self.device, self.dtype
+        pos = torch.arange(seq_len, device=dev)[None]  # [1, S]
+        cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd] each
+        self.cos, self.sin = rope_tables(cos[0].to(dt), sin[0].to(dt))
+        shape = (self.num_layers, self.nkv, seq_len, self.hd)
+        self.k_cache = torch.zeros(shape, dtype=dt, device=dev)
+        self.v_cache = torch.zeros(shape, dtype=dt, device=dev)
+        self.seq_len = seq_len
+        self.alloc_id += 1
+
+    def weight_bytes(self) -> int:
+        """Bytes read per decoding step for weights: layers, final norm and lm_head (the embedding table is
+        read one row at a time, so it counts only when it is the lm_head too)."""
+        n = sum(b.numel() * b.element_size() for layer in self.layers for b in layer.buffers())
+        return n + self.norm.numel() * self.norm.element_size() + self.lm_head.numel() * self.lm_head.element_size()
+
+    def kv_bytes(self, context: int) -> int:
+        """K and V bytes of `context` cached positions over all layers."""
+        return 2 * self.num_layers * self.nkv * context * self.hd * self.k_cache.element_size()
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        ids: torch.Tensor,  # [T] long
+        pos: torch.Tensor,  # [T] long, RoPE positions
+        slots: torch.Tensor,  # [T] long, cache slots to write K/V at
+        mask: torch.Tensor,  # bool [T, S]: which slots each token sees (its own slot included)
+        last_only: bool = False,  # logits for the last token only (prefill)
+        want_aux: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux)."""
+        t = ids.shape[0]
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        h = F.embedding(ids, self.embed)  # [T, H]
+        cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
+        bias = attention_bias(mask, nh // nkv, self.dtype)  # [1, 1, g·T, S]
+        aux: list[torch.Tensor] = []
+        for i, lw in enumerate(self.layers):
+            if want_aux and i in self.aux_layer_ids:
+                aux.append(h)
+            x = rms_norm(h, lw.ln1, self.eps)
+            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
+            v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+            if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
+                qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)  # [T, nh+nkv, hd]
+                q, k = qk[:, :nh], qk[:, nh:]
+            else:  # Qwen3: RMSNorm over head_dim before RoPE
+                q = apply_rope(rms_norm(qkv[:, : nh * hd].view(t, nh, hd), lw.q_norm, self.eps), cos, sin)
+                k = apply_rope(rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd), lw.k_norm, self.eps),
+                               cos, sin)
+            self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd] written at `slots`
+            self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
+            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale)  # [T, nh·hd]
+            h = h + F.linear(o, lw.wo, lw.bo)
+            x = rms_norm(h, lw.ln2, self.eps)
+            gate, up = F.linear(x, lw.w13, lw.b13).chunk(2, dim=-1)  # [T, I] each
+            h = h + F.linear(F.silu(gate) * up, lw.w2, lw.b2)
+        if want_aux and self.num_layers in self.aux_layer_ids:
+            aux.append(h)
+        if last_only:
+            h = h[-1:]
+        logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [T', V]
+        return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]

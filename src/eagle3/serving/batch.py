@@ -1,0 +1,270 @@
+"""Batched target state for serving: one padded KV cache for all rows, batched prefill and tree verification.
+
+Layout. The batch cache is an HF `DynamicCache` whose layers hold keys/values [B, n_kv, S, hd]; row b's
+valid positions are [0, lengths[b]) and [lengths[b], S) is padding. A forward over N1 new tokens per row
+appends them at S..S+N1-1 (DynamicCache concatenates along the sequence dim), under a 4-D mask
+[B, 1, N1, S+N1] that shows row b its own prefix and its own tree only; positions are lengths[b] + depth.
+`compact` then gathers, per row, the prefix plus the kept new tokens into a fresh, narrower padded tensor,
+so rows with ragged acceptance never see each other's keys or padding.
+
+Worked example (B=2, S=4, N1=3; `.` = padding, `r` root, `a`/`b` tree nodes)::
+
+    row 0: cache [p p p .] + new [r a b]  lengths[0]=3, path keeps (r, a)   -> [p p p r a]
+    row 1: cache [q q q q] + new [r . .]  lengths[1]=4, row 1 drafted none  -> [q q q q r]
+    gather index: row 0 [0 1 2 4 5], row 1 [0 1 2 3 4]; new lengths [5, 5]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from eagle3.config import ConfigError
+from eagle3.target import Target
+
+__all__ = [
+    "BatchKV",
+    "accept_greedy_batch",
+    "batch_ancestors",
+    "batched_forward",
+    "build_mask",
+    "prefill",
+]
+
+
+class BatchKV:
+    """A padded batch KV cache plus per-row lengths (host list, the scheduler's source of truth)."""
+
+    def __init__(self, cache: DynamicCache | None = None, lengths: list[int] | None = None):
+        self.cache = cache
+        self.lengths: list[int] = list(lengths or [])
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """S: the padded sequence width of the cache (0 when empty)."""
+        layers = self._layers() if self.cache is not None else []
+        return layers[0].keys.shape[-2] if layers else 0
+
+    def _layers(self) -> list:
+        return [la for la in _cache_layers(self.cache) if getattr(la, "keys", None) is not None and la.keys.numel()]
+
+    def merge(self, other: BatchKV) -> None:
+        """Append `other`'s rows after this batch's rows (both padded to the wider width)."""
+        if other.rows == 0:
+            return
+        if self.rows == 0:
+            self.cache, self.lengths = other.cache, list(other.lengths)
+            return
+        width = max(self.width, other.width)
+        mine, theirs = self._layers(), other._layers()
+        if len(mine) != len(theirs):
+            raise RuntimeError(f"cannot merge batch caches with {len(mine)} and {len(theirs)} layers")
+        for a, b in zip(mine, theirs, strict=True):
+            a.keys = torch.cat([_pad_seq(a.keys, width), _pad_seq(b.keys, width)], dim=0)  # [B+b, n_kv, S, hd]
+            a.values = torch.cat([_pad_seq(a.values, width), _pad_seq(b.values, width)], dim=0)
+        self.lengths += other.lengths
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order; the width shrinks to the longest kept row."""
+        if not rows:
+            self.cache, self.lengths = None, []
+            return
+        lengths = [self.lengths[r] for r in rows]
+        width = max(lengths)
+        layers = self._layers()
+        idx = torch.tensor(rows, dtype=torch.long, device=layers[0].keys.device)
+        for layer in layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, :width]  # [B', n_kv, S', hd]
+            layer.values = layer.values.index_select(0, idx)[:, :, :width]
+        self.lengths = lengths
+
+    def compact(self, appended_at: int, keep_new: list[list[int]]) -> None:
+        """After a forward appended N1 tokens at width `appended_at`: keep each row's prefix plus
+        `keep_new[b]` (offsets into the appended block, in order); lengths grow by len(keep_new[b])."""
+        old = appended_at
+        n1 = self.width - old
+        new_lengths = [n + len(k) for n, k in zip(self.lengths, keep_new, strict=True)]
+        new_width = max(new_lengths)
+        idx = torch.zeros(self.rows, new_width, dtype=torch.long)  # [B, S'] padding points at position 0
+        for b, (n, keep) in enumerate(zip(self.lengths, keep_new, strict=True)):
+            if any(not 0 <= k < n1 for k in keep):
+                raise ValueError(f"row {b}: keep offsets {keep} outside the {n1} appended tokens")
+            idx[b, :n] = torch.arange(n)
+            idx[b, n : n + len(keep)] = torch.tensor(keep, dtype=torch.long) + old
+        layers = self._layers()
+        idx = idx.to(layers[0].keys.device)[:, None, :, None]  # [B, 1, S', 1]
+        for layer in layers:
+            g = idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])  # [B, n_kv, S', hd]
+            layer.keys = layer.keys.gather(2, g)
+            layer.values = layer.values.gather(2, g)
+        self.lengths = new_lengths
+
+
+def _cache_layers(cache: DynamicCache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ConfigError("this transformers version's DynamicCache has no `layers`; eagle3 needs transformers >= 5.0")
+    return layers
+
+
+def _pad_seq(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad dim -2 (the sequence) of [B, n_kv, S, hd] with zeros to `width`."""
+    return F.pad(x, (0, 0, 0, width - x.shape[-2])) if x.shape[-2] < width else x
+
+
+# -- masks ------------------------------------------------------------------------------------
+def build_mask(target: Target, lengths: torch.Tensor, width: int, local: torch.Tensor, positions: torch.Tensor):
+    """The 4-D attention mask for N1 new tokens per row after a padded cache of `width` positions.
+
+    lengths: [B] valid cache positions per row; local: bool [B, N1, N1] (new token i may see new token j);
+    positions: [B, N1] absolute positions of the new tokens. Row b sees its cache positions < lengths[b]
+    and its own new tokens per `local`. As `Target._tree_mask`, sliding-window layers also hide keys more
+    than `sliding_window` positions back, and mixed targets (Gemma-3) get a dict keyed by layer type.
+    """
+    b, n1 = positions.shape
+    dev = positions.device
+    cols = torch.arange(width, device=dev)  # [S]
+    prefix = (cols[None, None, :] < lengths[:, None, None]).expand(b, n1, width)  # [B, N1, S]
+    full = torch.cat([prefix, local], dim=2)  # [B, N1, S+N1]
+
+    def windowed(window: int) -> torch.Tensor:
+        kv_pos = torch.cat([cols[None].expand(b, width), positions], dim=1)  # [B, S+N1]
+        return full & (positions[:, :, None] - kv_pos[:, None, :] < window)
+
+    def finish(m: torch.Tensor) -> torch.Tensor:
+        m = m[:, None]  # [B, 1, N1, S+N1]
+        if target._additive_mask:
+            return torch.zeros(m.shape, dtype=target.dtype, device=dev).masked_fill(~m, torch.finfo(target.dtype).min)
+        return m
+
+    types = set(target.layer_types)
+    if "sliding_attention" in types and target.sliding_window:
+        return {t: finish(windowed(target.sliding_window) if t == "sliding_attention" else full) for t in types}
+    if target.sliding_window and not target.layer_types:
+        return finish(windowed(target.sliding_window))
+    return finish(full)
+
+
+# -- forwards ---------------------------------------------------------------------------------
+@torch.inference_mode()
+def batched_forward(
+    target: Target,
+    input_ids: torch.Tensor,  # [B, N1]
+    kv: BatchKV,
+    local: torch.Tensor,  # bool [B, N1, N1]
+    offsets: torch.Tensor,  # [B, N1] position of each new token relative to its row's length
+    logits_to_keep: int | torch.Tensor = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over every row; returns logits [B, N1', V] (fp32) and aux [B, N1, 3·Ht].
+
+    The new tokens are appended to `kv.cache` at the old width `kv.width` (read it before the call and
+    pass it to `kv.compact` afterwards).
+    """
+    dev = input_ids.device
+    if kv.cache is None:
+        kv.cache = target.new_cache()
+    width = kv.width
+    n1 = input_ids.shape[1]
+    lengths = torch.tensor(kv.lengths, dtype=torch.long, device=dev)  # [B]
+    positions = lengths[:, None] + offsets  # [B, N1]
+    mask = build_mask(target, lengths, width, local, positions)
+    target._captured.clear()
+    out = target.model(
+        input_ids=input_ids,
+        position_ids=positions,
+        cache_position=torch.arange(width, width + n1, device=dev),
+        attention_mask=mask,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+        **{target._cache_kw: kv.cache},
+    )
+    return out.logits.float(), target._aux()
+
+
+@torch.inference_mode()
+def prefill(
+    target: Target, prompts: list[list[int]]
+) -> tuple[BatchKV, torch.Tensor, torch.Tensor | None]:
+    """Batched prefill of right-padded prompts into a fresh `BatchKV`.
+
+    Returns the cache (lengths = prompt lengths), the logits after each prompt's last token [b, V] and the
+    aux features [b, T, 3·Ht] (rows past a prompt's length are padding).
+    """
+    dev = target.device
+    lens = [len(p) for p in prompts]
+    if min(lens) < 1:
+        raise ValueError("every prompt needs at least one token")
+    b, t = len(prompts), max(lens)
+    ids = torch.zeros(b, t, dtype=torch.long)  # [b, T]
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    ids = ids.to(dev)
+    length_t = torch.tensor(lens, device=dev)  # [b]
+    col = torch.arange(t, device=dev)
+    causal = col[None, :] <= col[:, None]  # [T, T]
+    # padding queries (i >= len) also see themselves, so no softmax row is empty
+    local = (causal[None] & (col[None, None, :] < length_t[:, None, None])) | torch.eye(
+        t, dtype=torch.bool, device=dev)[None]  # [b, T, T]
+    kv = BatchKV(lengths=[0] * b)
+    uniq = sorted(set(n - 1 for n in lens))
+    keep = torch.tensor(uniq, dtype=torch.long, device=dev)  # [K] positions whose logits we need
+    logits, aux = batched_forward(target, ids, kv, local, col[None].expand(b, t), logits_to_keep=keep)
+    pick = torch.tensor([uniq.index(n - 1) for n in lens], device=dev)  # [b]
+    last = logits[torch.arange(b, device=dev), pick]  # [b, V]
+    kv.lengths = lens
+    return kv, last, aux
+
+
+# -- trees ------------------------------------------------------------------------------------
+def batch_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """Bool [B, N+1, N+1] ancestor-or-self relation of padded trees (N+1 indexing, root = 0).
+
+    parents: [B, N] long in -1..i-1 (padding nodes use -1). Same squaring trick as `DraftTree.ancestors`.
+    """
+    b, n = parents.shape
+    dev = parents.device
+    n1 = n + 1
+    parent1 = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), parents + 1], dim=1)  # [B, N+1]
+    reach = torch.eye(n1, device=dev).repeat(b, 1, 1)  # [B, N+1, N+1]
+    reach.scatter_(2, parent1[:, :, None], 1.0)
+    covered = 1
+    while covered < n:
+        reach = (torch.bmm(reach, reach) > 0).float()  # [B, N+1, N+1]
+        covered *= 2
+    return reach > 0
+
+
+def accept_greedy_batch(
+    tokens: torch.Tensor,  # [B, N] draft tokens (padding: -1)
+    parents: torch.Tensor,  # [B, N]
+    anc: torch.Tensor,  # bool [B, N+1, N+1] from batch_ancestors
+    top: torch.Tensor,  # [B, N+1] the target's choice after each node (argmax, or a seeded sample)
+) -> tuple[list[list[int]], list[int]]:
+    """Per row: the accepted path (N+1 indexing, root to deepest) and the next token; one host sync.
+
+    The batched form of `eagle3.decoding.verify.accept_greedy`: follow from the root the child whose token
+    equals the target's choice after its parent; the first of equal siblings wins.
+    """
+    b, n = tokens.shape
+    if n == 0:
+        return [[] for _ in range(b)], top[:, 0].tolist()
+    dev = tokens.device
+    match = tokens == top.gather(1, parents + 1)  # [B, N]
+    same_parent = parents[:, :, None] == parents[:, None, :]  # [B, N, N]
+    same_token = tokens[:, :, None] == tokens[:, None, :]  # [B, N, N]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)  # [N, N] j < i
+    ok = match & ~(same_parent & same_token & earlier).any(dim=-1)  # [B, N]
+    a = anc[:, 1:, 1:]  # [B, N, N] draft-node ancestors, self included
+    accepted = ~(a & ~ok[:, None, :]).any(dim=-1)  # [B, N] whole path to the node is ok
+    depth = a.sum(dim=-1)  # [B, N]
+    deepest = torch.where(accepted, depth, 0).argmax(dim=-1)  # [B]
+    last = torch.where(accepted.any(dim=-1), deepest + 1, 0)  # [B] N+1 indexing
+    nxt = top.gather(1, last[:, None])[:, 0]  # [B]
+    packed = torch.cat([accepted.long(), nxt[:, None]], dim=1).tolist()  # one host sync
+    paths = [[i + 1 for i, v in enumerate(row[:-1]) if v] for row in packed]
+    return paths, [row[-1] for row in packed]

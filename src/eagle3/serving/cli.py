@@ -1,0 +1,126 @@
+"""`eagle3 serve`: flags into `ServeConfig` and `SpecPolicy`, load the target and drafter, run uvicorn.
+
+Wire into `eagle3.cli.build_parser` with `add_serve_parser(sub)`; the subcommand calls `cmd_serve(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
+
+__all__ = ["add_serve_parser", "cmd_serve", "load_server"]
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    s = subparsers.add_parser(
+        "serve", help="OpenAI-compatible server with batched speculative decoding",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Requests "
+                    "decode together (continuous batching); speculation adapts to the batch size.")
+    s.add_argument("--target", required=True,
+                   help="local HF directory, hub id, .gguf file, or a bundled name (smollm2, stories260k)")
+    s.add_argument("--drafter", default=None, help="EAGLE-3 drafter checkpoint (speculators or EAGLE format)")
+    s.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None,
+                   help="draft method (default: eagle3 with --drafter, else none = plain batched decoding)")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file, for targets whose tokenizer has none")
+    s.add_argument("--max-batch-size", type=int, default=64, help="rows decoded together")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion token limit (default: the target's max_position_embeddings)")
+    s.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="completion length when a request sets no max_tokens")
+    s.add_argument("--max-prefill-tokens", type=int, default=4096, help="padded prompt tokens per batched prefill")
+    s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    shape = s.add_mutually_exclusive_group()
+    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
+                       help="largest draft tree, used at small batch sizes (default 6,10,60)")
+    shape.add_argument("--chain", type=int, default=None, metavar="K",
+                       help=f"draft chains of at most K tokens instead of trees (e.g. {DEFAULT_CHAIN_LENGTH})")
+    s.add_argument("--no-spec", action="store_true", help="plain batched decoding (load no drafter)")
+    s.add_argument("--spec-budget", type=int, default=None,
+                   help="verified tokens per batched forward, B*(N+1) (default 256 on GPU, 32 on CPU)")
+    s.add_argument("--spec-max-batch", type=int, default=None, help="no speculation above this batch size")
+    s.add_argument("--spec-min-accept", type=float, default=0.3,
+                   help="a row whose running mean of accepted drafts per cycle falls below this stops drafting")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def _spec(args) -> SpecConfig:
+    if args.chain is not None:
+        return SpecConfig(mode="chain", chain_length=args.chain)
+    if args.tree is not None:
+        return SpecConfig.parse_tree(args.tree)
+    return SpecConfig()
+
+
+def load_server(args):
+    """(scheduler, app) for parsed `serve` flags: loads the target and drafter."""
+    import torch
+
+    from eagle3.decoding.proposers import NgramProposer
+    from eagle3.formats import load_drafter
+    from eagle3.models import load_target
+    from eagle3.runtime import eos_token_ids
+    from eagle3.serving.app import create_app
+    from eagle3.serving.config import ServeConfig
+    from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter
+    from eagle3.serving.policy import SpecPolicy, default_token_budget
+    from eagle3.serving.server import build_scheduler
+    from eagle3.target import Target
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    draft = "none" if args.no_spec else (args.draft or ("eagle3" if args.drafter else "none"))
+    if draft == "eagle3" and not args.drafter:
+        raise ConfigError("--draft eagle3 needs --drafter DIR (or use --draft ngram / --no-spec)")
+    spec = _spec(args)
+    template = None
+    if args.chat_template:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"--chat-template {path}: no such file")
+        template = path.read_text(encoding="utf-8")
+    config = ServeConfig(
+        model_name=args.served_model_name or args.target, max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
+        max_prefill_tokens=args.max_prefill_tokens, max_waiting=args.max_waiting,
+        shutdown_timeout=args.shutdown_timeout, chat_template=template)
+    policy = SpecPolicy.from_spec(
+        spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
+        min_accept=args.spec_min_accept)
+    model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
+    drafter = None
+    aux_ids: list[int] = []
+    if draft == "eagle3":
+        d = load_drafter(args.drafter, target_config=model.config,
+                         target_embedding=model.get_input_embeddings().weight, device=device,
+                         dtype=next(model.parameters()).dtype)
+        aux_ids = d.config.aux_layer_ids
+        drafter = Eagle3BatchDrafter(d)
+    elif draft == "ngram":
+        length = spec.chain_length if spec.mode == "chain" else spec.depth
+        drafter = ProposerBatchDrafter(lambda _prompt: NgramProposer(length=length, device=device), device)
+    if drafter is None:
+        policy = SpecPolicy(enabled=False)
+    target = Target(model, aux_ids)
+    sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
+                            config=config)
+    return sched, create_app(sched)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    _sched, app = load_server(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
+    return 0

@@ -1,0 +1,33 @@
+"""`ServeConfig`: the server's limits and defaults in one dataclass (the adaptive policy is `SpecPolicy`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError
+
+__all__ = ["ServeConfig"]
+
+
+@dataclass
+class ServeConfig:
+    """What `eagle3 serve` enforces; every field has a matching command-line flag."""
+
+    model_name: str = "eagle3"  # the id in /v1/models and in every response
+    max_batch_size: int = 64  # rows decoded together
+    max_model_len: int | None = None  # prompt + completion tokens; None: the target's max_position_embeddings
+    default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS  # when a request gives no max_tokens (capped by context)
+    max_prefill_tokens: int = 4096  # padded prompt tokens per batched prefill (one prompt always fits)
+    max_waiting: int = 1024  # queued requests beyond which new ones get 503
+    max_stop_strings: int = 4  # as OpenAI
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
+    chat_template: str | None = None  # a Jinja chat template for tokenizers without one
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0")

@@ -1,0 +1,246 @@
+"""Drafters for a batch of rows: the EAGLE-3 drafter batched across rows, or any per-row `Proposer`.
+
+Both keep one drafter state per batch row, in the scheduler's row order, and share one interface:
+
+    drafter.add(prompts, aux, first_tokens)      # rows joining after their prefill (appended at the end)
+    drafter.select(rows)                         # rows that stay, in their new order
+    tokens, parents = drafter.propose(rows, shape)   # padded trees [R, N] for these rows (padding: -1)
+    drafter.extend(aux_rows, new_tokens, counts)  # after verification: row b's first counts[b] kept features
+                                                  # with the token following each (counts[b] = 0: no update)
+
+`Eagle3BatchDrafter` runs the EAGLE-2 tree expansion of `eagle3.decoding.proposers.Eagle3Proposer` for all
+drafting rows at once: its `DrafterKV` is a padded [B, n_kv, S, hd] tensor with per-row lengths, and every
+drafter forward takes a bool mask [B, 1, T, S+T] that hides other rows' padding. `ProposerBatchDrafter`
+loops over per-row proposers (n-gram, test doubles): correct for any proposer, slower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from eagle3.decoding.proposers import Proposer
+from eagle3.drafter import DrafterKV, Eagle3Drafter
+from eagle3.serving.policy import TreeShape
+
+__all__ = ["BatchDrafter", "Eagle3BatchDrafter", "ProposerBatchDrafter", "pad_trees"]
+
+
+class BatchDrafter:
+    """Interface; see the module docstring. Aux arguments are None when the target has no aux layers."""
+
+    name = "none"
+
+    def add(self, prompts: list[list[int]], aux: torch.Tensor | None, first_tokens: list[int]) -> None:
+        raise NotImplementedError
+
+    def select(self, rows: list[int]) -> None:
+        raise NotImplementedError
+
+    def propose(self, rows: list[int], shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def extend(self, aux_rows: torch.Tensor | None, new_tokens: list[list[int]], counts: list[int]) -> None:
+        raise NotImplementedError
+
+
+def pad_trees(trees: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack (tokens [n_i], parents [n_i]) pairs into [R, N_max] tensors, padding with -1."""
+    n = max((t.numel() for t, _ in trees), default=0)
+    tokens = torch.full((len(trees), n), -1, dtype=torch.long, device=device)  # [R, N]
+    parents = torch.full((len(trees), n), -1, dtype=torch.long, device=device)
+    for i, (t, p) in enumerate(trees):
+        tokens[i, : t.numel()] = t.to(device)
+        parents[i, : p.numel()] = p.to(device)
+    return tokens, parents
+
+
+class Eagle3BatchDrafter(BatchDrafter):
+    """The EAGLE-3 drafter over a batch of rows, with a padded drafter cache."""
+
+    name = "eagle3"
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter.eval()
+        self.cache = DrafterKV()  # keys [B, n_kv, S, hd]
+        self.lengths: list[int] = []  # rows computed from target features (= RoPE position of the next one)
+        self.last_out: torch.Tensor | None = None  # [B, H] pre-norm output of each row's newest row
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.fc.weight.device
+
+    # -- rows ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def add(self, prompts, aux, first_tokens):
+        b = len(prompts)
+        lens = [len(p) for p in prompts]
+        m = max(lens)
+        toks = torch.zeros(b, m, dtype=torch.long)  # [b, T] x_{t+1} for feature row t
+        for i, (p, first) in enumerate(zip(prompts, first_tokens, strict=True)):
+            toks[i, : len(p)] = torch.tensor([*p[1:], first], dtype=torch.long)
+        new = Eagle3BatchDrafter(self.drafter)
+        new.lengths = [0] * b
+        new.last_out = torch.zeros(b, self.drafter.config.hidden_size, device=self.device,
+                                   dtype=self.drafter.fc.weight.dtype)
+        new._extend(self.drafter.combine(aux[:, :m].to(self.device)), toks.to(self.device), lens)
+        self._merge(new)
+
+    def _merge(self, other: Eagle3BatchDrafter) -> None:
+        if not self.lengths:
+            self.cache, self.lengths, self.last_out = other.cache, list(other.lengths), other.last_out
+            return
+        width = max(self.cache.length, other.cache.length)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[2]))  # [B, n_kv, width, hd]
+
+        self.cache = DrafterKV(torch.cat([pad(self.cache.keys), pad(other.cache.keys)]),
+                               torch.cat([pad(self.cache.values), pad(other.cache.values)]))
+        self.lengths += other.lengths
+        self.last_out = torch.cat([self.last_out, other.last_out])  # [B, H]
+
+    def select(self, rows):
+        if not rows:
+            self.cache, self.lengths, self.last_out = DrafterKV(), [], None
+            return
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.lengths = [self.lengths[r] for r in rows]
+        width = max(self.lengths)
+        self.cache = DrafterKV(self.cache.keys.index_select(0, idx)[:, :, :width],
+                               self.cache.values.index_select(0, idx)[:, :, :width])
+        self.last_out = self.last_out.index_select(0, idx)
+
+    # -- updates ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _extend(self, hidden: torch.Tensor, tokens: torch.Tensor, counts: list[int]) -> None:
+        """Append counts[b] rows per batch row: hidden [B, M, H], following tokens [B, M]."""
+        d, dev = self.drafter, self.device
+        b, m = tokens.shape
+        width = self.cache.length
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=dev)  # [B]
+        cnt = torch.tensor(counts, dtype=torch.long, device=dev)  # [B]
+        j = torch.arange(m, device=dev)
+        pos = lengths[:, None] + j[None]  # [B, M]
+        local = ((j[None, :] <= j[:, None])[None] & (j[None, None, :] < cnt[:, None, None])) | torch.eye(
+            m, dtype=torch.bool, device=dev)[None]  # [B, M, M]; padding rows see themselves
+        prefix = (torch.arange(width, device=dev)[None, None, :] < lengths[:, None, None]).expand(b, m, width)
+        mask = torch.cat([prefix, local], dim=2)[:, None]  # [B, 1, M, S+M]
+        out = d(hidden, tokens, pos, mask=mask, cache=self.cache)  # [B, M, H]
+        new_lengths = [n + c for n, c in zip(self.lengths, counts, strict=True)]
+        idx = torch.zeros(b, max(new_lengths), dtype=torch.long)  # [B, S'] gather index
+        for r, (n, c) in enumerate(zip(self.lengths, counts, strict=True)):
+            idx[r, :n] = torch.arange(n)
+            idx[r, n : n + c] = torch.arange(width, width + c)
+        g = idx.to(dev)[:, None, :, None].expand(-1, self.cache.keys.shape[1], -1, self.cache.keys.shape[3])
+        self.cache = DrafterKV(self.cache.keys.gather(2, g), self.cache.values.gather(2, g))
+        last = (cnt - 1).clamp(min=0)  # [B]
+        newest = out[torch.arange(b, device=dev), last]  # [B, H]
+        self.last_out = torch.where((cnt > 0)[:, None], newest, self.last_out)
+        self.lengths = new_lengths
+
+    @torch.inference_mode()
+    def extend(self, aux_rows, new_tokens, counts):
+        if not any(counts):
+            return
+        m = max(counts)
+        toks = torch.zeros(len(counts), m, dtype=torch.long)  # [B, M]
+        for r, (t, c) in enumerate(zip(new_tokens, counts, strict=True)):
+            toks[r, :c] = torch.tensor(t[:c], dtype=torch.long)
+        self._extend(self.drafter.combine(aux_rows[:, :m].to(self.device)), toks.to(self.device), counts)
+
+    # -- drafting --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, rows, shape):
+        """The EAGLE-2 dynamic tree of `Eagle3Proposer.propose`, for every row in `rows` at once."""
+        d, k, dev = self.drafter, shape.top_k, self.device
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        r = len(rows)
+        lengths = torch.tensor([self.lengths[i] for i in rows], dtype=torch.long, device=dev)  # [R]
+        width = max(self.lengths[i] for i in rows)
+        if len(rows) == len(self.lengths) and rows == sorted(rows):  # every row: no copy (append makes new tensors)
+            cache = DrafterKV(self.cache.keys[:, :, :width], self.cache.values[:, :, :width])
+            last = self.last_out  # [R, H]
+        else:
+            cache = DrafterKV(self.cache.keys.index_select(0, idx)[:, :, :width],
+                              self.cache.values.index_select(0, idx)[:, :, :width])
+            last = self.last_out.index_select(0, idx)  # [R, H]
+        logp = torch.log_softmax(d.logits(last).float(), dim=-1)  # [R, Vd]
+        scores, draft_ids = logp.topk(k, dim=-1)  # [R, k]
+        rec_scores, rec_tokens = [scores], [d.draft_ids_to_target(draft_ids)]
+        rec_parents = [torch.full((r, k), -1, dtype=torch.long, device=dev)]
+        frontier = torch.arange(k, device=dev).expand(r, k)  # [R, k] record indices of the frontier
+        f_hidden = d.feedback(last)[:, None].expand(r, k, -1)  # [R, k, H]
+        f_scores = scores
+        eye = torch.eye(k, dtype=torch.bool, device=dev)
+        anc = eye.expand(r, k, k)  # [R, k, tree rows so far]
+        prefix = torch.arange(width, device=dev)[None, None, :] < lengths[:, None, None]  # [R, 1, S]
+        n_rec = k
+        for step in range(1, shape.depth):
+            tokens = torch.cat(rec_tokens, dim=1).gather(1, frontier)  # [R, k]
+            pos = (lengths - 1 + step)[:, None].expand(r, k)  # [R, k]
+            mask = torch.cat([prefix.expand(r, k, width), anc], dim=2)[:, None]  # [R, 1, k, S + rows]
+            out = d(f_hidden, tokens, pos, mask=mask, cache=cache)  # [R, k, H]
+            child_logp = torch.log_softmax(d.logits(out).float(), dim=-1)  # [R, k, Vd]
+            top_lp, top_ids = child_logp.topk(k, dim=-1)  # [R, k, k]
+            cum = (f_scores[:, :, None] + top_lp).reshape(r, k * k)  # [R, k²]
+            rec_scores.append(cum)
+            rec_tokens.append(d.draft_ids_to_target(top_ids.reshape(r, k * k)))
+            rec_parents.append(frontier.repeat_interleave(k, dim=1))
+            best = cum.topk(k, dim=-1).indices  # [R, k] among this step's k²
+            parent_row = best // k  # [R, k]
+            frontier = n_rec + best
+            n_rec += k * k
+            f_scores = cum.gather(1, best)
+            fb = d.feedback(out)  # [R, k, H]
+            f_hidden = fb.gather(1, parent_row[:, :, None].expand(-1, -1, fb.shape[-1]))
+            anc = torch.cat([anc.gather(1, parent_row[:, :, None].expand(-1, -1, anc.shape[2])),
+                             eye.expand(r, k, k)], dim=2)
+        all_scores = torch.cat(rec_scores, dim=1)  # [R, rec]
+        all_tokens = torch.cat(rec_tokens, dim=1)
+        all_parents = torch.cat(rec_parents, dim=1)
+        n = min(shape.total, all_scores.shape[1])
+        order = torch.sort(-all_scores, dim=1, stable=True).indices[:, :n]  # best first, parents first
+        keep = torch.sort(order, dim=1).values  # [R, n] record order: parents precede children
+        remap = torch.full_like(all_parents, -1)
+        remap.scatter_(1, keep, torch.arange(n, device=dev).expand(r, n))
+        parents = all_parents.gather(1, keep)  # [R, n] record indices
+        parents = torch.where(parents >= 0, remap.gather(1, parents.clamp(min=0)), parents)
+        return all_tokens.gather(1, keep), parents
+
+
+class ProposerBatchDrafter(BatchDrafter):
+    """One `Proposer` per row, made by `factory(prompt_ids)`, run one after another; trees are truncated
+    to the policy's node count (a prefix of a tree keeps every parent). Aux features are passed when the
+    target computes them (an `Eagle3Proposer` per row needs them; others ignore them)."""
+
+    name = "per-row"
+
+    def __init__(self, factory: Callable[[list[int]], Proposer], device: torch.device | str = "cpu"):
+        self.factory = factory
+        self.device = torch.device(device)
+        self.rows: list[Proposer] = []
+
+    def add(self, prompts, aux, first_tokens):
+        for i, (p, first) in enumerate(zip(prompts, first_tokens, strict=True)):
+            pr = self.factory(list(p))
+            row_aux = aux[i : i + 1, : len(p)] if aux is not None else None
+            pr.begin(torch.tensor(p, dtype=torch.long, device=self.device), row_aux, first)
+            self.rows.append(pr)
+
+    def select(self, rows):
+        self.rows = [self.rows[r] for r in rows]
+
+    def propose(self, rows, shape):
+        trees = []
+        for r in rows:
+            t = self.rows[r].propose()
+            trees.append((t.tokens[: shape.total], t.parents[: shape.total]))  # a prefix keeps every parent
+        return pad_trees(trees, self.device)
+
+    def extend(self, aux_rows, new_tokens, counts):
+        for r, (toks, c) in enumerate(zip(new_tokens, counts, strict=True)):
+            if c:
+                a = aux_rows[r : r + 1, :c] if aux_rows is not None else None
+                self.rows[r].accept(a, torch.tensor(toks[:c], dtype=torch.long, device=self.device))

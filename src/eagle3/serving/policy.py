@@ -1,0 +1,122 @@
+"""When and how much to speculate in a batch: the adaptive policy, in one dataclass with its defaults.
+
+A batched verification forward is padded to B·(N+1) tokens (B rows, N draft nodes per drafting row). While
+that product is small the forward costs about as much as plain decoding (it is bound by reading weights),
+so drafts are nearly free; past that point every draft token costs compute. The policy therefore:
+
+1. keeps B·(N+1) <= `token_budget`: N = min(largest tree, budget // B - 1), so the tree shrinks as the
+   batch grows (256 tokens on a GPU: B=1..4 -> 60 nodes, B=8 -> 31, B=16 -> 15, B=32 -> 7, B=64 -> 3);
+2. switches speculation off for the cycle when N < `min_draft_tokens` or B > `max_batch`;
+3. shapes N nodes as a chain while N <= the maximum depth, else as an EAGLE-2 tree of full depth and
+   top-k = ceil(N / depth) (capped at the configured top-k): depth pays first, width later;
+4. per row, keeps an exponential moving average of accepted drafts per cycle; after `warmup_cycles`, a
+   row whose average is below `min_accept` stops drafting for good (tau ~ 1: drafting there only costs).
+
+A row that misses a cycle of drafter updates (because speculation was off for the batch) also stops
+drafting for good: its drafter cache no longer covers its text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from eagle3.config import ConfigError, SpecConfig
+
+__all__ = ["RowAcceptance", "SpecPolicy", "TreeShape", "default_token_budget"]
+
+GPU_TOKEN_BUDGET = 256
+CPU_TOKEN_BUDGET = 32
+
+
+def default_token_budget(device: str) -> int:
+    """Verified tokens per batched forward: 256 on a GPU, 32 on a CPU (where compute grows with tokens)."""
+    return GPU_TOKEN_BUDGET if str(device).startswith("cuda") else CPU_TOKEN_BUDGET
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A draft shape for one cycle: `depth` drafter steps, `top_k` branching, `total` nodes kept."""
+
+    depth: int
+    top_k: int
+    total: int
+
+
+@dataclass
+class SpecPolicy:
+    """Adaptive speculation for batched serving; see the module docstring for the rules."""
+
+    enabled: bool = True
+    max_depth: int = 6  # the largest shape (the configured --tree / --chain)
+    max_top_k: int = 10
+    max_total: int = 60
+    token_budget: int = GPU_TOKEN_BUDGET  # B·(N+1) per verification forward
+    max_batch: int | None = None  # no speculation with more rows than this (None: the budget decides)
+    min_draft_tokens: int = 1
+    min_accept: float = 0.3  # accepted drafts per cycle (EMA) below which a row stops drafting
+    warmup_cycles: int = 4
+    ema: float = 0.25
+
+    def __post_init__(self) -> None:
+        if min(self.max_depth, self.max_top_k, self.max_total) < 1:
+            raise ConfigError(
+                f"SpecPolicy max_depth={self.max_depth}, max_top_k={self.max_top_k}, max_total={self.max_total} "
+                "must all be >= 1"
+            )
+        if self.token_budget < 2:
+            raise ConfigError(f"--spec-budget {self.token_budget} must be >= 2 (one root and one draft token)")
+        if self.min_draft_tokens < 1:
+            raise ConfigError(f"min_draft_tokens={self.min_draft_tokens} must be >= 1")
+        if not 0.0 < self.ema <= 1.0:
+            raise ConfigError(f"ema={self.ema} must be in (0, 1]")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ConfigError(f"--spec-max-batch {self.max_batch} must be >= 1")
+
+    @classmethod
+    def from_spec(cls, spec: SpecConfig, **overrides) -> SpecPolicy:
+        """The policy whose largest shape is `spec` (a tree or a chain); spec mode 'none' disables it."""
+        if spec.mode == "chain":
+            shape = dict(max_depth=spec.chain_length, max_top_k=1, max_total=spec.chain_length)
+        elif spec.mode == "tree":
+            shape = dict(max_depth=spec.depth, max_top_k=spec.top_k, max_total=spec.total_tokens)
+        else:
+            shape = dict(enabled=False)
+        return cls(**{**shape, **overrides})
+
+    def draft_tokens(self, batch_size: int) -> int:
+        """N for a batch of `batch_size` rows (0: no speculation this cycle)."""
+        if not self.enabled or batch_size < 1:
+            return 0
+        if self.max_batch is not None and batch_size > self.max_batch:
+            return 0
+        n = min(self.max_total, self.token_budget // batch_size - 1, self.max_depth * self.max_top_k ** 2)
+        return n if n >= self.min_draft_tokens else 0
+
+    def shape(self, batch_size: int) -> TreeShape | None:
+        """The draft shape for this cycle, or None when speculation does not pay."""
+        n = self.draft_tokens(batch_size)
+        if n == 0:
+            return None
+        if n <= self.max_depth or self.max_top_k == 1:
+            depth = min(n, self.max_depth)
+            return TreeShape(depth=depth, top_k=1, total=depth)
+        top_k = min(self.max_top_k, math.ceil(n / self.max_depth))
+        # the EAGLE-2 expansion records k + (depth-1)·k² candidates; keep N of them
+        total = min(n, top_k + (self.max_depth - 1) * top_k * top_k)
+        return TreeShape(depth=self.max_depth, top_k=top_k, total=total)
+
+    def keep_drafting(self, acc: RowAcceptance) -> bool:
+        return acc.cycles < self.warmup_cycles or acc.mean >= self.min_accept
+
+
+@dataclass
+class RowAcceptance:
+    """Running acceptance of one row: cycles drafted and the EMA of accepted drafts per cycle."""
+
+    cycles: int = 0
+    mean: float = 0.0
+
+    def update(self, accepted: int, ema: float) -> None:
+        self.mean = float(accepted) if self.cycles == 0 else (1 - ema) * self.mean + ema * accepted
+        self.cycles += 1

@@ -1,0 +1,346 @@
+"""OpenAI request validation and response shapes for `/v1/chat/completions` and `/v1/completions`.
+
+Every problem raises `RequestError`, which the app turns into OpenAI's error body
+`{"error": {"message", "type", "param", "code"}}` with status 400 (messages follow OpenAI's wording).
+Fields OpenAI defines but this server does not implement are accepted only at their neutral value
+(`n: 1`, `logprobs: false`, penalties 0, ...) and rejected otherwise with a message saying so; fields
+OpenAI does not define are rejected ("Unrecognized request argument"). `top_k` is accepted as an extension
+(as vLLM does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ChatRequest", "CompletionRequest", "RequestError", "error_body", "parse_chat", "parse_completion"]
+
+MAX_TEMPERATURE = 2.0
+
+
+class RequestError(Exception):
+    """A client error, reported in OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- field checks -------------------------------------------------------------------------------
+def _type_name(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _bad_type(name: str, expected: str, v: Any) -> RequestError:
+    return RequestError(f"Invalid type for '{name}': expected {expected}, but got {_type_name(v)} instead.",
+                        param=name, code="invalid_type")
+
+
+def _int(name: str, v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad_type(name, "an integer", v)
+    return v
+
+
+def _number(name: str, v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _bad_type(name, "a number", v)
+    return float(v)
+
+
+def _bool(name: str, v: Any) -> bool | None:
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _bad_type(name, "a boolean", v)
+    return v
+
+
+def _str(name: str, v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _bad_type(name, "a string", v)
+    return v
+
+
+def _unsupported(name: str, neutral: Callable[[Any], bool], what: str) -> Callable[[str, Any], Any]:
+    def check(_name: str, v: Any) -> Any:
+        if v is not None and not neutral(v):
+            raise RequestError(f"'{name}' is not supported by this server ({what}).", param=name,
+                               code="unsupported_parameter")
+        return v
+    return check
+
+
+def _ignored(_name: str, v: Any) -> Any:
+    return v
+
+
+_COMMON: dict[str, Callable[[str, Any], Any]] = {
+    "model": _str,
+    "max_tokens": _int,
+    "temperature": _number,
+    "top_p": _number,
+    "top_k": _int,
+    "seed": _int,
+    "stop": _ignored,  # checked below (a string or a list of strings)
+    "stream": _bool,
+    "stream_options": _ignored,  # checked below
+    "n": _unsupported("n", lambda v: v == 1 and not isinstance(v, bool), "only n=1: send one request per choice"),
+    "user": _str,
+    "presence_penalty": _unsupported("presence_penalty", lambda v: v == 0, "only 0"),
+    "frequency_penalty": _unsupported("frequency_penalty", lambda v: v == 0, "only 0"),
+    "logit_bias": _unsupported("logit_bias", lambda v: v == {}, "no logit bias"),
+}
+_CHAT = {
+    **_COMMON,
+    "messages": _ignored,  # checked below
+    "max_completion_tokens": _int,
+    "logprobs": _unsupported("logprobs", lambda v: v is False, "no log probabilities"),
+    "top_logprobs": _unsupported("top_logprobs", lambda v: v == 0, "no log probabilities"),
+    "response_format": _unsupported("response_format", lambda v: v == {"type": "text"}, "text output only"),
+    "tools": _unsupported("tools", lambda v: v == [], "no tool calls"),
+    "tool_choice": _unsupported("tool_choice", lambda v: v == "none", "no tool calls"),
+    "parallel_tool_calls": _ignored,
+    "metadata": _ignored,
+    "store": _unsupported("store", lambda v: v is False, "nothing is stored"),
+}
+_COMPLETION = {
+    **_COMMON,
+    "prompt": _ignored,  # checked below
+    "logprobs": _unsupported("logprobs", lambda v: v == 0, "no log probabilities"),
+    "echo": _unsupported("echo", lambda v: v is False, "the prompt is not echoed"),
+    "best_of": _unsupported("best_of", lambda v: v == 1, "only best_of=1"),
+    "suffix": _unsupported("suffix", lambda v: v == "", "no suffix (insertion)"),
+}
+
+
+@dataclass
+class _Sampling:
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass
+class ChatRequest(_Sampling):
+    messages: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = ""
+
+
+def _load(raw: bytes | str) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"We could not parse the JSON body of your request ({e}). Send a JSON object.",
+                           code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"The request body must be a JSON object, got {_type_name(body)}.", code="invalid_json")
+    return body
+
+
+def _common(body: dict, spec: dict, out: _Sampling, max_stop: int) -> None:
+    unknown = sorted(set(body) - set(spec))
+    if unknown:
+        raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+                           code="unknown_parameter")
+    values = {k: spec[k](k, v) for k, v in body.items()}
+    if values.get("model") is None:
+        raise RequestError("You must provide a model parameter.", param="model", code="missing_required_parameter")
+    out.model = values["model"]
+    if values.get("max_tokens") is not None:
+        out.max_tokens = values["max_tokens"]
+        if out.max_tokens < 1:
+            raise RequestError(f"Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got "
+                               f"{out.max_tokens} instead.", param="max_tokens", code="integer_below_min_value")
+    t = values.get("temperature")
+    if t is not None:
+        if not 0.0 <= t <= MAX_TEMPERATURE:
+            raise RequestError(f"Invalid 'temperature': expected a value between 0 and {MAX_TEMPERATURE:g}, but got "
+                               f"{t:g} instead.", param="temperature", code="invalid_value")
+        out.temperature = t
+    p = values.get("top_p")
+    if p is not None:
+        if not 0.0 < p <= 1.0:
+            raise RequestError(f"Invalid 'top_p': expected a value in (0, 1], but got {p:g} instead.",
+                               param="top_p", code="invalid_value")
+        out.top_p = p
+    k = values.get("top_k")
+    if k is not None:
+        if k < -1:
+            raise RequestError(f"Invalid 'top_k': expected -1 or 0 (off) or a positive integer, got {k}.",
+                               param="top_k", code="invalid_value")
+        out.top_k = max(k, 0)
+    out.seed = values.get("seed")
+    out.stream = bool(values.get("stream"))
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad_type("stop", "a string or an array of strings", body["stop"])
+        if len(stop) > max_stop:
+            raise RequestError(f"Invalid 'stop': at most {max_stop} stop sequences are allowed, got {len(stop)}.",
+                               param="stop", code="invalid_value")
+        if any(s == "" for s in stop):
+            raise RequestError("Invalid 'stop': stop sequences must be non-empty strings.", param="stop",
+                               code="invalid_value")
+        out.stop = stop
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad_type("stream_options", "an object", so)
+        extra = sorted(set(so) - {"include_usage"})
+        if extra:
+            raise RequestError(f"Unrecognized request argument supplied: stream_options.{extra[0]}",
+                               param=f"stream_options.{extra[0]}", code="unknown_parameter")
+        if not out.stream:
+            raise RequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                               param="stream_options", code="invalid_value")
+        out.include_usage = bool(_bool("stream_options.include_usage", so.get("include_usage")))
+
+
+def _message(i: int, m: Any) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise _bad_type(where, "an object", m)
+    extra = sorted(set(m) - {"role", "content", "name"})
+    if extra:
+        raise RequestError(f"Unrecognized request argument supplied: {where}.{extra[0]}", param=f"{where}.{extra[0]}",
+                           code="unknown_parameter")
+    role = m.get("role")
+    if role not in ("system", "developer", "user", "assistant"):
+        if role == "tool":
+            raise RequestError(f"'{where}.role' 'tool' is not supported by this server (no tool calls).",
+                               param=f"{where}.role", code="unsupported_parameter")
+        raise RequestError(f"Invalid value for '{where}.role': expected one of 'system', 'developer', 'user', "
+                           f"'assistant', got {role!r}.", param=f"{where}.role", code="invalid_value")
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise RequestError(f"'{where}.content[{j}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                   "are supported.", param=f"{where}.content", code="unsupported_parameter")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise _bad_type(f"{where}.content", "a string or an array of text parts", content)
+    out = {"role": "system" if role == "developer" else role, "content": content}
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def parse_chat(raw: bytes | str, max_stop: int = 4) -> ChatRequest:
+    body = _load(raw)
+    req = ChatRequest()
+    _common(body, _CHAT, req, max_stop)
+    if body.get("max_completion_tokens") is not None:
+        mct = _int("max_completion_tokens", body["max_completion_tokens"])
+        if mct < 1:
+            raise RequestError(f"Invalid 'max_completion_tokens': expected a value >= 1, but got {mct} instead.",
+                               param="max_completion_tokens", code="integer_below_min_value")
+        req.max_tokens = mct if req.max_tokens is None else min(req.max_tokens, mct)
+    msgs = body.get("messages")
+    if msgs is None:
+        raise RequestError("Missing required parameter: 'messages'.", param="messages",
+                           code="missing_required_parameter")
+    if not isinstance(msgs, list):
+        raise _bad_type("messages", "an array", msgs)
+    if not msgs:
+        raise RequestError("Invalid 'messages': empty array. Expected an array with minimum length 1, but got an "
+                           "empty array instead.", param="messages", code="empty_array")
+    req.messages = [_message(i, m) for i, m in enumerate(msgs)]
+    return req
+
+
+def parse_completion(raw: bytes | str, max_stop: int = 4) -> CompletionRequest:
+    body = _load(raw)
+    req = CompletionRequest()
+    _common(body, _COMPLETION, req, max_stop)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise RequestError("Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
+    # a list holding one prompt (text or token ids) is one prompt; several prompts would be several choices
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
+        raise RequestError("Several prompts in one request are not supported by this server; send one request "
+                           "per prompt.", param="prompt", code="unsupported_parameter")
+    if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
+        raise RequestError("Several prompts in one request are not supported by this server; send one request "
+                           "per prompt.", param="prompt", code="unsupported_parameter")
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            raise _bad_type("prompt", "a string, an array of token ids, or an array with one string", body["prompt"])
+    elif not isinstance(prompt, str):
+        raise _bad_type("prompt", "a string or an array of token ids", prompt)
+    if prompt == "":
+        raise RequestError("Invalid 'prompt': empty string. Give at least one character.", param="prompt",
+                           code="invalid_value")
+    req.prompt = prompt
+    return req
+
+
+# -- responses ----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int,
+                        completion_tokens: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}

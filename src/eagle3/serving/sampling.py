@@ -1,0 +1,68 @@
+"""Position-keyed sampling for the server: each token is drawn with noise fixed by (seed, position).
+
+The token at absolute position p of a request with seed s is `argmax_v probs[v] / E[s, p, v]`, where E are
+i.i.d. Exp(1) variables computed by hashing (s, p, v). This is the exponential race (Gumbel-max in another
+form; vLLM's sampler draws with the same `probs / Exp(1)` argmax, `vllm/v1/sample/ops/topk_topp_sampler.py`),
+so each token is an exact draw from the processed target distribution `process_logits(...)`.
+
+Why key the noise by position: the noise for position p does not depend on the prefix, so verifying a draft
+tree is simply greedy acceptance against these per-node choices, and the sampled text is the same whether a
+request runs alone or in a batch, with or without speculation (it depends only on seed, prompt and the
+target's logits). The sequence is still distributed exactly as plain sampling: the noise at p is
+independent of the tokens before p. It is a different random stream from `eagle3 generate --seed`
+(which samples through `torch.Generator` and the residual rule of `eagle3.decoding.verify`), so the same
+seed gives different (equally distributed) text there.
+
+The hash is Chris Wellons' `lowbias32` (public domain, github.com/skeeto/hash-prospector), evaluated in
+int64 with 32-bit products split into 16-bit halves so nothing overflows; identical on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.decoding.sampling import process_logits
+
+__all__ = ["exponential_noise", "hash_u32", "race_sample"]
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for uint32 values held in int64, without int64 overflow."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def hash_u32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on uint32 values in an int64 tensor."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [..., V] (fp32) for `positions` [...] (long) of a request with `seed`."""
+    dev = positions.device
+    s = hash_u32(torch.tensor(seed & _M32, dtype=torch.long, device=dev))
+    per_pos = hash_u32(positions.long() ^ s)  # [...]
+    v = torch.arange(vocab, dtype=torch.long, device=dev)  # [V]
+    h = hash_u32(per_pos[..., None] ^ hash_u32(v + 0x9E3779B9))  # [..., V]
+    w = (h.float() + 0.5) * (1.0 / 4294967296.0)  # [..., V] uniform in (0, 1)
+    return -torch.log1p(-w)  # Exp(1); w rounding to 1.0 gives inf, i.e. a token that loses this draw
+
+
+def race_sample(
+    logits: torch.Tensor,  # [M, V] raw target logits of one request
+    positions: torch.Tensor,  # [M] absolute position of the token each row predicts
+    seed: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> torch.Tensor:
+    """The sampled token id for each row [M] (long): argmax of processed probs / position-keyed Exp(1)."""
+    probs = process_logits(logits, temperature, top_p, top_k)  # [M, V]
+    return (probs / exponential_noise(seed, positions, probs.shape[-1])).argmax(dim=-1)

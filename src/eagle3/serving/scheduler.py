@@ -1,0 +1,476 @@
+"""Continuous batching with speculative decoding: one background thread owns the model and runs cycles.
+
+Each loop iteration:
+
+1. admit waiting requests (up to `max_batch_size` rows and `max_prefill_tokens` padded prompt tokens),
+   prefill them in one batched forward, emit their first token, and append them to the batch;
+2. drop rows whose client went away;
+3. run one cycle over all rows: the policy picks a draft shape for this batch size, the drafter proposes
+   a tree for each drafting row, ONE batched target forward verifies every row's [root, tree] (padded to
+   N+1 tokens), each row accepts its own path (greedy, or position-keyed sampling, see
+   `eagle3.serving.sampling`), the batch KV cache keeps each row's prefix + root + accepted nodes, the
+   drafter is extended with the accepted features, and tokens are emitted to the clients;
+4. finished rows (EOS, stop string, max_tokens) leave the batch.
+
+Results reach the HTTP side through each request's `sink` (called from this thread). Greedy output equals
+`SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
+kernels differ from bs=1 ones only by float rounding, which could flip an exact argmax tie).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3.serving.batch import BatchKV, accept_greedy_batch, batch_ancestors, batched_forward, prefill
+from eagle3.serving.config import ServeConfig
+from eagle3.serving.drafting import BatchDrafter
+from eagle3.serving.metrics import Metrics
+from eagle3.serving.policy import RowAcceptance, SpecPolicy
+from eagle3.serving.sampling import race_sample
+from eagle3.target import Target
+
+__all__ = ["Event", "GenParams", "RequestHandle", "Scheduler", "SchedulerUnavailable"]
+
+log = logging.getLogger("eagle3.serving")
+
+
+@dataclass
+class GenParams:
+    """One validated request, in token ids."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stream: bool = False
+    endpoint: str = "completions"  # a metrics label
+
+
+@dataclass
+class Event:
+    """What the scheduler tells a request: a text `delta`, `done` (with usage), or an `error`."""
+
+    kind: str
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    status: int = 500  # for errors: the HTTP status to answer with
+
+
+class RequestHandle:
+    """A submitted request: its parameters, where its events go, and a cancel flag the client side sets."""
+
+    def __init__(self, params: GenParams, sink: Callable[[Event], None]):
+        self.params = params
+        self.sink = sink
+        self.id = uuid.uuid4().hex
+        self.seed = params.seed if params.seed is not None else secrets.randbits(32)
+        self.arrival = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.cancelled = False
+        self.finished = False
+
+
+class SchedulerUnavailable(Exception):
+    """The scheduler refuses new work: `status` is the HTTP status to answer with (503)."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+class _Row:
+    def __init__(self, handle: RequestHandle, drafting: bool):
+        self.handle = handle
+        self.out: list[int] = []
+        self.root = -1  # last emitted token, not yet in the KV cache
+        self.drafting = drafting
+        self.acc = RowAcceptance()
+        self.sent = 0  # characters already streamed
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else -1
+
+
+class Scheduler:
+    """Owns the target, the drafter and the batch; `start()` runs the loop in a daemon thread."""
+
+    def __init__(
+        self,
+        target: Target,
+        tokenizer,
+        eos_token_ids: Sequence[int],
+        drafter: BatchDrafter | None = None,
+        policy: SpecPolicy | None = None,
+        config: ServeConfig | None = None,
+        metrics: Metrics | None = None,
+    ):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.drafter = drafter
+        self.policy = policy or SpecPolicy(enabled=drafter is not None)
+        self.config = config or ServeConfig()
+        self.metrics = metrics or Metrics(self.config.model_name)
+        self._cond = threading.Condition()
+        self._waiting: deque[RequestHandle] = deque()
+        self._rows: list[_Row] = []
+        self._kv = BatchKV()
+        self._closing = False  # no new requests
+        self._stopping = False  # leave the loop
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # set if the loop itself died
+
+    # -- client side -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="eagle3-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, handle: RequestHandle) -> None:
+        with self._cond:
+            if self._closing or not (self._thread and self._thread.is_alive()):
+                raise SchedulerUnavailable("the server is shutting down; retry on another replica")
+            if len(self._waiting) >= self.config.max_waiting:
+                raise SchedulerUnavailable(
+                    f"the server is overloaded ({len(self._waiting)} requests waiting); retry later")
+            self._waiting.append(handle)
+            self.metrics.set("eagle3_queue_depth", len(self._waiting))
+            self._cond.notify_all()
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Free the request's slot at the next cycle boundary (its client went away)."""
+        if handle.finished:
+            return
+        handle.cancelled = True
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop admitting; let in-flight requests finish for up to `timeout` s, then cancel the rest."""
+        timeout = self.config.shutdown_timeout if timeout is None else timeout
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        while (self._rows or self._waiting) and time.monotonic() < deadline and self._thread_alive():
+            time.sleep(0.01)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, timeout))
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._cond:
+                        while not self._rows and not self._waiting and not self._stopping:
+                            self._cond.wait()
+                        if self._stopping:
+                            break
+                        admitted = self._take_waiting()
+                    self._step(admitted)
+        except BaseException as e:  # the loop must never die silently: fail everything in flight
+            self.error = e
+            log.exception("scheduler loop died")
+            raise
+        finally:
+            self._abort_all("the server is shutting down")
+
+    def _step(self, admitted: list[RequestHandle]) -> None:
+        try:
+            self._drop_cancelled()
+            if admitted:
+                self._prefill(admitted)
+            if self._rows:
+                self._cycle()
+        except Exception as e:  # a failed forward must not hang clients: fail this batch, keep serving
+            log.exception("decoding step failed; failing %d in-flight requests", len(self._rows) + len(admitted))
+            msg = f"internal error while decoding: {type(e).__name__}: {e}"
+            for h in [r.handle for r in self._rows] + admitted:
+                self._send_error(h, msg, status=500)
+            self._reset()
+        finally:
+            self.metrics.set("eagle3_running_requests", len(self._rows))
+            self.metrics.set("eagle3_queue_depth", len(self._waiting))
+
+    def _reset(self) -> None:
+        self._rows = []
+        self._kv = BatchKV()
+        if self.drafter is not None:
+            self.drafter.select([])
+
+    def _abort_all(self, message: str) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for h in [r.handle for r in self._rows] + waiting:
+            self._send_error(h, message, status=503)
+        self._reset()
+
+    def _take_waiting(self) -> list[RequestHandle]:
+        out: list[RequestHandle] = []
+        longest = 0
+        while self._waiting and len(self._rows) + len(out) < self.config.max_batch_size:
+            h = self._waiting[0]
+            if h.cancelled:
+                self._waiting.popleft()
+                h.finished = True
+                self.metrics.inc("eagle3_requests_total", endpoint=h.params.endpoint, finish_reason="cancelled")
+                continue
+            n = len(h.params.prompt_ids)
+            if out and max(longest, n) * (len(out) + 1) > self.config.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            out.append(self._waiting.popleft())
+        return out
+
+    def _drop_cancelled(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if not r.handle.cancelled]
+        if len(keep) == len(self._rows):
+            return
+        for r in self._rows:
+            if r.handle.cancelled:
+                r.handle.finished = True
+                self.metrics.inc("eagle3_requests_total", endpoint=r.handle.params.endpoint,
+                                 finish_reason="cancelled")
+        self._select(keep)
+
+    def _select(self, keep: list[int]) -> None:
+        self._rows = [self._rows[i] for i in keep]
+        self._kv.select(keep)
+        if self.drafter is not None:
+            self.drafter.select(keep)
+
+    # -- prefill -----------------------------------------------------------------------------
+    def _prefill(self, handles: list[RequestHandle]) -> None:
+        prompts = [list(h.params.prompt_ids) for h in handles]
+        kv, last, aux = prefill(self.target, prompts)  # last [b, V]
+        first = last.argmax(dim=-1)  # [b]
+        for i, h in enumerate(handles):
+            p = h.params
+            if p.temperature > 0:
+                pos = torch.tensor([len(prompts[i])], device=last.device)  # the first token's position
+                first[i] = race_sample(last[i : i + 1], pos, h.seed, p.temperature, p.top_p, p.top_k)[0]
+        first_ids = first.tolist()
+        now = time.perf_counter()
+        use_draft = self.drafter is not None and self.policy.enabled
+        survivors, rows = [], []
+        for i, h in enumerate(handles):
+            self.metrics.inc("eagle3_prompt_tokens_total", len(prompts[i]))
+            h.first_token_at = now
+            self.metrics.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
+            row = _Row(h, drafting=use_draft)
+            if not self._emit(row, [first_ids[i]]):
+                survivors.append(i)
+                rows.append(row)
+        if not survivors:
+            return
+        if len(survivors) < len(handles):
+            kv.select(survivors)
+        if self.drafter is not None:
+            sub_aux = aux[torch.tensor(survivors, device=aux.device)] if aux is not None else None
+            self.drafter.add([prompts[i] for i in survivors], sub_aux, [first_ids[i] for i in survivors])
+        self._kv.merge(kv)
+        self._rows.extend(rows)
+
+    # -- one decode cycle ----------------------------------------------------------------------
+    def _cycle(self) -> None:
+        t0 = time.perf_counter()
+        rows, dev = self._rows, self.target.device
+        b = len(rows)
+        tokens, parents = self._draft(rows)  # [B, N], -1 = padding (rows not drafting, shorter trees)
+        n = tokens.shape[1]
+        roots = torch.tensor([r.root for r in rows], dtype=torch.long, device=dev)  # [B]
+        ids = torch.cat([roots[:, None], tokens.clamp(min=0)], dim=1)  # [B, N+1]
+        anc = batch_ancestors(parents)  # [B, N+1, N+1]
+        offsets = anc.sum(dim=-1) - 1  # [B, N+1] depth of each node
+        lengths = list(self._kv.lengths)
+        appended_at = self._kv.width
+        logits, aux = batched_forward(self.target, ids, self._kv, anc, offsets)  # [B, N+1, V]
+        top = self._choose(rows, logits, offsets, lengths)  # [B, N+1]
+        paths, nxt = accept_greedy_batch(tokens, parents, anc, top)
+        keep = [[0, *p] for p in paths]  # root + accepted nodes, offsets into the appended block
+        self._kv.compact(appended_at, keep)
+        tok_host = tokens.tolist()
+        depths = (offsets[:, 1:] * (tokens >= 0)).amax(dim=1).tolist() if n else [0] * b  # tree depth per row
+        new_tokens = [[tok_host[i][j - 1] for j in paths[i]] + [nxt[i]] for i in range(b)]
+        self._record(rows, n, tok_host, depths, paths)
+        finished = [self._emit(r, new_tokens[i]) for i, r in enumerate(rows)]
+        self._extend_drafter(rows, aux, keep, new_tokens, finished)
+        if any(finished):
+            self._select([i for i, f in enumerate(finished) if not f])
+        self.metrics.observe("eagle3_cycle_seconds", time.perf_counter() - t0)
+
+    def _draft(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded draft trees for the batch, [B, N] tokens and parents; N = 0 when nobody drafts."""
+        b, dev = len(rows), self.target.device
+        shape = self.policy.shape(b) if self.drafter is not None else None
+        if shape is None:
+            for r in rows:  # their drafter cache misses this cycle: they stop drafting for good
+                r.drafting = False
+        drafting = [i for i, r in enumerate(rows) if r.drafting]
+        if not drafting:
+            empty = torch.full((b, 0), -1, dtype=torch.long, device=dev)
+            return empty, empty.clone()
+        t, p = self.drafter.propose(drafting, shape)  # [R, N]
+        tokens = torch.full((b, t.shape[1]), -1, dtype=torch.long, device=dev)  # [B, N]
+        parents = tokens.clone()
+        idx = torch.tensor(drafting, dtype=torch.long, device=dev)
+        tokens[idx], parents[idx] = t.to(dev), p.to(dev)
+        return tokens, parents
+
+    def _record(self, rows: list[_Row], n: int, tokens: list[list[int]], depths: list[int],
+                paths: list[list[int]]) -> None:
+        """Cycle metrics, and each drafting row's running acceptance (which may switch its drafting off)."""
+        m = self.metrics
+        m.inc("eagle3_verify_steps_total")
+        m.inc("eagle3_verified_tokens_total", len(rows) * (n + 1))
+        m.observe("eagle3_batch_size", len(rows))
+        m.set("eagle3_spec_draft_tokens", n)
+        for r, toks, depth, path in zip(rows, tokens, depths, paths, strict=True):
+            if not (r.drafting and depth > 0):
+                continue
+            m.inc("eagle3_draft_tokens_total", sum(1 for x in toks if x >= 0))
+            m.inc("eagle3_accepted_tokens_total", len(path))
+            m.inc("eagle3_spec_row_steps_total")
+            m.record_row_cycle(depth, len(path))
+            r.acc.update(len(path), self.policy.ema)
+            if not self.policy.keep_drafting(r.acc):
+                r.drafting = False
+
+    def _extend_drafter(self, rows: list[_Row], aux: torch.Tensor | None, keep: list[list[int]],
+                        new_tokens: list[list[int]], finished: list[bool]) -> None:
+        """Feed each still-drafting row's kept features (root + accepted nodes) to the drafter."""
+        if self.drafter is None or not any(r.drafting for r in rows):
+            return
+        counts = [len(k) if (r.drafting and not f) else 0 for r, k, f in zip(rows, keep, finished, strict=True)]
+        aux_rows = None
+        if aux is not None and any(counts):
+            width = max(counts)
+            gidx = torch.zeros(len(rows), width, dtype=torch.long)  # [B, M] kept node offsets
+            for i, k in enumerate(keep):
+                gidx[i, : min(len(k), width)] = torch.tensor(k[:width])
+            gidx = gidx.to(aux.device)[:, :, None].expand(-1, -1, aux.shape[-1])  # [B, M, 3Ht]
+            aux_rows = aux.gather(1, gidx)  # [B, M, 3Ht]
+        self.drafter.extend(aux_rows, new_tokens, counts)
+
+    def _choose(self, rows: list[_Row], logits: torch.Tensor, offsets: torch.Tensor, lengths: list[int]):
+        """The target's token after each node [B, N+1]: argmax, or a position-keyed sample per row."""
+        top = logits.argmax(dim=-1)  # [B, N+1]
+        for i, r in enumerate(rows):
+            p = r.handle.params
+            if p.temperature > 0:
+                pos = lengths[i] + offsets[i] + 1  # [N+1] position of the token each node predicts
+                top[i] = race_sample(logits[i], pos, r.handle.seed, p.temperature, p.top_p, p.top_k)
+        return top
+
+    # -- output --------------------------------------------------------------------------------
+    def _text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # token-level use (tests): no text, no stop strings
+            return ""
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _emit(self, row: _Row, new_tokens: list[int]) -> bool:
+        """Append tokens until one finishes the request; stream text; True when the request is done."""
+        p = row.handle.params
+        finish, text, before = None, None, len(row.out)
+        for tok in new_tokens:
+            row.out.append(tok)
+            text = None
+            if tok in self.eos:
+                finish = "stop"
+                break
+            if p.stop:
+                text = self._text(row.out)
+                if _find_stop(text, p.stop) >= 0:
+                    finish = "stop"
+                    break
+            if len(row.out) >= p.max_tokens:
+                finish = "length"
+                break
+        row.root = row.out[-1]
+        self.metrics.inc("eagle3_generation_tokens_total", len(row.out) - before)
+        if finish is None:
+            if p.stream:
+                self._stream(row, text if text is not None else self._text(row.out), final=False)
+            return False
+        text = self._text(row.out) if text is None else text
+        cut = _find_stop(text, p.stop)
+        if cut >= 0:
+            text = text[:cut]
+        if p.stream:
+            self._stream(row, text, final=True)
+        self._finish(row, finish, text)
+        return True
+
+    def _stream(self, row: _Row, text: str, final: bool) -> None:
+        end = len(text)
+        if not final:
+            end = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character
+            for s in row.handle.params.stop:  # hold back a suffix that could start a stop string
+                for j in range(min(len(s) - 1, end), 0, -1):
+                    if text[:end].endswith(s[:j]):
+                        end -= j
+                        break
+        if end > row.sent:
+            self._send(row.handle, Event("delta", text=text[row.sent : end]))
+            row.sent = end
+
+    def _finish(self, row: _Row, reason: str, text: str) -> None:
+        h = row.handle
+        h.finished = True
+        self.metrics.inc("eagle3_requests_total", endpoint=h.params.endpoint, finish_reason=reason)
+        self.metrics.observe("eagle3_request_latency_seconds", time.perf_counter() - h.arrival)
+        self._send(h, Event("done", text=text, finish_reason=reason, prompt_tokens=len(h.params.prompt_ids),
+                            completion_tokens=len(row.out), token_ids=list(row.out)))
+
+    def _send(self, handle: RequestHandle, event: Event) -> None:
+        try:
+            handle.sink(event)
+        except Exception:  # a broken sink (client side gone) must not stop the batch
+            log.exception("could not deliver an event for request %s", handle.id)
+            handle.cancelled = True
+
+    def _send_error(self, handle: RequestHandle, message: str, status: int) -> None:
+        if handle.finished:
+            return
+        handle.finished = True
+        self.metrics.inc("eagle3_requests_total", endpoint=handle.params.endpoint, finish_reason="error")
+        self._send(handle, Event("error", text=message, status=status))

@@ -1,0 +1,299 @@
+"""Batched serving internals on CPU: batch caches never mix rows, the batched drafter equals the per-row one,
+the adaptive policy, and position-keyed sampling.
+
+The central check: requests decoded together by the `Scheduler` (rows joining at different times, ragged
+acceptance, rows leaving) each give exactly the tokens `SpeculativeEngine` + `NoDraftProposer` gives alone.
+Run: pytest tests/test_batching.py
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import ARCHS, TINY_SLIDING_WINDOW, build_tiny_target
+from doubles import ScriptedProposer, SelfTreeProposer
+from eagle3.config import SpecConfig
+from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.decoding.tree import DraftTree
+from eagle3.decoding.verify import accept_greedy
+from eagle3.runtime import eos_token_ids, init_drafter
+from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
+from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
+from eagle3.serving.policy import RowAcceptance, SpecPolicy, TreeShape
+from eagle3.serving.sampling import exponential_noise, race_sample
+from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler, SchedulerUnavailable
+from eagle3.target import Target
+
+SMALL_TREE = SpecConfig(depth=4, top_k=3, total_tokens=10)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine each parallel op can
+    wait a whole scheduler time slice for its second thread (10-40x slower here); use one, then restore."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def reference(model, tokenizer, prompts, max_tokens, eos) -> list:
+    """Each prompt alone through the bs=1 engine with no drafts (what `eagle3 generate --draft none` runs)."""
+    target = Target(model, [])
+    engine = SpeculativeEngine(target, NoDraftProposer(), tokenizer)
+    try:
+        return [engine.generate(p, max_new_tokens=n, eos_token_ids=eos) for p, n in zip(prompts, max_tokens, strict=True)]
+    finally:
+        target.close()
+
+
+def run_batch(sched: Scheduler, params: list[GenParams], stagger: dict[int, float] | None = None, timeout=60.0):
+    """Submit all requests (request i after `stagger[i]` seconds), wait for every final event."""
+    done: dict[int, object] = {}
+    flags = [threading.Event() for _ in params]
+
+    def sink_for(i):
+        def sink(ev):
+            if ev.kind != "delta":
+                done[i] = ev
+                flags[i].set()
+        return sink
+
+    sched.start()
+    try:
+        for i, p in enumerate(params):
+            if stagger and i in stagger:
+                time.sleep(stagger[i])
+            sched.submit(RequestHandle(p, sink_for(i)))
+        for i, f in enumerate(flags):
+            assert f.wait(timeout), f"request {i} hung"
+    finally:
+        sched.stop(timeout=5)
+    return [done[i] for i in range(len(params))]
+
+
+def tiny_prompts(n_rows: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, TINY_SLIDING_WINDOW * 2 + 3, 9, 17, 5][:n_rows]  # one prompt passes the sliding window
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lens]
+
+
+# -- the scheduler equals bs=1 greedy decoding -----------------------------------------------------
+@pytest.fixture(scope="module")
+def stories(stories260k):
+    model, tok = stories260k
+    prompts = ["Once upon a time", "Lily and Tom went to the park. They", "The cat", "One day, a little girl named",
+               "He", "The sun was shining and the birds"]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    max_tokens = [20, 33, 7, 40, 25, 1]
+    eos = eos_token_ids(model, tok)
+    return model, tok, ids, max_tokens, eos, reference(model, tok, ids, max_tokens, eos)
+
+
+@pytest.mark.parametrize("mode", ["plain", "eagle3"])
+def test_scheduler_greedy_matches_single_requests(stories, mode):
+    model, tok, ids, max_tokens, eos, refs = stories
+    model = copy.deepcopy(model)  # the Target below hooks the model; keep the shared fixture clean
+    drafter, aux = None, []
+    if mode == "eagle3":
+        d = init_drafter(model, seed=0)
+        drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
+    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0) if drafter else None
+    sched = Scheduler(Target(model, aux), tok, eos, drafter=drafter, policy=policy)
+    params = [GenParams(p, n) for p, n in zip(ids, max_tokens, strict=True)]
+    out = run_batch(sched, params, stagger={3: 0.05, 5: 0.05})
+    for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
+        assert ev.kind == "done", ev.text
+        assert ev.token_ids == ref.token_ids, f"row {i}"
+        assert (ev.text, ev.finish_reason) == (ref.text, ref.finish_reason), f"row {i}"
+        assert ev.completion_tokens == len(ref.token_ids)
+    snap = sched.metrics.snapshot()
+    assert snap["eagle3_batch_size_sum"] / snap["eagle3_batch_size_count"] > 1.5  # rows really shared cycles
+    if mode == "eagle3":
+        assert snap["eagle3_draft_tokens_total"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["self-tree", "scripted-2"])
+def test_ragged_acceptance_keeps_rows_apart(arch, kind):
+    """Always-right trees and partial acceptance, on every architecture (sliding windows, MoE)."""
+    model = build_tiny_target(arch)
+    prompts = tiny_prompts(4, seed=len(arch))
+    max_tokens = [24, 18, 30, 12]
+    refs = reference(model, None, prompts, max_tokens, eos=[])
+    by_prompt = {tuple(p): r.token_ids for p, r in zip(prompts, refs, strict=True)}
+    if kind == "self-tree":
+        def factory(_prompt):
+            return SelfTreeProposer(model, depth=3)
+    else:
+        def factory(prompt):
+            return ScriptedProposer(by_prompt[tuple(prompt)], k=2, length=4, vocab_size=300, tree=True)
+    policy = SpecPolicy(max_depth=4, max_top_k=2, max_total=8, token_budget=1000, min_accept=0.0)
+    sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
+    out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)], stagger={2: 0.02})
+    for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
+        assert ev.token_ids == ref.token_ids, f"{arch} {kind} row {i}"
+    snap = sched.metrics.snapshot()
+    assert snap["eagle3_accepted_tokens_total"] > 0.3 * snap["eagle3_spec_row_steps_total"]
+
+
+def test_eos_inside_an_accepted_run_finishes_only_that_row():
+    model = build_tiny_target("llama")
+    prompts = tiny_prompts(3, seed=5)
+    refs = reference(model, None, prompts, [30] * 3, eos=[])
+    eos = refs[1].token_ids[6]  # a token row 1 emits mid-way; always-right trees accept runs across it
+    want = reference(model, None, prompts, [30] * 3, eos=[eos])
+    assert want[1].finish_reason == "stop" and len(want[1].token_ids) <= 7
+    policy = SpecPolicy(max_depth=4, max_top_k=2, max_total=8, token_budget=1000, min_accept=0.0)
+    sched = Scheduler(Target(model, []), None, [eos], policy=policy,
+                      drafter=ProposerBatchDrafter(lambda _p: SelfTreeProposer(model, depth=4)))
+    out = run_batch(sched, [GenParams(p, 30) for p in prompts])
+    for ev, ref in zip(out, want, strict=True):
+        assert (ev.token_ids, ev.finish_reason) == (ref.token_ids, ref.finish_reason)
+
+
+# -- batched drafter == per-row drafter ------------------------------------------------------------
+def test_batched_eagle3_drafter_matches_per_row_proposer(stories260k):
+    model, tok = stories260k
+    model = copy.deepcopy(model)
+    d = init_drafter(model, seed=3)
+    target = Target(model, d.config.aux_layer_ids)
+    prompts = [tok(t)["input_ids"] for t in ["Once upon a time there was a", "Tom", "The dog ran to"]]
+    _kv, last, aux = prefill(target, prompts)
+    first = last.argmax(-1).tolist()
+    batched = Eagle3BatchDrafter(d)
+    batched.add(prompts, aux, first)
+    shape = TreeShape(depth=4, top_k=3, total=10)
+    singles = []
+    for i, p in enumerate(prompts):
+        pr = Eagle3Proposer(d, SpecConfig(depth=4, top_k=3, total_tokens=10))
+        pr.begin(torch.tensor(p), aux[i : i + 1, : len(p)], first[i])
+        singles.append(pr)
+    for step in range(2):
+        tokens, parents = batched.propose([0, 1, 2], shape)
+        for i, pr in enumerate(singles):
+            tree = pr.propose()
+            assert tokens[i].tolist() == tree.tokens.tolist(), f"step {step} row {i}"
+            assert parents[i].tolist() == tree.parents.tolist(), f"step {step} row {i}"
+        # extend rows by different amounts (ragged acceptance), then draft again
+        counts = [1, 3, 2]
+        feats = torch.randn(3, 3, aux.shape[-1])
+        new = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+        batched.extend(feats, new, counts)
+        for i, pr in enumerate(singles):
+            pr.accept(feats[i, : counts[i]], torch.tensor(new[i][: counts[i]]))
+    # a subset of rows drafts alone: same trees
+    tokens, _ = batched.propose([2], shape)
+    assert tokens[0].tolist() == singles[2].propose().tokens.tolist()
+
+
+# -- batched acceptance ------------------------------------------------------------------------
+def test_accept_greedy_batch_matches_accept_greedy():
+    g = torch.Generator().manual_seed(0)
+    trees = []
+    for n in [0, 1, 5, 9]:
+        parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)], dtype=torch.long)
+        trees.append(DraftTree(tokens=torch.randint(0, 4, (n,), generator=g), parents=parents))
+    for trial in range(30):
+        tokens, parents = pad_trees([(t.tokens, t.parents) for t in trees], "cpu")
+        logits = torch.randn(len(trees), tokens.shape[1] + 1, 4, generator=g)
+        paths, nxt = accept_greedy_batch(tokens, parents, batch_ancestors(parents), logits.argmax(-1))
+        for i, t in enumerate(trees):
+            single = accept_greedy(t, logits[i, : t.n + 1])
+            assert (paths[i], nxt[i]) == (single.path, single.next_token), f"trial {trial} tree {i}"
+
+
+# -- policy ------------------------------------------------------------------------------------
+def test_policy_shrinks_trees_with_batch_size():
+    pol = SpecPolicy(max_depth=6, max_top_k=10, max_total=60, token_budget=256)
+    sizes = {b: pol.draft_tokens(b) for b in (1, 4, 8, 16, 32, 64, 128, 256)}
+    assert sizes == {1: 60, 4: 60, 8: 31, 16: 15, 32: 7, 64: 3, 128: 1, 256: 0}
+    assert pol.shape(1) == TreeShape(depth=6, top_k=10, total=60)
+    assert pol.shape(64) == TreeShape(depth=3, top_k=1, total=3)  # a chain
+    assert pol.shape(256) is None
+    for b in (1, 4, 8, 16, 32, 64, 128):
+        s = pol.shape(b)
+        assert b * (s.total + 1) <= 256 and s.total <= s.top_k + (s.depth - 1) * s.top_k ** 2
+    assert SpecPolicy(max_batch=8).shape(9) is None
+    assert SpecPolicy(enabled=False).shape(1) is None
+    chain = SpecPolicy.from_spec(SpecConfig(mode="chain", chain_length=5), token_budget=32)
+    assert chain.shape(1) == TreeShape(depth=5, top_k=1, total=5) and chain.shape(8) == TreeShape(3, 1, 3)
+
+
+def test_policy_drops_rows_that_do_not_accept():
+    pol = SpecPolicy(min_accept=0.3, warmup_cycles=4, ema=0.25)
+    bad, good = RowAcceptance(), RowAcceptance()
+    for cycle in range(8):
+        bad.update(0, pol.ema)
+        good.update(2, pol.ema)
+        assert pol.keep_drafting(good)
+        assert pol.keep_drafting(bad) == (cycle < 3)
+
+
+def test_low_acceptance_rows_stop_drafting(stories):
+    model, tok, ids, _max_tokens, eos, refs = stories
+    model = copy.deepcopy(model)
+    d = init_drafter(model, seed=0)  # random: almost never right
+    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.3, warmup_cycles=2)
+    sched = Scheduler(Target(model, d.config.aux_layer_ids), tok, eos, drafter=Eagle3BatchDrafter(d), policy=policy)
+    out = run_batch(sched, [GenParams(ids[3], 40)])
+    assert out[0].token_ids == refs[3].token_ids
+    snap = sched.metrics.snapshot()
+    assert snap["eagle3_spec_row_steps_total"] <= 3 < snap["eagle3_verify_steps_total"]
+
+
+def test_stop_cancels_in_flight_requests_after_the_timeout(stories):
+    model, tok, ids, _max, eos, _refs = stories
+    sched = Scheduler(Target(copy.deepcopy(model), []), tok, eos)
+    events, first = [], threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        first.set()
+
+    sched.start()
+    sched.submit(RequestHandle(GenParams(ids[0], 480, stream=True), sink))
+    assert first.wait(30)
+    sched.stop(timeout=0.0)
+    assert events[-1].kind == "error" and events[-1].status == 503 and len(events) < 400
+    assert not sched.alive and sched.running == 0
+    with pytest.raises(SchedulerUnavailable):
+        sched.submit(RequestHandle(GenParams(ids[0], 4), sink))
+
+
+# -- position-keyed sampling -------------------------------------------------------------------
+def test_race_sampling_matches_the_target_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    logits = probs.log()[None].expand(4000, -1)
+    counts = torch.zeros(5)
+    for seed in range(5):
+        toks = race_sample(logits, torch.arange(4000) + 7 * seed, seed=seed, temperature=1.0)
+        counts += torch.bincount(toks, minlength=5)
+    freq = counts / counts.sum()
+    # 20000 draws: each frequency's standard error is <= 0.0036; 5 sigma
+    assert (freq - probs).abs().max() < 0.018, freq
+    noise = exponential_noise(123, torch.arange(2000), 64)
+    assert abs(float(noise.mean()) - 1.0) < 0.02 and abs(float(noise.var()) - 1.0) < 0.05
+    top = race_sample(torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([3]), seed=1, temperature=1.0, top_k=1)
+    assert top.tolist() == [1]
+
+
+def test_seeded_sampling_ignores_batch_and_speculation(stories):
+    model, tok, ids, _max, eos, _refs = stories
+    model = copy.deepcopy(model)
+    d = init_drafter(model, seed=0)
+    target = Target(model, d.config.aux_layer_ids)
+    req = GenParams(ids[0], 30, temperature=0.9, top_p=0.95, seed=7)
+    others = [GenParams(ids[i], 25, temperature=1.0, seed=i) for i in (1, 2, 4)]
+    spec = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0)
+    alone = run_batch(Scheduler(target, tok, eos), [req])[0]
+    batched = run_batch(Scheduler(target, tok, eos, drafter=Eagle3BatchDrafter(d), policy=spec), [*others, req])[-1]
+    assert alone.token_ids == batched.token_ids
+    reseeded = run_batch(Scheduler(target, tok, eos), [GenParams(ids[0], 30, temperature=0.9, top_p=0.95, seed=8)])
+    assert reseeded[0].token_ids != alone.token_ids

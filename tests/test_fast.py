@@ -1,0 +1,313 @@
+"""The fast path (`eagle3.fast`) on CPU: same code as on CUDA, run eagerly.
+
+- greedy output equals HF `generate(do_sample=False)` on tiny Llama/Mistral/Qwen2/Qwen3 and on stories260K, for
+  plain decoding, EAGLE-3 chains and trees (random drafter), n-gram, and the test doubles (scripted partial
+  acceptance, always-right self-drafting) plugged in as host proposers;
+- the device tree expansion equals `Eagle3Proposer.propose`; device acceptance equals `accept_greedy`;
+  KV compaction moves exactly the accepted slots;
+- the step functions run on the meta device (no host sync, no tensor created off-device: what CUDA graph
+  capture needs) and trace with `torch.compile(fullgraph=True)`;
+- sampling reproduces the generic engine with the same seed; unsupported targets fall back with a notice.
+Run: pytest tests/test_fast.py
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import build_tiny_target
+from doubles import ScriptedProposer, SelfTreeProposer
+from eagle3.config import SamplingConfig, SpecConfig
+from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
+from eagle3.decoding.tree import DraftTree
+from eagle3.decoding.verify import accept_greedy
+from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
+from eagle3.fast.target import apply_rope, rope_tables
+from eagle3.runtime import init_drafter
+from eagle3.target import Target
+
+FAST_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+NEW = 24
+TREE = SpecConfig(depth=4, top_k=3, total_tokens=12)
+CHAIN = SpecConfig(mode="chain", chain_length=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops are dominated by OpenMP synchronisation when another process shares the two cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {a: build_tiny_target(a) for a in FAST_ARCHS}
+
+
+@pytest.fixture(scope="module")
+def drafters(models):
+    return {a: init_drafter(m, draft_vocab_size=200, seed=1) for a, m in models.items()}
+
+
+def prompt_of(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (n,), generator=g)
+
+
+def hf_greedy(model, prompt: torch.Tensor, max_new: int, eos: int | None = None) -> list[int]:
+    """HF greedy decoding; eos None: no EOS at all (the tiny models' EOS id would end some runs at once)."""
+    out = model.generate(prompt[None], max_new_tokens=max_new, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    return out[0, prompt.numel():].tolist()
+
+
+@pytest.mark.parametrize("arch", FAST_ARCHS)
+@pytest.mark.parametrize("plen", [5, 35])
+@pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
+def test_greedy_matches_hf_generate(models, drafters, arch, plen, kind):
+    model = models[arch]
+    prompt = prompt_of(plen, seed=len(arch) + plen)
+    ref = hf_greedy(model, prompt, NEW)
+    draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
+                   "ngram": ("ngram", CHAIN)}[kind]
+    engine = FastEngine(model, draft=draft, spec=spec, drafter=drafters[arch])
+    res = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
+    assert res.token_ids == ref
+    assert len(ref) == NEW and res.stats.cycles == len(res.stats.accepted_per_cycle) >= 1
+
+
+@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
+def test_stories260k_matches_hf_generate(stories260k, kind):
+    model, tok = stories260k
+    prompt = torch.tensor(tok("Once upon a time, Lily found a", add_special_tokens=True)["input_ids"])
+    ref = hf_greedy(model, prompt, 48, eos=2)
+    d = init_drafter(model, seed=0)
+    spec = {"none": None, "chain": SpecConfig(mode="chain", chain_length=5),
+            "tree": SpecConfig(depth=5, top_k=4, total_tokens=16)}[kind]
+    engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d, tokenizer=tok)
+    res = engine.generate(prompt, max_new_tokens=48, eos_token_ids=[2])
+    assert res.token_ids == ref
+    assert res.text == tok.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("k", [0, 2])
+def test_scripted_partial_acceptance(models, arch, tree, k):
+    """Exactly k drafts accepted per cycle: the compaction keeps exactly the accepted path."""
+    model = models[arch]
+    prompt = prompt_of(9, seed=3)
+    ref = hf_greedy(model, prompt, NEW)
+    prop = ScriptedProposer(ref, k=k, length=4, vocab_size=300, tree=tree)
+    res = FastEngine(model, draft=prop, max_nodes=8).generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
+    assert res.token_ids == ref
+    assert all(a == k for a in res.stats.accepted_per_cycle[:-1])
+
+
+@pytest.mark.parametrize("self_kind", ["chain", "tree"])
+def test_always_right_drafter(models, self_kind):
+    model = models["qwen2"]
+    prompt = prompt_of(6, seed=4)
+    ref = hf_greedy(model, prompt, NEW)
+    prop = ModelProposer(model, 4) if self_kind == "chain" else SelfTreeProposer(model, 4)
+    res = FastEngine(model, draft=prop, max_nodes=8).generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
+    assert res.token_ids == ref
+    assert res.stats.tau > 4.0
+
+
+def test_stops_at_eos_and_max_new_tokens_inside_a_cycle(models):
+    model = models["llama"]
+    prompt = prompt_of(6, seed=5)
+    ref = hf_greedy(model, prompt, NEW)
+    eos = ref[9]
+    expected = ref[: ref.index(eos) + 1]
+    res = FastEngine(model, draft=ModelProposer(model, 4), max_nodes=4).generate(
+        prompt, max_new_tokens=NEW, eos_token_ids=[eos])
+    assert res.token_ids == expected and res.finish_reason == "stop"
+    res = FastEngine(model, draft=ModelProposer(model, 4), max_nodes=4).generate(
+        prompt, max_new_tokens=7, eos_token_ids=[])
+    assert res.token_ids == ref[:7] and res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_device_tree_equals_generic_proposer(models, drafters, arch):
+    model, d = models[arch], drafters[arch]
+    spec = SpecConfig(depth=5, top_k=4, total_tokens=20)
+    prompt = prompt_of(11, seed=6)
+    target = Target(model, d.config.aux_layer_ids)
+    try:
+        logits, aux = target.forward(prompt[None], target.new_cache(), logits_to_keep=1)
+    finally:
+        target.close()
+    generic = Eagle3Proposer(d, spec)
+    generic.begin(prompt, aux, int(logits[0, -1].argmax()))
+    tree = generic.propose()
+
+    engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d)
+    engine.prepare(prompt.numel(), 8)
+    core = engine.core
+    flog, faux = core.prefill(prompt)
+    torch.testing.assert_close(faux, aux[0], rtol=1e-4, atol=1e-4)
+    core.begin(prompt, faux, flog.argmax().view(1))
+    core.draft()
+    assert core.tree_tokens.tolist() == tree.tokens.tolist()
+    assert (core.tree_parents1[1:] - 1).tolist() == tree.parents.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_roll_is_bit_exact(dtype):
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    g = torch.Generator().manual_seed(0)
+    x, cos, sin = (torch.randn(*shape, generator=g).to(dtype) for shape in [(5, 3, 16), (5, 16), (5, 16)])
+    assert torch.equal(apply_rope(x, *rope_tables(cos, sin)), x * cos[:, None] + rotate_half(x) * sin[:, None])
+
+
+def _random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:
+    parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)]
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    if n > 2:
+        tokens[2] = tokens[1] if parents[2] == parents[1] else tokens[2]  # duplicate siblings happen
+    return DraftTree(tokens=tokens, parents=torch.tensor(parents))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_device_acceptance_equals_accept_greedy(models, seed):
+    g = torch.Generator().manual_seed(seed)
+    n_max, vocab = 10, 6  # a small vocabulary makes long accepted paths likely
+    core = FastCore(FastTarget(models["llama"]), "host", max_nodes=n_max)
+    core.allocate(64)
+    n = int(torch.randint(1, n_max + 1, (1,), generator=g))
+    tree = _random_tree(n, vocab, g)
+    logits = torch.randn(n + 1, vocab, generator=g)
+    for i in torch.randperm(n, generator=g)[: n // 2].tolist():  # plant matches: node i is the target's argmax
+        logits[tree.parents[i] + 1, tree.tokens[i]] = 10.0 + i
+    core.root.fill_(4)
+    core.load_tree(tree.tokens.tolist(), tree.parents.tolist())
+    top = torch.cat([logits.argmax(-1), torch.zeros(n_max - n, dtype=torch.long)])  # padding rows: any value
+    core.top.copy_(top)
+    core.anc.copy_(core._ancestors())
+    core.accept()
+    ref = accept_greedy(tree, logits)
+    a = int(core.n_acc)
+    assert a == ref.n_accepted
+    assert core.keep[1 : a + 1].tolist() == ref.path
+    assert core.emitted[: a + 1].tolist() == ref.emitted(tree)
+    assert core.packet[0] == a and core.packet[2 : a + 3].tolist() == ref.emitted(tree)
+    assert int(core.packet[1]) == (int(tree.depths().max()) if n else 0)
+
+
+def test_kv_compaction_moves_the_accepted_slots(models):
+    core = FastCore(FastTarget(models["qwen3"]), "host", max_nodes=6)
+    core.allocate(64)
+    t = core.target
+    slots = torch.arange(64, dtype=t.k_cache.dtype)
+    t.k_cache.copy_(slots[None, None, :, None].expand_as(t.k_cache))
+    t.v_cache.copy_(-slots[None, None, :, None].expand_as(t.v_cache))
+    length = 20
+    core.length.fill_(length)
+    core.set_acceptance([2, 5, 6], [7, 8, 9, 10])  # N+1 indices of the accepted path, then its tokens + bonus
+    core.commit()
+    k = t.k_cache[:, :, :, 0]  # [L, nkv, S] holds the slot each entry came from
+    expect = [*range(length), length + 0, length + 2, length + 5, length + 6]
+    for layer in range(t.num_layers):
+        assert k[layer, 0, : length + 4].tolist() == expect
+        assert (-t.v_cache[layer, 1, : length + 4, 0]).tolist() == expect
+    assert int(core.length) == length + 4 and int(core.root) == 10
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_step_functions_are_capture_safe(arch):
+    """On the meta device any `.item()`, nonzero / boolean indexing, or tensor made on the CPU raises: the same
+    things that break (or silently slow) CUDA graph capture."""
+    model = build_tiny_target(arch)
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    model, d = model.to("meta"), d.to("meta")
+    aux = d.config.aux_layer_ids
+    cores = [FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), depth=4, top_k=3, total_tokens=10),
+             FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), depth=3, top_k=1, total_tokens=3),
+             FastCore(FastTarget(model), "none"), FastCore(FastTarget(model), "host", max_nodes=5)]
+    for core in cores:
+        core.allocate(256)
+        core.cycle_greedy()
+        core.enable_sampling()
+        core.cycle_logits()
+        core.commit()
+        assert core.packet.device.type == "meta"
+
+
+def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
+    model = build_tiny_target("llama", num_hidden_layers=4)
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    prompt = prompt_of(7, seed=8)
+    ref = hf_greedy(model, prompt, 12)
+    opts = FastOptions(compile=True, compile_backend="aot_eager")
+    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(depth=3, top_k=2, total_tokens=5), drafter=d,
+                        options=opts)
+    res = engine.generate(prompt, max_new_tokens=12, eos_token_ids=[])
+    assert res.token_ids == ref
+    assert engine._runners["cycle"].compiled, "dynamo could not trace the cycle as one graph"
+
+
+@pytest.mark.parametrize("kind", ["none", "tree"])
+def test_sampling_matches_generic_engine_with_same_seed(models, drafters, kind):
+    model, d = models["llama"], drafters["llama"]
+    prompt = prompt_of(8, seed=9)
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=123)
+    target = Target(model, d.config.aux_layer_ids)
+    try:
+        prop = NoDraftProposer() if kind == "none" else Eagle3Proposer(d, TREE)
+        ref = SpeculativeEngine(target, prop).generate(prompt, max_new_tokens=NEW, sampling=sampling).token_ids
+    finally:
+        target.close()
+    engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=TREE, drafter=d)
+    assert engine.generate(prompt, max_new_tokens=NEW, sampling=sampling).token_ids == ref
+
+
+def test_shared_target_and_cache_growth(models, drafters):
+    """Engines sharing one FastTarget stay correct when another engine (or a longer request) regrows it."""
+    model, d = models["qwen3"], drafters["qwen3"]
+    shared = FastTarget(model, d.config.aux_layer_ids)
+    plain = FastEngine(model, draft="none", target=shared)
+    tree = FastEngine(model, draft="eagle3", spec=TREE, drafter=d, target=shared)
+    short, long = prompt_of(5, seed=10), prompt_of(150, seed=11)
+    for engine, prompt in [(plain, short), (tree, long), (plain, short), (plain, long), (tree, short)]:
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == \
+            hf_greedy(model, prompt, NEW)
+
+
+def test_unsupported_target_falls_back_with_notice(caplog):
+    model = build_tiny_target("gemma3_text")
+    with caplog.at_level(logging.WARNING, logger="eagle3.fast"):
+        engine = build_engine(model, draft="none")
+    assert isinstance(engine, SpeculativeEngine)
+    assert "fast path unavailable" in caplog.text and "gemma3_text" in caplog.text
+    prompt = prompt_of(6, seed=12)
+    assert engine.generate(prompt, max_new_tokens=8, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, 8)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
+def test_cuda_graphs_match_hf_generate(kind):
+    """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs."""
+    model = build_tiny_target("llama").cuda()
+    d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
+    prompt = prompt_of(9, seed=13)
+    ref = hf_greedy(model, prompt.cuda(), NEW)
+    draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
+                   "ngram": ("ngram", CHAIN)}[kind]
+    for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False)):
+        engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
+        for _ in range(2):  # the second request replays the graphs captured for the first
+            assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref
+        assert engine.graphed == opts.graphs
+

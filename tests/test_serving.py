@@ -1,0 +1,385 @@
+"""`eagle3 serve` over real HTTP with the real `openai` client: a live uvicorn server on 127.0.0.1 (free port)
+serving stories260K with a random EAGLE-3 drafter, speculation on.
+
+Covers OpenAI semantics (chat and completions, streaming SSE ending in [DONE], usage, finish_reason, stop,
+seed), every 400 case, a client disconnecting mid-stream, 64 concurrent clients whose greedy answers all
+equal the single-request engine's, and graceful shutdown. One chat test on SmolLM2 is marked slow.
+Run: pytest tests/test_serving.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from eagle3.config import SpecConfig  # noqa: E402
+from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
+from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
+from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter  # noqa: E402
+from eagle3.serving.app import create_app  # noqa: E402
+from eagle3.serving.config import ServeConfig  # noqa: E402
+from eagle3.serving.drafting import Eagle3BatchDrafter  # noqa: E402
+from eagle3.serving.policy import SpecPolicy  # noqa: E402
+from eagle3.serving.server import ServerThread, build_scheduler  # noqa: E402
+from eagle3.target import Target  # noqa: E402
+
+MODEL = "stories260k"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "One day", "Sam and his mom",
+           "The little dog", "Mia found a shiny"]
+
+
+def make_server(model, tok, spec: bool = True, **config) -> ServerThread:
+    """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture)."""
+    model = copy.deepcopy(model)
+    drafter, aux, policy = None, [], None
+    if spec:
+        d = init_drafter(model, seed=0)
+        drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
+        # min_accept 0: keep drafting with the random drafter, so verification of real trees is exercised
+        policy = SpecPolicy.from_spec(SpecConfig(depth=3, top_k=2, total_tokens=6), token_budget=64, min_accept=0.0)
+    cfg = ServeConfig(model_name=MODEL, chat_template=TEMPLATE, **config)
+    sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg)
+    return ServerThread(create_app(sched), shutdown_timeout=cfg.shutdown_timeout).start()
+
+
+class Reference:
+    """Greedy answers of the bs=1 engine without drafts (`eagle3 generate --draft none`), cached."""
+
+    def __init__(self, model, tok):
+        self.tok = tok
+        self.engine = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
+        self.eos = eos_token_ids(model, tok)
+        self.cache: dict = {}
+        self.lock = threading.Lock()
+
+    def ids(self, prompt: str | None = None, messages: list | None = None) -> list[int]:
+        if messages is not None:
+            text = self.tok.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False,
+                                                add_generation_prompt=True)
+            return self.tok(text, add_special_tokens=False)["input_ids"]
+        return encode_prompt(self.tok, prompt=prompt)
+
+    def __call__(self, max_tokens: int, prompt: str | None = None, messages: list | None = None, stop=()):
+        key = (prompt, json.dumps(messages), max_tokens, tuple(stop))
+        with self.lock:
+            if key not in self.cache:
+                self.cache[key] = self.engine.generate(self.ids(prompt, messages), max_new_tokens=max_tokens,
+                                                       eos_token_ids=self.eos, stop_strings=stop)
+            return self.cache[key]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine each parallel op can
+    wait a whole scheduler time slice for its second thread (10-40x slower here); use one, then restore."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ref(stories260k, one_intra_op_thread):
+    model, tok = stories260k
+    r = Reference(model, tok)
+    for p in PROMPTS:  # fill the cache before any server thread runs the model
+        for n in (8, 13, 24):
+            r(n, prompt=p)
+    yield r
+    r.engine.target.close()
+
+
+@pytest.fixture(scope="module")
+def server(stories260k, ref):
+    srv = make_server(*stories260k)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metric(server, line_prefix: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(line_prefix):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- OpenAI semantics ------------------------------------------------------------------------
+def test_completion_matches_single_request_greedy(client, ref):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    want = ref(24, prompt=PROMPTS[0])
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.object == "text_completion" and r.model == MODEL
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.ids(PROMPTS[0])), 24)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_completion_stream(client, ref):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref(24, prompt=PROMPTS[1]).text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+
+
+def test_chat_and_chat_stream(client, ref):
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
+    want = ref(13, messages=messages)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=13, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens == len(ref.ids(messages=messages))
+    parts = [{"role": "developer", "content": "Tell a story."},
+             {"role": "user", "content": [{"type": "text", "text": "Once upon "}, {"type": "text", "text": "a time"}]}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=parts, max_tokens=13, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text  # developer == system
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sse_wire_format(server):
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e[len("data: "):])["object"] == "text_completion"
+
+
+def test_stop_strings(client, ref):
+    full = ref(24, prompt=PROMPTS[0]).text  # ", there was a little girl named Lily. ..."
+    stop = "girl"
+    want = ref(24, prompt=PROMPTS[0], stop=(stop,))
+    assert want.finish_reason == "stop" and stop not in want.text
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop")
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.usage.completion_tokens == len(want.token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                            stop=["zzz", stop], stream=True))
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert streamed == want.text and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=24, temperature=0.9,
+                                         top_p=0.95, seed=seed).choices[0].text
+
+    a, b, c = sample(11), sample(11), sample(12)
+    assert a == b
+    assert a != c
+
+
+def test_models_health_metrics(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    h = httpx.get(server.url + "/health", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("eagle3_requests_total", "eagle3_generation_tokens_total", "eagle3_tau_bucket",
+                 "eagle3_acceptance_rate", "eagle3_queue_depth", "eagle3_batch_size_bucket",
+                 "eagle3_request_latency_seconds_bucket", "eagle3_time_to_first_token_seconds_count"):
+        assert name in text, name
+    assert metric(server, "eagle3_spec_row_steps_total") > 0  # speculation really ran
+
+
+# -- 400s ------------------------------------------------------------------------------------
+BAD = {
+    "unknown field": ({"foo": 1}, "foo"),
+    "mistyped temperature": ({"temperature": "hot"}, "temperature"),
+    "mistyped max_tokens": ({"max_tokens": 2.5}, "max_tokens"),
+    "mistyped stream": ({"stream": "yes"}, "stream"),
+    "max_tokens 0": ({"max_tokens": 0}, "max_tokens"),
+    "max_tokens negative": ({"max_tokens": -3}, "max_tokens"),
+    "temperature too high": ({"temperature": 2.5}, "temperature"),
+    "temperature negative": ({"temperature": -0.1}, "temperature"),
+    "top_p 0": ({"top_p": 0}, "top_p"),
+    "n 2": ({"n": 2}, "n"),
+    "prompt too long": ({"prompt": "Once upon a time " * 200}, "prompt"),
+    "completion too long": ({"max_tokens": 600}, "max_tokens"),
+    "stop not strings": ({"stop": [1, 2]}, "stop"),
+    "several prompts": ({"prompt": ["a", "b"]}, "prompt"),
+    "token id out of range": ({"prompt": [1, 99999]}, "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_completion_400(server, case):
+    extra, param = BAD[case]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **extra}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_chat_400_with_openai_client(client):
+    msgs = [{"role": "user", "content": "Hi"}]
+    cases = [
+        (dict(messages=[]), "messages"),
+        (dict(messages=msgs, n=2), "n"),
+        (dict(messages=msgs, max_tokens=0), "max_tokens"),
+        (dict(messages=msgs, temperature=3.0), "temperature"),
+        (dict(messages=[{"role": "user", "content": "Once upon a time " * 200}]), "messages"),
+        (dict(messages=[{"role": "wizard", "content": "Hi"}]), "messages[0].role"),
+        (dict(messages=[{"role": "user"}]), "messages[0].content"),
+        (dict(messages=msgs, extra_body={"bogus": True}), "bogus"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, **kwargs)
+        assert e.value.status_code == 400
+        assert e.value.body["param"] == param, kwargs
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=msgs)
+
+
+def test_malformed_json_and_unknown_route(server):
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        r = httpx.post(server.url + "/v1/chat/completions", content=raw,
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(server.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# -- disconnects, load, shutdown --------------------------------------------------------------------
+def wait_idle(server, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(server.url + "/health", timeout=10).json()["running"] == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    cancelled = metric(server, 'eagle3_requests_total{endpoint="completions",finish_reason="cancelled"}')
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert httpx.get(server.url + "/health", timeout=10).json()["running"] == 1
+    assert wait_idle(server)
+    assert time.monotonic() - t0 < 3.0  # 480 tokens take longer: the row was freed, not finished
+    assert metric(server, 'eagle3_requests_total{endpoint="completions",finish_reason="cancelled"}') == cancelled + 1
+    # a non-streaming client that gives up frees its slot too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    assert wait_idle(server)
+    assert metric(server, 'eagle3_requests_total{endpoint="completions",finish_reason="cancelled"}') == cancelled + 2
+
+
+def test_64_concurrent_clients(client, ref):
+    jobs = [(PROMPTS[i % len(PROMPTS)], (8, 13, 24)[i % 3], i % 2 == 0) for i in range(64)]
+
+    def one(job):
+        prompt, n, stream = job
+        if stream:
+            chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                                    stream=True))
+            return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, jobs, timeout=120))  # any error or 5xx raises here
+    for (prompt, n, _), (text, finish) in zip(jobs, results, strict=True):
+        want = ref(n, prompt=prompt)
+        assert (text, finish) == (want.text, want.finish_reason), (prompt, n)
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(stories260k):
+    srv = make_server(*stories260k, spec=False, shutdown_timeout=20.0)
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 200, "temperature": 0, "stream": True}
+    got: list[str] = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got.append(next(lines))
+        stopper = threading.Thread(target=srv.stop)
+        stopper.start()
+        time.sleep(0.1)
+        with pytest.raises(httpx.ConnectError):  # no new connections while draining
+            httpx.get(srv.url + "/health", timeout=2)
+        got += [line for line in lines if line]
+    stopper.join(30)
+    assert not stopper.is_alive()
+    assert got[-1] == "data: [DONE]"
+    assert json.loads(got[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_smollm2_chat(smollm2):
+    model, tok = smollm2
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    engine = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
+    want = engine.generate(encode_prompt(tok, chat=messages), max_new_tokens=16, eos_token_ids=eos_token_ids(model, tok))
+    engine.target.close()
+    model = copy.deepcopy(model)
+    d = init_drafter(model, draft_vocab_size=4096, seed=0)
+    sched = build_scheduler(Target(model, d.config.aux_layer_ids), tok, eos_token_ids(model, tok),
+                            Eagle3BatchDrafter(d), SpecPolicy(token_budget=32, min_accept=0.0),
+                            ServeConfig(model_name="smollm2"))
+    with ServerThread(create_app(sched)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == want.finish_reason
+        chunks = list(c.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0,
+                                                stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.text
+
+
+def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path):
+    """`eagle3 serve` flags -> a working server: drafter from disk, chat template file, ngram and plain modes."""
+    import argparse
+
+    from eagle3.formats import save_drafter
+    from eagle3.serving.cli import add_serve_parser, load_server
+
+    model, _tok = stories260k
+    save_drafter(init_drafter(copy.deepcopy(model), seed=0), tmp_path / "drafter")
+    (tmp_path / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    for extra, drafter_name in ((["--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6"], "eagle3"),
+                                (["--draft", "ngram", "--chain", "3"], "per-row"), (["--no-spec"], None)):
+        args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
+                                  str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
+        assert args.func.__name__ == "cmd_serve"
+        sched, app = load_server(args)
+        assert (sched.drafter.name if sched.drafter else None) == drafter_name
+        assert sched.policy.enabled == (drafter_name is not None)
+        with ServerThread(app) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0)
+            assert r.usage.completion_tokens == 6
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--target", MODEL, "--tree", "3,2,6", "--chain", "3"])
