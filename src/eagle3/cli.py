@@ -57,7 +57,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec,
-                      device=args.device, dtype=args.dtype)
+                      device=args.device, dtype=args.dtype, draft_model=args.draft_model)
     ids = encode_prompt(rt.tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     engine = rt.engine
@@ -205,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text, with or without speculation")
     _add_target(g)
     g.add_argument("--drafter", default=None, help="drafter checkpoint directory (speculators or EAGLE format)")
-    g.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None,
-                   help="draft method (default: eagle3 with --drafter, else none)")
+    g.add_argument("--draft", choices=("eagle3", "ngram", "model", "none"), default=None,
+                   help="draft method (default: eagle3 with --drafter, model with --draft-model, else none)")
+    g.add_argument("--draft-model", default=None,
+                   help="a small causal LM with the target's tokenizer as drafter (the target itself: always right)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text prompt (BOS added)")
     src.add_argument("--chat", help="a user message, rendered with the target's chat template")

@@ -11,13 +11,13 @@ import torch
 
 from eagle3.config import ConfigError, DrafterConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, NgramProposer, NoDraftProposer, Proposer
+from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer, Proposer
 from eagle3.drafter import Eagle3Drafter
 from eagle3.target import Target
 
 log = logging.getLogger("eagle3")
 
-DRAFT_KINDS = ("eagle3", "ngram", "none")
+DRAFT_KINDS = ("eagle3", "ngram", "model", "none")
 
 
 @dataclass
@@ -62,9 +62,14 @@ def encode_prompt(tokenizer, prompt: str | None = None, chat: str | list[dict] |
     return ids
 
 
-def make_proposer(draft: str, spec: SpecConfig, drafter: Eagle3Drafter | None, device) -> Proposer:
+def make_proposer(draft: str, spec: SpecConfig, drafter: Eagle3Drafter | None, device,
+                  draft_model=None) -> Proposer:
     if draft == "none" or spec.mode == "none":
         return NoDraftProposer(device)
+    if draft == "model":
+        if draft_model is None:
+            raise ConfigError("--draft model needs --draft-model PATH (a causal LM with the target's tokenizer)")
+        return ModelProposer(draft_model, spec.chain_length if spec.mode == "chain" else spec.depth)
     if draft == "ngram":
         length = spec.chain_length if spec.mode == "chain" else spec.depth
         return NgramProposer(length=length, device=device)
@@ -82,12 +87,13 @@ def load_runtime(
     spec: SpecConfig | None = None,
     device: str | None = None,
     dtype: str = "auto",
+    draft_model: str | None = None,
 ) -> Runtime:
     from eagle3.formats import load_drafter
     from eagle3.models import load_target
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    draft = draft or ("eagle3" if drafter else "none")
+    draft = draft or ("eagle3" if drafter else "model" if draft_model else "none")
     spec = spec or SpecConfig()
     model, tokenizer = load_target(target, dtype=dtype, device=device)
     tcfg = getattr(model.config, "text_config", None) or model.config
@@ -104,7 +110,16 @@ def load_runtime(
     tgt = Target(model, aux_ids)
     if d is None and draft == "eagle3":
         raise ConfigError("no drafter loaded")
-    proposer = make_proposer(draft, spec, d, device)
+    dm = None
+    if draft == "model":
+        if not draft_model:
+            raise ConfigError("--draft model needs --draft-model PATH")
+        # the target itself is the always-right drafter (a correctness check); any same-tokenizer LM works
+        dm = model if draft_model == target else load_target(draft_model, dtype=dtype, device=device)[0]
+        if dm.config.vocab_size != tcfg.vocab_size:
+            raise ConfigError(f"draft model vocab_size={dm.config.vocab_size} differs from the target's "
+                              f"vocab_size={tcfg.vocab_size}; a draft model must share the target's tokenizer")
+    proposer = make_proposer(draft, spec, d, device, draft_model=dm)
     log.debug("target %s (%d layers), draft=%s, spec=%s", target, tcfg.num_hidden_layers, draft, spec)
     return Runtime(model=model, tokenizer=tokenizer, target=tgt,
                    engine=SpeculativeEngine(tgt, proposer, tokenizer), drafter=d, spec=spec, draft=draft)
