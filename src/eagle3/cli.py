@@ -164,6 +164,10 @@ def cmd_eval(args) -> int:
     datasets = args.datasets or list(BENCH_SETS)
     rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
                       dtype=args.dtype)
+    if args.fast:
+        from eagle3.fast.engine import FastOptions, fast_engine_for
+
+        rt.engine = fast_engine_for(rt, FastOptions())
     runs = []
     for temp in args.temperatures:
         sampling = SamplingConfig(temperature=temp, seed=args.seed)
@@ -305,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
     shape.add_argument("--chain", type=int, default=None, metavar="K")
     ev.add_argument("--out", required=True, help="folder for eval.json and eval.png")
+    ev.add_argument("--fast", action="store_true", help="decode on the static-cache, graph-captured path")
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "

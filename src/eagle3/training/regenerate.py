@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eagle3.config import ConfigError
-from eagle3.training.data import iter_rows
+from eagle3.training.data import ROLE_MAP, iter_rows
 
 try:  # POSIX advisory lock: two runs must not append to the same output
     import fcntl
@@ -63,18 +63,9 @@ except ImportError:  # pragma: no cover - Windows
 
 Message = dict[str, str]
 
-# Speaker names seen in ShareGPT/FastChat/OpenAI data, mapped to chat-template roles.
-ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "system": "system",
-}
+# Speaker names mapped to chat-template roles: `eagle3 prepare`'s table, plus "bing", whose (often broken)
+# answers are worth regenerating but not worth training on as written.
+ROLES = {**ROLE_MAP, "bing": "assistant"}
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 ID_FIELDS = ("id", "question_id", "uuid", "conversation_id")
 
