@@ -12,6 +12,8 @@ target's tokenizer; with the target itself it is the always-right drafter the te
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from eagle3.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SpecConfig
@@ -19,20 +21,21 @@ from eagle3.decoding.tree import DraftTree
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """Base class; `name` is what stats and run records call it."""
 
     name = "none"
     needs_aux = False  # whether `accept` needs the target's aux features
 
-    def begin(self, prompt_ids: torch.Tensor, aux: torch.Tensor | None, first_token: int) -> None:
-        pass
+    def begin(self, prompt_ids: torch.Tensor, aux: torch.Tensor | None, first_token: int) -> None:  # noqa: B027
+        """After prefill: the prompt, its aux features (if `needs_aux`) and the first sampled token."""
 
+    @abc.abstractmethod
     def propose(self) -> DraftTree:
-        raise NotImplementedError
+        """The draft nodes below the root (the last emitted token)."""
 
-    def accept(self, aux_rows: torch.Tensor | None, next_tokens: torch.Tensor) -> None:
-        pass
+    def accept(self, aux_rows: torch.Tensor | None, next_tokens: torch.Tensor) -> None:  # noqa: B027
+        """After verification: aux rows of the root and accepted nodes, and the token following each."""
 
 
 class NoDraftProposer(Proposer):

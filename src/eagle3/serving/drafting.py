@@ -16,6 +16,7 @@ loops over per-row proposers (n-gram, test doubles): correct for any proposer, s
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 
 import torch
@@ -27,22 +28,26 @@ from eagle3.serving.policy import TreeShape
 __all__ = ["BatchDrafter", "Eagle3BatchDrafter", "ProposerBatchDrafter", "pad_trees"]
 
 
-class BatchDrafter:
+class BatchDrafter(abc.ABC):
     """Interface; see the module docstring. Aux arguments are None when the target has no aux layers."""
 
     name = "none"
 
+    @abc.abstractmethod
     def add(self, prompts: list[list[int]], aux: torch.Tensor | None, first_tokens: list[int]) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def select(self, rows: list[int]) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def propose(self, rows: list[int], shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def extend(self, aux_rows: torch.Tensor | None, new_tokens: list[list[int]], counts: list[int]) -> None:
-        raise NotImplementedError
+        ...
 
 
 def pad_trees(trees: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
