@@ -33,16 +33,6 @@ from eagle3.target import Target
 SMALL_TREE = SpecConfig(depth=4, top_k=3, total_tokens=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine each parallel op can
-    wait a whole scheduler time slice for its second thread (10-40x slower here); use one, then restore."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def reference(model, tokenizer, prompts, max_tokens, eos) -> list:
     """Each prompt alone through the bs=1 engine with no drafts (what `eagle3 generate --draft none` runs)."""
     target = Target(model, [])

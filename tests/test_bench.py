@@ -9,18 +9,9 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from eagle3.bench import METHODS, add_bench_parser, parse_methods
 from eagle3.config import ConfigError
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def bench(argv: list[str]) -> int:

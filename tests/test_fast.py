@@ -36,15 +36,6 @@ TREE = SpecConfig(depth=4, top_k=3, total_tokens=12)
 CHAIN = SpecConfig(mode="chain", chain_length=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops are dominated by OpenMP synchronisation when another process shares the two cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def models():
     return {a: build_tiny_target(a) for a in FAST_ARCHS}

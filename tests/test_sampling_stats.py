@@ -29,15 +29,6 @@ DELTA = 1e-6  # allowed probability that a correct implementation fails one chec
 START = (0, 1)  # the context tail every sample starts from
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add wake-up latency (and noise on a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------------------------------------
 # The bound
 # ---------------------------------------------------------------------------------------------

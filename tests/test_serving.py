@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -80,18 +79,8 @@ class Reference:
             return self.cache[key]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine each parallel op can
-    wait a whole scheduler time slice for its second thread (10-40x slower here); use one, then restore."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def ref(stories260k, one_intra_op_thread):
+def ref(stories260k):
     model, tok = stories260k
     r = Reference(model, tok)
     for p in PROMPTS:  # fill the cache before any server thread runs the model

@@ -38,15 +38,6 @@ V = 512  # stories260k vocabulary
 VD = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def write_prepared(path: Path, rows: list[tuple[np.ndarray, np.ndarray]], vocab_size: int = V,
                    draft_vocab_size: int = VD, tokenizer_fp: dict | None = None) -> Path:
     """A prepared folder in the `eagle3 prepare` format (see eagle3.training.prepare)."""

@@ -24,15 +24,6 @@ from eagle3.training.ttt import (
 V, VD, HT = 64, 40, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_drafter(seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
