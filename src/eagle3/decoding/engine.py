@@ -99,6 +99,35 @@ class _Stream:
             self.sent = end
 
 
+@dataclass
+class Request:
+    """A checked generation request: what both engines (generic and fast) start from."""
+
+    prompt: torch.Tensor  # [T] long
+    sampling: SamplingConfig
+    eos: set[int]
+    stream: _Stream
+    generator: torch.Generator | None
+
+    @classmethod
+    def check(cls, prompt_ids, max_new_tokens: int, sampling: SamplingConfig | None, eos_token_ids,
+              stop_strings, on_text, tokenizer, device) -> Request:
+        sampling = sampling or SamplingConfig()
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
+        if prompt.numel() == 0:
+            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        if (stop_strings or on_text is not None) and tokenizer is None:
+            raise ValueError("stop strings and streaming need a tokenizer")
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        return cls(prompt=prompt, sampling=sampling, eos={int(e) for e in eos_token_ids},
+                   stream=_Stream(tokenizer, on_text, stop_strings), generator=gen)
+
+
 class SpeculativeEngine:
     """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`."""
 
@@ -127,22 +156,11 @@ class SpeculativeEngine:
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
-        sampling = sampling or SamplingConfig()
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         dev = self.target.device
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).view(1, -1)  # [1, T]
-        if prompt.shape[1] == 0:
-            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
-        gen = None
-        if not sampling.greedy:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        eos = set(int(e) for e in eos_token_ids)
-        stream = _Stream(self.tokenizer, on_text, stop_strings)
-        need_text = bool(stop_strings) or on_text is not None
-        if need_text and self.tokenizer is None:
-            raise ValueError("stop strings and streaming need a tokenizer")
+        req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
+                            self.tokenizer, dev)
+        sampling, eos, stream, gen = req.sampling, req.eos, req.stream, req.generator
+        prompt = req.prompt.to(dev).view(1, -1)  # [1, T]
         stats = GenerationStats()
         t0 = time.perf_counter()
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SamplingConfig, SpecConfig
-from eagle3.decoding.engine import GenerationResult, GenerationStats, SpeculativeEngine, _Stream
+from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import process_logits, sample
 from eagle3.decoding.tree import DraftTree
@@ -182,21 +182,10 @@ class FastEngine:
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
-        sampling = sampling or SamplingConfig()
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
-        if prompt.numel() == 0:
-            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
-        stream = _Stream(self.tokenizer, on_text, stop_strings)
-        if (stop_strings or on_text is not None) and self.tokenizer is None:
-            raise ValueError("stop strings and streaming need a tokenizer")
+        req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
+                            self.tokenizer, self.device)
+        sampling, eos, stream, gen, prompt = req.sampling, req.eos, req.stream, req.generator, req.prompt
         self.prepare(prompt.numel(), max_new_tokens, greedy=sampling.greedy)
-        gen = None
-        if not sampling.greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        eos = {int(e) for e in eos_token_ids}
         stats = GenerationStats()
         t0 = time.perf_counter()
 
