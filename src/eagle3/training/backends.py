@@ -1,0 +1,438 @@
+"""Answering prompts for `eagle3 regenerate`: an HF model in this process (`LocalBackend`) or any
+OpenAI-compatible server (`EndpointBackend`, with retries and clear errors). `regenerate.py` drives them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from eagle3.config import ConfigError
+
+try:  # POSIX advisory lock: two runs must not append to the same output
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+Message = dict[str, str]
+
+RETRYABLE_STATUS = {408, 409, 425, 429}
+FATAL_STATUS = {401, 403, 404, 405}
+
+
+# ------------------------------------------------------------------------------------------------
+# Backends
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """One answer. finish_reason: "stop" (end of turn), "length" (hit max_new_tokens),
+    "prompt_too_long" (not generated) or "error" (see `error`)."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str = "stop"
+    error: str | None = None
+    reasoning: str | None = None  # a server's separate `reasoning_content`, kept in the output turn
+
+
+class Backend(Protocol):
+    """Answers a list of chat prompts; one Generation per prompt, in order. Never raises for one bad prompt."""
+
+    def generate(
+        self, prompts: list[list[Message]], temperature: float, max_new_tokens: int, batch_size: int
+    ) -> list[Generation]: ...
+
+    def describe(self) -> str: ...
+
+
+class LocalBackend:
+    """An HF causal LM and its tokenizer: batched, left-padded generation with the chat template.
+
+    Sampling knobs other than temperature (top_p, top_k, repetition_penalty) come from the model's
+    `generation_config`, as vLLM applies a model's generation_config.json by default.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_prompt_tokens: int | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ):
+        import torch
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ConfigError(
+                f"tokenizer {type(tokenizer).__name__} has no chat_template; regeneration must prompt the "
+                "target exactly as it is served. Load the instruct model's tokenizer or pass chat_template=..."
+            )
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ConfigError(
+                f"max_prompt_tokens must be >= 1 (got {max_prompt_tokens}); use None for no limit"
+            )
+        self.max_prompt_tokens = max_prompt_tokens
+        self.eos_ids = self._stop_ids(stop_token_ids)
+        if not self.eos_ids:
+            raise ConfigError(
+                "no end-of-turn token found (tokenizer eos_token, generation_config.eos_token_id and the chat "
+                "template are all silent); pass stop_token_ids=[...]"
+            )
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        if seed is not None:
+            torch.manual_seed(seed)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        dtype: str = "auto",
+        device: str | None = None,
+        gguf_file: str | None = None,
+        **kwargs: Any,
+    ) -> LocalBackend:
+        """Load model + tokenizer from a local directory (or a GGUF file inside it); kwargs go to __init__."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return cls(model, tokenizer, **kwargs)
+
+    def describe(self) -> str:
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        return f"local {name} on {self.model.device} (stop ids {self.eos_ids})"
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template,
+            **self.chat_template_kwargs,
+        )
+
+    def _stop_ids(self, extra: Sequence[int]) -> list[int]:
+        """Tokenizer EOS + generation_config EOS ids + the template's end-of-turn token (e.g. <|im_end|>)."""
+        ids = {int(i) for i in extra}
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, list | tuple) else [gen_eos]))
+        end_of_turn = self._template_end_of_turn()
+        if end_of_turn is not None:
+            ids.add(end_of_turn)
+        return sorted(ids)
+
+    def _template_end_of_turn(self) -> int | None:
+        """The special token a rendered assistant turn ends with, or None if the template shows none."""
+        import jinja2
+
+        sentinel = "Zqxjv"
+        msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
+        try:
+            text = self._render(msgs, add_generation_prompt=False)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError):
+            return None
+        if sentinel not in text:
+            return None
+        tail = text.split(sentinel, 1)[1].lstrip()
+        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+        special = set(self.tokenizer.all_special_ids)
+        special.update(i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special)
+        return ids[0] if ids and ids[0] in special else None
+
+    def encode(self, messages: list[Message]) -> list[int]:
+        """Prompt token ids: the chat template with the generation prompt (its BOS text included once)."""
+        text = self._render(messages, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(
+        self, prompts: list[list[Message]], temperature: float, max_new_tokens: int, batch_size: int = 32
+    ) -> list[Generation]:
+        import jinja2
+
+        results: list[Generation | None] = [None] * len(prompts)
+        encoded: list[tuple[int, list[int]]] = []
+        for i, messages in enumerate(prompts):
+            try:
+                ids = self.encode(messages)
+            except (jinja2.TemplateError, ValueError, TypeError) as exc:
+                results[i] = Generation(finish_reason="error", error=f"chat template failed: {exc}")
+                continue
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                results[i] = Generation(
+                    finish_reason="prompt_too_long",
+                    error=f"prompt has {len(ids)} tokens > max_prompt_tokens {self.max_prompt_tokens}",
+                )
+                continue
+            encoded.append((i, ids))
+        # Longest first: similar lengths share a batch (little padding), and an OOM shows up at once.
+        encoded.sort(key=lambda item: -len(item[1]))
+        for start in range(0, len(encoded), batch_size):
+            chunk = encoded[start : start + batch_size]
+            for (i, _), gen in zip(
+                chunk,
+                self._generate_batch([ids for _, ids in chunk], temperature, max_new_tokens),
+                strict=True,
+            ):
+                results[i] = gen
+        return [
+            r if r is not None else Generation(finish_reason="error", error="not generated") for r in results
+        ]
+
+    def _generate_batch(
+        self, batch: list[list[int]], temperature: float, max_new_tokens: int
+    ) -> list[Generation]:
+        import torch
+        from transformers import GenerationConfig
+
+        width = max(len(ids) for ids in batch)
+        device = self.model.device
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # [B, T]
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
+        for row, ids in enumerate(batch):  # left padding: every prompt ends at column T-1
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        sample = temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            temperature=temperature if sample else 1.0,
+            num_beams=1,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+        )
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+            )  # [B, T + n]
+        stops = set(self.eos_ids)
+        gens = []
+        for row in out[:, width:].tolist():
+            end = next((k for k, tok in enumerate(row) if tok in stops), None)
+            answer = row if end is None else row[:end]
+            gens.append(
+                Generation(
+                    text=self.tokenizer.decode(answer, skip_special_tokens=True),
+                    num_tokens=len(row) if end is None else end + 1,
+                    finish_reason="length" if end is None else "stop",
+                )
+            )
+        return gens
+
+
+class EndpointError(RuntimeError):
+    """A request to the endpoint failed; `status` is the HTTP status (None for network errors)."""
+
+    def __init__(self, message: str, status: int | None = None, fatal: bool = False):
+        super().__init__(message)
+        self.status = status
+        self.fatal = fatal  # the endpoint or credentials are wrong: no later request can succeed
+
+
+def _chat_url(endpoint: str) -> str:
+    url = endpoint.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
+
+
+class EndpointBackend:
+    """An OpenAI-compatible `/v1/chat/completions` server, `concurrency` requests in flight.
+
+    Run the server without a reasoning parser so that thinking text stays in `content` as the target
+    wrote it; a separate `reasoning_content` is kept beside the answer in the output.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        model: str,
+        *,
+        concurrency: int = 16,
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+        backoff_s: float = 1.0,
+        api_key: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ):
+        if concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1 (got {concurrency})")
+        if max_retries < 0:
+            raise ConfigError(f"max_retries must be >= 0 (got {max_retries})")
+        self.url = _chat_url(endpoint)
+        self.model = model
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.api_key = api_key
+        self.chat_template_kwargs = chat_template_kwargs
+        self.extra_body = dict(extra_body or {})
+
+    def describe(self) -> str:
+        return f"endpoint {self.url} model {self.model!r} concurrency {self.concurrency}"
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def check(self) -> None:
+        """Fail early, with what to do, if the server is unreachable or does not serve `model`."""
+        models_url = self.url[: -len("/chat/completions")] + "/models"
+        request = urllib.request.Request(models_url, headers=self._headers())
+        try:
+            with urllib.request.urlopen(request, timeout=min(self.timeout_s, 30.0)) as resp:
+                listing = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                raise ConfigError(f"HTTP {exc.code} from {models_url}: check the API key") from exc
+            return  # some servers have no /models; the first request will tell
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+            raise ConfigError(
+                f"cannot reach {models_url} ({getattr(exc, 'reason', exc)}); start the server "
+                "(e.g. `vllm serve MODEL`) or fix the endpoint URL"
+            ) from exc
+        except json.JSONDecodeError:
+            return
+        served = (
+            [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
+            if isinstance(listing, dict)
+            else []
+        )
+        if served and self.model not in served:
+            raise ConfigError(
+                f"model {self.model!r} is not served at {models_url}; served: {served}. Pass one of these."
+            )
+
+    def _client_error(self, status: int, body: str) -> EndpointError:
+        try:
+            detail = json.loads(body)
+            detail = detail.get("error", detail) if isinstance(detail, dict) else detail
+            detail = detail.get("message", detail) if isinstance(detail, dict) else detail
+        except json.JSONDecodeError:
+            detail = body
+        hint = {
+            401: "check the API key",
+            403: "check the API key",
+            404: "check the endpoint URL (an OpenAI-compatible server, /v1/chat/completions) and the model name",
+            405: "check the endpoint URL (an OpenAI-compatible server, /v1/chat/completions)",
+        }.get(
+            status,
+            "the server rejected this request; check the model name and that max_new_tokens fits its context",
+        )
+        return EndpointError(
+            f"HTTP {status} from {self.url}: {str(detail)[:500]} ({hint})", status, status in FATAL_STATUS
+        )
+
+    def _post(self, payload: dict[str, Any], stop: threading.Event | None) -> dict[str, Any]:
+        data = json.dumps(payload).encode("utf-8")
+        last, delay = "", 0.0
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                if stop is not None and stop.wait(delay):
+                    raise EndpointError("stopped while waiting to retry")
+                if stop is None:
+                    time.sleep(delay)
+            delay = min(self.backoff_s * 2**attempt, 60.0)
+            request = urllib.request.Request(self.url, data=data, headers=self._headers(), method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as exc:
+                body = exc.read()[:2000].decode("utf-8", "replace")
+                if exc.code < 500 and exc.code not in RETRYABLE_STATUS:
+                    raise self._client_error(exc.code, body) from exc
+                last = f"HTTP {exc.code}: {body[:300]}"
+                retry_after = exc.headers.get("Retry-After") if exc.headers else None
+                if retry_after and retry_after.isdigit():
+                    delay = min(float(retry_after), 60.0)
+                continue
+            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                continue
+            try:
+                return json.loads(raw)
+            except json.JSONDecodeError:
+                last = f"response is not JSON: {raw[:200]!r}"
+        raise EndpointError(f"{self.url} failed {self.max_retries + 1} times; last error: {last}")
+
+    def chat(
+        self,
+        messages: list[Message],
+        temperature: float,
+        max_new_tokens: int,
+        stop: threading.Event | None = None,
+    ) -> Generation:
+        """One completion; raises EndpointError on a 4xx or when retries run out (a context overflow is returned)."""
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": temperature,
+            "max_tokens": max_new_tokens,
+            "stream": False,
+            **self.extra_body,
+        }
+        if self.chat_template_kwargs:
+            payload["chat_template_kwargs"] = self.chat_template_kwargs
+        try:
+            body = self._post(payload, stop)
+        except EndpointError as exc:
+            # vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length"
+            if exc.status == 400 and "context length" in str(exc).lower():
+                return Generation(finish_reason="prompt_too_long", error=str(exc))
+            raise
+        try:
+            choice = body["choices"][0]
+            message = choice["message"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise EndpointError(f"unexpected response from {self.url}: {str(body)[:300]}") from exc
+        usage = body.get("usage") or {}
+        return Generation(
+            text=message.get("content") or "",
+            num_tokens=int(usage.get("completion_tokens") or 0),
+            finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+            reasoning=message.get("reasoning_content") or message.get("reasoning") or None,
+        )
+
+    def generate(
+        self, prompts: list[list[Message]], temperature: float, max_new_tokens: int, batch_size: int = 0
+    ) -> list[Generation]:
+        """`chat` for each prompt on `concurrency` threads; failures come back as error Generations."""
+
+        def one(messages: list[Message]) -> Generation:
+            try:
+                return self.chat(messages, temperature, max_new_tokens)
+            except EndpointError as exc:
+                return Generation(finish_reason="error", error=str(exc))
+
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(one, prompts))
