@@ -115,23 +115,34 @@ class Target:
         n = tree_mask.shape[0]
         dev = tree_mask.device
         full = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev), tree_mask], dim=1)  # [N, past+N]
+        kv_pos = torch.cat([torch.arange(past, device=dev), positions])  # [past+N]
+        return self.attention_mask(full[None], positions[None], kv_pos[None])
+
+    def attention_mask(self, visible: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor):
+        """What the model's `attention_mask` takes, from a boolean visibility matrix.
+
+        visible: bool [B, N, K] (query i may see key j, before any sliding window); q_pos: [B, N] and
+        kv_pos: [B, K] absolute positions. Sliding-window layers also hide keys `sliding_window` or more
+        positions back; a target mixing both kinds (Gemma-3) gets a dict keyed by layer type. Returns
+        [B, 1, N, K] masks, boolean for sdpa and additive for eager attention.
+        """
+        dev = visible.device
 
         def windowed(window: int) -> torch.Tensor:
-            kv_pos = torch.cat([torch.arange(past, device=dev), positions])  # [past+N]
-            return full & (positions[:, None] - kv_pos[None, :] < window)
+            return visible & (q_pos[:, :, None] - kv_pos[:, None, :] < window)
 
         def finish(m: torch.Tensor) -> torch.Tensor:
-            m = m[None, None]
+            m = m[:, None]  # [B, 1, N, K]
             if self._additive_mask:
                 return torch.zeros(m.shape, dtype=self.dtype, device=dev).masked_fill(~m, torch.finfo(self.dtype).min)
             return m
 
         types = set(self.layer_types)
         if "sliding_attention" in types and self.sliding_window:
-            return {t: finish(windowed(self.sliding_window) if t == "sliding_attention" else full) for t in types}
+            return {t: finish(windowed(self.sliding_window) if t == "sliding_attention" else visible) for t in types}
         if self.sliding_window and not self.layer_types:
             return finish(windowed(self.sliding_window))
-        return finish(full)
+        return finish(visible)
 
     # -- forward -------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:

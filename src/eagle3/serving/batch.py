@@ -123,31 +123,14 @@ def build_mask(target: Target, lengths: torch.Tensor, width: int, local: torch.T
 
     lengths: [B] valid cache positions per row; local: bool [B, N1, N1] (new token i may see new token j);
     positions: [B, N1] absolute positions of the new tokens. Row b sees its cache positions < lengths[b]
-    and its own new tokens per `local`. As `Target._tree_mask`, sliding-window layers also hide keys more
-    than `sliding_window` positions back, and mixed targets (Gemma-3) get a dict keyed by layer type.
+    and its own new tokens per `local`; `Target.attention_mask` applies sliding windows and per-layer types.
     """
     b, n1 = positions.shape
-    dev = positions.device
-    cols = torch.arange(width, device=dev)  # [S]
+    cols = torch.arange(width, device=positions.device)  # [S]
     prefix = (cols[None, None, :] < lengths[:, None, None]).expand(b, n1, width)  # [B, N1, S]
-    full = torch.cat([prefix, local], dim=2)  # [B, N1, S+N1]
-
-    def windowed(window: int) -> torch.Tensor:
-        kv_pos = torch.cat([cols[None].expand(b, width), positions], dim=1)  # [B, S+N1]
-        return full & (positions[:, :, None] - kv_pos[:, None, :] < window)
-
-    def finish(m: torch.Tensor) -> torch.Tensor:
-        m = m[:, None]  # [B, 1, N1, S+N1]
-        if target._additive_mask:
-            return torch.zeros(m.shape, dtype=target.dtype, device=dev).masked_fill(~m, torch.finfo(target.dtype).min)
-        return m
-
-    types = set(target.layer_types)
-    if "sliding_attention" in types and target.sliding_window:
-        return {t: finish(windowed(target.sliding_window) if t == "sliding_attention" else full) for t in types}
-    if target.sliding_window and not target.layer_types:
-        return finish(windowed(target.sliding_window))
-    return finish(full)
+    visible = torch.cat([prefix, local], dim=2)  # [B, N1, S+N1]
+    kv_pos = torch.cat([cols[None].expand(b, width), positions], dim=1)  # [B, S+N1]
+    return target.attention_mask(visible, positions, kv_pos)
 
 
 # -- forwards ---------------------------------------------------------------------------------
