@@ -580,3 +580,16 @@ def test_smollm2_answers_on_policy(tmp_path):
     answers = [t["value"] for t in row["conversations"] if t["from"] == "gpt"]
     assert "Paris" in answers[0] and "Berlin" in answers[1]
     assert report.answers_truncated == 0  # stopped at <|im_end|>
+
+
+def test_fast_engine_equals_hf_engine(tokenizer, tiny_model):
+    """The continuous-batching engine (eagle3.fast.batched) answers exactly as HF generate, 2 rows for 4 prompts."""
+    hf = LocalBackend(tiny_model, tokenizer, engine="hf").generate(PROMPTS, 0.0, 12, batch_size=4)
+    fast_backend = LocalBackend(tiny_model, tokenizer, engine="fast")
+    assert fast_backend.engine == "fast" and fast_backend.window(2) > 2 * 4
+    fast = fast_backend.generate(PROMPTS, 0.0, 12, batch_size=2)
+    assert [(g.text, g.num_tokens, g.finish_reason) for g in fast] == [
+        (g.text, g.num_tokens, g.finish_reason) for g in hf
+    ]
+    with pytest.raises(ConfigError, match="engine="):
+        LocalBackend(tiny_model, tokenizer, engine="vllm")

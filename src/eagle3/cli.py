@@ -130,7 +130,8 @@ def cmd_regenerate(args) -> int:
         from eagle3.models import load_target
 
         model, tok = load_target(args.target, dtype=args.dtype, device=args.device or _default_device())
-        backend = LocalBackend(model, tok, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed)
+        backend = LocalBackend(model, tok, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                               engine=args.engine)
     report = regenerate(args.data, args.out, backend, temperature=args.temperature,
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         max_turns=args.max_turns, limit=args.limit)
@@ -260,7 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--out", required=True, help="output JSONL (resumable: rerun the same command to continue)")
     rg.add_argument("--temperature", type=float, default=0.0)
     rg.add_argument("--max-new-tokens", type=int, default=512)
-    rg.add_argument("--batch-size", type=int, default=32)
+    rg.add_argument("--batch-size", type=int, default=32,
+                    help="prompts per forward (hf engine) or rows decoding together (fast engine)")
+    rg.add_argument("--engine", choices=["auto", "hf", "fast"], default="auto",
+                    help="local generation: HF generate, or continuous batching on the static-cache path "
+                         "(auto: fast on CUDA for Llama/Mistral/Qwen families)")
     rg.add_argument("--max-turns", type=int, default=None)
     rg.add_argument("--max-prompt-tokens", type=int, default=None)
     rg.add_argument("--limit", type=int, default=None)

@@ -65,12 +65,14 @@ class StepRunner:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.current_stream(self.device)
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.call()
                 torch.cuda.synchronize(self.device)
                 self.graph = graph
             except RuntimeError as e:  # keep decoding (eagerly) and say so; --no-graphs avoids the attempt
+                torch.cuda.set_stream(stream)  # a capture that failed to begin leaves its side stream current
                 log.warning("CUDA graph capture of %s failed (%s); running it eagerly", self.name,
                             str(e).splitlines()[0] if str(e) else type(e).__name__)
                 self.use_graphs = False

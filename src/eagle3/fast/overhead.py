@@ -123,10 +123,15 @@ def measure_overhead(
     biggest = max([*trees, *chains, 1])
     seq_len = -(-(context + 2 * biggest + tree_depth + 16) // 128) * 128
     pool = graph_pool(dev)
+    # Every graph captured into `pool` must outlive the later captures into it: destroying one drops the pool's
+    # use count to zero while cuBLAS's workspace still holds a block there, and the next capture into the same
+    # pool trips the caching allocator's `use_count > 0` assertion (torch 2.11; pytorch/pytorch#175276).
+    runners: list[StepRunner] = []
 
     def runner(fn, name):
         r = StepRunner(fn, dev, graphs=graphs, compile=compile, pool=pool, name=name)
         r.prepare()
+        runners.append(r)
         return r
 
     # the unit: plain decoding's step (one-token forward + argmax), state left unchanged

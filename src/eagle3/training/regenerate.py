@@ -405,8 +405,9 @@ def _drive_batched(
     batch_size: int,
 ) -> None:
     """Turn-synchronous: all conversations of a window answer turn i in batches, then turn i+1."""
-    for start in range(0, len(convs), batch_size * WINDOW_BATCHES):
-        active = convs[start : start + batch_size * WINDOW_BATCHES]
+    window = backend.window(batch_size) if hasattr(backend, "window") else batch_size * WINDOW_BATCHES
+    for start in range(0, len(convs), window):
+        active = convs[start : start + window]
         while active:
             prompts = [c.next_prompt() for c in active]
             gens = backend.generate(prompts, temperature, max_new_tokens, batch_size)
