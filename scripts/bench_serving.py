@@ -63,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-budget", type=int, default=None)
     p.add_argument("--spec-max-batch", type=int, default=None)
     p.add_argument("--spec-min-accept", type=float, default=0.3)
+    p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", required=True)
@@ -136,7 +137,8 @@ def request_bodies(prompts: list[list[dict]], n: int, start: int, chat: bool, ar
 def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: str) -> list[dict]:
     spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
     policy = SpecPolicy.from_spec(spec, token_budget=args.spec_budget or default_token_budget(device),
-                                  max_batch=args.spec_max_batch, min_accept=args.spec_min_accept)
+                                  max_batch=args.spec_max_batch, min_accept=args.spec_min_accept,
+                                  measure=not args.no_spec_gate)
     if mode == "plain":
         target, batch_drafter, policy = Target(model, []), None, SpecPolicy(enabled=False)
     else:

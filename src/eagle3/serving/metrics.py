@@ -57,6 +57,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
     "eagle3_draft_tokens_total": ("counter", "Draft tokens proposed."),
     "eagle3_accepted_tokens_total": ("counter", "Draft tokens accepted."),
     "eagle3_spec_row_steps_total": ("counter", "Row verifications with drafts (the cycles tau is over)."),
+    "eagle3_spec_paused_cycles_total": ("counter", "Cycles run plain because speculation measured slower."),
     "eagle3_draft_position_tried_total": ("counter", "Row cycles that drafted at depth >= position."),
     "eagle3_draft_position_accepted_total": ("counter", "Row cycles that accepted >= position drafts."),
     "eagle3_acceptance_rate": ("gauge", "Per-position acceptance: accepted / tried so far."),

@@ -12,8 +12,15 @@ so drafts are nearly free; past that point every draft token costs compute. The 
 4. per row, keeps an exponential moving average of accepted drafts per cycle; after `warmup_cycles`, a
    row whose average is below `min_accept` stops drafting for good (tau ~ 1: drafting there only costs).
 
-A row that misses a cycle of drafter updates (because speculation was off for the batch) also stops
+A row that misses a cycle of drafter updates (because the budget left no room for drafts) also stops
 drafting for good: its drafter cache no longer covers its text.
+
+On top of these static rules, `SpeedGate` measures what speculation actually buys (5.): per batch-size bucket it
+keeps moving averages of emitted tokens per row-second for speculative cycles and for plain ones, runs the faster
+mode, and re-times the slower one every `probe_every` cycles. Plain cycles chosen by the gate still feed every
+drafting row's features to the drafter, so speculation can resume at once when it pays again. This is what keeps
+serving at or above plain decoding where the static budget guesses wrong (a slow drafter, an overhead-bound
+device, a low-acceptance workload).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from dataclasses import dataclass
 
 from eagle3.config import ConfigError, SpecConfig
 
-__all__ = ["RowAcceptance", "SpecPolicy", "TreeShape", "default_token_budget"]
+__all__ = ["RowAcceptance", "SpecPolicy", "SpeedGate", "TreeShape", "default_token_budget"]
 
 GPU_TOKEN_BUDGET = 256
 CPU_TOKEN_BUDGET = 32
@@ -57,6 +64,8 @@ class SpecPolicy:
     min_accept: float = 0.3  # accepted drafts per cycle (EMA) below which a row stops drafting
     warmup_cycles: int = 4
     ema: float = 0.25
+    measure: bool = True  # SpeedGate: speculate only where measured faster than plain cycles
+    probe_every: int = 16  # cycles between re-timings of the mode the gate is not using
 
     def __post_init__(self) -> None:
         if min(self.max_depth, self.max_top_k, self.max_total) < 1:
@@ -72,6 +81,8 @@ class SpecPolicy:
             raise ConfigError(f"ema={self.ema} must be in (0, 1]")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"--spec-max-batch {self.max_batch} must be >= 1")
+        if self.probe_every < 2:
+            raise ConfigError(f"probe_every={self.probe_every} must be >= 2")
 
     @classmethod
     def from_spec(cls, spec: SpecConfig, **overrides) -> SpecPolicy:
@@ -120,3 +131,52 @@ class RowAcceptance:
     def update(self, accepted: int, ema: float) -> None:
         self.mean = float(accepted) if self.cycles == 0 else (1 - ema) * self.mean + ema * accepted
         self.cycles += 1
+
+
+class SpeedGate:
+    """Speculate for a batch size only while speculative cycles emit more tokens per row-second than plain ones.
+
+    Batch sizes share a bucket per power of two (1, 2-3, 4-7, ...). In each bucket: try speculation first, then
+    time a plain cycle; afterwards run the faster mode and give the slower one a single probe cycle every
+    `probe_every` cycles, so a change in acceptance or load is noticed. Rates are moving averages of
+    tokens / (rows * seconds) over whole cycles (drafting, verification, bookkeeping and emission included).
+    """
+
+    def __init__(self, probe_every: int = 16, ema: float = 0.25):
+        self.probe_every, self.ema = probe_every, ema
+        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> tokens per row-second
+        self._since_probe: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return max(1, batch_size).bit_length()
+
+    def speculate(self, batch_size: int) -> bool:
+        """The mode for the next cycle at this batch size (True: speculate)."""
+        b = self.bucket(batch_size)
+        spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
+        if spec is None:
+            return True
+        if plain is None:
+            return False
+        n = self._since_probe.get(b, 0) + 1
+        self._since_probe[b] = n
+        faster = spec >= plain
+        if n >= self.probe_every:  # re-time the slower mode once
+            self._since_probe[b] = 0
+            return not faster
+        return faster
+
+    def record(self, batch_size: int, speculative: bool, seconds: float, tokens: int) -> None:
+        """One finished cycle: `tokens` emitted over all `batch_size` rows in `seconds`."""
+        if seconds <= 0 or batch_size < 1:
+            return
+        key = (self.bucket(batch_size), speculative)
+        rate = tokens / (batch_size * seconds)
+        old = self._rate.get(key)
+        self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
+
+    def rates(self, batch_size: int) -> tuple[float | None, float | None]:
+        """(speculative, plain) tokens per row-second measured for this batch size's bucket."""
+        b = self.bucket(batch_size)
+        return self._rate.get((b, True)), self._rate.get((b, False))

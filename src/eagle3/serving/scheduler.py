@@ -34,7 +34,7 @@ from eagle3.serving.batch import BatchKV, accept_greedy_batch, batch_ancestors, 
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import BatchDrafter
 from eagle3.serving.metrics import Metrics
-from eagle3.serving.policy import RowAcceptance, SpecPolicy
+from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate
 from eagle3.serving.sampling import race_sample
 from eagle3.target import Target
 
@@ -101,6 +101,9 @@ class _Row:
         self.drafting = drafting
         self.acc = RowAcceptance()
         self.sent = 0  # characters already streamed
+        # drafter input held back during plain cycles (fed in one batched extension when drafting resumes)
+        self.pending_aux: list[torch.Tensor] = []  # [1, 3·Ht] each
+        self.pending_tokens: list[int] = []
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int:
@@ -127,6 +130,7 @@ class Scheduler:
         self.eos = set(int(e) for e in eos_token_ids)
         self.drafter = drafter
         self.policy = policy or SpecPolicy(enabled=drafter is not None)
+        self.gate = SpeedGate(self.policy.probe_every, self.policy.ema) if self.policy.measure else None
         self.config = config or ServeConfig()
         self.metrics = metrics or Metrics(self.config.model_name)
         self._cond = threading.Condition()
@@ -332,10 +336,16 @@ class Scheduler:
         new_tokens = [[tok_host[i][j - 1] for j in paths[i]] + [nxt[i]] for i in range(b)]
         self._record(rows, n, tok_host, depths, paths)
         finished = [self._emit(r, new_tokens[i]) for i, r in enumerate(rows)]
-        self._extend_drafter(rows, aux, keep, new_tokens, finished)
+        if n == 0 and self.gate is not None:
+            self._defer_drafter(rows, aux, new_tokens, finished)
+        else:
+            self._extend_drafter(rows, aux, keep, new_tokens, finished)
         if any(finished):
             self._select([i for i, f in enumerate(finished) if not f])
-        self.metrics.observe("eagle3_cycle_seconds", time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.metrics.observe("eagle3_cycle_seconds", seconds)
+        if self.gate is not None and any(r.drafting for r in rows):  # a choice the gate made: learn from it
+            self.gate.record(b, n > 0, seconds, sum(len(t) for t in new_tokens))
 
     def _draft(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded draft trees for the batch, [B, N] tokens and parents; N = 0 when nobody drafts."""
@@ -345,6 +355,11 @@ class Scheduler:
             for r in rows:  # their drafter cache misses this cycle: they stop drafting for good
                 r.drafting = False
         drafting = [i for i, r in enumerate(rows) if r.drafting]
+        if drafting and self.gate is not None and not self.gate.speculate(b):
+            self.metrics.inc("eagle3_spec_paused_cycles_total")  # a plain cycle; the drafter catches up later
+            drafting = []
+        if drafting:
+            self._flush_deferred(rows)
         if not drafting:
             empty = torch.full((b, 0), -1, dtype=torch.long, device=dev)
             return empty, empty.clone()
@@ -389,6 +404,32 @@ class Scheduler:
             gidx = gidx.to(aux.device)[:, :, None].expand(-1, -1, aux.shape[-1])  # [B, M, 3Ht]
             aux_rows = aux.gather(1, gidx)  # [B, M, 3Ht]
         self.drafter.extend(aux_rows, new_tokens, counts)
+
+    def _defer_drafter(self, rows: list[_Row], aux: torch.Tensor | None, new_tokens: list[list[int]],
+                       finished: list[bool]) -> None:
+        """A plain cycle: keep each drafting row's root features and next token for the drafter, which takes
+        them all in one batched extension when speculation resumes (one drafter forward, not one per cycle)."""
+        for i, (r, f) in enumerate(zip(rows, finished, strict=True)):
+            if r.drafting and not f:
+                if aux is not None:
+                    r.pending_aux.append(aux[i, :1])  # [1, 3·Ht]: the root, the only node of a plain cycle
+                r.pending_tokens.extend(new_tokens[i])
+
+    def _flush_deferred(self, rows: list[_Row]) -> None:
+        """Feed the drafter what plain cycles held back, so its cache covers each row's text again."""
+        counts = [len(r.pending_tokens) if r.drafting else 0 for r in rows]
+        if any(counts):
+            aux_rows = None
+            firsts = [r.pending_aux for r in rows if r.pending_aux]
+            if firsts:
+                ref = firsts[0][0]
+                aux_rows = ref.new_zeros(len(rows), max(counts), ref.shape[-1])  # [B, M, 3·Ht]
+                for i, (r, c) in enumerate(zip(rows, counts, strict=True)):
+                    if c:
+                        aux_rows[i, :c] = torch.cat(r.pending_aux)
+            self.drafter.extend(aux_rows, [r.pending_tokens for r in rows], counts)
+        for r in rows:
+            r.pending_aux, r.pending_tokens = [], []
 
     def _choose(self, rows: list[_Row], logits: torch.Tensor, offsets: torch.Tensor, lengths: list[int]):
         """The target's token after each node [B, N+1]: argmax, or a position-keyed sample per row."""
