@@ -20,6 +20,7 @@ REGEN_S=${REGEN_S:-0}          # stop the ShareGPT regeneration after this many 
 EPOCHS=${EPOCHS:-1}
 MAX_STEPS=${MAX_STEPS:-}       # caps training (and sets the schedule length)
 LR=${LR:-1e-3}
+INIT=${INIT:-}                 # continue from this drafter (its draft vocabulary is kept)
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
 
@@ -39,14 +40,15 @@ LIMIT=()
 stage "prepare (draft vocab $DRAFT_VOCAB)"
 if [ ! -f "$W/data/report.json" ]; then
   $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" "$W/regen_gsm8k.jsonl" \
-    --out "$W/data" --max-length 2048 --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB"
+    --out "$W/data" --max-length 2048 --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" \
+    ${INIT:+--vocab-from "$INIT"}
 fi
 
 stage "train ($EPOCHS epochs${MAX_STEPS:+, at most $MAX_STEPS steps}, lr $LR)"
 RESUME=()
 [ -d "$W/train" ] && RESUME=(--resume)
 $EAGLE3 train --target "$TARGET" --data "$W/data" --out "$W/train" --epochs "$EPOCHS" --lr "$LR" \
-  ${MAX_STEPS:+--max-steps "$MAX_STEPS"} --batch-tokens 16384 --save-every 200 --log-every 20 "${RESUME[@]}"
+  ${MAX_STEPS:+--max-steps "$MAX_STEPS"} ${INIT:+--init "$INIT"} --batch-tokens 16384 --save-every 200 --log-every 20 "${RESUME[@]}"
 
 stage "evaluate on MT-bench (80 first turns, 256 tokens)"
 for shape in "--tree 6,10,60" "--chain 5"; do

@@ -67,3 +67,10 @@ def test_parse_methods():
     assert parse_methods("g,a,plain") == ["hf", "plain", "tree"]
     with pytest.raises(ConfigError, match="unknown method"):
         parse_methods("fastest")
+
+
+def test_run_record_takes_the_exported_sha_where_there_is_no_checkout(monkeypatch):
+    from eagle3.record import run_record
+
+    monkeypatch.setenv("EAGLE3_GIT_SHA", "9fcc9e6")  # what a copy of the tree on a GPU machine gets
+    assert run_record("bench")["git_sha"] == "9fcc9e6"

@@ -688,3 +688,30 @@ def test_warnings_and_an_empty_result(tiny_tok, tmp_path) -> None:
     with pytest.raises(ConfigError, match="kept 0 of 1 rows"):
         prepare(tiny_tok, bad, tmp_path / "empty", draft_vocab_size=64, progress=False)
     assert json.loads((tmp_path / "empty" / "report.json").read_text())["dropped"] == {"unknown_role": 1}
+
+
+def test_prepare_can_reuse_a_drafters_vocabulary(tiny_tok, tmp_path) -> None:
+    """`--vocab-from`: new data keeps the draft vocabulary of the drafter that training continues from."""
+    from eagle3.formats import read_vocab_mapping
+    from eagle3.training.vocab import build_vocab_mapping, load_vocab_mapping
+
+    freq = torch.arange(len(tiny_tok), dtype=torch.int64) % 7  # any ranking other than the data's own
+    d2t, t2d = build_vocab_mapping(freq, 48)
+    data = _dataset_file(tmp_path)
+    report = prepare(tiny_tok, data, tmp_path / "out", vocab_mapping=(d2t, t2d), progress=False)
+    got_d2t, got_t2d = load_vocab_mapping(tmp_path / "out" / "vocab.safetensors")
+    assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d) and report.draft_vocab_size == 48
+    with pytest.raises(ConfigError, match="another model"):
+        prepare(tiny_tok, data, tmp_path / "never", vocab_mapping=build_vocab_mapping(torch.ones(100), 8),
+                progress=False)
+    bundled = Path(__file__).resolve().parents[1] / "src/eagle3/assets/smollm2-drafter"
+    d2t, t2d = read_vocab_mapping(bundled)
+    assert d2t.shape == (8192,) and t2d.shape == (49152,) and int(t2d.sum()) == 8192
+    with pytest.raises(ConfigError, match=r"has no model\.safetensors"):
+        read_vocab_mapping(tmp_path / "out")  # a prepared-data folder is not a drafter
+    from safetensors.torch import save_file
+
+    (tmp_path / "plain").mkdir()
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "plain" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="no d2t / t2d"):
+        read_vocab_mapping(tmp_path / "plain")

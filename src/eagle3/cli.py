@@ -109,9 +109,15 @@ def cmd_prepare(args) -> int:
     from eagle3.training.prepare import prepare
 
     tok, vocab_size = load_tokenizer(args.target)
+    mapping = None
+    if args.vocab_from:
+        from eagle3.formats import read_vocab_mapping
+
+        mapping = read_vocab_mapping(args.vocab_from)
     report = prepare(tok, args.data, args.out, max_length=args.max_length, length_policy=args.length_policy,
                      draft_vocab_size=args.draft_vocab_size, system_prompt=args.system_prompt,
-                     num_workers=args.workers, vocab_size=vocab_size, max_rows=args.max_rows)
+                     num_workers=args.workers, vocab_size=vocab_size, max_rows=args.max_rows,
+                     vocab_mapping=mapping)
     print(json.dumps(report.to_dict() if hasattr(report, "to_dict") else report.__dict__, indent=2, default=str))
     return 0
 
@@ -247,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-length", type=int, default=2048)
     pr.add_argument("--length-policy", choices=("drop", "truncate"), default="drop")
     pr.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE)
+    pr.add_argument("--vocab-from", default=None, metavar="DRAFTER",
+                    help="use this drafter's draft vocabulary (to continue training it with `train --init`)")
     pr.add_argument("--system-prompt", default=None, help="added to conversations that have none")
     pr.add_argument("--workers", type=int, default=1)
     pr.add_argument("--max-rows", type=int, default=None)

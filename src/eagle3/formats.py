@@ -532,6 +532,17 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise ConfigError(f"{path} has no {WEIGHTS_NAME}, model.safetensors.index.json or pytorch_model.bin")
 
 
+def read_vocab_mapping(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [Vd], t2d bool [V]) of a saved drafter (either format), e.g. to prepare new data with the
+    vocabulary of a drafter that training will continue from."""
+    path = Path(path)
+    sd = _canonical_names(_read_weights(path))
+    missing = [k for k in ("d2t", "t2d") if k not in sd]
+    if missing:
+        raise ConfigError(f"{path} has no {' / '.join(missing)}: it is not an EAGLE-3 drafter with a draft vocabulary")
+    return sd["d2t"].to(torch.int64), sd["t2d"].to(torch.bool)
+
+
 def _canonical_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Native/vLLM names to eagle3's (`midlayer.` -> `layers.0.`, optional `model.` prefix dropped)."""
     out = {}

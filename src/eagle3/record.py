@@ -14,6 +14,10 @@ from typing import Any
 
 
 def _git_sha() -> str | None:
+    """HEAD of the checkout this package runs from ("-dirty" with local changes); where the code runs from a copy
+    without `.git` (a remote GPU machine), the SHA the caller exported as EAGLE3_GIT_SHA."""
+    if os.environ.get("EAGLE3_GIT_SHA"):
+        return os.environ["EAGLE3_GIT_SHA"]
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)

@@ -43,6 +43,7 @@ from eagle3.training.data import (
 )
 from eagle3.training.vocab import (
     build_vocab_mapping,
+    check_vocab_mapping,
     coverage,
     coverage_by_size,
     load_token_freq,
@@ -151,6 +152,7 @@ def prepare(
     chat_template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     max_rows: int | None = None,
+    vocab_mapping: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PrepareReport:
     """Tokenise and mask every conversation in `data_paths`; write the folder described in the module docstring.
 
@@ -158,6 +160,8 @@ def prepare(
     `len(tokenizer)` for padded embeddings); it sizes `token_freq` and `t2d`. Defaults to `len(tokenizer)`.
     `length_policy`: "drop" rows longer than `max_length` tokens (official EAGLE-3, `traineagle3/main.py`) or
     "truncate" them to their first `max_length` tokens. `max_rows` stops after that many rows (a quick slice).
+    `vocab_mapping` (d2t, t2d): use this draft vocabulary instead of choosing one by frequency (to continue
+    training a drafter on new data, `eagle3 prepare --vocab-from DRAFTER`); `draft_vocab_size` is then its size.
     `num_workers > 1` renders and tokenises in that many 'spawn' processes (a script calling this needs an
     `if __name__ == "__main__":` guard); batched tokenisation already runs on all cores, so 1 is usually enough.
     """
@@ -174,6 +178,14 @@ def prepare(
     if num_workers < 1:
         raise ConfigError(f"num_workers={num_workers} must be >= 1")
     vocab = int(vocab_size) if vocab_size is not None else len(tokenizer)
+    if vocab_mapping is not None:
+        check_vocab_mapping(*vocab_mapping)
+        if vocab_mapping[1].numel() != vocab:
+            raise ConfigError(
+                f"the given draft vocabulary maps a target vocabulary of {vocab_mapping[1].numel()} ids, this "
+                f"target has {vocab}: the drafter was trained for another model"
+            )
+        draft_vocab_size = vocab_mapping[0].numel()
     if vocab < len(tokenizer):
         raise ConfigError(
             f"vocab_size={vocab} is smaller than the tokenizer ({len(tokenizer)} tokens); pass the target config's "
@@ -255,7 +267,7 @@ def prepare(
         os.replace(tmp, out / final)
 
     freq_t = torch.from_numpy(freq)
-    d2t, t2d = build_vocab_mapping(freq_t, draft_vocab_size)
+    d2t, t2d = vocab_mapping if vocab_mapping is not None else build_vocab_mapping(freq_t, draft_vocab_size)
     save_token_freq(freq_t, out / FREQ_FILE)
     save_vocab_mapping(d2t, t2d, out / VOCAB_FILE)
 
