@@ -138,9 +138,9 @@ class TTTOutput:
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """-sum_v softmax(target)_v * log_softmax(logits)_v in fp32, [B, T] (both inputs [B, T, Vd])."""
-    p = torch.softmax(target_logits.float(), dim=-1)  # [B, T, Vd], renormalised over the draft vocab
-    logq = torch.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
+    """-sum_v softmax(target)_v * log_softmax(logits)_v in fp32, [...] (both inputs [..., Vd])."""
+    p = torch.softmax(target_logits.float(), dim=-1)  # [..., Vd], renormalised over the draft vocab
+    logq = torch.log_softmax(logits.float(), dim=-1)  # [..., Vd]
     return -(p * logq).sum(-1)
 
 
@@ -165,22 +165,25 @@ def ttt_loss(
         denominators = step_denominators(loss_mask, doc_ids, steps)
     denominators = denominators.to(aux.device, torch.float32).clamp_min(1.0)
     hidden = drafter.combine(aux)  # [B, T, H]
+    t = input_ids.shape[1]
     total = aux.new_zeros((), dtype=torch.float32)
     loss_sums, correct, counts, kept = [], [], [], []
     for k, out in enumerate(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps)):
-        sup = step_supervision(loss_mask, doc_ids, k)  # [B, T]
-        w = sup * shift_left(in_vocab, 1 + k, False)  # [B, T] drop targets whose argmax has no draft id
-        logits = drafter.logits(out)  # [B, T, Vd]
-        # unweighted rows (padding, other documents) may hold anything; zero them so no NaN reaches backward
-        tgt = torch.where(w[..., None] > 0, shift_left(target_logits, 1 + k, 0), 0.0)  # [B, T, Vd]
-        ce = soft_cross_entropy(logits, tgt)  # [B, T]
-        step_sum = (ce * w).sum()
+        sup = step_supervision(loss_mask, doc_ids, k)  # [B, T]; 0 for rows t >= T-1-k (label beyond the end)
+        n = max(t - 1 - k, 0)  # rows whose target z_{t+1+k} is inside the sequence
+        # score only the rows that carry weight: supervised, target argmax in the draft vocabulary. Selecting
+        # them before the head skips the lm_head and every [*, Vd] op on padding, prompts and other documents
+        # (which may hold anything, NaN included) instead of computing and zeroing them.
+        sel = (sup[:, :n] > 0) & in_vocab[:, 1 + k :]  # [B, n]
+        logits = drafter.logits(out[:, :n][sel])  # [M, Vd]
+        ce = soft_cross_entropy(logits, target_logits[:, 1 + k :][sel])  # [M]
+        step_sum = ce.sum()
         total = total + (step_decay**k) * step_sum * denominator_scale / denominators[k]
         with torch.no_grad():
-            pred = drafter.draft_ids_to_target(logits.argmax(-1))  # [B, T] target ids
-            hit = (pred == shift_left(target_argmax, 1 + k, -1)).float() * sup
+            pred = drafter.draft_ids_to_target(logits.argmax(-1))  # [M] target ids
+            # supervised rows outside the draft vocabulary are misses: the drafter cannot emit their token
             loss_sums.append(step_sum.detach())
-            correct.append(hit.sum())
+            correct.append((pred == target_argmax[:, 1 + k :][sel]).sum().to(torch.float32))
             counts.append(sup.sum())
-            kept.append(w.sum())
+            kept.append(sel.sum().to(torch.float32))
     return TTTOutput(total, torch.stack(loss_sums), torch.stack(correct), torch.stack(counts), torch.stack(kept))
