@@ -72,6 +72,7 @@ class OnlineFeatures:
     def __init__(self, target: Target, t2d: torch.Tensor):
         self.target = target
         self.t2d = t2d.to(target.device)
+        self.draft_ids = self.t2d.nonzero().squeeze(-1)  # [Vd] ascending target ids (no mask->index per batch)
 
     def __call__(self, batch: Batch) -> Features:
         aux, logits = self.target.features(batch.input_ids, target_attention_mask(batch, self.target))
@@ -79,7 +80,7 @@ class OnlineFeatures:
         # (ops on inference tensors outside inference mode already return ordinary ones)
         return Features(
             aux=aux.clone(),  # [B, T, 3Ht]
-            target_logits=logits[..., self.t2d],  # [B, T, Vd]
+            target_logits=logits.index_select(-1, self.draft_ids),  # [B, T, Vd]
             target_argmax=logits.argmax(-1),  # [B, T]
         )
 
