@@ -33,6 +33,9 @@ def test_generate_every_draft_kind_gives_the_same_text(capsys, random_drafter):
         out = run_json(capsys, *args)
         assert out["token_ids"] == plain["token_ids"], args
         assert {"text", "token_ids", "tau", "acceptance_per_position", "tokens_per_s"} <= set(out)
+    for engine in ("fast", "generic", "auto"):  # auto is the generic engine on a CPU
+        out = run_json(capsys, "--drafter", str(random_drafter), "--engine", engine)
+        assert out["token_ids"] == plain["token_ids"], engine
     # the target drafting for itself is always right: a chain of 5 emits 6 tokens per target pass
     selfd = run_json(capsys, "--draft-model", "stories260k", "--chain", "5")
     assert selfd["acceptance_per_position"] == [1.0] * 5 and selfd["tau"] > 5

@@ -18,6 +18,9 @@ from eagle3.config import (
     SpecConfig,
 )
 
+ENGINE_CHOICES = ("auto", "fast", "generic")
+ENGINE_HELP = ("fast: static KV cache + CUDA graphs (Llama/Mistral/Qwen families); generic: any HF model; "
+               "auto (default): fast on CUDA where the target and draft kind allow it")
 
 def _spec_from_args(args) -> SpecConfig:
     if getattr(args, "chain", None) is not None and getattr(args, "tree", None) is not None:
@@ -49,6 +52,22 @@ def _add_decoding(p) -> None:
                        help=f"a chain of K draft tokens (e.g. {DEFAULT_CHAIN_LENGTH})")
 
 
+def _engine(rt, args):
+    """The decoding engine `--engine` asks for: "fast" (static cache, CUDA graphs; Llama/Qwen families, else the
+    generic engine with a notice), "generic", or "auto" (fast on CUDA where the target and draft kind allow it)."""
+    from eagle3.fast.engine import FAST_DRAFT_KINDS, FastOptions, fast_engine_for
+    from eagle3.fast.target import fast_support
+
+    choice = "fast" if args.fast else args.engine
+    if choice == "auto":
+        on_cuda = next(rt.model.parameters()).device.type == "cuda"
+        choice = "fast" if on_cuda and rt.draft in FAST_DRAFT_KINDS and fast_support(rt.model) is None else "generic"
+    if choice == "generic":
+        return rt.engine
+    options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False))
+    return fast_engine_for(rt, options)
+
+
 def cmd_generate(args) -> int:
     from eagle3.runtime import encode_prompt, load_runtime
 
@@ -60,11 +79,7 @@ def cmd_generate(args) -> int:
                       device=args.device, dtype=args.dtype, draft_model=args.draft_model)
     ids = encode_prompt(rt.tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    engine = rt.engine
-    if args.fast:
-        from eagle3.fast.engine import FastOptions, fast_engine_for
-
-        engine = fast_engine_for(rt, FastOptions(graphs=not args.no_graphs, compile=args.compile))
+    engine = _engine(rt, args)
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                              eos_token_ids=rt.eos_token_ids, stop_strings=args.stop or (), on_text=stream)
     st = res.stats
@@ -171,10 +186,7 @@ def cmd_eval(args) -> int:
     datasets = args.datasets or list(BENCH_SETS)
     rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
                       dtype=args.dtype)
-    if args.fast:
-        from eagle3.fast.engine import FastOptions, fast_engine_for
-
-        rt.engine = fast_engine_for(rt, FastOptions())
+    rt.engine = _engine(rt, args)
     runs = []
     for temp in args.temperatures:
         sampling = SamplingConfig(temperature=temp, seed=args.seed)
@@ -226,9 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    g.add_argument("--fast", action="store_true", help="static-cache, graph-captured path (Llama/Qwen families)")
-    g.add_argument("--no-graphs", action="store_true", help="with --fast: no CUDA graphs")
-    g.add_argument("--compile", action="store_true", help="with --fast: torch.compile the captured steps")
+    g.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
+    g.add_argument("--fast", action="store_true", help="same as --engine fast")
+    g.add_argument("--no-graphs", action="store_true", help="fast engine: no CUDA graphs")
+    g.add_argument("--compile", action="store_true", help="fast engine: torch.compile the captured steps")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
@@ -322,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
     shape.add_argument("--chain", type=int, default=None, metavar="K")
     ev.add_argument("--out", required=True, help="folder for eval.json and eval.png")
-    ev.add_argument("--fast", action="store_true", help="decode on the static-cache, graph-captured path")
+    ev.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
+    ev.add_argument("--fast", action="store_true", help="same as --engine fast")
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "
