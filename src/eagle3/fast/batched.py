@@ -24,7 +24,7 @@ from torch import nn
 
 from eagle3.config import ConfigError
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, apply_rope, rms_norm, rope_tables
+from eagle3.fast.target import FastTarget, rms_norm
 
 
 @dataclass
@@ -56,9 +56,7 @@ class BatchedGenerator:
         self.rows, self.seq_len, self.sync_every = rows, max_seq_len, sync_every
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (bounds its activations)
         dev, dt = t.device, t.dtype
-        pos = torch.arange(max_seq_len, device=dev)
-        cos, sin = t._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos[None])  # [1, S, hd]
-        self.cos, self.sin = rope_tables(cos[0].to(dt), sin[0].to(dt))  # [S, hd]
+        self.cos, self.sin = t.rope_table(max_seq_len)  # [S, hd]
         shape = (t.num_layers, rows, t.nkv, max_seq_len, t.hd)
         self.k_cache = torch.zeros(shape, dtype=dt, device=dev)
         self.v_cache = torch.zeros(shape, dtype=dt, device=dev)
@@ -96,29 +94,15 @@ class BatchedGenerator:
         for i, lw in enumerate(t.layers):
             x = rms_norm(h, lw.ln1, t.eps)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B, (nh + 2·nkv)·hd]
-            q, k = self._rope_qk(qkv, lw, cos, sin)  # [B, nh, hd], [B, nkv, hd]
+            q, k = t.rope_qk(qkv, lw, cos, sin)  # [B, nh, hd], [B, nkv, hd]
             v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd)
             self.k_cache[i, self.ar_b, :, pos] = k  # row b, slot pos[b]
             self.v_cache[i, self.ar_b, :, pos] = v
             qg = q.view(b, nkv, g, hd)  # query heads kv·g + r share kv head `kv`
             o = F.scaled_dot_product_attention(qg, self.k_cache[i], self.v_cache[i], attn_mask=visible,
                                                scale=t.scale)  # [B, nkv, g, hd]
-            h = h + F.linear(o.reshape(b, nh * hd), lw.wo, lw.bo)
-            x = rms_norm(h, lw.ln2, t.eps)
-            gate, up = F.linear(x, lw.w13, lw.b13).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.w2, lw.b2)
+            h = t.mlp_block(h + F.linear(o.reshape(b, nh * hd), lw.wo, lw.bo), lw)
         return F.linear(rms_norm(h, t.norm, t.eps), t.lm_head)  # [B, V]
-
-    def _rope_qk(self, qkv: torch.Tensor, lw: nn.Module, cos: torch.Tensor, sin: torch.Tensor):
-        """qkv [N, ...] -> RoPE'd q [N, nh, hd] and k [N, nkv, hd] (Qwen3: RMSNorm over head_dim first)."""
-        t = self.t
-        n, nh, nkv, hd = qkv.shape[0], t.nh, t.nkv, t.hd
-        if lw.q_norm is None:
-            qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd), cos, sin)
-            return qk[:, :nh], qk[:, nh:]
-        q = apply_rope(rms_norm(qkv[:, : nh * hd].view(n, nh, hd), lw.q_norm, t.eps), cos, sin)
-        k = apply_rope(rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, t.eps), cos, sin)
-        return q, k
 
     def _prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Prompts into cache rows (slots 0..len-1), one right-padded forward; returns last logits [R, V]."""
@@ -139,7 +123,7 @@ class BatchedGenerator:
         for i, lw in enumerate(t.layers):
             x = rms_norm(h, lw.ln1, t.eps)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)
-            q, k = self._rope_qk(qkv, lw, cos, sin)  # [R·T, nh, hd], [R·T, nkv, hd]
+            q, k = t.rope_qk(qkv, lw, cos, sin)  # [R·T, nh, hd], [R·T, nkv, hd]
             v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
             self.k_cache[i, row_of, :, pos] = k  # padding goes to slots >= len: overwritten before it is seen
             self.v_cache[i, row_of, :, pos] = v
@@ -149,10 +133,7 @@ class BatchedGenerator:
                 v.view(r, width, nkv, hd).transpose(1, 2),
                 is_causal=True, scale=t.scale, enable_gqa=True,
             )  # [R, nh, T, hd]; right padding never reaches a real token under the causal mask
-            h = h + F.linear(o.transpose(1, 2).reshape(r * width, nh * hd), lw.wo, lw.bo)
-            x = rms_norm(h, lw.ln2, t.eps)
-            gate, up = F.linear(x, lw.w13, lw.b13).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.w2, lw.b2)
+            h = t.mlp_block(h + F.linear(o.transpose(1, 2).reshape(r * width, nh * hd), lw.wo, lw.bo), lw)
         last = h.view(r, width, -1)[torch.arange(r, device=dev), lens - 1]  # [R, H]
         return F.linear(rms_norm(last, t.norm, t.eps), t.lm_head)  # [R, V]
 

@@ -200,14 +200,37 @@ class FastTarget(nn.Module):
                 f"{self.max_window}; shorten the prompt or max_new_tokens, or use the generic engine"
             )
         dev, dt = self.device, self.dtype
-        pos = torch.arange(seq_len, device=dev)[None]  # [1, S]
-        cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd] each
-        self.cos, self.sin = rope_tables(cos[0].to(dt), sin[0].to(dt))
+        self.cos, self.sin = self.rope_table(seq_len)
         shape = (self.num_layers, self.nkv, seq_len, self.hd)
         self.k_cache = torch.zeros(shape, dtype=dt, device=dev)
         self.v_cache = torch.zeros(shape, dtype=dt, device=dev)
         self.seq_len = seq_len
         self.alloc_id += 1
+
+    @torch.no_grad()
+    def rope_table(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [S, hd] for positions 0..seq_len-1, from the model's own rotary module."""
+        dev, dt = self.device, self.dtype
+        pos = torch.arange(seq_len, device=dev)[None]  # [1, S]
+        cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd] each
+        return rope_tables(cos[0].to(dt), sin[0].to(dt))
+
+    def rope_qk(self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor):
+        """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [N, nh, hd] and k [N, nkv, hd] (Qwen3: RMSNorm
+        over head_dim first); cos/sin [N, hd]."""
+        n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
+        if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
+            qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd), cos, sin)  # [N, nh+nkv, hd]
+            return qk[:, :nh], qk[:, nh:]
+        q = apply_rope(rms_norm(qkv[:, : nh * hd].view(n, nh, hd), lw.q_norm, self.eps), cos, sin)
+        k = apply_rope(rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, self.eps), cos, sin)
+        return q, k
+
+    def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
+        """The post-attention half of a decoder layer: h + down(silu(gate) * up) of the normed h, [N, H]."""
+        x = rms_norm(h, lw.ln2, self.eps)
+        gate, up = F.linear(x, lw.w13, lw.b13).chunk(2, dim=-1)  # [N, I] each
+        return h + F.linear(F.silu(gate) * up, lw.w2, lw.b2)
 
     def weight_bytes(self) -> int:
         """Bytes read per decoding step for weights: layers, final norm and lm_head (the embedding table is
@@ -242,20 +265,11 @@ class FastTarget(nn.Module):
             x = rms_norm(h, lw.ln1, self.eps)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-            if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
-                qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)  # [T, nh+nkv, hd]
-                q, k = qk[:, :nh], qk[:, nh:]
-            else:  # Qwen3: RMSNorm over head_dim before RoPE
-                q = apply_rope(rms_norm(qkv[:, : nh * hd].view(t, nh, hd), lw.q_norm, self.eps), cos, sin)
-                k = apply_rope(rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd), lw.k_norm, self.eps),
-                               cos, sin)
+            q, k = self.rope_qk(qkv, lw, cos, sin)  # [T, nh, hd], [T, nkv, hd]
             self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale)  # [T, nh·hd]
-            h = h + F.linear(o, lw.wo, lw.bo)
-            x = rms_norm(h, lw.ln2, self.eps)
-            gate, up = F.linear(x, lw.w13, lw.b13).chunk(2, dim=-1)  # [T, I] each
-            h = h + F.linear(F.silu(gate) * up, lw.w2, lw.b2)
+            h = self.mlp_block(h + F.linear(o, lw.wo, lw.bo), lw)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         if last_only:
