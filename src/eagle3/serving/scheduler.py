@@ -419,14 +419,11 @@ class Scheduler:
         """Feed the drafter what plain cycles held back, so its cache covers each row's text again."""
         counts = [len(r.pending_tokens) if r.drafting else 0 for r in rows]
         if any(counts):
-            aux_rows = None
-            firsts = [r.pending_aux for r in rows if r.pending_aux]
-            if firsts:
-                ref = firsts[0][0]
-                aux_rows = ref.new_zeros(len(rows), max(counts), ref.shape[-1])  # [B, M, 3·Ht]
-                for i, (r, c) in enumerate(zip(rows, counts, strict=True)):
-                    if c:
-                        aux_rows[i, :c] = torch.cat(r.pending_aux)
+            ref = next((r.pending_aux[0] for r in rows if r.pending_aux), None)  # None: the drafter needs no aux
+            aux_rows = None if ref is None else ref.new_zeros(len(rows), max(counts), ref.shape[-1])  # [B, M, 3·Ht]
+            for i, (r, c) in enumerate(zip(rows, counts, strict=True)):
+                if c and aux_rows is not None:
+                    aux_rows[i, :c] = torch.cat(r.pending_aux)
             self.drafter.extend(aux_rows, [r.pending_tokens for r in rows], counts)
         for r in rows:
             r.pending_aux, r.pending_tokens = [], []
