@@ -217,19 +217,17 @@ class LocalBackend:
         if self.engine == "fast":
             if encoded:
                 self._generate_fast(encoded, results, temperature, max_new_tokens, batch_size)
-            return [
-                r if r is not None else Generation(finish_reason="error", error="not generated") for r in results
-            ]
-        # Longest first: similar lengths share a batch (little padding), and an OOM shows up at once.
-        encoded.sort(key=lambda item: -len(item[1]))
-        for start in range(0, len(encoded), batch_size):
-            chunk = encoded[start : start + batch_size]
-            for (i, _), gen in zip(
-                chunk,
-                self._generate_batch([ids for _, ids in chunk], temperature, max_new_tokens),
-                strict=True,
-            ):
-                results[i] = gen
+        else:
+            # Longest first: similar lengths share a batch (little padding), and an OOM shows up at once.
+            encoded.sort(key=lambda item: -len(item[1]))
+            for start in range(0, len(encoded), batch_size):
+                chunk = encoded[start : start + batch_size]
+                for (i, _), gen in zip(
+                    chunk,
+                    self._generate_batch([ids for _, ids in chunk], temperature, max_new_tokens),
+                    strict=True,
+                ):
+                    results[i] = gen
         return [
             r if r is not None else Generation(finish_reason="error", error="not generated") for r in results
         ]
