@@ -31,7 +31,13 @@ from eagle3.training.prepare import (
     PrepareReport,
     write_json_atomic,
 )
-from eagle3.training.trainer import CHECKPOINT_DIR, LOG_FILE, TrainConfig, latest_checkpoint, train
+from eagle3.training.trainer import (
+    CHECKPOINT_DIR,
+    LOG_FILE,
+    TrainConfig,
+    latest_checkpoint,
+    train,
+)
 from eagle3.training.vocab import build_vocab_mapping, save_token_freq, save_vocab_mapping
 
 V = 512  # stories260k vocabulary
@@ -271,3 +277,42 @@ def test_init_from_an_existing_drafter(data_dir, straight_run, tmp_path):
     other = write_prepared(tmp_path / "d64", random_rows(), draft_vocab_size=64)
     with pytest.raises(ConfigError, match="draft vocabulary"):
         train(base_cfg(other, tmp_path / "o", init=str(straight_run / "drafter")))
+
+
+def test_intermediate_size_shapes_a_fresh_drafter_and_is_saved(data_dir, tmp_path):
+    from eagle3.cli import main
+    from eagle3.formats import load_drafter
+
+    out = tmp_path / "wide"
+    assert main(["train", "--target", "stories260k", "--data", str(data_dir), "--out", str(out), "--max-steps", "1",
+                 "--batch-size", "4", "--max-length", "64", "--ttt-steps", "2", "--intermediate-size", "96"]) == 0
+    for drafter_dir in (out / "drafter", latest_checkpoint(out) / "drafter"):
+        d = load_drafter(drafter_dir, device="cpu")
+        assert d.config.intermediate_size == 96
+        assert tuple(d.layers[0].mlp.up_proj.weight.shape) == (96, 64)
+    assert weights(out)["layers.0.mlp.down_proj.weight"].shape == (64, 96)
+    cfg = json.loads((out / "train_config.json").read_text())
+    assert cfg["config"]["intermediate_size"] == 96
+    assert cfg["drafter"]["intermediate_size"] == 96
+    # resuming with another MLP width names the shapes instead of failing inside copy_
+    with pytest.raises(ConfigError, match="other shapes"):
+        train(base_cfg(data_dir, out, resume=True, batch_size=4, ttt_steps=2, max_steps=2, seed=0))
+
+
+def test_intermediate_size_must_match_init(data_dir, straight_run, tmp_path):
+    init = str(straight_run / "drafter")  # the target's MLP width, 172
+    with pytest.raises(ConfigError, match="intermediate_size=96 differs from --init's intermediate_size=172"):
+        train(base_cfg(data_dir, tmp_path / "o", init=init, intermediate_size=96))
+    res = train(base_cfg(data_dir, tmp_path / "same", init=init, intermediate_size=172,
+                         max_steps=1, save_every=0))  # the same width is fine
+    assert res.steps == 1
+
+
+def test_resume_accepts_a_checkpoint_from_before_intermediate_size(data_dir, tmp_path):
+    out = tmp_path / "old"
+    train(base_cfg(data_dir, out, stop_after=1))
+    state_file = latest_checkpoint(out) / "training_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    del state["config"]["intermediate_size"]  # an older run's config did not have it
+    torch.save(state, state_file)
+    assert train(base_cfg(data_dir, out, resume=True, max_steps=2)).steps == 2

@@ -169,7 +169,7 @@ def cmd_train(args) -> int:
         max_length=args.max_length, packing=args.packing, dtype=args.dtype, device=args.device, seed=args.seed,
         save_every=args.save_every, log_every=args.log_every, features=args.features,
         feature_cache=args.feature_cache, resume=args.resume, noise=args.noise, tensorboard=args.tensorboard,
-        warmup_ratio=args.warmup_ratio,
+        warmup_ratio=args.warmup_ratio, intermediate_size=args.intermediate_size,
     )
     res = train(cfg)
     print(f"drafter written to {res.drafter_dir} after {res.steps} steps (final loss {res.final_loss})")
@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", required=True, help="a folder written by eagle3 prepare")
     t.add_argument("--out", required=True)
     t.add_argument("--init", default=None, help="continue from this drafter checkpoint")
+    t.add_argument("--intermediate-size", type=int, default=None,
+                   help="MLP width of a fresh drafter (default: the target's); with --init it must match")
     t.add_argument("--ttt-steps", type=int, default=7)
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--warmup-ratio", type=float, default=0.015)

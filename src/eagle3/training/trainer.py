@@ -80,6 +80,7 @@ class TrainConfig:
     out: str
     init: str | None = None  # an existing drafter directory to continue from; else a fresh one for the target
     aux_layer_ids: list[int] | None = None  # vLLM convention; default [2, L//2, L-3] (or spread for shallow targets)
+    intermediate_size: int | None = None  # MLP width of a fresh drafter; default the target's
     ttt_steps: int = DEFAULT_TTT_STEPS
     step_decay: float = DEFAULT_STEP_DECAY
     lr: float = 3e-4
@@ -141,6 +142,8 @@ class TrainConfig:
         need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
         need(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
         need(self.noise >= 0, f"noise={self.noise} must be >= 0")
+        need(self.intermediate_size is None or self.intermediate_size >= 1,
+             f"intermediate_size={self.intermediate_size} must be >= 1 (or unset for the target's MLP width)")
         need(self.features in ("online", "offline"), f"features={self.features!r}: expected 'online' or 'offline'")
         need(self.features == "online" or bool(self.feature_cache),
              "features='offline' needs feature_cache (--feature-cache DIR), where the target's features are written")
@@ -270,9 +273,15 @@ def _build_drafter(cfg: TrainConfig, model: nn.Module, d2t: torch.Tensor, t2d: t
             raise ConfigError(
                 f"aux_layer_ids={cfg.aux_layer_ids} differ from --init's {d.config.aux_layer_ids}; drop the option"
             )
+        if cfg.intermediate_size is not None and cfg.intermediate_size != d.config.intermediate_size:
+            raise ConfigError(
+                f"intermediate_size={cfg.intermediate_size} differs from --init's intermediate_size="
+                f"{d.config.intermediate_size}; drop --intermediate-size or train from scratch"
+            )
         return d.float()
     torch.manual_seed(cfg.seed)
-    dcfg = DrafterConfig.for_target(model.config, draft_vocab_size=vd, aux_layer_ids=cfg.aux_layer_ids)
+    overrides = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size is not None else {}
+    dcfg = DrafterConfig.for_target(model.config, draft_vocab_size=vd, aux_layer_ids=cfg.aux_layer_ids, **overrides)
     if dcfg.vocab_size != v:
         raise ConfigError(
             f"the data's vocab.safetensors covers {v} target ids but the target has vocab_size={dcfg.vocab_size}; "
@@ -525,11 +534,19 @@ class _Trainer:
                 f"cannot resume from {ckpt}: {', '.join(f'{k}={saved.get(k)!r}' for k in changed)} differ in this "
                 "run; use the same values or a new output directory"
             )
-        missing = [n for n in state["drafter"] if n not in dict(self.drafter.named_parameters())]
+        params = dict(self.drafter.named_parameters())
+        missing = [n for n in state["drafter"] if n not in params]
         if missing:
             raise ConfigError(f"checkpoint {ckpt} holds tensors this drafter lacks: {missing[:5]}")
+        shapes = [f"{n} {tuple(t.shape)} != {tuple(params[n].shape)}" for n, t in state["drafter"].items()
+                  if t.shape != params[n].shape]
+        if shapes:
+            raise ConfigError(
+                f"cannot resume from {ckpt}: its tensors have other shapes than this run's drafter ({shapes[:3]}; "
+                f"checkpoint != now); use the same intermediate_size (the checkpoint's run had "
+                f"{saved.get('intermediate_size')!r}) or a new output directory"
+            )
         with torch.no_grad():
-            params = dict(self.drafter.named_parameters())
             for n, t in state["drafter"].items():
                 params[n].copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])
