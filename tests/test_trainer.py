@@ -1,6 +1,7 @@
-"""`eagle3 train` on CPU with the bundled stories260k target: resume, DDP, offline cache, batching, config errors.
+"""`eagle3 train` on CPU with the bundled stories260k target: resume, DDP, a sharded (FSDP) target, offline cache,
+batching, config errors.
 
-Run: pytest tests/test_trainer.py -q     (about a minute on 2 cores; the DDP test starts `torchrun`)
+Run: pytest tests/test_trainer.py -q     (about 30 s on 2 cores; the DDP and FSDP tests start `torchrun` 2x gloo)
 """
 
 from __future__ import annotations
@@ -161,6 +162,144 @@ def test_ddp_two_processes_match_one(data_dir, straight_run, tmp_path):
         capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_weights(weights(straight_run), weights(out), atol=1e-6)
+
+
+# A torchrun worker: trains `TrainConfig(**argv[1])`; with argv[2], each rank also writes its share of the
+# sharded target there (from inside the worker, right after `_shard_target`).
+TRAIN_WORKER = '''\
+import json, sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from eagle3.training import trainer
+
+if len(sys.argv) > 2:
+    shard = trainer._shard_target
+
+    def spy(model, device, world):
+        local, full = shard(model, device, world)
+        frozen = not any(p.requires_grad for p in model.parameters())
+        Path(sys.argv[2], f"rank{dist.get_rank()}.json").write_text(
+            json.dumps({"local": local, "full": full, "frozen": frozen}))
+        return local, full
+
+    trainer._shard_target = spy
+trainer.train(trainer.TrainConfig(**json.loads(sys.argv[1])))
+'''
+
+# A torchrun worker: features of this rank's own rows (different on each rank) from a sharded and an unsharded
+# stories260k, written to argv[2]/rank{r}.json as the largest differences.
+FEATURES_WORKER = '''\
+import json, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from eagle3.models import load_target
+from eagle3.target import Target, decoder_parts
+from eagle3.training.dataset import TrainData
+from eagle3.training.features import OnlineFeatures
+from eagle3.training.trainer import _shard_target
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+data = TrainData(sys.argv[1], max_length=64)
+t2d = data.dataset.vocab_mapping()[1]
+ref = load_target("stories260k")[0]
+aux_ids = [0, 2, len(decoder_parts(ref)[0])]  # the last one taps the final norm's input (root FSDP unit)
+plain = OnlineFeatures(Target(ref, aux_ids), t2d)
+before, after = load_target("stories260k")[0], load_target("stories260k")[0]
+hooked_first = Target(before, aux_ids)  # hooks registered before sharding ...
+counts = _shard_target(before, torch.device("cpu"), world)
+_shard_target(after, torch.device("cpu"), world)
+sharded = [OnlineFeatures(hooked_first, t2d), OnlineFeatures(Target(after, aux_ids), t2d)]  # ... and after
+rows = [[s] for s in data.trainable_ids[5 * rank : 5 * rank + 5].tolist()]
+out = {"local": counts[0], "full": counts[1], "diff": []}
+for packed in (False, True):
+    batch = data.collate([sum(rows, [])] if packed else rows, packed=packed)
+    want = plain(batch)
+    for src in sharded:
+        got = src(batch)
+        assert got.aux.shape == want.aux.shape and got.target_logits.shape == want.target_logits.shape
+        out["diff"].append([float((got.aux - want.aux).abs().max()),
+                            float((got.target_logits - want.target_logits).abs().max()),
+                            int((got.target_argmax != want.target_argmax).sum())])
+out["still_sharded"] = all(type(p).__name__ == "DTensor" for p in after.parameters())
+out["local_after"] = sum(p.to_local().numel() for p in after.parameters())
+Path(sys.argv[2], f"rank{rank}.json").write_text(json.dumps(out))
+dist.destroy_process_group()
+'''
+
+
+def torchrun2(tmp_path: Path, worker: str, *args: str, timeout: int = 240) -> None:
+    """Run `worker` (Python source) in 2 gloo processes under torchrun, like test_ddp_two_processes_match_one.
+    On a timeout (ranks stuck in a collective) torchrun gets SIGTERM, on which it stops its workers (they run in
+    sessions of their own, so killing torchrun's process group would leave them hanging)."""
+    script = tmp_path / f"worker_{abs(hash(worker))}.py"
+    script.write_text(worker)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log_file = tmp_path / f"{script.stem}.log"
+    with open(log_file, "w") as f:  # a file, not a pipe: a worker left over cannot block the read
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+             *args], stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            pytest.fail(f"torchrun did not finish in {timeout} s (ranks stuck in a collective?)\n"
+                        f"{log_file.read_text()[-3000:]}")
+    assert proc.returncode == 0, log_file.read_text()[-3000:]
+
+
+def test_sharded_target_features_equal_unsharded(data_dir, tmp_path):
+    torchrun2(tmp_path, FEATURES_WORKER, str(data_dir), str(tmp_path), timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["diff"] == [[0.0, 0.0, 0]] * 4  # aux, draft-vocab logits, argmax; padded and packed batches
+        assert r["still_sharded"] and r["local_after"] == r["local"]  # gathered weights freed after forward
+    assert sum(r["local"] for r in ranks) == ranks[0]["full"]
+    assert all(abs(r["local"] - r["full"] / 2) < 0.05 * r["full"] for r in ranks)
+
+
+def test_shard_target_two_processes_match_ddp(data_dir, tmp_path):
+    # batch_size=3 over 2 ranks with grad_accum=2: rank 0 runs 2 micro-batches, rank 1 (one row) runs 1, so
+    # with a sharded target rank 1 must pad with a zero-weight micro-batch or the all-gathers deadlock
+    cfgs = {name: base_cfg(data_dir, tmp_path / name, batch_size=3, grad_accum=2, shard_target=name == "sharded")
+            for name in ("ddp", "sharded")}
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    torchrun2(tmp_path, TRAIN_WORKER, json.dumps(cfgs["ddp"].to_dict()))
+    torchrun2(tmp_path, TRAIN_WORKER, json.dumps(cfgs["sharded"].to_dict()), str(counts), timeout=120)
+    assert_same_weights(weights(tmp_path / "ddp"), weights(tmp_path / "sharded"), atol=1e-6)
+    logs = {n: [json.loads(x) for x in (tmp_path / n / LOG_FILE).read_text().splitlines()] for n in cfgs}
+    assert [r["tokens"] for r in logs["ddp"]] == [r["tokens"] for r in logs["sharded"]]  # padding counts no tokens
+    assert [r["loss"] for r in logs["ddp"]] == pytest.approx([r["loss"] for r in logs["sharded"]], abs=1e-6)
+    ranks = [json.loads((counts / f"rank{r}.json").read_text()) for r in range(2)]
+    full = ranks[0]["full"]
+    assert all(r["frozen"] for r in ranks) and sum(r["local"] for r in ranks) == full
+    assert all(abs(r["local"] - full / 2) < 0.05 * full for r in ranks)  # each rank holds about half
+
+
+def test_shard_target_without_torchrun_has_no_effect_and_refuses_offline(data_dir, tmp_path, caplog):
+    from eagle3.cli import main
+
+    out = tmp_path / "one"
+    with caplog.at_level("WARNING", logger="eagle3"):
+        assert main(["train", "--target", "stories260k", "--data", str(data_dir), "--out", str(out), "--max-steps",
+                     "1", "--batch-size", "4", "--max-length", "64", "--ttt-steps", "2", "--shard-target"]) == 0
+    assert "--shard-target has no effect" in caplog.text
+    assert json.loads((out / "train_config.json").read_text())["config"]["shard_target"] is True
+    with pytest.raises(ConfigError, match="features='online' only"):
+        train(base_cfg(data_dir, tmp_path / "off", features="offline", feature_cache=str(tmp_path / "c"),
+                       shard_target=True))
 
 
 def test_offline_cache_trains_like_online(data_dir, straight_run, tmp_path, monkeypatch):

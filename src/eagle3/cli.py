@@ -170,6 +170,7 @@ def cmd_train(args) -> int:
         save_every=args.save_every, log_every=args.log_every, features=args.features,
         feature_cache=args.feature_cache, resume=args.resume, noise=args.noise, tensorboard=args.tensorboard,
         warmup_ratio=args.warmup_ratio, intermediate_size=args.intermediate_size,
+        shard_target=args.shard_target,
     )
     res = train(cfg)
     print(f"drafter written to {res.drafter_dir} after {res.steps} steps (final loss {res.final_loss})")
@@ -318,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--features", choices=("online", "offline"), default="online")
     t.add_argument("--feature-cache", default=None)
+    t.add_argument("--shard-target", action="store_true",
+                   help="under torchrun, shard the frozen target's weights over the processes (FSDP) for a target "
+                        "that does not fit one device; online features only")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--noise", type=float, default=0.0)
     t.add_argument("--tensorboard", action="store_true")

@@ -19,8 +19,10 @@ Checkpoints are built in a hidden temporary directory, fsync'ed and renamed into
 only after that, so a crash at any point leaves the previous complete checkpoint. `resume=True` continues from
 the newest one and reaches the same weights as a run that was never interrupted.
 
-Large targets: the target is replicated on every rank (it is frozen and runs forward only). Sharding it with
-FSDP is not implemented; a target that does not fit one device stops with a ConfigError that says so.
+Large targets: the target is frozen and runs forward only. By default every rank holds all of it; with
+`shard_target=True` (`--shard-target`, online features under torchrun) each rank holds 1/world of its weights
+(FSDP2 `fully_shard` per decoder layer, see `_shard_target`) and every target forward all-gathers them layer by
+layer. Without it, a target that does not fit one device stops with a ConfigError that says so.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from torch import nn
 
 from eagle3.config import ConfigError, DrafterConfig
 from eagle3.drafter import Eagle3Drafter
-from eagle3.target import Target
+from eagle3.target import Target, decoder_parts
 from eagle3.training.dataset import TrainData, shard_rows
 from eagle3.training.features import FeatureCache, Features, OnlineFeatures, human_bytes
 from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, ttt_loss
@@ -102,6 +104,7 @@ class TrainConfig:
     dtype: str = "auto"  # target dtype: bf16 on CUDA, fp32 on CPU
     autocast: bool | None = None  # bf16 autocast for the drafter; default on for CUDA, off on CPU
     device: str | None = None  # default cuda:LOCAL_RANK if available, else cpu
+    shard_target: bool = False  # FSDP-shard the frozen target over the torchrun ranks (online features only)
     seed: int = 0
     save_every: int = 500  # optimizer steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2
@@ -147,6 +150,11 @@ class TrainConfig:
         need(self.features in ("online", "offline"), f"features={self.features!r}: expected 'online' or 'offline'")
         need(self.features == "online" or bool(self.feature_cache),
              "features='offline' needs feature_cache (--feature-cache DIR), where the target's features are written")
+        need(not (self.shard_target and self.features == "offline"),
+             "shard_target=True (--shard-target) works with features='online' only: each rank builds its own shards "
+             "of the offline cache, but a sharded target needs every rank in every forward. Build the cache without "
+             "--shard-target where the target fits one device (training from it frees the target), or train with "
+             "--features online --shard-target")
         need(all(0 <= b < 1 for b in self.betas) and len(self.betas) == 2, f"betas={self.betas} must be two values in [0, 1)")
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,17 +248,50 @@ class TTTModel(nn.Module):
         return out.loss, out.step_loss_sum, out.step_correct, out.step_count, out.step_kept
 
 
-def _load_target(cfg: TrainConfig, device: torch.device):
-    from eagle3.models import load_target
+def _load_target(cfg: TrainConfig, device: torch.device, sharded: bool = False):
+    """The target and its tokenizer on `device`; `sharded`: in CPU memory, for `_shard_target` to place on `device`."""
+    from eagle3.models import load_target, resolve_dtype
 
     try:
+        if sharded:  # the dtype `device` would get ("auto": bf16 on CUDA), loaded where the whole model fits
+            return load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device="cpu")
         return load_target(cfg.target, dtype=cfg.dtype, device=device)
     except torch.cuda.OutOfMemoryError as e:
         raise ConfigError(
             f"target {cfg.target} does not fit on {device} ({e}); eagle3 train replicates the frozen target on "
-            "every GPU and does not shard it (no FSDP). Use a device with more memory, a smaller dtype "
+            "every GPU unless told to shard it. Under torchrun with several GPUs pass --shard-target (FSDP: each "
+            "GPU holds 1/world of the target), or use a device with more memory, a smaller dtype "
             "(--dtype bfloat16), or build an offline feature cache on a larger machine"
         ) from None
+
+
+def _shard_target(model: nn.Module, device: torch.device, world: int) -> tuple[int, int]:
+    """Shard the frozen target's weights over the `world` ranks; returns (this rank's, all) parameter counts.
+
+    FSDP2 (`torch.distributed.fsdp.fully_shard`): it works on a "cpu" device mesh with gloo in torch 2.13
+    (tested on 2 CPU processes, so FSDP1 is not needed as a fallback) and is FSDP's current API for CUDA/NCCL;
+    it leaves the modules in place (no wrapper), unlike FSDP1. One unit per decoder layer, then the root
+    (embedding, final norm, lm_head). A forward all-gathers each unit's weights, runs it and frees them again,
+    so between forwards a rank holds 1/world of the weights, and during one the root unit and a layer or two in
+    full. `reshard_after_forward=True` also for the root: left at its default, FSDP keeps the root's gathered
+    weights after forward for the backward that a frozen target never runs (checked: they stay unsharded).
+    Activations are not sharded, so `Target`'s pre-hooks on the decoder layers see full hidden states; the
+    modules stay the same objects (FSDP2 swaps their class in place), so hooks registered before or after this
+    keep firing. Every rank must then run the same number of target forwards (see `_Trainer._step`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model.requires_grad_(False)
+    full = sum(p.numel() for p in model.parameters())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in decoder_parts(model)[0]:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # moves what is left (buffers too) to `device`
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return local, full
 
 
 def _build_drafter(cfg: TrainConfig, model: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
@@ -424,7 +465,11 @@ class _Trainer:
                 f"{cfg.data} has no trainable rows: no sample has a supervised (loss_mask = 1) token at index >= 2 "
                 f"within max_length={cfg.max_length}; check the chat template and loss masks (`eagle3 prepare`)"
             )
-        model, tokenizer = _load_target(cfg, self.device)
+        self.sharded_target = cfg.shard_target and self.ctx.world > 1
+        if cfg.shard_target and not self.sharded_target and self.ctx.main:
+            log.warning("shard_target: one process, so --shard-target has no effect (it shards the target over the "
+                        "ranks of torchrun --nproc_per_node N > 1); the whole target is loaded")
+        model, tokenizer = _load_target(cfg, self.device, sharded=self.sharded_target)
         self.data.dataset.check_tokenizer(tokenizer)
         d2t, t2d = self.data.dataset.vocab_mapping()
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -440,6 +485,11 @@ class _Trainer:
             )
         drafter = _build_drafter(cfg, model, d2t, t2d).to(self.device)
         self.drafter = drafter
+        if self.sharded_target:  # after _build_drafter, which reads the target's embedding (and head) in full
+            local, full = _shard_target(model, self.device, self.ctx.world)
+            if self.ctx.main:
+                log.warning("shard_target: the target is sharded over %d ranks (FSDP2); rank 0 holds %d of its %d "
+                            "parameters", self.ctx.world, local, full)
         self.target = Target(model, drafter.config.aux_layer_ids)
         if cfg.features == "online":
             if cfg.packing and self.target.sliding_window:
@@ -583,14 +633,22 @@ class _Trainer:
         dummy = not mine  # fewer rows than ranks: run row 0 with zero weight so the gradient all-reduce happens
         if dummy:
             mine = rows[:1]
-        parts = [list(p) for p in np.array_split(np.arange(len(mine)), min(cfg.grad_accum, len(mine)))]
+        parts = [(list(p), dummy) for p in np.array_split(np.arange(len(mine)), min(cfg.grad_accum, len(mine)))]
+        if self.sharded_target:
+            # A sharded target's forward all-gathers each layer's weights, which needs every rank, so all ranks
+            # run the same number of micro-batches. Ranks differ by at most one row (rows rank::world), so they
+            # differ only where grad_accum exceeds a rank's rows: rank 0 has the most, ceil(len(rows) / world).
+            # The others append zero-weight micro-batches (their gradient is exactly zero, as for `dummy`) at
+            # the end, so the last micro-batch, which runs DDP's gradient all-reduce, is last on every rank.
+            most = min(cfg.grad_accum, len(rows[0 :: ctx.world]))
+            parts += [([len(mine) - 1], True)] * (most - len(parts))
         metrics = torch.zeros(4, cfg.ttt_steps, device=self.device)
         tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
         pad = 8 if self.device.type == "cuda" else 1
-        for j, idx in enumerate(parts):
+        for j, (idx, zero) in enumerate(parts):
             batch = self.data.collate([mine[i] for i in idx], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
-            if dummy:
+            if zero:
                 batch.loss_mask.zero_()
             else:
                 tokens += batch.num_tokens
