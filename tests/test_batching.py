@@ -304,6 +304,28 @@ def test_speed_gate_runs_the_faster_mode_and_probes_the_other():
     assert [gate.speculate(3) for _ in range(4)] == [True, True, True, False]
 
 
+def test_speed_gate_probes_less_often_while_the_choice_holds():
+    gate = SpeedGate(probe_every=4, ema=1.0, max_probe_every=16)
+    gate.record(1, True, seconds=1.0, tokens=1)  # speculation: 1 token per row-second
+    gate.record(1, False, seconds=1.0, tokens=2)  # plain: 2, so plain runs and speculation is probed
+
+    def cycles(n: int, spec_rate: float = 1.0) -> list[bool]:
+        modes = []
+        for _ in range(n):
+            m = gate.speculate(1)
+            gate.record(1, m, seconds=1.0, tokens=spec_rate if m else 2)
+            modes.append(m)
+        return modes
+
+    modes = cycles(4 + 8 + 16 + 16)  # each confirming probe doubles the interval, up to 16
+    assert [i for i, m in enumerate(modes) if m] == [3, 11, 27, 43]
+    assert gate.interval(1) == 16
+    modes = cycles(16, spec_rate=3.0)  # speculation got better: the next probe overturns the choice
+    assert modes[-1] and gate.rates(1) == (3.0, 2.0)
+    assert gate.interval(1) == 4  # and the interval starts over
+    assert cycles(3, spec_rate=3.0) == [True, True, True]
+
+
 class _Alternating(SpeedGate):
     """Speculate on every other cycle, whatever was measured."""
 

@@ -17,7 +17,8 @@ drafting for good: its drafter cache no longer covers its text.
 
 On top of these static rules, `SpeedGate` measures what speculation actually buys (5.): per batch-size bucket it
 keeps moving averages of emitted tokens per row-second for speculative cycles and for plain ones, runs the faster
-mode, and re-times the slower one every `probe_every` cycles. Plain cycles chosen by the gate still feed every
+mode, and re-times the slower one every `probe_every` cycles, less often while the probes confirm the choice.
+Plain cycles chosen by the gate still feed every
 drafting row's features to the drafter, so speculation can resume at once when it pays again. This is what keeps
 serving at or above plain decoding where the static budget guesses wrong (a slow drafter, an overhead-bound
 device, a low-acceptance workload).
@@ -65,7 +66,8 @@ class SpecPolicy:
     warmup_cycles: int = 4
     ema: float = 0.25
     measure: bool = True  # SpeedGate: speculate only where measured faster than plain cycles
-    probe_every: int = 16  # cycles between re-timings of the mode the gate is not using
+    probe_every: int = 16  # cycles between re-timings of the mode the gate is not using (doubles while confirmed)
+    max_probe_every: int = 512
 
     def __post_init__(self) -> None:
         if min(self.max_depth, self.max_top_k, self.max_total) < 1:
@@ -83,6 +85,8 @@ class SpecPolicy:
             raise ConfigError(f"--spec-max-batch {self.max_batch} must be >= 1")
         if self.probe_every < 2:
             raise ConfigError(f"probe_every={self.probe_every} must be >= 2")
+        if self.max_probe_every < self.probe_every:
+            raise ConfigError(f"max_probe_every={self.max_probe_every} must be >= probe_every={self.probe_every}")
 
     @classmethod
     def from_spec(cls, spec: SpecConfig, **overrides) -> SpecPolicy:
@@ -138,32 +142,47 @@ class SpeedGate:
 
     Batch sizes share a bucket per power of two (1, 2-3, 4-7, ...). In each bucket: try speculation first, then
     time a plain cycle; afterwards run the faster mode and give the slower one a single probe cycle every
-    `probe_every` cycles, so a change in acceptance or load is noticed. Rates are moving averages of
-    tokens / (rows * seconds) over whole cycles (drafting, verification, bookkeeping and emission included).
+    `probe_every` cycles, so a change in acceptance or load is noticed. A probe that confirms the choice doubles
+    the bucket's interval (up to `max_probe_every`); one that overturns it resets the interval. A probe of the
+    slower mode costs more than the cycle it replaces (on an H200 a speculative probe of the eager serving path
+    cost several plain cycles), so fixed probing every 16 cycles alone kept serving below plain decoding.
+    Rates are moving averages of tokens / (rows * seconds) over whole cycles (drafting, verification,
+    bookkeeping and emission included).
     """
 
-    def __init__(self, probe_every: int = 16, ema: float = 0.25):
+    def __init__(self, probe_every: int = 16, ema: float = 0.25, max_probe_every: int = 512):
         self.probe_every, self.ema = probe_every, ema
+        self.max_probe_every = max(probe_every, max_probe_every)
         self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> tokens per row-second
         self._since_probe: dict[int, int] = {}
+        self._interval: dict[int, int] = {}  # bucket -> cycles between probes
+        self._probe: dict[int, bool] = {}  # bucket -> the mode that was faster when a probe was launched
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return max(1, batch_size).bit_length()
 
+    def interval(self, batch_size: int) -> int:
+        """Cycles between probes for this batch size's bucket now."""
+        return self._interval.get(self.bucket(batch_size), self.probe_every)
+
+    def _faster(self, b: int) -> bool | None:
+        spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
+        return None if spec is None or plain is None else spec >= plain
+
     def speculate(self, batch_size: int) -> bool:
         """The mode for the next cycle at this batch size (True: speculate)."""
         b = self.bucket(batch_size)
-        spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-        if spec is None:
+        if (b, True) not in self._rate:
             return True
-        if plain is None:
+        faster = self._faster(b)
+        if faster is None:
             return False
         n = self._since_probe.get(b, 0) + 1
         self._since_probe[b] = n
-        faster = spec >= plain
-        if n >= self.probe_every:  # re-time the slower mode once
+        if n >= self._interval.get(b, self.probe_every):  # re-time the slower mode once
             self._since_probe[b] = 0
+            self._probe[b] = faster
             return not faster
         return faster
 
@@ -171,10 +190,16 @@ class SpeedGate:
         """One finished cycle: `tokens` emitted over all `batch_size` rows in `seconds`."""
         if seconds <= 0 or batch_size < 1:
             return
-        key = (self.bucket(batch_size), speculative)
+        b = self.bucket(batch_size)
+        key = (b, speculative)
         rate = tokens / (batch_size * seconds)
         old = self._rate.get(key)
         self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
+        before = self._probe.pop(b, None)
+        if before is not None and speculative != before:  # the probe cycle itself
+            same = self._faster(b) == before
+            now = self._interval.get(b, self.probe_every)
+            self._interval[b] = min(2 * now, self.max_probe_every) if same else self.probe_every
 
     def rates(self, batch_size: int) -> tuple[float | None, float | None]:
         """(speculative, plain) tokens per row-second measured for this batch size's bucket."""

@@ -130,7 +130,8 @@ class Scheduler:
         self.eos = set(int(e) for e in eos_token_ids)
         self.drafter = drafter
         self.policy = policy or SpecPolicy(enabled=drafter is not None)
-        self.gate = SpeedGate(self.policy.probe_every, self.policy.ema) if self.policy.measure else None
+        self.gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
+                     if self.policy.measure else None)
         self.config = config or ServeConfig()
         self.metrics = metrics or Metrics(self.config.model_name)
         self._cond = threading.Condition()
