@@ -165,17 +165,17 @@ def test_ddp_two_processes_match_one(data_dir, straight_run, tmp_path):
 
 
 # A torchrun worker: trains `TrainConfig(**argv[1])`; with argv[2], each rank also writes its share of the
-# sharded target there (from inside the worker, right after `_shard_target`).
+# sharded target there (from inside the worker, right after `shard_target`).
 TRAIN_WORKER = '''\
 import json, sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-from eagle3.training import trainer
+from eagle3.training import distributed, trainer
 
 if len(sys.argv) > 2:
-    shard = trainer._shard_target
+    shard = distributed.shard_target
 
     def spy(model, device, world):
         local, full = shard(model, device, world)
@@ -184,7 +184,7 @@ if len(sys.argv) > 2:
             json.dumps({"local": local, "full": full, "frozen": frozen}))
         return local, full
 
-    trainer._shard_target = spy
+    distributed.shard_target = spy
 trainer.train(trainer.TrainConfig(**json.loads(sys.argv[1])))
 '''
 
@@ -201,7 +201,7 @@ from eagle3.models import load_target
 from eagle3.target import Target, decoder_parts
 from eagle3.training.dataset import TrainData
 from eagle3.training.features import OnlineFeatures
-from eagle3.training.trainer import _shard_target
+from eagle3.training.distributed import shard_target
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -212,8 +212,8 @@ aux_ids = [0, 2, len(decoder_parts(ref)[0])]  # the last one taps the final norm
 plain = OnlineFeatures(Target(ref, aux_ids), t2d)
 before, after = load_target("stories260k")[0], load_target("stories260k")[0]
 hooked_first = Target(before, aux_ids)  # hooks registered before sharding ...
-counts = _shard_target(before, torch.device("cpu"), world)
-_shard_target(after, torch.device("cpu"), world)
+counts = shard_target(before, torch.device("cpu"), world)
+shard_target(after, torch.device("cpu"), world)
 sharded = [OnlineFeatures(hooked_first, t2d), OnlineFeatures(Target(after, aux_ids), t2d)]  # ... and after
 rows = [[s] for s in data.trainable_ids[5 * rank : 5 * rank + 5].tolist()]
 out = {"local": counts[0], "full": counts[1], "diff": []}

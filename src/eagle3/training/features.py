@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from eagle3.config import ConfigError
 from eagle3.target import Target
+from eagle3.training.checkpoints import fsync_dir
 from eagle3.training.dataset import Batch, TrainData
 from eagle3.training.ttt import base_mask
 
@@ -119,16 +120,6 @@ def data_fingerprint(data: TrainData) -> dict[str, Any]:
         "offsets_sha256": hashlib.sha256(np.ascontiguousarray(data.offsets).tobytes()).hexdigest(),
         "tokenizer_sha256": data.dataset.report.tokenizer.get("vocab_sha256"),
     }
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FeatureCache:
@@ -262,7 +253,7 @@ class FeatureCache:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
 
     # -- reading ------------------------------------------------------------------------------------
     def _handle(self, i: int) -> Any:

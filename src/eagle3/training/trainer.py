@@ -15,13 +15,13 @@ Output directory:
     train_log.jsonl              one JSON object per log interval
     train_config.json            the TrainConfig and package versions of the run
 
-Checkpoints are built in a hidden temporary directory, fsync'ed and renamed into place; older ones are removed
-only after that, so a crash at any point leaves the previous complete checkpoint. `resume=True` continues from
-the newest one and reaches the same weights as a run that was never interrupted.
+Checkpoints are written atomically (`eagle3.training.checkpoints`), so a crash at any point leaves the previous
+complete one. `resume=True` continues from the newest one and reaches the same weights as a run that was never
+interrupted. Process groups and target sharding live in `eagle3.training.distributed`.
 
 Large targets: the target is frozen and runs forward only. By default every rank holds all of it; with
 `shard_target=True` (`--shard-target`, online features under torchrun) each rank holds 1/world of its weights
-(FSDP2 `fully_shard` per decoder layer, see `_shard_target`) and every target forward all-gathers them layer by
+(FSDP2 `fully_shard` per decoder layer, see `eagle3.training.distributed`) and every target forward all-gathers them layer by
 layer. Without it, a target that does not fit one device stops with a ConfigError that says so.
 """
 
@@ -33,8 +33,6 @@ import json
 import logging
 import math
 import os
-import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,19 +46,26 @@ from torch import nn
 
 from eagle3.config import ConfigError, DrafterConfig
 from eagle3.drafter import Eagle3Drafter
-from eagle3.target import Target, decoder_parts
+from eagle3.target import Target
+from eagle3.training import distributed
+from eagle3.training.checkpoints import (
+    CHECKPOINT_DIR,
+    STATE_FILE,
+    latest_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+    truncate_log,
+)
 from eagle3.training.dataset import TrainData, shard_rows
+from eagle3.training.distributed import Dist, init_dist
 from eagle3.training.features import FeatureCache, Features, OnlineFeatures, human_bytes
 from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, ttt_loss
 from eagle3.training.vocab import draft_ids_to_target
 
 log = logging.getLogger("eagle3")
 
-CHECKPOINT_DIR = "checkpoints"
-STATE_FILE = "training_state.pt"
 LOG_FILE = "train_log.jsonl"
 CONFIG_FILE = "train_config.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 # fields that fix the data order and the objective; a resumed run must keep them
 _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs")
 
@@ -176,61 +181,6 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# Distributed helpers
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    owns_group: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t
-
-    def on_main(self, fn, device: torch.device):
-        """Run `fn` on rank 0 only; a ConfigError there stops every rank (instead of leaving them waiting)."""
-        err, result = None, None
-        if self.main:
-            try:
-                result = fn()
-            except ConfigError as e:
-                err = e
-        if self.world > 1:
-            flag = torch.tensor([0.0 if err is None else 1.0], device=device)
-            dist.all_reduce(flag)
-            if flag.item() and err is None:
-                raise ConfigError("rank 0 stopped with a configuration error; see its output")
-        if err is not None:
-            raise err
-        return result
-
-
-def _init_dist(device_hint: str | None) -> _Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return _Dist()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if dist.is_initialized():
-        return _Dist(dist.get_rank(), dist.get_world_size(), local_rank, owns_group=False)
-    use_cuda = torch.cuda.is_available() and (device_hint is None or device_hint.startswith("cuda"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    return _Dist(dist.get_rank(), dist.get_world_size(), local_rank, owns_group=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # Model pieces
 # ---------------------------------------------------------------------------------------------
 class TTTModel(nn.Module):
@@ -249,7 +199,7 @@ class TTTModel(nn.Module):
 
 
 def _load_target(cfg: TrainConfig, device: torch.device, sharded: bool = False):
-    """The target and its tokenizer on `device`; `sharded`: in CPU memory, for `_shard_target` to place on `device`."""
+    """The target and its tokenizer on `device`; `sharded`: in CPU memory, for `distributed.shard_target` to place on `device`."""
     from eagle3.models import load_target, resolve_dtype
 
     try:
@@ -263,35 +213,6 @@ def _load_target(cfg: TrainConfig, device: torch.device, sharded: bool = False):
             "GPU holds 1/world of the target), or use a device with more memory, a smaller dtype "
             "(--dtype bfloat16), or build an offline feature cache on a larger machine"
         ) from None
-
-
-def _shard_target(model: nn.Module, device: torch.device, world: int) -> tuple[int, int]:
-    """Shard the frozen target's weights over the `world` ranks; returns (this rank's, all) parameter counts.
-
-    FSDP2 (`torch.distributed.fsdp.fully_shard`): it works on a "cpu" device mesh with gloo in torch 2.13
-    (tested on 2 CPU processes, so FSDP1 is not needed as a fallback) and is FSDP's current API for CUDA/NCCL;
-    it leaves the modules in place (no wrapper), unlike FSDP1. One unit per decoder layer, then the root
-    (embedding, final norm, lm_head). A forward all-gathers each unit's weights, runs it and frees them again,
-    so between forwards a rank holds 1/world of the weights, and during one the root unit and a layer or two in
-    full. `reshard_after_forward=True` also for the root: left at its default, FSDP keeps the root's gathered
-    weights after forward for the backward that a frozen target never runs (checked: they stay unsharded).
-    Activations are not sharded, so `Target`'s pre-hooks on the decoder layers see full hidden states; the
-    modules stay the same objects (FSDP2 swaps their class in place), so hooks registered before or after this
-    keep firing. Every rank must then run the same number of target forwards (see `_Trainer._step`).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model.requires_grad_(False)
-    full = sum(p.numel() for p in model.parameters())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in decoder_parts(model)[0]:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # moves what is left (buffers too) to `device`
-    local = sum(p.to_local().numel() for p in model.parameters())
-    return local, full
 
 
 def _build_drafter(cfg: TrainConfig, model: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
@@ -348,84 +269,12 @@ def _lr_lambda(cfg: TrainConfig, total: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-def latest_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under out_dir/checkpoints (complete = renamed into place), or None."""
-    root = Path(out_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return None
-    found = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).exists())
-    return found[-1] if found else None
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    for d in [path, *sorted(q for q in path.rglob("*") if q.is_dir())]:
-        _fsync_dir(d)
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _save_checkpoint(ctx: _Dist, out: Path, step: int, drafter: Eagle3Drafter, state: dict[str, Any],
-                     keep: int) -> Path:
-    from eagle3.formats import save_drafter
-
-    root = out / CHECKPOINT_DIR
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}"
-    if ctx.main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    ctx.barrier()
-    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
-    ctx.barrier()
-    if ctx.main:
-        save_drafter(drafter, tmp / "drafter", format="speculators")
-        torch.save(state, tmp / STATE_FILE)
-        _fsync_tree(tmp)
-        if final.exists():  # the same step saved again (e.g. the end of a resumed run)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    ctx.barrier()
-    return final
-
-
-# ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
 def train(cfg: TrainConfig) -> TrainResult:
     """Train a drafter as `cfg` says (see the module docstring); returns where the result went and final metrics."""
     cfg.validate()
-    ctx = _init_dist(cfg.device)
+    ctx = init_dist(cfg.device)
     try:
         return _Trainer(cfg, ctx).run()
     finally:
@@ -434,7 +283,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 class _Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: _Dist):
+    def __init__(self, cfg: TrainConfig, ctx: Dist):
         self.cfg, self.ctx = cfg, ctx
         if cfg.device:
             self.device = torch.device(cfg.device)
@@ -486,7 +335,7 @@ class _Trainer:
         drafter = _build_drafter(cfg, model, d2t, t2d).to(self.device)
         self.drafter = drafter
         if self.sharded_target:  # after _build_drafter, which reads the target's embedding (and head) in full
-            local, full = _shard_target(model, self.device, self.ctx.world)
+            local, full = distributed.shard_target(model, self.device, self.ctx.world)
             if self.ctx.main:
                 log.warning("shard_target: the target is sharded over %d ranks (FSDP2); rank 0 holds %d of its %d "
                             "parameters", self.ctx.world, local, full)
@@ -603,7 +452,7 @@ class _Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         rng_file = ckpt / f"rng_rank{self.ctx.rank}.pt"
         if rng_file.exists():
-            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
         if self.ctx.main:
             log.warning("resumed from %s (step %d)", ckpt, state["step"])
         return state["step"], state["epoch"], state["batch_in_epoch"]
@@ -692,7 +541,7 @@ class _Trainer:
         log_path = self.out / LOG_FILE
         if ctx.main:
             self._write_config()
-            _truncate_log(log_path, step)
+            truncate_log(log_path, step)
             if cfg.tensorboard:
                 self.tb = self._summary_writer(str(self.out / "tensorboard"))
         bar = None
@@ -737,7 +586,7 @@ class _Trainer:
                 window.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
             if (cfg.save_every and step % cfg.save_every == 0) or step == end:
-                last_ckpt = _save_checkpoint(ctx, self.out, step, self.drafter, self._state(step, epoch, bi),
+                last_ckpt = save_checkpoint(ctx, self.out, step, self.drafter, self._state(step, epoch, bi),
                                              cfg.keep_checkpoints)
         if bar is not None:
             bar.close()
@@ -807,19 +656,3 @@ class _Trainer:
         tmp = self.out / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
         os.replace(tmp, self.out / CONFIG_FILE)
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Keep only log records up to `step` (a resumed run rewrites what came after its checkpoint)."""
-    if not path.exists():
-        return
-    if step == 0:
-        path.unlink()
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        if line.strip() and json.loads(line).get("step", 0) <= step:
-            keep.append(line)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(x + "\n" for x in keep))
-    os.replace(tmp, path)
