@@ -34,6 +34,7 @@ from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.app import create_app
+from eagle3.serving.cli import fast_lane_engine
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.policy import SpecPolicy, default_token_budget
@@ -64,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-max-batch", type=int, default=None)
     p.add_argument("--spec-min-accept", type=float, default=0.3)
     p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
+    p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
+                   help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", required=True)
@@ -144,7 +147,9 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     else:
         target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
     config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens)
-    sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config)
+    fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
+                            drafter if batch_drafter else None, device, config)
+    sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast)
     rows = []
     srv = ServerThread(create_app(sched), shutdown_timeout=10).start()
     try:

@@ -148,6 +148,128 @@ def test_eos_inside_an_accepted_run_finishes_only_that_row():
         assert (ev.token_ids, ev.finish_reason) == (ref.token_ids, ref.finish_reason)
 
 
+# -- the fast lane: a lone greedy request on the batch-1 fast path ---------------------------------------
+def _lane_scheduler(model, tok, eos, mode):
+    """A scheduler with a fast lane; `calls` counts the lane's generate() runs."""
+    from eagle3.fast.engine import FastEngine
+
+    model = copy.deepcopy(model)  # the Target below hooks the model; keep the shared fixture clean
+    drafter, aux, d = None, [], None
+    if mode == "eagle3":
+        d = init_drafter(model, seed=0)
+        drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
+    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
+    fast = FastEngine(model, draft=mode if mode == "eagle3" else "none", spec=SMALL_TREE, drafter=d)
+    calls = []
+    generate = fast.generate
+    fast.generate = lambda *a, **k: (calls.append(1), generate(*a, **k))[1]
+    return Scheduler(Target(model, aux), tok, eos, drafter=drafter, policy=policy, fast=fast), calls
+
+
+@pytest.mark.parametrize("mode", ["plain", "eagle3"])
+def test_fast_lane_equals_single_requests(stories, mode):
+    """One request at a time: each runs on the lane, and gives the bs=1 reference tokens, text and reason."""
+    model, tok, ids, max_tokens, eos, refs = stories
+    sched, calls = _lane_scheduler(model, tok, eos, mode)
+    sched.start()
+    try:
+        for p, n, ref in zip(ids, max_tokens, refs, strict=True):
+            got = {}
+            flag = threading.Event()
+
+            def sink(ev, got=got, flag=flag):
+                if ev.kind != "delta":
+                    got["ev"] = ev
+                    flag.set()
+
+            sched.submit(RequestHandle(GenParams(p, n, stream=True), sink))
+            assert flag.wait(30), "request hung"
+            ev = got["ev"]
+            assert ev.kind == "done"
+            assert (ev.token_ids, ev.text, ev.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+    finally:
+        sched.stop(timeout=5)
+    assert len(calls) == len(ids)  # every request ran on the lane
+    snap = sched.metrics.snapshot()
+    assert snap["eagle3_generation_tokens_total"] == sum(len(r.token_ids) for r in refs)
+    if mode == "eagle3":
+        assert snap["eagle3_spec_row_steps_total"] > 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "eagle3"])
+def test_fast_lane_hands_over_to_the_batch_when_others_arrive(stories, mode):
+    """The first request starts alone on the lane; when it has streamed text the others are submitted, it
+    joins the batch with its text so far, and every request still gives the bs=1 reference."""
+    model, tok, ids, max_tokens, eos, refs = stories
+    sched, calls = _lane_scheduler(model, tok, eos, mode)
+    done: dict[int, object] = {}
+    flags = [threading.Event() for _ in ids]
+    others = threading.Event()
+
+    def sink_for(i):
+        def sink(ev):
+            if ev.kind == "delta" and i == 0 and not others.is_set():
+                others.set()
+                for j in range(1, len(ids)):
+                    sched.submit(RequestHandle(GenParams(ids[j], max_tokens[j]), sink_for(j)))
+            elif ev.kind != "delta":
+                done[i] = ev
+                flags[i].set()
+        return sink
+
+    sched.start()
+    try:
+        sched.submit(RequestHandle(GenParams(ids[3], max_tokens[3], stream=True), sink_for(0)))
+        assert flags[0].wait(30) and all(f.wait(30) for f in flags[1:]), "a request hung"
+    finally:
+        sched.stop(timeout=5)
+    for i in range(len(ids)):  # request 0 is prompt 3 (the longest answer); request j >= 1 is prompt j
+        ref = refs[3] if i == 0 else refs[i]
+        assert done[i].kind == "done" and done[i].token_ids == ref.token_ids, f"request {i}"
+    assert len(calls) == 1  # the first one started on the lane; the rest were batched with it
+    snap = sched.metrics.snapshot()
+    assert snap["eagle3_batch_size_sum"] / snap["eagle3_batch_size_count"] > 1.5
+
+
+def test_fast_lane_frees_a_cancelled_request(stories):
+    model, tok, ids, max_tokens, eos, refs = stories
+    sched, _ = _lane_scheduler(model, tok, eos, "plain")
+    events = []
+    holder = {}
+
+    def sink(ev):
+        events.append(ev)
+        if ev.kind == "delta" and len(events) == 2:
+            holder["h"].cancelled = True  # as a client disconnect does
+
+    sched.start()
+    try:
+        holder["h"] = RequestHandle(GenParams(ids[3], 40, stream=True), sink)
+        sched.submit(holder["h"])
+        deadline = time.monotonic() + 30
+        while not holder["h"].finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holder["h"].finished and all(ev.kind == "delta" for ev in events)
+        after = run_batch_started(sched, GenParams(ids[0], max_tokens[0]))
+        assert after.token_ids == refs[0].token_ids  # the server goes on serving
+    finally:
+        sched.stop(timeout=5)
+    assert 'finish_reason="cancelled"' in sched.metrics.render()
+
+
+def run_batch_started(sched: Scheduler, params: GenParams, timeout=30.0):
+    got, flag = {}, threading.Event()
+
+    def sink(ev):
+        if ev.kind != "delta":
+            got["ev"] = ev
+            flag.set()
+
+    sched.submit(RequestHandle(params, sink))
+    assert flag.wait(timeout), "request hung"
+    return got["ev"]
+
+
 # -- batched drafter == per-row drafter ------------------------------------------------------------
 def test_batched_eagle3_drafter_matches_per_row_proposer(stories260k):
     model, tok = stories260k

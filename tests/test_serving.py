@@ -25,6 +25,7 @@ pytest.importorskip("uvicorn")
 from eagle3.config import SpecConfig  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
+from eagle3.fast.engine import FastEngine  # noqa: E402
 from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter  # noqa: E402
 from eagle3.serving.app import create_app  # noqa: E402
 from eagle3.serving.config import ServeConfig  # noqa: E402
@@ -39,17 +40,20 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
            "The little dog", "Mia found a shiny"]
 
 
-def make_server(model, tok, spec: bool = True, **config) -> ServerThread:
-    """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture)."""
+def make_server(model, tok, spec: bool = True, lane: bool = False, **config) -> ServerThread:
+    """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
+    `lane`: with a fast lane (`FastEngine`) for lone greedy requests."""
     model = copy.deepcopy(model)
-    drafter, aux, policy = None, [], None
+    drafter, aux, policy, d = None, [], None, None
+    shape = SpecConfig(depth=3, top_k=2, total_tokens=6)
     if spec:
         d = init_drafter(model, seed=0)
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
         # min_accept 0: keep drafting with the random drafter, so verification of real trees is exercised
-        policy = SpecPolicy.from_spec(SpecConfig(depth=3, top_k=2, total_tokens=6), token_budget=64, min_accept=0.0)
+        policy = SpecPolicy.from_spec(shape, token_budget=64, min_accept=0.0)
+    fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d) if lane else None
     cfg = ServeConfig(model_name=MODEL, chat_template=TEMPLATE, **config)
-    sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg)
+    sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast)
     return ServerThread(create_app(sched), shutdown_timeout=cfg.shutdown_timeout).start()
 
 
@@ -120,6 +124,26 @@ def test_completion_matches_single_request_greedy(client, ref):
     assert r.object == "text_completion" and r.model == MODEL
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.ids(PROMPTS[0])), 24)
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_fast_lane_server_answers_like_the_batch(stories260k, ref):
+    """Through HTTP with the real client: lone requests (fast lane), streamed and not, then a concurrent burst
+    (the lane hands over to the batch); every greedy answer equals the bs=1 reference."""
+    srv = make_server(*stories260k, lane=True)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for p in PROMPTS[:3]:
+            r = c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+            assert r.choices[0].text == ref(24, prompt=p).text
+        chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref(24, prompt=PROMPTS[3]).text
+        assert metric(srv, "eagle3_spec_row_steps_total") > 0
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
+                                  .choices[0].text, PROMPTS * 2, timeout=120))
+        assert texts == [ref(13, prompt=p).text for p in PROMPTS * 2]
+    finally:
+        srv.stop()
 
 
 def test_completion_stream(client, ref):
@@ -305,8 +329,9 @@ def test_64_concurrent_clients(client, ref):
         assert (text, finish) == (want.text, want.finish_reason), (prompt, n)
 
 
-def test_graceful_shutdown_finishes_in_flight_requests(stories260k):
-    srv = make_server(*stories260k, spec=False, shutdown_timeout=20.0)
+@pytest.mark.parametrize("lane", [False, True], ids=["batch", "fast-lane"])
+def test_graceful_shutdown_finishes_in_flight_requests(stories260k, lane):
+    srv = make_server(*stories260k, spec=False, lane=lane, shutdown_timeout=20.0)
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 200, "temperature": 0, "stream": True}
     got: list[str] = []
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
@@ -358,13 +383,19 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path):
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     for extra, drafter_name in ((["--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6"], "eagle3"),
-                                (["--draft", "ngram", "--chain", "3"], "per-row"), (["--no-spec"], None)):
+                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3"),
+                                (["--draft", "ngram", "--chain", "3", "--fast-lane", "on"], "per-row"),
+                                (["--no-spec"], None), (["--no-spec", "--fast-lane", "on"], None)):
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
         assert args.func.__name__ == "cmd_serve"
         sched, app = load_server(args)
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
+        lane = "on" in extra  # auto (the default) is off on a CPU
+        assert (sched.fast is not None) == lane
+        if lane:
+            assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,

@@ -115,6 +115,7 @@ class FastEngine:
         self._pool = None
         self._alloc: tuple[int, int] | None = None  # cache allocation the runners were captured against
         self._runners: dict[str, StepRunner] = {}
+        self._on_tokens: Callable[[list[int]], bool] | None = None  # set for the duration of one generate()
 
     # -- setup ---------------------------------------------------------------------------------
     @property
@@ -181,7 +182,18 @@ class FastEngine:
         eos_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        on_tokens: Callable[[list[int]], bool] | None = None,
     ) -> GenerationResult:
+        """`on_tokens`, if given, sees the first token and then each cycle's new tokens before the engine checks
+        them; returning True stops here with finish_reason "interrupted" (the server's fast lane uses it to
+        stream, to stop on its own rules, and to hand a request over to the batch when another one arrives)."""
+        self._on_tokens = on_tokens
+        try:
+            return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text)
+        finally:
+            self._on_tokens = None
+
+    def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer, self.device)
         sampling, eos, stream, gen, prompt = req.sampling, req.eos, req.stream, req.generator, req.prompt
@@ -199,7 +211,10 @@ class FastEngine:
                              gen).view(1)
         core.begin(dev_prompt, aux, first_t)
         out = [int(first_t)]
-        finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
+        if self._on_tokens is not None and self._on_tokens(list(out)):
+            finish = "interrupted"
+        else:
+            finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
         if self.proposer is not None:
             self.proposer.begin(prompt, None, out[0])
         self._sync()
@@ -228,6 +243,9 @@ class FastEngine:
         return GenerationResult(token_ids=out, text=text, finish_reason=finish, stats=stats)
 
     def _emit(self, out, new, eos, max_new_tokens, stream, stop_strings) -> str | None:
+        if self._on_tokens is not None and self._on_tokens(list(new)):
+            out.extend(new)
+            return "interrupted"
         for tok in new:
             out.append(tok)
             finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)

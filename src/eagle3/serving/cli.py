@@ -6,11 +6,14 @@ Wire into `eagle3.cli.build_parser` with `add_serve_parser(sub)`; the subcommand
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
 
-__all__ = ["add_serve_parser", "cmd_serve", "load_server"]
+__all__ = ["add_serve_parser", "cmd_serve", "fast_lane_engine", "load_server"]
+
+log = logging.getLogger("eagle3")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -52,6 +55,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a row whose running mean of accepted drafts per cycle falls below this stops drafting")
     s.add_argument("--no-spec-gate", action="store_true",
                    help="speculate wherever the budget allows, even where it measures slower than plain cycles")
+    s.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
+                   help="a greedy request that finds the server idle decodes on the batch-1 static-cache path "
+                        "(CUDA graphs) and joins the batch when another request arrives; costs a second, fused "
+                        "copy of the target's weights. auto: on for CUDA targets of the fast-path families")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
     return s
@@ -100,7 +107,7 @@ def load_server(args):
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
         min_accept=args.spec_min_accept, measure=not args.no_spec_gate)
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
-    drafter = None
+    drafter, d = None, None
     aux_ids: list[int] = []
     if draft == "eagle3":
         d = load_drafter(args.drafter, target_config=model.config,
@@ -114,9 +121,30 @@ def load_server(args):
     if drafter is None:
         policy = SpecPolicy(enabled=False)
     target = Target(model, aux_ids)
+    fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
+                      d if draft == "eagle3" else None, device, config)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
-                            config=config)
+                            config=config, fast=fast)
     return sched, create_app(sched)
+
+
+def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config):
+    """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`)."""
+    if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
+        return None
+    from eagle3.fast.engine import FastEngine
+    from eagle3.fast.target import fast_support
+
+    reason = fast_support(model)
+    if reason is not None:
+        if choice == "on":
+            raise ConfigError(f"--fast-lane on: this target cannot use the fast path ({reason}); "
+                              "use --fast-lane off")
+        log.warning("fast lane off: %s", reason)
+        return None
+    engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter)
+    engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
+    return engine
 
 
 def cmd_serve(args) -> int:

@@ -12,6 +12,11 @@ Each loop iteration:
    drafter is extended with the accepted features, and tokens are emitted to the clients;
 4. finished rows (EOS, stop string, max_tokens) leave the batch.
 
+The fast lane (when the server has a `FastEngine`): a greedy request that arrives at an idle server decodes
+alone on the batch-1 static-cache path (CUDA graphs on a GPU), which is many times faster than a batch of one
+on the generic path. When another request arrives it stops after its current cycle, is prefilled into the batch
+with the text it has so far, and continues there; outputs are the same either way (greedy, lossless).
+
 Results reach the HTTP side through each request's `sink` (called from this thread). Greedy output equals
 `SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
 kernels differ from bs=1 ones only by float rounding, which could flip an exact argmax tie).
@@ -27,6 +32,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +43,9 @@ from eagle3.serving.metrics import Metrics
 from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate
 from eagle3.serving.sampling import race_sample
 from eagle3.target import Target
+
+if TYPE_CHECKING:
+    from eagle3.fast.engine import FastEngine
 
 __all__ = ["Event", "GenParams", "RequestHandle", "Scheduler", "SchedulerUnavailable"]
 
@@ -123,8 +132,15 @@ class Scheduler:
         policy: SpecPolicy | None = None,
         config: ServeConfig | None = None,
         metrics: Metrics | None = None,
+        fast: FastEngine | None = None,
     ):
+        """`fast`: a batch-1 `FastEngine` on the same model (with this server's drafter and largest shape) for
+        the fast lane: a greedy request that finds the server idle runs on it alone, and moves into the batch
+        (re-prefilled) as soon as another request arrives. With the speed gate on, lane requests alternate
+        between it and a drafter-less engine on the same weights until one is measured faster."""
         self.target = target
+        self.fast = fast
+        self._in_lane = False  # a request is decoding on the fast lane (neither waiting nor in the batch)
         self.tokenizer = tokenizer
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self.eos = set(int(e) for e in eos_token_ids)
@@ -132,6 +148,14 @@ class Scheduler:
         self.policy = policy or SpecPolicy(enabled=drafter is not None)
         self.gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
                      if self.policy.measure else None)
+        # the lane's own gate, in whole requests: speculative lane requests vs plain ones on a drafter-less
+        # engine that shares the lane's fused weights and caches
+        self._lane_plain, self._lane_gate = None, None
+        if fast is not None and fast.mode != "none" and self.policy.measure:
+            from eagle3.fast.engine import FastEngine
+
+            self._lane_plain = FastEngine(fast.model, draft="none", target=fast.target, options=fast.options)
+            self._lane_gate = SpeedGate(probe_every=4, ema=self.policy.ema, max_probe_every=64)
         self.config = config or ServeConfig()
         self.metrics = metrics or Metrics(self.config.model_name)
         self._cond = threading.Condition()
@@ -188,7 +212,7 @@ class Scheduler:
             self._closing = True
             self._cond.notify_all()
         deadline = time.monotonic() + timeout
-        while (self._rows or self._waiting) and time.monotonic() < deadline and self._thread_alive():
+        while (self._rows or self._waiting or self._in_lane) and time.monotonic() < deadline and self._thread_alive():
             time.sleep(0.01)
         with self._cond:
             self._stopping = True
@@ -221,6 +245,11 @@ class Scheduler:
     def _step(self, admitted: list[RequestHandle]) -> None:
         try:
             self._drop_cancelled()
+            if self._lane_takes(admitted):
+                row = self._run_lane(admitted[0])
+                if row is not None:  # interrupted by an arrival (or shutdown): continue in the batch
+                    self._join_batch(row)
+                return
             if admitted:
                 self._prefill(admitted)
             if self._rows:
@@ -281,6 +310,73 @@ class Scheduler:
         self._kv.select(keep)
         if self.drafter is not None:
             self.drafter.select(keep)
+
+    # -- the fast lane: one greedy request alone on the batch-1 fast path ------------------------
+    def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
+        return (self.fast is not None and not self._rows and len(admitted) == 1 and not self._waiting
+                and admitted[0].params.temperature == 0)
+
+    def _run_lane(self, h: RequestHandle) -> _Row | None:
+        """Decode `h` on the fast engine until it finishes, is cancelled, or another request arrives; returns
+        its row in the last case (to join the batch), else None."""
+        p, m = h.params, self.metrics
+        row = _Row(h, drafting=self.drafter is not None and self.policy.enabled)
+        m.inc("eagle3_prompt_tokens_total", len(p.prompt_ids))
+        engine = self.fast
+        if self._lane_gate is not None and not self._lane_gate.speculate(1):
+            engine = self._lane_plain
+            m.inc("eagle3_spec_paused_cycles_total")
+        spec = engine.mode != "none"
+        last = [None]  # perf_counter of the previous callback: None until the first token
+        first = [0.0]
+
+        def on_tokens(new: list[int]) -> bool:
+            now = time.perf_counter()
+            if last[0] is None:
+                h.first_token_at = first[0] = now
+                m.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
+            else:  # one verification cycle of a batch of one
+                m.observe("eagle3_cycle_seconds", now - last[0])
+                m.inc("eagle3_verify_steps_total")
+                m.observe("eagle3_batch_size", 1)
+                if spec:
+                    m.inc("eagle3_verified_tokens_total", engine.core.n_nodes + 1)
+                    m.inc("eagle3_draft_tokens_total", engine.core.n_nodes)
+                    m.inc("eagle3_accepted_tokens_total", len(new) - 1)
+                    m.inc("eagle3_spec_row_steps_total")
+                    m.record_row_cycle(engine.core.depth or engine.core.n_nodes, len(new) - 1)
+                else:
+                    m.inc("eagle3_verified_tokens_total")
+            last[0] = now
+            if self._emit(row, new):
+                return True
+            return h.cancelled or self._stopping or bool(self._waiting)
+
+        m.set("eagle3_running_requests", 1)
+        self._in_lane = True
+        try:
+            engine.generate(p.prompt_ids, max_new_tokens=p.max_tokens, on_tokens=on_tokens)
+        finally:
+            self._in_lane = False
+        if self._lane_gate is not None and len(row.out) > 1 and last[0] > first[0]:
+            self._lane_gate.record(1, spec, last[0] - first[0], len(row.out) - 1)  # decoding rate after the prefill
+        if h.finished:
+            return None
+        if h.cancelled:
+            h.finished = True
+            m.inc("eagle3_requests_total", endpoint=p.endpoint, finish_reason="cancelled")
+            return None
+        return row
+
+    def _join_batch(self, row: _Row) -> None:
+        """Move a lane request into the batch: prefill its text so far (the root, its last token, stays out of
+        the cache as for every row) and the drafter's history."""
+        ctx = list(row.handle.params.prompt_ids) + row.out[:-1]
+        kv, _, aux = prefill(self.target, [ctx])
+        if self.drafter is not None:
+            self.drafter.add([ctx], aux, [row.root])
+        self._kv.merge(kv)
+        self._rows.append(row)
 
     # -- prefill -----------------------------------------------------------------------------
     def _prefill(self, handles: list[RequestHandle]) -> None:
