@@ -138,6 +138,13 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref):
         chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stream=True))
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref(24, prompt=PROMPTS[3]).text
         assert metric(srv, "eagle3_spec_row_steps_total") > 0
+        want = ref(24, prompt=PROMPTS[0], stop=("girl",))  # a stop string, streamed with a held-back prefix
+        chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                           stop=["zzz", "girl"], stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        one = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1, temperature=0)
+        assert (one.choices[0].text, one.usage.completion_tokens) == (ref(1, prompt=PROMPTS[1]).text, 1)
         with ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
                                   .choices[0].text, PROMPTS * 2, timeout=120))
