@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="largest tree (default 6,10,60)")
     p.add_argument("--spec-budget", type=int, default=None)
     p.add_argument("--spec-max-batch", type=int, default=None)
-    p.add_argument("--spec-min-accept", type=float, default=0.3)
+    p.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept)
     p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")

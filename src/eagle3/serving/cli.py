@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
+from eagle3.serving.policy import SpecPolicy
 
 __all__ = ["add_serve_parser", "cmd_serve", "fast_lane_engine", "load_server"]
 
@@ -51,7 +52,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--spec-budget", type=int, default=None,
                    help="verified tokens per batched forward, B*(N+1) (default 256 on GPU, 32 on CPU)")
     s.add_argument("--spec-max-batch", type=int, default=None, help="no speculation above this batch size")
-    s.add_argument("--spec-min-accept", type=float, default=0.3,
+    s.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept,
                    help="a row whose running mean of accepted drafts per cycle falls below this stops drafting")
     s.add_argument("--no-spec-gate", action="store_true",
                    help="speculate wherever the budget allows, even where it measures slower than plain cycles")
@@ -83,7 +84,7 @@ def load_server(args):
     from eagle3.serving.app import create_app
     from eagle3.serving.config import ServeConfig
     from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter
-    from eagle3.serving.policy import SpecPolicy, default_token_budget
+    from eagle3.serving.policy import default_token_budget
     from eagle3.serving.server import build_scheduler
     from eagle3.target import Target
 
