@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
     eos = eos_token_ids(model, tok)
     name, chats = load_prompts(args.prompts, limit=max(args.clients))
-    prompts = [encode_prompt(tok, chat=m) for m in chats]
+    chat = bool(getattr(tok, "chat_template", None))  # no template: the last user message as a raw prompt
+    prompts = [encode_prompt(tok, chat=m) if chat else encode_prompt(tok, prompt=m[-1]["content"]) for m in chats]
     results = []
     for c in args.clients:
         for mode in args.modes:

@@ -74,3 +74,30 @@ def test_run_record_takes_the_exported_sha_where_there_is_no_checkout(monkeypatc
 
     monkeypatch.setenv("EAGLE3_GIT_SHA", "9fcc9e6")  # what a copy of the tree on a GPU machine gets
     assert run_record("bench")["git_sha"] == "9fcc9e6"
+
+
+def test_bench_scheduler_script_writes_a_record(tmp_path, capsys):
+    """`scripts/bench_scheduler.py` on stories260K with a random drafter: every mode runs and is recorded."""
+    import copy
+    import importlib.util
+    from pathlib import Path
+
+    from eagle3.formats import save_drafter
+    from eagle3.models import load_target
+    from eagle3.runtime import init_drafter
+
+    model, _ = load_target("stories260k")
+    save_drafter(init_drafter(copy.deepcopy(model), seed=0), tmp_path / "drafter")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_scheduler.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduler", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "out"
+    assert mod.main(["--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--device", "cpu",
+                     "--clients", "1", "2", "--max-tokens", "8", "--prompts", "gsm8k", "--out", str(out)]) == 0
+    rec = json.loads((out / "bench_scheduler.json").read_text())
+    assert rec["kind"] == "bench_scheduler" and rec["git_sha"] is not None
+    assert {(r["clients"], r["mode"]) for r in rec["results"]} == {
+        (c, m) for c in (1, 2) for m in ("plain", "spec-gate", "spec-nogate")}
+    assert all(r["tokens"] == 8 * r["clients"] for r in rec["results"])  # no EOS within 8 tokens here
+    assert "speed vs plain" in capsys.readouterr().out
