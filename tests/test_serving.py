@@ -382,7 +382,7 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path):
     import argparse
 
     from eagle3.formats import save_drafter
-    from eagle3.serving.cli import add_serve_parser, load_server
+    from eagle3.serving.cli import add_serve_parser, describe, load_server
 
     model, _tok = stories260k
     save_drafter(init_drafter(copy.deepcopy(model), seed=0), tmp_path / "drafter")
@@ -401,6 +401,9 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path):
         assert sched.policy.enabled == (drafter_name is not None)
         lane = "on" in extra  # auto (the default) is off on a CPU
         assert (sched.fast is not None) == lane
+        line = describe(sched)
+        assert f"fast lane {'on' if lane else 'off'}" in line and "cpu" in line
+        assert ("plain batched decoding" in line) == (drafter_name is None)
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
         with ServerThread(app) as srv:

@@ -12,7 +12,7 @@ from pathlib import Path
 from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
 from eagle3.serving.policy import SpecPolicy
 
-__all__ = ["add_serve_parser", "cmd_serve", "fast_lane_engine", "load_server"]
+__all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "load_server"]
 
 log = logging.getLogger("eagle3")
 
@@ -148,10 +148,27 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
     return engine
 
 
+def describe(sched) -> str:
+    """One line on what the server will do, printed at start (what speculates, how, and where)."""
+    p = sched.policy
+    if not p.enabled:
+        spec = "plain batched decoding (no drafter)"
+    else:
+        shape = f"chain {p.max_depth}" if p.max_top_k == 1 else f"tree {p.max_depth},{p.max_top_k},{p.max_total}"
+        spec = (f"drafter {sched.drafter.name}, up to a {shape}, token budget {p.token_budget}, "
+                f"speed gate {'on' if p.measure else 'off'}")
+    lane = "off" if sched.fast is None else f"on ({sched.fast.draft})"
+    return (f"eagle3 serve: {sched.config.model_name} on {sched.target.device}; {spec}; "
+            f"max batch {sched.config.max_batch_size}; fast lane {lane}")
+
+
 def cmd_serve(args) -> int:
+    import sys
+
     import uvicorn
 
-    _sched, app = load_server(args)
+    sched, app = load_server(args)
+    print(describe(sched), file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
     return 0
