@@ -68,6 +68,20 @@ def run_batch(sched: Scheduler, params: list[GenParams], stagger: dict[int, floa
     return [done[i] for i in range(len(params))]
 
 
+def run_one(sched: Scheduler, params: GenParams, timeout=30.0):
+    """Submit one request to a started scheduler and wait for its final event."""
+    got, flag = {}, threading.Event()
+
+    def sink(ev):
+        if ev.kind != "delta":
+            got["ev"] = ev
+            flag.set()
+
+    sched.submit(RequestHandle(params, sink))
+    assert flag.wait(timeout), "request hung"
+    return got["ev"]
+
+
 def tiny_prompts(n_rows: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = [3, TINY_SLIDING_WINDOW * 2 + 3, 9, 17, 5][:n_rows]  # one prompt passes the sliding window
@@ -174,17 +188,7 @@ def test_fast_lane_equals_single_requests(stories, mode):
     sched.start()
     try:
         for p, n, ref in zip(ids, max_tokens, refs, strict=True):
-            got = {}
-            flag = threading.Event()
-
-            def sink(ev, got=got, flag=flag):
-                if ev.kind != "delta":
-                    got["ev"] = ev
-                    flag.set()
-
-            sched.submit(RequestHandle(GenParams(p, n, stream=True), sink))
-            assert flag.wait(30), "request hung"
-            ev = got["ev"]
+            ev = run_one(sched, GenParams(p, n, stream=True))
             assert ev.kind == "done"
             assert (ev.token_ids, ev.text, ev.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
     finally:
@@ -250,24 +254,11 @@ def test_fast_lane_frees_a_cancelled_request(stories):
         while not holder["h"].finished and time.monotonic() < deadline:
             time.sleep(0.01)
         assert holder["h"].finished and all(ev.kind == "delta" for ev in events)
-        after = run_batch_started(sched, GenParams(ids[0], max_tokens[0]))
+        after = run_one(sched, GenParams(ids[0], max_tokens[0]))
         assert after.token_ids == refs[0].token_ids  # the server goes on serving
     finally:
         sched.stop(timeout=5)
     assert 'finish_reason="cancelled"' in sched.metrics.render()
-
-
-def run_batch_started(sched: Scheduler, params: GenParams, timeout=30.0):
-    got, flag = {}, threading.Event()
-
-    def sink(ev):
-        if ev.kind != "delta":
-            got["ev"] = ev
-            flag.set()
-
-    sched.submit(RequestHandle(params, sink))
-    assert flag.wait(timeout), "request hung"
-    return got["ev"]
 
 
 # -- batched drafter == per-row drafter ------------------------------------------------------------

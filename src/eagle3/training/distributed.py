@@ -84,7 +84,8 @@ def shard_target(model: nn.Module, device: torch.device, world: int) -> tuple[in
     weights after forward for the backward that a frozen target never runs (checked: they stay unsharded).
     Activations are not sharded, so `Target`'s pre-hooks on the decoder layers see full hidden states; the
     modules stay the same objects (FSDP2 swaps their class in place), so hooks registered before or after this
-    keep firing. Every rank must then run the same number of target forwards (see `eagle3.training.trainer._Trainer._step`).
+    keep firing. Every rank must then run the same number of target forwards (see
+    `eagle3.training.trainer._Trainer._step`).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -21,8 +21,9 @@ interrupted. Process groups and target sharding live in `eagle3.training.distrib
 
 Large targets: the target is frozen and runs forward only. By default every rank holds all of it; with
 `shard_target=True` (`--shard-target`, online features under torchrun) each rank holds 1/world of its weights
-(FSDP2 `fully_shard` per decoder layer, see `eagle3.training.distributed`) and every target forward all-gathers them layer by
-layer. Without it, a target that does not fit one device stops with a ConfigError that says so.
+(FSDP2 `fully_shard` per decoder layer, see `eagle3.training.distributed`) and every target forward
+all-gathers them layer by layer. Without it, a target that does not fit one device stops with a ConfigError
+that says so.
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ class TTTModel(nn.Module):
 
 
 def _load_target(cfg: TrainConfig, device: torch.device, sharded: bool = False):
-    """The target and its tokenizer on `device`; `sharded`: in CPU memory, for `distributed.shard_target` to place on `device`."""
+    """The target and its tokenizer on `device`; `sharded`: in CPU memory, for `distributed.shard_target` to
+    place on `device`."""
     from eagle3.models import load_target, resolve_dtype
 
     try:
