@@ -36,6 +36,7 @@ from eagle3.training.trainer import (
     CHECKPOINT_DIR,
     LOG_FILE,
     TrainConfig,
+    budget_steps,
     latest_checkpoint,
     train,
 )
@@ -455,3 +456,65 @@ def test_resume_accepts_a_checkpoint_from_before_intermediate_size(data_dir, tmp
     del state["config"]["intermediate_size"]  # an older run's config did not have it
     torch.save(state, state_file)
     assert train(base_cfg(data_dir, out, resume=True, max_steps=2)).steps == 2
+
+
+def test_budget_steps_fills_the_time_left_within_the_limits():
+    assert budget_steps(23, 100.0, 0.5, upper=1000) == 223
+    assert budget_steps(23, 100.0, 0.5, upper=100) == 100  # epochs / max_steps still cap the run
+    assert budget_steps(23, -5.0, 0.5, upper=1000) == 24  # over budget already: one more step, then stop
+
+
+class FakeClock:
+    """Stands in for the trainer's `time` module: every optimizer step takes `step_seconds`."""
+
+    def __init__(self, step_seconds: float):
+        self.now, self.step_seconds = 0.0, step_seconds
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def run_with_clock(monkeypatch, clock: FakeClock, cfg: TrainConfig):
+    import eagle3.training.trainer as trainer_mod
+
+    real_step = trainer_mod._Trainer._step
+
+    def timed_step(self, rows):
+        clock.now += clock.step_seconds
+        return real_step(self, rows)
+
+    monkeypatch.setattr(trainer_mod, "time", clock)
+    monkeypatch.setattr(trainer_mod._Trainer, "_step", timed_step)
+    return train(cfg)
+
+
+def test_time_budget_sizes_the_schedule_and_a_resume_keeps_it(data_dir, tmp_path, monkeypatch, capsys):
+    # 24 rows, 4 per step: 6 steps per epoch, 10 epochs allow 60. At 1 s per step a 40 s budget gives 40 steps:
+    # 3 untimed + 20 timed steps measure 1 s/step with 23 s spent, and 17 more fit.
+    kw = dict(epochs=10, max_steps=None, time_budget=40.0, warmup_steps=None, save_every=10)
+    out = tmp_path / "budget"
+    res = run_with_clock(monkeypatch, FakeClock(1.0), base_cfg(data_dir, out, **kw))
+    assert res.steps == 40 and (out / "drafter").exists()
+    assert "time budget 40 s: 1.000 s/step over 20 steps -> 40 steps in all" in capsys.readouterr().err
+    recs = [json.loads(x) for x in (out / LOG_FILE).read_text().splitlines()]
+    assert recs[-1]["step"] == 40 and recs[-1]["lr"] < 1e-5  # the cosine ran to its end at step 40
+    # interrupted after calibration and resumed on a machine 5x slower: the step count chosen first is kept,
+    # and the weights equal the uninterrupted run's
+    out2 = tmp_path / "budget_resumed"
+    first = run_with_clock(monkeypatch, FakeClock(1.0), base_cfg(data_dir, out2, stop_after=30, **kw))
+    assert first.steps == 30
+    second = run_with_clock(monkeypatch, FakeClock(5.0), base_cfg(data_dir, out2, resume=True, **kw))
+    assert second.steps == 40
+    assert_same_weights(weights(out), weights(out2), atol=0.0)
+
+
+def test_time_budget_flag_parses_durations():
+    from eagle3.cli import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["train", "--target", "t", "--data", "d", "--out", "o", "--time-budget", "20m"])
+    assert args.time_budget == 1200.0
+    with pytest.raises(SystemExit):
+        p.parse_args(["train", "--target", "t", "--data", "d", "--out", "o", "--time-budget", "soon"])
+    with pytest.raises(ConfigError, match="time_budget"):
+        TrainConfig(target="t", data="d", out="o", time_budget=0).validate()

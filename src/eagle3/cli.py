@@ -32,6 +32,21 @@ def _spec_from_args(args) -> SpecConfig:
     return SpecConfig()
 
 
+def duration_seconds(text: str) -> float:
+    """'90', '90s', '20m' or '1.5h' -> seconds (argparse type for --time-budget)."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    t = text.strip().lower()
+    scale = units.get(t[-1:])
+    try:
+        value = float(t[:-1] if scale else t) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: write seconds (1200), or 90s, 20m, 1.5h") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be positive")
+    return value
+
+
 def _add_target(p) -> None:
     p.add_argument("--target", required=True,
                    help="local HF directory, hub id, .gguf file, or a bundled name (smollm2, stories260k)")
@@ -165,6 +180,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, init=args.init, ttt_steps=args.ttt_steps,
         lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, stop_after=args.stop_after,
+        time_budget=args.time_budget,
         batch_size=args.batch_size, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
         max_length=args.max_length, packing=args.packing, dtype=args.dtype, device=args.device, seed=args.seed,
         save_every=args.save_every, log_every=args.log_every, features=args.features,
@@ -309,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps (resume later)")
+    t.add_argument("--time-budget", type=duration_seconds, default=None, metavar="DURATION",
+                   help="train for about this long (1200, 90s, 20m, 1.5h; loading not counted): the step count "
+                        "is set from the speed of the first steps, at most what --epochs/--max-steps allow")
     t.add_argument("--batch-size", type=int, default=None, help="rows per optimizer step (global)")
     t.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per optimizer step (global)")
     t.add_argument("--grad-accum", type=int, default=1)

@@ -69,6 +69,10 @@ LOG_FILE = "train_log.jsonl"
 CONFIG_FILE = "train_config.json"
 # fields that fix the data order and the objective; a resumed run must keep them
 _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs")
+# a time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
+# invocation (the first ones pay allocator and kernel warm-up) and fixes its step count from their mean
+BUDGET_SKIP_STEPS = 3
+BUDGET_CALIBRATION_STEPS = 20
 
 
 @dataclass
@@ -101,6 +105,7 @@ class TrainConfig:
     grad_clip: float = 0.5  # 0 disables
     epochs: int = 1
     max_steps: int | None = None  # caps the run (and sets the schedule length) when given
+    time_budget: float | None = None  # seconds of training (after loading): the schedule is sized to end then
     stop_after: int | None = None  # end this invocation (with a checkpoint) after this many steps; resume later
     batch_size: int | None = None
     batch_tokens: int | None = None
@@ -145,6 +150,8 @@ class TrainConfig:
         need(self.epochs >= 1, f"epochs={self.epochs} must be >= 1")
         need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
         need(self.stop_after is None or self.stop_after >= 1, f"stop_after={self.stop_after} must be >= 1")
+        need(self.time_budget is None or self.time_budget > 0,
+             f"time_budget={self.time_budget} must be a positive number of seconds")
         need(self.grad_accum >= 1, f"grad_accum={self.grad_accum} must be >= 1")
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
         need(self.save_every >= 0, f"save_every={self.save_every} must be >= 0 (0 = only at the end)")
@@ -258,16 +265,25 @@ def _build_drafter(cfg: TrainConfig, model: nn.Module, d2t: torch.Tensor, t2d: t
     return d
 
 
-def _lr_lambda(cfg: TrainConfig, total: int):
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total)
+def _lr_lambda(cfg: TrainConfig, total: list[int]):
+    """Linear warmup, then cosine to lr * min_lr_ratio at step total[0]. `total` is a one-element list read at
+    every call, so a time-budgeted run can fix its length after calibration (the warmup length follows it)."""
 
     def f(step: int) -> float:  # `step` optimizer steps done so far
+        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total[0])
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total[0] - warmup))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
+
+
+def budget_steps(done: int, seconds_left: float, step_seconds: float, upper: int) -> int:
+    """Total optimizer steps of a time-budgeted run: the `done` ones plus as many as fit into `seconds_left` at
+    `step_seconds` each, at least done + 1 and at most `upper` (what epochs and max_steps allow)."""
+    more = int(max(0.0, seconds_left) / max(step_seconds, 1e-9))
+    return max(done + 1, min(upper, done + more))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +390,14 @@ class _Trainer:
         if cfg.max_steps is not None and cfg.max_steps > sum(self.plan_sizes):
             log.warning("max_steps=%d exceeds %d epochs (%d steps); training stops after the epochs",
                         cfg.max_steps, cfg.epochs, sum(self.plan_sizes))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.total))
+        self.upper = self.total  # a time budget can only shorten the run
+        self.calibrated = cfg.time_budget is None
+        self.train_seconds = 0.0  # training-loop time over all invocations (a resume adds to it)
+        self.schedule_total = [self.total]
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.schedule_total))
+
+    def _set_total(self, total: int) -> None:
+        self.total = self.schedule_total[0] = total
 
     def _plan(self, epoch: int) -> list[list[list[int]]]:
         cfg = self.cfg
@@ -450,6 +473,10 @@ class _Trainer:
         with torch.no_grad():
             for n, t in state["drafter"].items():
                 params[n].copy_(t)
+        if self.cfg.time_budget is not None and state.get("budget_calibrated"):
+            self._set_total(int(state["total_steps"]))  # keep the length the first invocation chose
+            self.calibrated = True
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng_file = ckpt / f"rng_rank{self.ctx.rank}.pt"
@@ -464,6 +491,9 @@ class _Trainer:
             "step": step,
             "epoch": epoch,
             "batch_in_epoch": batch_in_epoch,
+            "total_steps": self.total,
+            "budget_calibrated": self.cfg.time_budget is not None and self.calibrated,
+            "train_seconds": self.train_seconds,
             "drafter": {n: p.detach().cpu().clone() for n, p in self.drafter.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -556,14 +586,26 @@ class _Trainer:
         last_record: dict[str, Any] | None = None
         last_ckpt = latest_checkpoint(self.out) if cfg.resume else None
         plan = self._plan(epoch) if step < self.total else []
-        end = self.total if cfg.stop_after is None else min(self.total, step + cfg.stop_after)
+        first = step
+        end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
+        loop_start, seconds_before, timer = time.perf_counter(), self.train_seconds, None
         while step < end:
             if bi >= len(plan):
                 epoch, bi = epoch + 1, 0
                 plan = self._plan(epoch)
                 continue
-            metrics, tokens, grad_norm, lr = self._step(plan[bi])
+            metrics, tokens, grad_norm, lr = self._step(plan[bi])  # ends in a host sync (the grad norm)
             step, bi = step + 1, bi + 1
+            self.train_seconds = seconds_before + time.perf_counter() - loop_start
+            if not self.calibrated and step - first == BUDGET_SKIP_STEPS:
+                timer = time.perf_counter()
+            elif timer is not None and step - first == BUDGET_SKIP_STEPS + BUDGET_CALIBRATION_STEPS:
+                self._calibrate((time.perf_counter() - timer) / BUDGET_CALIBRATION_STEPS, step)
+                end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
+                timer = None
+                if bar is not None:
+                    bar.total = self.total
+                    bar.refresh()
             window += metrics
             window_tokens += tokens
             if bar is not None:
@@ -613,6 +655,18 @@ class _Trainer:
             last_checkpoint=last_ckpt,
             log_file=log_path,
         )
+
+    def _calibrate(self, step_seconds: float, step: int) -> None:
+        """Fix the step count of a time-budgeted run from the measured seconds per step (mean over ranks)."""
+        t = torch.tensor([step_seconds, self.train_seconds], dtype=torch.float64, device=self.device)
+        step_seconds, spent = (self.ctx.all_reduce(t) / self.ctx.world).tolist()
+        self._set_total(budget_steps(step, self.cfg.time_budget - spent, step_seconds, self.upper))
+        self.calibrated = True
+        if self.ctx.main:
+            epochs = self.total / max(1, self.plan_sizes[0])
+            print(f"eagle3 train: time budget {self.cfg.time_budget:.0f} s: {step_seconds:.3f} s/step over "
+                  f"{BUDGET_CALIBRATION_STEPS} steps -> {self.total} steps in all (about {epochs:.2f} epochs; "
+                  f"{self.upper} without the budget)", file=sys.stderr, flush=True)
 
     def _record(self, step: int, epoch: float, w: torch.Tensor, tokens: int, elapsed: float,
                 grad_norm: float, lr: float) -> dict[str, Any]:
