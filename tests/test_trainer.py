@@ -465,13 +465,19 @@ def test_budget_steps_fills_the_time_left_within_the_limits():
 
 
 class FakeClock:
-    """Stands in for the trainer's `time` module: every optimizer step takes `step_seconds`."""
+    """Stands in for the trainer's `time` module: optimizer step i (from 1) takes `step_seconds`, or
+    `early_seconds` while i <= `early_steps`."""
 
-    def __init__(self, step_seconds: float):
-        self.now, self.step_seconds = 0.0, step_seconds
+    def __init__(self, step_seconds: float, early_seconds: float = 0.0, early_steps: int = 0):
+        self.now, self.steps = 0.0, 0
+        self.step_seconds, self.early_seconds, self.early_steps = step_seconds, early_seconds, early_steps
 
     def perf_counter(self) -> float:
         return self.now
+
+    def tick(self) -> None:
+        self.steps += 1
+        self.now += self.early_seconds if self.steps <= self.early_steps else self.step_seconds
 
 
 def run_with_clock(monkeypatch, clock: FakeClock, cfg: TrainConfig):
@@ -480,7 +486,7 @@ def run_with_clock(monkeypatch, clock: FakeClock, cfg: TrainConfig):
     real_step = trainer_mod._Trainer._step
 
     def timed_step(self, rows):
-        clock.now += clock.step_seconds
+        clock.tick()
         return real_step(self, rows)
 
     monkeypatch.setattr(trainer_mod, "time", clock)
@@ -495,7 +501,7 @@ def test_time_budget_sizes_the_schedule_and_a_resume_keeps_it(data_dir, tmp_path
     out = tmp_path / "budget"
     res = run_with_clock(monkeypatch, FakeClock(1.0), base_cfg(data_dir, out, **kw))
     assert res.steps == 40 and (out / "drafter").exists()
-    assert "time budget 40 s: 1.000 s/step over 20 steps -> 40 steps in all" in capsys.readouterr().err
+    assert "1.000 s/step over the last 20 steps -> 40 steps in all" in capsys.readouterr().err
     recs = [json.loads(x) for x in (out / LOG_FILE).read_text().splitlines()]
     assert recs[-1]["step"] == 40 and recs[-1]["lr"] < 1e-5  # the cosine ran to its end at step 40
     # interrupted after calibration and resumed on a machine 5x slower: the step count chosen first is kept,
@@ -518,3 +524,18 @@ def test_time_budget_flag_parses_durations():
         p.parse_args(["train", "--target", "t", "--data", "d", "--out", "o", "--time-budget", "soon"])
     with pytest.raises(ConfigError, match="time_budget"):
         TrainConfig(target="t", data="d", out="o", time_budget=0).validate()
+
+
+def test_time_budget_sizes_again_when_the_first_steps_were_slow(data_dir, tmp_path, monkeypatch, capsys):
+    import eagle3.training.trainer as trainer_mod
+
+    # steps 1-23 take 2 s, later ones 1 s. First sizing at step 23: 46 s spent, 2 s/step -> 23 + 54 / 2 = 50.
+    # Second sizing 10 steps later: 56 s spent, 1 s/step -> 33 + 44 = 77 steps.
+    monkeypatch.setattr(trainer_mod, "BUDGET_RECALIBRATION_STEPS", 10)
+    cfg = base_cfg(data_dir, tmp_path / "o", epochs=20, max_steps=None, time_budget=100.0, warmup_steps=None,
+                   save_every=0)
+    res = run_with_clock(monkeypatch, FakeClock(1.0, early_seconds=2.0, early_steps=23), cfg)
+    err = capsys.readouterr().err
+    assert "2.000 s/step over the last 20 steps -> 50 steps" in err
+    assert "1.000 s/step over the last 10 steps -> 77 steps" in err
+    assert res.steps == 77

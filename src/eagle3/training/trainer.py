@@ -69,10 +69,15 @@ LOG_FILE = "train_log.jsonl"
 CONFIG_FILE = "train_config.json"
 # fields that fix the data order and the objective; a resumed run must keep them
 _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs")
-# a time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
-# invocation (the first ones pay allocator and kernel warm-up) and fixes its step count from their mean
+# A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
+# invocation (the very first ones pay allocator warm-up) and sizes its schedule from their mean; then it times the
+# next BUDGET_RECALIBRATION_STEPS and sizes it once more. Early steps run slower than later ones (kernel
+# selection for each new batch shape): on an H200 the first estimate was 0.94-0.98 s/step, the steady speed about
+# half that, and a 1,000 s budget ended after 650 s. The second sizing moves the cosine by a few percent of its
+# length, early, where the learning rate is near its peak.
 BUDGET_SKIP_STEPS = 3
 BUDGET_CALIBRATION_STEPS = 20
+BUDGET_RECALIBRATION_STEPS = 100
 
 
 @dataclass
@@ -392,6 +397,7 @@ class _Trainer:
                         cfg.max_steps, cfg.epochs, sum(self.plan_sizes))
         self.upper = self.total  # a time budget can only shorten the run
         self.calibrated = cfg.time_budget is None
+        self.budget_sizings = 0
         self.train_seconds = 0.0  # training-loop time over all invocations (a resume adds to it)
         self.schedule_total = [self.total]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.schedule_total))
@@ -473,9 +479,10 @@ class _Trainer:
         with torch.no_grad():
             for n, t in state["drafter"].items():
                 params[n].copy_(t)
-        if self.cfg.time_budget is not None and state.get("budget_calibrated"):
-            self._set_total(int(state["total_steps"]))  # keep the length the first invocation chose
-            self.calibrated = True
+        if self.cfg.time_budget is not None and state.get("budget_sized"):
+            # keep the length the first invocation chose (sized once or twice; a resume does not size again)
+            self._set_total(int(state["total_steps"]))
+            self.calibrated, self.budget_sizings = True, len(self._calibration_points)
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -492,7 +499,7 @@ class _Trainer:
             "epoch": epoch,
             "batch_in_epoch": batch_in_epoch,
             "total_steps": self.total,
-            "budget_calibrated": self.cfg.time_budget is not None and self.calibrated,
+            "budget_sized": self.cfg.time_budget is not None and self.budget_sizings > 0,
             "train_seconds": self.train_seconds,
             "drafter": {n: p.detach().cpu().clone() for n, p in self.drafter.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(),
@@ -599,10 +606,11 @@ class _Trainer:
             self.train_seconds = seconds_before + time.perf_counter() - loop_start
             if not self.calibrated and step - first == BUDGET_SKIP_STEPS:
                 timer = time.perf_counter()
-            elif timer is not None and step - first == BUDGET_SKIP_STEPS + BUDGET_CALIBRATION_STEPS:
-                self._calibrate((time.perf_counter() - timer) / BUDGET_CALIBRATION_STEPS, step)
+            elif timer is not None and step - first in self._calibration_points:
+                n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 0 else BUDGET_RECALIBRATION_STEPS
+                self._calibrate((time.perf_counter() - timer) / n, step)
+                timer = None if self.calibrated else time.perf_counter()
                 end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
-                timer = None
                 if bar is not None:
                     bar.total = self.total
                     bar.refresh()
@@ -656,17 +664,26 @@ class _Trainer:
             log_file=log_path,
         )
 
+    @property
+    def _calibration_points(self) -> tuple[int, ...]:
+        """Steps of this invocation (counted from its first) at which a time-budgeted run sizes its schedule."""
+        first = BUDGET_SKIP_STEPS + BUDGET_CALIBRATION_STEPS
+        return (first, first + BUDGET_RECALIBRATION_STEPS)
+
     def _calibrate(self, step_seconds: float, step: int) -> None:
-        """Fix the step count of a time-budgeted run from the measured seconds per step (mean over ranks)."""
+        """Size a time-budgeted run from the measured seconds per step (mean over ranks); the second sizing is
+        final. A run shorter than the second point keeps the first."""
         t = torch.tensor([step_seconds, self.train_seconds], dtype=torch.float64, device=self.device)
         step_seconds, spent = (self.ctx.all_reduce(t) / self.ctx.world).tolist()
         self._set_total(budget_steps(step, self.cfg.time_budget - spent, step_seconds, self.upper))
-        self.calibrated = True
+        self.budget_sizings += 1
+        self.calibrated = self.budget_sizings == len(self._calibration_points)
         if self.ctx.main:
+            n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 1 else BUDGET_RECALIBRATION_STEPS
             epochs = self.total / max(1, self.plan_sizes[0])
-            print(f"eagle3 train: time budget {self.cfg.time_budget:.0f} s: {step_seconds:.3f} s/step over "
-                  f"{BUDGET_CALIBRATION_STEPS} steps -> {self.total} steps in all (about {epochs:.2f} epochs; "
-                  f"{self.upper} without the budget)", file=sys.stderr, flush=True)
+            print(f"eagle3 train: time budget {self.cfg.time_budget:.0f} s, {spent:.0f} s spent: "
+                  f"{step_seconds:.3f} s/step over the last {n} steps -> {self.total} steps in all "
+                  f"(about {epochs:.2f} epochs; {self.upper} without the budget)", file=sys.stderr, flush=True)
 
     def _record(self, step: int, epoch: float, w: torch.Tensor, tokens: int, elapsed: float,
                 grad_norm: float, lr: float) -> dict[str, Any]:
