@@ -72,3 +72,16 @@ def test_out_of_range_layer_id_is_refused(tiny_target):
     model = tiny_target("qwen3")
     with pytest.raises(ConfigError, match="out of range"):
         Target(model, [2, 3, 99])
+
+
+def test_varying_shape_attention_leaves_cudnn_out_on_cuda_only():
+    from eagle3.attention import varying_shape_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with varying_shape_attention("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before  # nothing changes off CUDA
+    with varying_shape_attention(torch.device("cuda", 0)):  # only sets backend flags: runs without a GPU
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

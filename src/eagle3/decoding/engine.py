@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from eagle3.attention import varying_shape_attention
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from eagle3.decoding.proposers import Proposer
 from eagle3.decoding.sampling import process_logits, sample
@@ -156,6 +157,10 @@ class SpeculativeEngine:
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
+        with varying_shape_attention(self.target.device):  # the cache grows every cycle
+            return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text)
+
+    def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         dev = self.target.device
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer, dev)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle3.attention import varying_shape_attention
 from eagle3.serving.batch import BatchKV, accept_greedy_batch, batch_ancestors, batched_forward, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import BatchDrafter
@@ -248,12 +249,14 @@ class Scheduler:
             if self._lane_takes(admitted):
                 row = self._run_lane(admitted[0])
                 if row is not None:  # interrupted by an arrival (or shutdown): continue in the batch
-                    self._join_batch(row)
+                    with varying_shape_attention(self.target.device):
+                        self._join_batch(row)
                 return
-            if admitted:
-                self._prefill(admitted)
-            if self._rows:
-                self._cycle()
+            with varying_shape_attention(self.target.device):  # the batch cache widens every cycle
+                if admitted:
+                    self._prefill(admitted)
+                if self._rows:
+                    self._cycle()
         except Exception as e:  # a failed forward must not hang clients: fail this batch, keep serving
             log.exception("decoding step failed; failing %d in-flight requests", len(self._rows) + len(admitted))
             msg = f"internal error while decoding: {type(e).__name__}: {e}"

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError
 
 try:  # POSIX advisory lock: two runs must not append to the same output
@@ -273,7 +274,7 @@ class LocalBackend:
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
         )
-        with torch.inference_mode():
+        with torch.inference_mode(), varying_shape_attention(device):  # padded batches, a growing cache
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),

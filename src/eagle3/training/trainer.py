@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError, DrafterConfig
 from eagle3.drafter import Eagle3Drafter
 from eagle3.target import Target
@@ -437,8 +438,9 @@ class _Trainer:
             bar = tqdm(total=sum(int(self.data.lengths[a:b][self.data.trainable[a:b]].sum())
                                  for a, b in (cache.shards[i] for i in mine)),
                        unit="tok", desc="features", unit_scale=True)
-        cache.build(self.target, self.data, t2d, mine, cfg.feature_batch_tokens,
-                    progress=bar.update if bar is not None else None)
+        with varying_shape_attention(self.device):
+            cache.build(self.target, self.data, t2d, mine, cfg.feature_batch_tokens,
+                        progress=bar.update if bar is not None else None)
         if bar is not None:
             bar.close()
         ctx.barrier()
@@ -534,26 +536,27 @@ class _Trainer:
         tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
         pad = 8 if self.device.type == "cuda" else 1
-        for j, (idx, zero) in enumerate(parts):
-            batch = self.data.collate([mine[i] for i in idx], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
-            if zero:
-                batch.loss_mask.zero_()
-            else:
-                tokens += batch.num_tokens
-            feats = self._features(batch)
-            aux = feats.aux
-            if cfg.noise > 0:
-                aux = aux + (torch.rand_like(aux, dtype=torch.float32) * 2 - 1).to(aux.dtype) * cfg.noise
-            last = j == len(parts) - 1
-            sync = contextlib.nullcontext() if (last or ctx.world == 1) else self.ddp.no_sync()
-            amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext())
-            with sync:
-                with amp:
-                    loss, lsum, corr, cnt, kept = self.ddp(aux, batch.input_ids, batch.position_ids, batch.doc_ids,
-                                                           batch.loss_mask, feats.target_logits, feats.target_argmax,
-                                                           den, float(ctx.world))
-                loss.backward()
-            metrics += torch.stack([lsum, corr, cnt, kept]).detach()
+        with varying_shape_attention(self.device):  # every batch has its own padded length
+            for j, (idx, zero) in enumerate(parts):
+                batch = self.data.collate([mine[i] for i in idx], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
+                if zero:
+                    batch.loss_mask.zero_()
+                else:
+                    tokens += batch.num_tokens
+                feats = self._features(batch)
+                aux = feats.aux
+                if cfg.noise > 0:
+                    aux = aux + (torch.rand_like(aux, dtype=torch.float32) * 2 - 1).to(aux.dtype) * cfg.noise
+                last = j == len(parts) - 1
+                sync = contextlib.nullcontext() if (last or ctx.world == 1) else self.ddp.no_sync()
+                amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext())
+                with sync:
+                    with amp:
+                        loss, lsum, corr, cnt, kept = self.ddp(aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+                                                               batch.loss_mask, feats.target_logits, feats.target_argmax,
+                                                               den, float(ctx.world))
+                    loss.backward()
+                metrics += torch.stack([lsum, corr, cnt, kept]).detach()
         if cfg.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         else:

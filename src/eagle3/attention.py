@@ -1,0 +1,28 @@
+"""Which attention kernels run where the shapes change from call to call.
+
+With torch 2.11 on Hopper and Blackwell GPUs, `scaled_dot_product_attention` calls that carry an explicit mask
+go to cuDNN first, and cuDNN builds an execution plan for every new shape (the fact and the switch are from
+modelscope/FunASR issue #3704 and pytorch/pytorch PR #155958). Our mask-carrying paths change shape all the
+time: the server's batch cache widens by one or more tokens every cycle, the generic engine's cache grows per
+cycle, and every training batch has its own padded length. Profiled on an H200 (`scripts/bench_scheduler.py`
+style, SmolLM2, plain batched decoding of 4 requests): 47 ms per cycle, 1.36 s of 2.93 s inside the 1,920 SDPA
+calls, i.e. 0.7 ms of host time per layer where the work is a few microseconds. Those paths run under
+`varying_shape_attention`, which leaves cuDNN out; flash, memory-efficient and math kernels stay. The
+static-shape fast path (`eagle3.fast`) keeps the default order: its shapes are fixed and captured once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def varying_shape_attention(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """A context for forwards whose attention shapes vary: SDPA without the cuDNN backend on CUDA, and no change
+    on other devices."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
