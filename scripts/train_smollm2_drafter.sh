@@ -6,8 +6,13 @@
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter is what this produced on one H200 with REGEN_S=570 (the ShareGPT regeneration was cut at
-# 9.5 minutes, after 12,231 of 16,495 conversations) and MAX_STEPS=925 (0.85 epoch); see docs/training.md.
+# The bundled drafter came out of three runs of this script on one H200 (docs/training.md has the numbers):
+#   1. REGEN_S=570 MAX_STEPS=925 EPOCHS=6 (the ShareGPT regeneration was cut at 9.5 minutes, after 12,231 of
+#      16,495 conversations; 0.85 epoch)
+#   2. on a full regeneration (REGEN_BATCH=512, no REGEN_S), continuing run 1:
+#      INIT=<run 1>/train/drafter LR=5e-4 BATCH_TOKENS=32768 EPOCHS=30 TIME_BUDGET=1000
+#   3. same W, continuing run 2: INIT=$W/train/drafter OUT=$W/train3 LR=3e-4 BATCH_TOKENS=32768 EPOCHS=30
+#      TIME_BUDGET=470  -> $W/train3/drafter is the bundled drafter
 set -euo pipefail
 
 W=${W:-/tmp/eagle3-smollm2}
@@ -21,11 +26,15 @@ EPOCHS=${EPOCHS:-1}
 MAX_STEPS=${MAX_STEPS:-}       # caps training (and sets the schedule length)
 LR=${LR:-1e-3}
 INIT=${INIT:-}                 # continue from this drafter (its draft vocabulary is kept)
+BATCH_TOKENS=${BATCH_TOKENS:-16384}
+TIME_BUDGET=${TIME_BUDGET:-}   # train for about this long (e.g. 20m); EPOCHS and MAX_STEPS still cap it
+REGEN_BATCH=${REGEN_BATCH:-256}
+OUT=${OUT:-$W/train}
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
 
 stage() { echo "== $(date -u +%H:%M:%S) $*"; }
-RG=(--target "$TARGET" --device "$DEVICE" --dtype bfloat16 --engine fast --batch-size 256 --temperature 0)
+RG=(--target "$TARGET" --device "$DEVICE" --dtype bfloat16 --engine fast --batch-size "$REGEN_BATCH" --temperature 0)
 
 stage "regenerate GSM8K"
 $EAGLE3 regenerate "${RG[@]}" --data "$GSM8K" --out "$W/regen_gsm8k.jsonl" \
@@ -44,15 +53,16 @@ if [ ! -f "$W/data/report.json" ]; then
     ${INIT:+--vocab-from "$INIT"}
 fi
 
-stage "train ($EPOCHS epochs${MAX_STEPS:+, at most $MAX_STEPS steps}, lr $LR)"
+stage "train ($EPOCHS epochs${MAX_STEPS:+, at most $MAX_STEPS steps}${TIME_BUDGET:+, about $TIME_BUDGET}, lr $LR)"
 RESUME=()
-[ -d "$W/train" ] && RESUME=(--resume)
-$EAGLE3 train --target "$TARGET" --data "$W/data" --out "$W/train" --epochs "$EPOCHS" --lr "$LR" \
-  ${MAX_STEPS:+--max-steps "$MAX_STEPS"} ${INIT:+--init "$INIT"} --batch-tokens 16384 --save-every 200 --log-every 20 "${RESUME[@]}"
+[ -d "$OUT" ] && RESUME=(--resume)
+$EAGLE3 train --target "$TARGET" --data "$W/data" --out "$OUT" --epochs "$EPOCHS" --lr "$LR" \
+  ${MAX_STEPS:+--max-steps "$MAX_STEPS"} ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} ${INIT:+--init "$INIT"} \
+  --batch-tokens "$BATCH_TOKENS" --save-every 200 --log-every 20 "${RESUME[@]}"
 
 stage "evaluate on MT-bench (80 first turns, 256 tokens)"
 for shape in "--tree 6,10,60" "--chain 5"; do
-  $EAGLE3 eval --target "$TARGET" --drafter "$W/train/drafter" --device "$DEVICE" --fast --datasets mt_bench \
+  $EAGLE3 eval --target "$TARGET" --drafter "$OUT/drafter" --device "$DEVICE" --fast --datasets mt_bench \
     --max-new-tokens 256 $shape --out "$W/eval_${shape##* }"
 done
-stage "done: drafter in $W/train/drafter"
+stage "done: drafter in $OUT/drafter"
