@@ -23,6 +23,7 @@ from eagle3.formats import load_drafter
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import encode_prompt, eos_token_ids
+from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.policy import SpecPolicy, default_token_budget
 from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler
@@ -42,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", default="mt_bench", help="bundled set name or JSONL")
     p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="largest tree (default 6,10,60)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--max-prefill-tokens", type=int, default=ServeConfig.max_prefill_tokens,
+                   help="padded prompt tokens per batched prefill (as `eagle3 serve`)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -61,10 +64,11 @@ def run_once(sched: Scheduler, prompts: list[list[int]], max_tokens: int) -> tup
         sched._waiting.append(RequestHandle(GenParams(prompt_ids=ids, max_tokens=max_tokens), sink))
     cycles, t0 = 0, time.perf_counter()
     with torch.inference_mode():
-        sched._step(sched._take_waiting())
-        while sched._rows:
-            sched._step([])
-            cycles += 1
+        # more requests than one prefill admits (`--max-prefill-tokens`) join between cycles, as in the server
+        while sched._rows or sched._waiting:
+            had_rows = bool(sched._rows)
+            sched._step(sched._take_waiting())
+            cycles += had_rows
     return time.perf_counter() - t0, cycles, sum(done)
 
 
@@ -91,7 +95,8 @@ def main(argv=None) -> int:
                 target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
                 policy = SpecPolicy.from_spec(spec, token_budget=default_token_budget(device),
                                               measure=mode == "spec-gate")
-            sched = Scheduler(target, tok, eos, drafter=batch_drafter, policy=policy)
+            sched = Scheduler(target, tok, eos, drafter=batch_drafter, policy=policy,
+                              config=ServeConfig(max_prefill_tokens=args.max_prefill_tokens))
             try:
                 run_once(sched, prompts[:c], args.max_tokens)  # warm-up; the gate learns here
                 seconds, cycles, tokens = run_once(sched, prompts[:c], args.max_tokens)

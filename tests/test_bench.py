@@ -94,10 +94,11 @@ def test_bench_scheduler_script_writes_a_record(tmp_path, capsys):
     spec.loader.exec_module(mod)
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--device", "cpu",
-                     "--clients", "1", "2", "--max-tokens", "8", "--prompts", "gsm8k", "--out", str(out)]) == 0
+                     "--clients", "1", "3", "--max-tokens", "8", "--prompts", "gsm8k", "--out", str(out),
+                     "--max-prefill-tokens", "16"]) == 0  # 3 clients: one prompt per prefill, the rest join later
     rec = json.loads((out / "bench_scheduler.json").read_text())
     assert rec["kind"] == "bench_scheduler" and rec["git_sha"] is not None
     assert {(r["clients"], r["mode"]) for r in rec["results"]} == {
-        (c, m) for c in (1, 2) for m in ("plain", "spec-gate", "spec-nogate")}
+        (c, m) for c in (1, 3) for m in ("plain", "spec-gate", "spec-nogate")}
     assert all(r["tokens"] == 8 * r["clients"] for r in rec["results"])  # no EOS within 8 tokens here
     assert "speed vs plain" in capsys.readouterr().out
