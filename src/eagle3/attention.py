@@ -7,8 +7,10 @@ time: the server's batch cache widens by one or more tokens every cycle, the gen
 cycle, and every training batch has its own padded length. Profiled on an H200 (`scripts/bench_scheduler.py`
 style, SmolLM2, plain batched decoding of 4 requests): 47 ms per cycle, 1.36 s of 2.93 s inside the 1,920 SDPA
 calls, i.e. 0.7 ms of host time per layer where the work is a few microseconds. Those paths run under
-`varying_shape_attention`, which leaves cuDNN out; flash, memory-efficient and math kernels stay. The
-static-shape fast path (`eagle3.fast`) keeps the default order: its shapes are fixed and captured once.
+`varying_shape_attention`, which leaves cuDNN out; flash, memory-efficient and math kernels stay. On the
+static-cache fast path (`eagle3.fast`) only the prefill varies (one prompt length per request, one padded width
+per batched prefill) and runs under it; its decoding cycles have fixed shapes, captured once in CUDA graphs, and
+keep the default order.
 """
 
 from __future__ import annotations

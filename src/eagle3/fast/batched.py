@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, rms_norm
@@ -245,7 +246,8 @@ class BatchedGenerator:
             chunk = taken[start : start + n]
             start += n
             rows = [b for b, _ in chunk]
-            logits = self._prefill(rows, [list(prompts[i]) for _, i in chunk])  # [n, V]
+            with varying_shape_attention(self.device):  # padded prompt width differs per chunk
+                logits = self._prefill(rows, [list(prompts[i]) for _, i in chunk])  # [n, V]
             first = self._pick(logits, greedy)  # [n]: the first answer token, fed by the next step
             rows_t = torch.tensor(rows, device=self.device)
             self.cur[rows_t] = first

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3.attention import varying_shape_attention
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SamplingConfig, SpecConfig
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
 from eagle3.decoding.proposers import NgramProposer, Proposer
@@ -203,13 +204,14 @@ class FastEngine:
 
         core = self.core
         dev_prompt = prompt.to(self.device)
-        logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
-        if sampling.greedy:
-            first_t = logits.argmax().view(1)
-        else:
-            first_t = sample(process_logits(logits.float(), sampling.temperature, sampling.top_p, sampling.top_k),
-                             gen).view(1)
-        core.begin(dev_prompt, aux, first_t)
+        with varying_shape_attention(self.device):  # the prompt length is new per request; the cycles are fixed
+            logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
+            if sampling.greedy:
+                first_t = logits.argmax().view(1)
+            else:
+                first_t = sample(process_logits(logits.float(), sampling.temperature, sampling.top_p,
+                                                sampling.top_k), gen).view(1)
+            core.begin(dev_prompt, aux, first_t)
         out = [int(first_t)]
         if self._on_tokens is not None and self._on_tokens(list(out)):
             finish = "interrupted"
