@@ -79,3 +79,14 @@ def test_drafter_for_another_target_is_refused(capsys, tmp_path, tiny_target):
     assert main(["generate", *PROMPT, "--drafter", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert "vocab" in err and "300" in err and "512" in err
+
+
+def test_train_flags_take_their_defaults_from_train_config():
+    from eagle3.cli import build_parser
+    from eagle3.training.trainer import TrainConfig
+
+    args = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o"])
+    cfg = TrainConfig(target="t", data="d", out="o")
+    for name in ("ttt_steps", "lr", "warmup_ratio", "epochs", "grad_accum", "max_length", "seed", "save_every",
+                 "log_every", "features", "noise", "max_steps", "time_budget", "intermediate_size"):
+        assert getattr(args, name) == getattr(cfg, name), name

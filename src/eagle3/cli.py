@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--dtype", default="auto")
     rg.set_defaults(func=cmd_regenerate)
 
+    # one set of defaults: the train flags read TrainConfig's
+    from eagle3.training.trainer import TrainConfig as tc
+
     t = sub.add_parser("train", help="train a drafter with training-time test (TTT); torchrun for several processes")
     _add_target(t)
     t.add_argument("--data", required=True, help="a folder written by eagle3 prepare")
@@ -319,10 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None, help="continue from this drafter checkpoint")
     t.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of a fresh drafter (default: the target's); with --init it must match")
-    t.add_argument("--ttt-steps", type=int, default=7)
-    t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--warmup-ratio", type=float, default=0.015)
-    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--ttt-steps", type=int, default=tc.ttt_steps)
+    t.add_argument("--lr", type=float, default=tc.lr)
+    t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio)
+    t.add_argument("--epochs", type=int, default=tc.epochs, help="epochs (with --time-budget: the most it may run)")
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps (resume later)")
     t.add_argument("--time-budget", type=duration_seconds, default=None, metavar="DURATION",
@@ -330,19 +333,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "is set from the speed of the first steps, at most what --epochs/--max-steps allow")
     t.add_argument("--batch-size", type=int, default=None, help="rows per optimizer step (global)")
     t.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per optimizer step (global)")
-    t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--max-length", type=int, default=2048)
+    t.add_argument("--grad-accum", type=int, default=tc.grad_accum)
+    t.add_argument("--max-length", type=int, default=tc.max_length)
     t.add_argument("--packing", action="store_true")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--save-every", type=int, default=500)
-    t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--features", choices=("online", "offline"), default="online")
+    t.add_argument("--seed", type=int, default=tc.seed)
+    t.add_argument("--save-every", type=int, default=tc.save_every)
+    t.add_argument("--log-every", type=int, default=tc.log_every)
+    t.add_argument("--features", choices=("online", "offline"), default=tc.features)
     t.add_argument("--feature-cache", default=None)
     t.add_argument("--shard-target", action="store_true",
                    help="under torchrun, shard the frozen target's weights over the processes (FSDP) for a target "
                         "that does not fit one device; online features only")
     t.add_argument("--resume", action="store_true")
-    t.add_argument("--noise", type=float, default=0.0)
+    t.add_argument("--noise", type=float, default=tc.noise)
     t.add_argument("--tensorboard", action="store_true")
     t.set_defaults(func=cmd_train)
 
