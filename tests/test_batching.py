@@ -417,6 +417,22 @@ def test_speed_gate_runs_the_faster_mode_and_probes_the_other():
     assert [gate.speculate(3) for _ in range(4)] == [True, True, True, False]
 
 
+def test_speed_gate_learns_separately_by_the_share_of_rows_drafting():
+    gate = SpeedGate(probe_every=4, ema=1.0)
+    assert gate.bucket(16) == gate.bucket(16, drafting=16) == (5, 4)
+    assert gate.bucket(16, drafting=4) == (5, 1) and gate.bucket(16, drafting=5) == (5, 2)
+    # all 16 rows draft: speculation wins; 3 of 16 draft: every row pays the speculative cycle, plain wins
+    for drafting, spec_tokens in ((16, 40), (3, 20)):
+        assert gate.speculate(16, drafting=drafting)  # each share bucket tries speculation first
+        gate.record(16, True, seconds=1.0, tokens=spec_tokens, drafting=drafting)
+        assert not gate.speculate(16, drafting=drafting)
+        gate.record(16, False, seconds=1.0, tokens=32, drafting=drafting)
+    assert gate.rates(16, drafting=16) == (2.5, 2.0) and gate.rates(16, drafting=2) == (1.25, 2.0)
+    assert gate.speculate(16, drafting=16) and not gate.speculate(16, drafting=3)
+    assert gate.speculate(17, drafting=17)  # 16-31 rows share a batch bucket: as measured at 16 of 16
+    assert gate.speculate(32)  # a new batch bucket starts over
+
+
 def test_speed_gate_probes_less_often_while_the_choice_holds():
     gate = SpeedGate(probe_every=4, ema=1.0, max_probe_every=16)
     gate.record(1, True, seconds=1.0, tokens=1)  # speculation: 1 token per row-second
@@ -446,7 +462,7 @@ class _Alternating(SpeedGate):
         super().__init__()
         self.calls = 0
 
-    def speculate(self, batch_size: int) -> bool:
+    def speculate(self, batch_size: int, drafting: int | None = None) -> bool:
         self.calls += 1
         return self.calls % 2 == 1
 

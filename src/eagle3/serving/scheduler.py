@@ -149,6 +149,7 @@ class Scheduler:
         self.policy = policy or SpecPolicy(enabled=drafter is not None)
         self.gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
                      if self.policy.measure else None)
+        self._wanting = 0  # rows that wanted to draft in the current cycle (what the gate's choice was for)
         # the lane's own gate, in whole requests: speculative lane requests vs plain ones on a drafter-less
         # engine that shares the lane's fused weights and caches
         self._lane_plain, self._lane_gate = None, None
@@ -444,8 +445,8 @@ class Scheduler:
             self._select([i for i, f in enumerate(finished) if not f])
         seconds = time.perf_counter() - t0
         self.metrics.observe("eagle3_cycle_seconds", seconds)
-        if self.gate is not None and any(r.drafting for r in rows):  # a choice the gate made: learn from it
-            self.gate.record(b, n > 0, seconds, sum(len(t) for t in new_tokens))
+        if self.gate is not None and self._wanting:  # a choice the gate made: learn from it
+            self.gate.record(b, n > 0, seconds, sum(len(t) for t in new_tokens), drafting=self._wanting)
 
     def _draft(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded draft trees for the batch, [B, N] tokens and parents; N = 0 when nobody drafts."""
@@ -455,7 +456,8 @@ class Scheduler:
             for r in rows:  # their drafter cache misses this cycle: they stop drafting for good
                 r.drafting = False
         drafting = [i for i, r in enumerate(rows) if r.drafting]
-        if drafting and self.gate is not None and not self.gate.speculate(b):
+        self._wanting = len(drafting)  # rows that want to draft this cycle, for the gate's record
+        if drafting and self.gate is not None and not self.gate.speculate(b, drafting=len(drafting)):
             self.metrics.inc("eagle3_spec_paused_cycles_total")  # a plain cycle; the drafter catches up later
             drafting = []
         if drafting:
