@@ -611,7 +611,7 @@ class _Trainer:
                 timer = time.perf_counter()
             elif timer is not None and step - first in self._calibration_points:
                 n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 0 else BUDGET_RECALIBRATION_STEPS
-                self._calibrate((time.perf_counter() - timer) / n, step)
+                self._calibrate((time.perf_counter() - timer) / n, step, bar)
                 timer = None if self.calibrated else time.perf_counter()
                 end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
                 if bar is not None:
@@ -673,7 +673,7 @@ class _Trainer:
         first = BUDGET_SKIP_STEPS + BUDGET_CALIBRATION_STEPS
         return (first, first + BUDGET_RECALIBRATION_STEPS)
 
-    def _calibrate(self, step_seconds: float, step: int) -> None:
+    def _calibrate(self, step_seconds: float, step: int, bar=None) -> None:
         """Size a time-budgeted run from the measured seconds per step (mean over ranks); the second sizing is
         final. A run shorter than the second point keeps the first."""
         t = torch.tensor([step_seconds, self.train_seconds], dtype=torch.float64, device=self.device)
@@ -684,9 +684,13 @@ class _Trainer:
         if self.ctx.main:
             n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 1 else BUDGET_RECALIBRATION_STEPS
             epochs = self.total / max(1, self.plan_sizes[0])
-            print(f"eagle3 train: time budget {self.cfg.time_budget:.0f} s, {spent:.0f} s spent: "
-                  f"{step_seconds:.3f} s/step over the last {n} steps -> {self.total} steps in all "
-                  f"(about {epochs:.2f} epochs; {self.upper} without the budget)", file=sys.stderr, flush=True)
+            msg = (f"eagle3 train: time budget {self.cfg.time_budget:.0f} s, {spent:.0f} s spent: "
+                   f"{step_seconds:.3f} s/step over the last {n} steps -> {self.total} steps in all "
+                   f"(about {epochs:.2f} epochs; {self.upper} without the budget)")
+            if bar is not None:
+                bar.write(msg, file=sys.stderr)  # above the progress bar, not through it
+            else:
+                print(msg, file=sys.stderr, flush=True)
 
     def _record(self, step: int, epoch: float, w: torch.Tensor, tokens: int, elapsed: float,
                 grad_norm: float, lr: float) -> dict[str, Any]:
