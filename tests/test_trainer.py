@@ -539,3 +539,18 @@ def test_time_budget_sizes_again_when_the_first_steps_were_slow(data_dir, tmp_pa
     assert "2.000 s/step over the last 20 steps -> 50 steps" in err
     assert "1.000 s/step over the last 10 steps -> 77 steps" in err
     assert res.steps == 77
+
+
+def test_time_budget_under_torchrun_sizes_every_rank_alike(data_dir, tmp_path):
+    """With a real clock each rank measures its own speed; the sizing uses the mean over ranks, so both stop at
+    the same step (were they to differ, the rank still training would wait in DDP's all-reduce forever)."""
+    out = tmp_path / "ddp_budget"
+    cfg = base_cfg(data_dir, out, epochs=10, max_steps=None, time_budget=2.0, warmup_steps=None, save_every=0)
+    worker = ("import json, sys\nfrom eagle3.training.trainer import TrainConfig, train\n"
+              "train(TrainConfig(**json.loads(sys.argv[1])))\n")
+    torchrun2(tmp_path, worker, json.dumps(cfg.to_dict()))
+    steps = [json.loads(x)["step"] for x in (out / LOG_FILE).read_text().splitlines()]
+    assert (out / "drafter").exists() and 24 <= steps[-1] <= 60
+    printed = (tmp_path / f"worker_{abs(hash(worker))}.log").read_text()
+    assert printed.count("eagle3 train: time budget 2 s") == 1  # rank 0 says it, once (sized after 23 steps)
+    assert f"-> {steps[-1]} steps in all" in printed
