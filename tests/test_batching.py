@@ -504,3 +504,42 @@ def test_gate_turns_a_losing_drafter_off(stories):
     assert out[0].token_ids == refs[3].token_ids
     snap = sched.metrics.snapshot()
     assert snap["eagle3_spec_paused_cycles_total"] > snap["eagle3_spec_row_steps_total"]
+
+
+class _RightLater(ScriptedProposer):
+    """Drafts only wrong tokens until `after` tokens of the answer exist, then `k` right ones per cycle."""
+
+    def __init__(self, reference: list[int], after: int, **kw):
+        super().__init__(reference, **kw)
+        self.after, self.k_later = after, self.k
+
+    def propose(self):
+        self.k = 0 if self.emitted < self.after else self.k_later
+        return super().propose()
+
+
+@pytest.mark.parametrize("retry_after", [6, 0])
+def test_a_row_that_stopped_drafting_tries_again(retry_after):
+    """A drafter wrong for the first 14 tokens, then right twice per cycle: the row stops drafting after its
+    warm-up cycles, rests `retry_after` cycles with its drafter input held back, and then drafts right (the
+    held-back text reached the drafter). With retry_after 0 it never drafts again. Answers are unchanged."""
+    model = build_tiny_target("llama")
+    prompts = tiny_prompts(2, seed=7)
+    max_tokens = [40, 40]
+    refs = reference(model, None, prompts, max_tokens, eos=[])
+    by_prompt = {tuple(p): r.token_ids for p, r in zip(prompts, refs, strict=True)}
+
+    def factory(prompt):
+        return _RightLater(by_prompt[tuple(prompt)], after=14, k=2, length=4, vocab_size=300)
+
+    policy = SpecPolicy(max_depth=4, max_top_k=1, max_total=4, token_budget=1000, min_accept=0.3,
+                        warmup_cycles=4, retry_after=retry_after, measure=False)
+    sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
+    out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)])
+    for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
+        assert ev.token_ids == ref.token_ids, f"row {i}"
+    accepted = sched.metrics.snapshot()["eagle3_accepted_tokens_total"]
+    if retry_after:
+        assert accepted >= 2 * 4 * len(prompts)  # back to 2 per cycle for the rest of each 40-token answer
+    else:
+        assert accepted == 0

@@ -54,6 +54,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--spec-max-batch", type=int, default=None, help="no speculation above this batch size")
     s.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept,
                    help="a row whose running mean of accepted drafts per cycle falls below this stops drafting")
+    s.add_argument("--spec-retry-after", type=int, default=SpecPolicy.retry_after,
+                   help="cycles after which a row that stopped drafting tries again (0: never)")
     s.add_argument("--no-spec-gate", action="store_true",
                    help="speculate wherever the budget allows, even where it measures slower than plain cycles")
     s.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
@@ -106,7 +108,7 @@ def load_server(args):
         shutdown_timeout=args.shutdown_timeout, chat_template=template)
     policy = SpecPolicy.from_spec(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
-        min_accept=args.spec_min_accept, measure=not args.no_spec_gate)
+        min_accept=args.spec_min_accept, retry_after=args.spec_retry_after, measure=not args.no_spec_gate)
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
     drafter, d = None, None
     aux_ids: list[int] = []

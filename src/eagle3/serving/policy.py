@@ -10,10 +10,13 @@ so drafts are nearly free; past that point every draft token costs compute. The 
 3. shapes N nodes as a chain while N <= the maximum depth, else as an EAGLE-2 tree of full depth and
    top-k = ceil(N / depth) (capped at the configured top-k): depth pays first, width later;
 4. per row, keeps an exponential moving average of accepted drafts per cycle; after `warmup_cycles`, a
-   row whose average is below `min_accept` stops drafting for good (tau ~ 1: drafting there only costs).
+   row whose average is below `min_accept` stops drafting (tau ~ 1: drafting there only costs) and tries
+   again, with a fresh average, `retry_after` cycles later (0: never), since a text's predictability changes
+   along the way.
 
-A row that misses a cycle of drafter updates (because the budget left no room for drafts) also stops
-drafting for good: its drafter cache no longer covers its text.
+A row that cannot draft in a cycle (the budget left no room for drafts) rests the same way. A resting row's
+features and tokens are held back and fed to the drafter in one batched extension when it drafts again, so its
+drafter cache covers its text.
 
 On top of these static rules, `SpeedGate` measures what speculation actually buys (5.): per batch-size bucket it
 keeps moving averages of emitted tokens per row-second for speculative cycles and for plain ones, runs the faster
@@ -64,6 +67,7 @@ class SpecPolicy:
     min_draft_tokens: int = 1
     min_accept: float = 0.3  # accepted drafts per cycle (EMA) below which a row stops drafting
     warmup_cycles: int = 4
+    retry_after: int = 64  # cycles a row rests after it stopped drafting, then tries again (0: never)
     ema: float = 0.25
     measure: bool = True  # SpeedGate: speculate only where measured faster than plain cycles
     probe_every: int = 16  # cycles between re-timings of the mode the gate is not using (doubles while confirmed)
@@ -83,6 +87,8 @@ class SpecPolicy:
             raise ConfigError(f"ema={self.ema} must be in (0, 1]")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"--spec-max-batch {self.max_batch} must be >= 1")
+        if self.retry_after < 0:
+            raise ConfigError(f"--spec-retry-after {self.retry_after} must be >= 0 (0: a row that stops never retries)")
         if self.probe_every < 2:
             raise ConfigError(f"probe_every={self.probe_every} must be >= 2")
         if self.max_probe_every < self.probe_every:

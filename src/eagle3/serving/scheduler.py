@@ -108,7 +108,10 @@ class _Row:
         self.handle = handle
         self.out: list[int] = []
         self.root = -1  # last emitted token, not yet in the KV cache
-        self.drafting = drafting
+        self.drafting = drafting  # drafts when the cycle speculates
+        self.tracked = drafting  # the drafter's cache follows this row (drafting or resting)
+        self.drafted = False  # drafted in the current cycle
+        self.rest = 0  # cycles left before a row that stopped drafting tries again
         self.acc = RowAcceptance()
         self.sent = 0  # characters already streamed
         # drafter input held back during plain cycles (fed in one batched extension when drafting resumes)
@@ -437,10 +440,8 @@ class Scheduler:
         new_tokens = [[tok_host[i][j - 1] for j in paths[i]] + [nxt[i]] for i in range(b)]
         self._record(rows, n, tok_host, depths, paths)
         finished = [self._emit(r, new_tokens[i]) for i, r in enumerate(rows)]
-        if n == 0 and self.gate is not None:
-            self._defer_drafter(rows, aux, new_tokens, finished)
-        else:
-            self._extend_drafter(rows, aux, keep, new_tokens, finished)
+        self._extend_drafter(rows, aux, keep, new_tokens, finished)  # rows that drafted
+        self._defer_drafter(rows, aux, new_tokens, finished)  # rows the drafter follows that did not
         if any(finished):
             self._select([i for i, f in enumerate(finished) if not f])
         seconds = time.perf_counter() - t0
@@ -452,9 +453,16 @@ class Scheduler:
         """Padded draft trees for the batch, [B, N] tokens and parents; N = 0 when nobody drafts."""
         b, dev = len(rows), self.target.device
         shape = self.policy.shape(b) if self.drafter is not None else None
+        for r in rows:
+            r.drafted = False
+            if r.tracked and not r.drafting:
+                r.rest -= 1
+                if r.rest <= 0 and self.policy.retry_after > 0:  # rested long enough: try again, afresh
+                    r.drafting, r.acc = True, RowAcceptance()
         if shape is None:
-            for r in rows:  # their drafter cache misses this cycle: they stop drafting for good
-                r.drafting = False
+            for r in rows:  # no room for drafts at this batch size: rest (features are held back meanwhile)
+                if r.drafting:
+                    self._rest(r)
         drafting = [i for i, r in enumerate(rows) if r.drafting]
         self._wanting = len(drafting)  # rows that want to draft this cycle, for the gate's record
         if drafting and self.gate is not None and not self.gate.speculate(b, drafting=len(drafting)):
@@ -465,6 +473,8 @@ class Scheduler:
         if not drafting:
             empty = torch.full((b, 0), -1, dtype=torch.long, device=dev)
             return empty, empty.clone()
+        for i in drafting:
+            rows[i].drafted = True
         t, p = self.drafter.propose(drafting, shape)  # [R, N]
         tokens = torch.full((b, t.shape[1]), -1, dtype=torch.long, device=dev)  # [B, N]
         parents = tokens.clone()
@@ -489,14 +499,20 @@ class Scheduler:
             m.record_row_cycle(depth, len(path))
             r.acc.update(len(path), self.policy.ema)
             if not self.policy.keep_drafting(r.acc):
-                r.drafting = False
+                self._rest(r)
+
+    def _rest(self, r: _Row) -> None:
+        """Stop drafting for `policy.retry_after` cycles; for good when it is 0 (then nothing is held back)."""
+        r.drafting, r.rest = False, self.policy.retry_after
+        if self.policy.retry_after == 0:
+            r.tracked, r.pending_aux, r.pending_tokens = False, [], []
 
     def _extend_drafter(self, rows: list[_Row], aux: torch.Tensor | None, keep: list[list[int]],
                         new_tokens: list[list[int]], finished: list[bool]) -> None:
-        """Feed each still-drafting row's kept features (root + accepted nodes) to the drafter."""
-        if self.drafter is None or not any(r.drafting for r in rows):
+        """Feed the kept features (root + accepted nodes) of each row that drafted this cycle to the drafter."""
+        if self.drafter is None or not any(r.drafted for r in rows):
             return
-        counts = [len(k) if (r.drafting and not f) else 0 for r, k, f in zip(rows, keep, finished, strict=True)]
+        counts = [len(k) if (r.drafted and not f) else 0 for r, k, f in zip(rows, keep, finished, strict=True)]
         aux_rows = None
         if aux is not None and any(counts):
             width = max(counts)
@@ -509,10 +525,11 @@ class Scheduler:
 
     def _defer_drafter(self, rows: list[_Row], aux: torch.Tensor | None, new_tokens: list[list[int]],
                        finished: list[bool]) -> None:
-        """A plain cycle: keep each drafting row's root features and next token for the drafter, which takes
-        them all in one batched extension when speculation resumes (one drafter forward, not one per cycle)."""
+        """Rows the drafter follows but which did not draft this cycle (a plain cycle, or resting): keep their
+        root features and next tokens for the drafter, which takes them all in one batched extension when the
+        row drafts again (one drafter forward, not one per cycle)."""
         for i, (r, f) in enumerate(zip(rows, finished, strict=True)):
-            if r.drafting and not f:
+            if r.tracked and not r.drafted and not f:
                 if aux is not None:
                     r.pending_aux.append(aux[i, :1])  # [1, 3·Ht]: the root, the only node of a plain cycle
                 r.pending_tokens.extend(new_tokens[i])
