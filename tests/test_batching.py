@@ -518,11 +518,15 @@ class _RightLater(ScriptedProposer):
         return super().propose()
 
 
-@pytest.mark.parametrize("retry_after", [6, 0])
-def test_a_row_that_stopped_drafting_tries_again(retry_after):
+@pytest.mark.parametrize("retry_after,max_held", [(6, 1024), (0, 1024), (6, 3)])
+def test_a_row_that_stopped_drafting_tries_again(retry_after, max_held, monkeypatch):
     """A drafter wrong for the first 14 tokens, then right twice per cycle: the row stops drafting after its
     warm-up cycles, rests `retry_after` cycles with its drafter input held back, and then drafts right (the
-    held-back text reached the drafter). With retry_after 0 it never drafts again. Answers are unchanged."""
+    held-back text reached the drafter). With retry_after 0 it never drafts again, nor when it may hold back
+    fewer tokens than its rest produces. Answers are unchanged."""
+    import eagle3.serving.scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "MAX_HELD_TOKENS", max_held)
     model = build_tiny_target("llama")
     prompts = tiny_prompts(2, seed=7)
     max_tokens = [40, 40]
@@ -539,7 +543,7 @@ def test_a_row_that_stopped_drafting_tries_again(retry_after):
     for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
         assert ev.token_ids == ref.token_ids, f"row {i}"
     accepted = sched.metrics.snapshot()["eagle3_accepted_tokens_total"]
-    if retry_after:
+    if retry_after and max_held > 6:
         assert accepted >= 2 * 4 * len(prompts)  # back to 2 per cycle for the rest of each 40-token answer
     else:
         assert accepted == 0

@@ -103,6 +103,11 @@ class SchedulerUnavailable(Exception):
         self.status = status
 
 
+# Drafter input a row may have held back (plain cycles, resting) before it stops drafting for good: for an 8B
+# target that is 1,024 x 3 x 4,096 bf16 values, 24 MB per row.
+MAX_HELD_TOKENS = 1024
+
+
 class _Row:
     def __init__(self, handle: RequestHandle, drafting: bool):
         self.handle = handle
@@ -533,6 +538,9 @@ class Scheduler:
                 if aux is not None:
                     r.pending_aux.append(aux[i, :1])  # [1, 3·Ht]: the root, the only node of a plain cycle
                 r.pending_tokens.extend(new_tokens[i])
+                if len(r.pending_tokens) > MAX_HELD_TOKENS:  # bounded memory: held back this long, stop for good
+                    r.drafting = r.tracked = False
+                    r.pending_aux, r.pending_tokens = [], []
 
     def _flush_deferred(self, rows: list[_Row]) -> None:
         """Feed the drafter what plain cycles held back, so its cache covers each row's text again."""
