@@ -102,3 +102,26 @@ def test_bench_scheduler_script_writes_a_record(tmp_path, capsys):
         (c, m) for c in (1, 3) for m in ("plain", "spec-gate", "spec-nogate")}
     assert all(r["tokens"] == 8 * r["clients"] for r in rec["results"])  # no EOS within 8 tokens here
     assert "speed vs plain" in capsys.readouterr().out
+
+
+def test_bench_serving_script_writes_a_record(tmp_path, capsys):
+    """`scripts/bench_serving.py` against its in-process server over HTTP, stories260K with a random drafter:
+    both modes at two concurrency levels, no errors, a run record and a chart."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "out"
+    assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--concurrency", "1", "3",
+                     "--max-tokens", "8", "--min-requests", "3", "--rounds", "1", "--warmup", "1",
+                     "--prompts", "gsm8k", "--fast-lane", "off", "--out", str(out)]) == 0
+    rec = json.loads((out / "bench_serving.json").read_text())
+    assert rec["kind"] == "bench_serving" and rec["git_sha"] is not None and rec["argv"]
+    levels = {(r["mode"], r["concurrency"]) for r in rec["results"]}
+    assert levels == {(m, c) for m in ("plain", "spec") for c in (1, 3)}
+    assert all(r["errors"] == 0 and r["requests"] >= 3 and r["output_tokens"] > 0 for r in rec["results"])
+    assert (out / "bench_serving.png").stat().st_size > 0
+    assert "geometric-mean speedup" in capsys.readouterr().out
