@@ -533,14 +533,21 @@ class Scheduler:
         """Rows the drafter follows but which did not draft this cycle (a plain cycle, or resting): keep their
         root features and next tokens for the drafter, which takes them all in one batched extension when the
         row drafts again (one drafter forward, not one per cycle)."""
-        for i, (r, f) in enumerate(zip(rows, finished, strict=True)):
-            if r.tracked and not r.drafted and not f:
-                if aux is not None:
-                    r.pending_aux.append(aux[i, :1])  # [1, 3·Ht]: the root, the only node of a plain cycle
-                r.pending_tokens.extend(new_tokens[i])
-                if len(r.pending_tokens) > MAX_HELD_TOKENS:  # bounded memory: held back this long, stop for good
-                    r.drafting = r.tracked = False
-                    r.pending_aux, r.pending_tokens = [], []
+        held = [i for i, (r, f) in enumerate(zip(rows, finished, strict=True))
+                if r.tracked and not r.drafted and not f]
+        if not held:
+            return
+        # the roots only, copied once per cycle: a view into `aux` [B, N+1, 3·Ht] would keep the whole cycle's
+        # features alive for as long as any row holds its root back
+        roots = aux[:, 0].clone() if aux is not None else None  # [B, 3·Ht]
+        for i in held:
+            r = rows[i]
+            if roots is not None:
+                r.pending_aux.append(roots[i : i + 1])  # [1, 3·Ht]: the root, the only node of a plain cycle
+            r.pending_tokens.extend(new_tokens[i])
+            if len(r.pending_tokens) > MAX_HELD_TOKENS:  # bounded memory: held back this long, stop for good
+                r.drafting = r.tracked = False
+                r.pending_aux, r.pending_tokens = [], []
 
     def _flush_deferred(self, rows: list[_Row]) -> None:
         """Feed the drafter what plain cycles held back, so its cache covers each row's text again."""
