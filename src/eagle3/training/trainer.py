@@ -73,8 +73,8 @@ _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_l
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up) and sizes its schedule from their mean; then it times the
 # next BUDGET_RECALIBRATION_STEPS and sizes it once more. Early steps run slower than later ones (kernel
-# selection for each new batch shape): on an H200 the first estimate was 0.94-0.98 s/step, the steady speed about
-# half that, and a 1,000 s budget ended after 650 s. The second sizing moves the cosine by a few percent of its
+# selection for each new batch shape): on an H200 the first estimate was 0.94-0.98 s/step, the run's average
+# about 0.6 s, and a 1,000 s budget ended after 650 s. The second sizing moves the cosine by a few percent of its
 # length, early, where the learning rate is near its peak.
 BUDGET_SKIP_STEPS = 3
 BUDGET_CALIBRATION_STEPS = 20
