@@ -124,6 +124,12 @@ class _Row:
         self.pending_tokens: list[int] = []
 
 
+def _stop_for_good(r: _Row) -> None:
+    """The row drafts no more: the drafter stops following it and nothing is held back for it."""
+    r.drafting = r.tracked = False
+    r.pending_aux, r.pending_tokens = [], []
+
+
 def _find_stop(text: str, stops: Sequence[str]) -> int:
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else -1
@@ -157,7 +163,6 @@ class Scheduler:
         self.policy = policy or SpecPolicy(enabled=drafter is not None)
         self.gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
                      if self.policy.measure else None)
-        self._wanting = 0  # rows that wanted to draft in the current cycle (what the gate's choice was for)
         # the lane's own gate, in whole requests: speculative lane requests vs plain ones on a drafter-less
         # engine that shares the lane's fused weights and caches
         self._lane_plain, self._lane_gate = None, None
@@ -427,7 +432,7 @@ class Scheduler:
         t0 = time.perf_counter()
         rows, dev = self._rows, self.target.device
         b = len(rows)
-        tokens, parents = self._draft(rows)  # [B, N], -1 = padding (rows not drafting, shorter trees)
+        tokens, parents, wanting = self._draft(rows)  # [B, N], -1 = padding (rows not drafting, shorter trees)
         n = tokens.shape[1]
         roots = torch.tensor([r.root for r in rows], dtype=torch.long, device=dev)  # [B]
         ids = torch.cat([roots[:, None], tokens.clamp(min=0)], dim=1)  # [B, N+1]
@@ -451,11 +456,12 @@ class Scheduler:
             self._select([i for i, f in enumerate(finished) if not f])
         seconds = time.perf_counter() - t0
         self.metrics.observe("eagle3_cycle_seconds", seconds)
-        if self.gate is not None and self._wanting:  # a choice the gate made: learn from it
-            self.gate.record(b, n > 0, seconds, sum(len(t) for t in new_tokens), drafting=self._wanting)
+        if self.gate is not None and wanting:  # a choice the gate made: learn from it
+            self.gate.record(b, n > 0, seconds, sum(len(t) for t in new_tokens), drafting=wanting)
 
-    def _draft(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded draft trees for the batch, [B, N] tokens and parents; N = 0 when nobody drafts."""
+    def _draft(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Padded draft trees for the batch, [B, N] tokens and parents (N = 0 when nobody drafts), and how many
+        rows wanted to draft (what the gate chose for)."""
         b, dev = len(rows), self.target.device
         shape = self.policy.shape(b) if self.drafter is not None else None
         for r in rows:
@@ -469,15 +475,15 @@ class Scheduler:
                 if r.drafting:
                     self._rest(r)
         drafting = [i for i, r in enumerate(rows) if r.drafting]
-        self._wanting = len(drafting)  # rows that want to draft this cycle, for the gate's record
-        if drafting and self.gate is not None and not self.gate.speculate(b, drafting=len(drafting)):
+        wanting = len(drafting)
+        if drafting and self.gate is not None and not self.gate.speculate(b, drafting=wanting):
             self.metrics.inc("eagle3_spec_paused_cycles_total")  # a plain cycle; the drafter catches up later
             drafting = []
         if drafting:
             self._flush_deferred(rows)
         if not drafting:
             empty = torch.full((b, 0), -1, dtype=torch.long, device=dev)
-            return empty, empty.clone()
+            return empty, empty.clone(), wanting
         for i in drafting:
             rows[i].drafted = True
         t, p = self.drafter.propose(drafting, shape)  # [R, N]
@@ -485,7 +491,7 @@ class Scheduler:
         parents = tokens.clone()
         idx = torch.tensor(drafting, dtype=torch.long, device=dev)
         tokens[idx], parents[idx] = t.to(dev), p.to(dev)
-        return tokens, parents
+        return tokens, parents, wanting
 
     def _record(self, rows: list[_Row], n: int, tokens: list[list[int]], depths: list[int],
                 paths: list[list[int]]) -> None:
@@ -507,10 +513,10 @@ class Scheduler:
                 self._rest(r)
 
     def _rest(self, r: _Row) -> None:
-        """Stop drafting for `policy.retry_after` cycles; for good when it is 0 (then nothing is held back)."""
+        """Stop drafting for `policy.retry_after` cycles; for good when it is 0."""
         r.drafting, r.rest = False, self.policy.retry_after
         if self.policy.retry_after == 0:
-            r.tracked, r.pending_aux, r.pending_tokens = False, [], []
+            _stop_for_good(r)
 
     def _extend_drafter(self, rows: list[_Row], aux: torch.Tensor | None, keep: list[list[int]],
                         new_tokens: list[list[int]], finished: list[bool]) -> None:
@@ -546,8 +552,7 @@ class Scheduler:
                 r.pending_aux.append(roots[i : i + 1])  # [1, 3·Ht]: the root, the only node of a plain cycle
             r.pending_tokens.extend(new_tokens[i])
             if len(r.pending_tokens) > MAX_HELD_TOKENS:  # bounded memory: held back this long, stop for good
-                r.drafting = r.tracked = False
-                r.pending_aux, r.pending_tokens = [], []
+                _stop_for_good(r)
 
     def _flush_deferred(self, rows: list[_Row]) -> None:
         """Feed the drafter what plain cycles held back, so its cache covers each row's text again."""

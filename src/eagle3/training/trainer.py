@@ -397,8 +397,7 @@ class _Trainer:
             log.warning("max_steps=%d exceeds %d epochs (%d steps); training stops after the epochs",
                         cfg.max_steps, cfg.epochs, sum(self.plan_sizes))
         self.upper = self.total  # a time budget can only shorten the run
-        self.calibrated = cfg.time_budget is None
-        self.budget_sizings = 0
+        self.budget_sizings = 0  # how often a time-budgeted run has sized its schedule so far
         self.train_seconds = 0.0  # training-loop time over all invocations (a resume adds to it)
         self.schedule_total = [self.total]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.schedule_total))
@@ -484,7 +483,7 @@ class _Trainer:
         if self.cfg.time_budget is not None and state.get("budget_sized"):
             # keep the length the first invocation chose (sized once or twice; a resume does not size again)
             self._set_total(int(state["total_steps"]))
-            self.calibrated, self.budget_sizings = True, len(self._calibration_points)
+            self.budget_sizings = len(self._calibration_points)
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -607,12 +606,12 @@ class _Trainer:
             metrics, tokens, grad_norm, lr = self._step(plan[bi])  # ends in a host sync (the grad norm)
             step, bi = step + 1, bi + 1
             self.train_seconds = seconds_before + time.perf_counter() - loop_start
-            if not self.calibrated and step - first == BUDGET_SKIP_STEPS:
+            if not self._sized and step - first == BUDGET_SKIP_STEPS:
                 timer = time.perf_counter()
             elif timer is not None and step - first in self._calibration_points:
                 n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 0 else BUDGET_RECALIBRATION_STEPS
                 self._calibrate((time.perf_counter() - timer) / n, step, bar)
-                timer = None if self.calibrated else time.perf_counter()
+                timer = None if self._sized else time.perf_counter()
                 end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
                 if bar is not None:
                     bar.total = self.total
@@ -668,6 +667,11 @@ class _Trainer:
         )
 
     @property
+    def _sized(self) -> bool:
+        """True when the schedule's length is final: no time budget, or both sizings done (or resumed)."""
+        return self.cfg.time_budget is None or self.budget_sizings >= len(self._calibration_points)
+
+    @property
     def _calibration_points(self) -> tuple[int, ...]:
         """Steps of this invocation (counted from its first) at which a time-budgeted run sizes its schedule."""
         first = BUDGET_SKIP_STEPS + BUDGET_CALIBRATION_STEPS
@@ -680,7 +684,6 @@ class _Trainer:
         step_seconds, spent = (self.ctx.all_reduce(t) / self.ctx.world).tolist()
         self._set_total(budget_steps(step, self.cfg.time_budget - spent, step_seconds, self.upper))
         self.budget_sizings += 1
-        self.calibrated = self.budget_sizings == len(self._calibration_points)
         if self.ctx.main:
             n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 1 else BUDGET_RECALIBRATION_STEPS
             epochs = self.total / max(1, self.plan_sizes[0])
