@@ -125,7 +125,7 @@ def load_server(args):
         policy = SpecPolicy(enabled=False)
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
-                      d if draft == "eagle3" else None, device, config)
+                            d if draft == "eagle3" else None, device, config)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast)
     return sched, create_app(sched)
