@@ -1,8 +1,8 @@
 """Serving benchmark: throughput and latency against concurrency, plain batched decoding vs speculative.
 
 Loads a target (+ EAGLE-3 drafter), starts `eagle3 serve`'s app in-process on 127.0.0.1, and drives it over
-HTTP with N concurrent streaming clients (httpx, closed loop) on MT-bench prompts, for every concurrency
-level, first with speculation off (same server code, no drafter), then on. Writes `bench_serving.json` (a
+HTTP with N concurrent streaming clients (httpx, closed loop, in a process of their own) on MT-bench prompts,
+for every concurrency level, first with speculation off (same server code, no drafter), then on. Writes `bench_serving.json` (a
 run record: git SHA, versions, device, argv, policy, per-level numbers) and `bench_serving.png`, and prints
 a table. Output tokens/s counts completion tokens over the level's wall time; TTFT is arrival to first
 content chunk; latency is arrival to the last chunk (p50 and p90 over requests).
@@ -17,15 +17,13 @@ CPU smoke test (random drafter, seconds):
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
+import multiprocessing
 import statistics
 import sys
-import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-import httpx
 import torch
 
 from eagle3.config import SpecConfig
@@ -37,6 +35,7 @@ from eagle3.serving.app import create_app
 from eagle3.serving.cli import fast_lane_engine
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter
+from eagle3.serving.loadgen import drive_in_process
 from eagle3.serving.policy import SpecPolicy, default_token_budget
 from eagle3.serving.server import ServerThread, build_scheduler
 from eagle3.target import Target
@@ -80,50 +79,6 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> dict:
-    t0 = time.perf_counter()
-    ttft, tokens, error = None, 0, None
-    async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if "error" in msg:
-                error = msg["error"]["message"]
-                continue
-            if msg.get("usage"):
-                tokens = msg["usage"]["completion_tokens"]
-            for ch in msg.get("choices", []):
-                piece = ch.get("delta", {}).get("content") if chat else ch.get("text")
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - t0
-    return {"ttft": ttft, "latency": time.perf_counter() - t0, "tokens": tokens, "error": error}
-
-
-async def drive(url: str, bodies: list[dict], concurrency: int, chat: bool, timeout: float) -> tuple[list, float]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for b in bodies:
-        queue.put_nowait(b)
-    results: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-
-        async def worker():
-            while not queue.empty():
-                body = queue.get_nowait()
-                try:
-                    results.append(await one_request(client, url, body, chat))
-                except httpx.HTTPError as e:
-                    results.append({"error": f"{type(e).__name__}: {e}"})
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
-        return results, time.perf_counter() - t0
-
-
 def request_bodies(prompts: list[list[dict]], n: int, start: int, chat: bool, args) -> list[dict]:
     out = []
     for i in range(n):
@@ -137,7 +92,8 @@ def request_bodies(prompts: list[list[dict]], n: int, start: int, chat: bool, ar
     return out
 
 
-def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: str) -> list[dict]:
+def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: str, clients) -> list[dict]:
+    """One mode over every concurrency level; `clients` is the process pool the HTTP clients run in."""
     spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
     policy = SpecPolicy.from_spec(spec, token_budget=args.spec_budget or default_token_budget(device),
                                   max_batch=args.spec_max_batch, min_accept=args.spec_min_accept,
@@ -154,13 +110,14 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     srv = ServerThread(create_app(sched), shutdown_timeout=10).start()
     try:
         if args.warmup:
-            asyncio.run(drive(srv.url, request_bodies(prompts, args.warmup, 0, chat, args), 1, chat, args.timeout))
+            clients.submit(drive_in_process, srv.url, request_bodies(prompts, args.warmup, 0, chat, args), 1, chat,
+                           args.timeout).result()
         start = args.warmup
         for c in args.concurrency:
             n = max(args.min_requests, c * args.rounds)
             before = sched.metrics.snapshot()
-            res, wall = asyncio.run(drive(srv.url, request_bodies(prompts, n, start, chat, args), c, chat,
-                                          args.timeout))
+            res, wall = clients.submit(drive_in_process, srv.url, request_bodies(prompts, n, start, chat, args), c,
+                                       chat, args.timeout).result()
             after = sched.metrics.snapshot()
             start += n
 
@@ -251,8 +208,11 @@ def main(argv=None) -> int:
     chat = bool(getattr(tok, "chat_template", None))
     name, prompts = load_prompts(args.prompts)
     results = []
-    for mode in args.modes:
-        results += run_mode(mode, model, tok, drafter, args, prompts, chat, device)
+    # the clients get a process of their own: in the server's process they would compete with its scheduler
+    # thread for the interpreter lock (`eagle3.serving.loadgen`)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        for mode in args.modes:
+            results += run_mode(mode, model, tok, drafter, args, prompts, chat, device, clients)
     plain = {r["concurrency"]: r["tokens_per_s"] for r in results if r["mode"] == "plain"}
     speedup = {c: round(r["tokens_per_s"] / plain[c], 3) for r in results if r["mode"] == "spec"
                for c in [r["concurrency"]] if plain.get(c)}
