@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast.target import apply_rope, attention_bias, grouped_attention, rms_norm, rope_tables
+from eagle3.fast.target import (
+    apply_rope,
+    attention_bias,
+    grouped_attention,
+    rms_norm,
+    rope_tables,
+    row_attention,
+    row_attention_bias,
+)
 
 
 class FastDrafter(nn.Module):
@@ -68,14 +76,20 @@ class FastDrafter(nn.Module):
         return self.fc.device
 
     @torch.no_grad()
+    def rope_table(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [S, hd] for positions 0..seq_len-1, from the drafter's rotary module."""
+        dev, dt = self.device, self.dtype
+        pos = torch.arange(seq_len, device=dev)[None]  # [1, S]
+        cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd]
+        return rope_tables(cos[0].to(dt), sin[0].to(dt))
+
+    @torch.no_grad()
     def allocate(self, seq_len: int) -> None:
         """Allocate the KV cache [n_kv, S, hd] and RoPE table (a no-op when the size is unchanged)."""
         if seq_len == self.seq_len:
             return
         dev, dt = self.device, self.dtype
-        pos = torch.arange(seq_len, device=dev)[None]  # [1, S]
-        cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd]
-        self.cos, self.sin = rope_tables(cos[0].to(dt), sin[0].to(dt))
+        self.cos, self.sin = self.rope_table(seq_len)
         self.k_cache = torch.zeros(self.nkv, seq_len, self.hd, dtype=dt, device=dev)
         self.v_cache = torch.zeros(self.nkv, seq_len, self.hd, dtype=dt, device=dev)
         self.seq_len = seq_len
@@ -123,6 +137,37 @@ class FastDrafter(nn.Module):
         r1 = residual + F.linear(o, self.wo, self.bo)
         gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]
+
+    def forward_rows(
+        self,
+        hidden: torch.Tensor,  # [B, T, H]
+        tokens: torch.Tensor,  # [B, T] target-vocabulary ids
+        pos: torch.Tensor,  # [B, T]
+        slots: torch.Tensor,  # [B, T] slots of each row's own cache
+        mask: torch.Tensor,  # bool [B, T, S]
+        k_rows: torch.Tensor,  # [B, n_kv, S, hd]: one drafter cache per row (`eagle3.fast.rows`)
+        v_rows: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, signed sin) [S, hd] from `rope_table`
+    ) -> torch.Tensor:
+        """`forward` for B rows, each with its own cache; returns [B, T, H]."""
+        b, t, _ = hidden.shape
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        rows = torch.arange(b, device=hidden.device)[:, None]  # [B, 1]
+        emb = F.embedding(tokens, self.embed).to(hidden.dtype)  # [B, T, H]
+        normed = rms_norm(hidden, self.hidden_norm, self.eps)
+        residual = normed if self.norm_before_residual else hidden
+        u = torch.cat([rms_norm(emb, self.input_layernorm, self.eps), normed], dim=-1)  # [B, T, 2H]
+        qkv = F.linear(u, self.wqkv, self.bqkv)  # [B, T, (nh + 2·nkv)·hd]
+        cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
+        q = apply_rope(qkv[..., : nh * hd].reshape(b * t, nh, hd), cos, sin)
+        k = apply_rope(qkv[..., nh * hd : (nh + nkv) * hd].reshape(b * t, nkv, hd), cos, sin)
+        k_rows[rows, :, slots] = k.view(b, t, nkv, hd)
+        v_rows[rows, :, slots] = qkv[..., (nh + nkv) * hd :].reshape(b, t, nkv, hd)
+        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, row_attention_bias(mask, nh // nkv, self.dtype),
+                          self.scale).view(b, t, nh * hd)
+        r1 = residual + F.linear(o, self.wo, self.bo)
+        gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
+        return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probabilities [T, Vd] (fp32) of pre-norm outputs [T, H]."""

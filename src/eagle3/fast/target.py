@@ -115,6 +115,28 @@ def grouped_attention(
     return o[0].reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
 
 
+def row_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask [B, T, S] -> additive bias [B, 1, g·T, S] for `row_attention` (row r·T + t is token t)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return bias.repeat(1, groups, 1)[:, None]
+
+
+def row_attention(
+    q: torch.Tensor,  # [B, T, nh, hd]
+    k_rows: torch.Tensor,  # [B, nkv, S, hd]
+    v_rows: torch.Tensor,  # [B, nkv, S, hd]
+    bias: torch.Tensor,  # [B, 1, g·T, S] from row_attention_bias
+    scale: float,
+) -> torch.Tensor:
+    """`grouped_attention` for B rows, each over its own cache; returns [B·T, nh·hd]."""
+    b, t, nh, hd = q.shape
+    nkv = k_rows.shape[1]
+    g = nh // nkv
+    qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)  # head kv·g + r: row r·T + t
+    o = F.scaled_dot_product_attention(qg, k_rows, v_rows, attn_mask=bias, scale=scale)  # [B, nkv, g·T, hd]
+    return o.view(b, nkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b * t, nh * hd)
+
+
 def _cat_bias(parts: list[nn.Linear]) -> torch.Tensor | None:
     if all(p.bias is None for p in parts):
         return None
@@ -276,3 +298,42 @@ class FastTarget(nn.Module):
             h = h[-1:]
         logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [T', V]
         return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]
+
+    def forward_rows(
+        self,
+        ids: torch.Tensor,  # [B, T] long
+        pos: torch.Tensor,  # [B, T] long, RoPE positions
+        slots: torch.Tensor,  # [B, T] long, slots of each row's own cache
+        mask: torch.Tensor,  # bool [B, T, S]
+        k_rows: torch.Tensor,  # [L, B, n_kv, S, hd]: one cache per row (`eagle3.fast.rows`)
+        v_rows: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, signed sin) [S, hd] from `rope_table`
+        last_only: bool = False,
+        want_aux: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` for B rows of T tokens, each row with its own cache; returns logits [B, T or 1, V] and aux
+        [B, T, 3·H] (None unless want_aux)."""
+        b, t = ids.shape
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
+        h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
+        cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
+        bias = row_attention_bias(mask, nh // nkv, self.dtype)  # [B, 1, g·T, S]
+        aux: list[torch.Tensor] = []
+        for i, lw in enumerate(self.layers):
+            if want_aux and i in self.aux_layer_ids:
+                aux.append(h)
+            x = rms_norm(h, lw.ln1, self.eps)
+            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
+            q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
+            k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
+            v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
+            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
+            h = self.mlp_block(h + F.linear(o, lw.wo, lw.bo), lw)
+        if want_aux and self.num_layers in self.aux_layer_ids:
+            aux.append(h)
+        h = h.view(b, t, -1)
+        if last_only:
+            h = h[:, -1:]
+        logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [B, T', V]
+        return logits, (torch.cat(aux, dim=-1).view(b, t, -1) if want_aux else None)  # aux [B, T, 3·H]

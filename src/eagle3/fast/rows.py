@@ -1,0 +1,341 @@
+"""Batched greedy decoding on the fast path: B rows, each with its own static KV cache, plain or speculative.
+
+`FastCore` generalised to rows, for the server's batch (`eagle3.serving.scheduler`). Row b's token at position p
+lives in slot p of row b's cache (`[L, B, n_kv, S, hd]`, the layout of `eagle3.fast.batched`), so rows of any
+lengths decode together without padding or cross-row masks. One cycle of the first `nb` rows (a batch-size
+bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
+
+    spec cycle   draft a tree per row (EAGLE-2 expansion as `FastCore.draft`), verify [nb, N+1], accept greedily
+                 per row, move each row's accepted K/V next to its prefix, feed the drafter, advance.
+    plain cycle  one token per row; with a drafter, the drafter is still fed (one row per cycle), so a bucket can
+                 switch between plain and speculative cycles at any time without catching up.
+
+State per row: length [B] (committed tokens), root [B] (last emitted token, not yet cached), last_out [B, H]
+(drafter output of the newest committed row). The host reads packet [nb, D+3] = [n_acc, drafted depth,
+emitted...] once per cycle. Rows [n, nb) of a bucket are idle: they decode garbage into their own caches, their
+lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
+Greedy only: sampled requests stay on the generic batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from eagle3.config import ConfigError
+from eagle3.drafter import Eagle3Drafter
+from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.graphs import StepRunner, graph_pool
+from eagle3.fast.target import FastTarget
+
+log = logging.getLogger("eagle3.fast")
+
+__all__ = ["FastRows", "RowShape"]
+
+
+class RowShape:
+    """A draft shape: `depth` steps, `top_k` branching, `total` nodes kept (chain: top_k 1, total = depth)."""
+
+    def __init__(self, depth: int, top_k: int, total: int):
+        self.depth, self.top_k = depth, top_k
+        self.total = min(total, top_k + (depth - 1) * top_k * top_k)  # what the expansion records
+
+    def __repr__(self) -> str:
+        return f"RowShape(depth={self.depth}, top_k={self.top_k}, total={self.total})"
+
+
+def _buckets(capacity: int) -> list[int]:
+    out, b = [], 1
+    while b < capacity:
+        out.append(b)
+        b *= 2
+    return [*out, capacity]
+
+
+class FastRows:
+    """Up to `capacity` greedy rows over per-row static caches of `seq_len` slots; see the module docstring.
+
+    `shapes[bucket]` is the draft shape of that bucket's speculative cycle (None or absent: plain only).
+    `add` prefills a row and returns its first token; `cycle(spec)` runs one cycle of all active rows and
+    returns each row's new tokens; `remove(i)` frees row i (the last row takes its place).
+    """
+
+    def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
+                 shapes: dict[int, RowShape | None] | None = None, graphs: bool = True):
+        if capacity < 1 or seq_len < 8:
+            raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
+        if drafter is not None and target.aux_layer_ids != sorted(drafter.config.aux_layer_ids):
+            raise ConfigError(f"the FastTarget taps layers {target.aux_layer_ids}; the drafter needs "
+                              f"{sorted(drafter.config.aux_layer_ids)}")
+        self.t, self.capacity, self.seq_len = target, capacity, seq_len
+        self.d = FastDrafter(drafter) if drafter is not None else None
+        self.buckets = _buckets(capacity)
+        shapes = shapes or {}
+        self.shapes = {b: (shapes.get(b) if self.d is not None else None) for b in self.buckets}
+        d_max = max([s.depth for s in self.shapes.values() if s] + [0])
+        n_max = max([s.total for s in self.shapes.values() if s] + [0])
+        scratch = max([(s.depth - 1) * s.top_k for s in self.shapes.values() if s] + [0])
+        self.margin = n_max + d_max + 2  # slots a cycle may write beyond a row's length
+        dev, dt, t = target.device, target.dtype, target
+        self.device = dev
+        self.rope = t.rope_table(seq_len)
+        shape = (t.num_layers, capacity, t.nkv, seq_len, t.hd)
+        self.k = torch.zeros(shape, dtype=dt, device=dev)
+        self.v = torch.zeros(shape, dtype=dt, device=dev)
+        self.ar_s = torch.arange(seq_len, device=dev)
+        self.ar = torch.arange(max(n_max, d_max, 1) + 2, device=dev)
+        self.length = torch.zeros(capacity, dtype=torch.long, device=dev)
+        self.root = torch.zeros(capacity, dtype=torch.long, device=dev)
+        self.packet = torch.zeros(capacity, d_max + 3, dtype=torch.long, device=dev)
+        if self.d is not None:
+            fd = self.d
+            self.sd = seq_len + scratch + d_max + 2
+            self.d_rope = fd.rope_table(self.sd)
+            self.dk = torch.zeros(capacity, fd.nkv, self.sd, fd.hd, dtype=fd.dtype, device=dev)
+            self.dv = torch.zeros_like(self.dk)
+            self.ar_sd = torch.arange(self.sd, device=dev)
+            self.last_out = torch.zeros(capacity, fd.hidden_size, dtype=fd.dtype, device=dev)
+        self.n = 0  # active rows: [0, n)
+        self.graphs = graphs and dev.type == "cuda"
+        self._pool = graph_pool(dev)
+        self._runners: dict[tuple[int, bool], StepRunner] = {}
+
+    # -- host side ---------------------------------------------------------------------------------
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def can_speculate(self, n: int) -> bool:
+        return self.shapes[self.bucket(max(1, n))] is not None
+
+    def fits(self, context: int, max_new_tokens: int) -> bool:
+        """Whether a request of this many prompt and new tokens fits a row's cache."""
+        return context + max_new_tokens + self.margin <= self.seq_len
+
+    @torch.no_grad()
+    def prepare(self) -> float:
+        """Capture every bucket's cycles (plain, and speculative where a shape is set) before rows exist: warm-up
+        runs real cycles on the buffers. Returns the seconds it took."""
+        if self.n:
+            raise RuntimeError("prepare() runs real cycles: call it before adding rows")
+        t0 = time.perf_counter()
+        for b in self.buckets:
+            for spec in (False, True):
+                if not spec or self.shapes[b] is not None:
+                    self._runner(b, spec)
+        self._reset_rows(0, self.capacity)
+        return time.perf_counter() - t0
+
+    def _runner(self, nb: int, spec: bool) -> StepRunner:
+        key = (nb, spec)
+        if key not in self._runners:
+            fn = (lambda: self._spec_cycle(nb)) if spec else (lambda: self._plain_cycle(nb))
+            r = StepRunner(fn, self.device, graphs=self.graphs, pool=self._pool,
+                           name=f"rows_{'spec' if spec else 'plain'}_b{nb}")
+            r.prepare()
+            self._runners[key] = r
+        return self._runners[key]
+
+    @torch.no_grad()
+    def add(self, prompt: list[int], root: int | None = None) -> int:
+        """Prefill `prompt` into a new row (index `n` before the call); returns the row's first new token
+        (`root` when given: a request moving in from elsewhere, whose next token is already known)."""
+        if self.n >= self.capacity:
+            raise RuntimeError(f"all {self.capacity} rows are in use")
+        if not self.fits(len(prompt), 1):
+            raise ConfigError(f"a {len(prompt)}-token context does not fit {self.seq_len} cache slots")
+        i, t, dev = self.n, len(prompt), self.device
+        ids = torch.tensor(prompt, dtype=torch.long, device=dev)[None]  # [1, T]
+        pos = torch.arange(t, device=dev)[None]  # [1, T]
+        mask = (self.ar_s[None, :] <= pos[0, :, None])[None]  # [1, T, S] causal
+        logits, aux = self.t.forward_rows(ids, pos, pos, mask, self.k[:, i : i + 1], self.v[:, i : i + 1], self.rope,
+                                          last_only=True, want_aux=self.d is not None)  # [1, 1, V], [1, T, 3·Ht]
+        first = int(logits[0, -1].argmax()) if root is None else int(root)
+        if self.d is not None:
+            nxt = torch.cat([ids[0, 1:], torch.tensor([first], device=dev)])[None]  # [1, T]: x_{t+1}
+            dmask = (self.ar_sd[None, :] <= pos[0, :, None])[None]  # [1, T, Sd]
+            out = self.d.forward_rows(self.d.combine(aux[0])[None], nxt, pos, pos, dmask, self.dk[i : i + 1],
+                                      self.dv[i : i + 1], self.d_rope)  # [1, T, H]
+            self.last_out[i].copy_(out[0, -1])
+        self.root[i] = first
+        self.length[i] = t
+        self.n += 1
+        return first
+
+    @torch.no_grad()
+    def remove(self, i: int) -> None:
+        """Free row i; the last active row moves into it (callers mirror that move in their own row lists)."""
+        last = self.n - 1
+        if not 0 <= i <= last:
+            raise IndexError(f"row {i} is not active (rows 0..{last})")
+        if i != last:
+            self.k[:, i].copy_(self.k[:, last])
+            self.v[:, i].copy_(self.v[:, last])
+            self.root[i] = self.root[last]
+            self.length[i] = self.length[last]
+            if self.d is not None:
+                self.dk[i].copy_(self.dk[last])
+                self.dv[i].copy_(self.dv[last])
+                self.last_out[i].copy_(self.last_out[last])
+        self._reset_rows(last, last + 1)
+        self.n -= 1
+
+    def _reset_rows(self, lo: int, hi: int) -> None:
+        self.length[lo:hi] = 0
+        self.root[lo:hi] = 0
+        if self.d is not None:
+            self.last_out[lo:hi] = 0
+
+    @torch.no_grad()
+    def cycle(self, spec: bool) -> list[list[int]]:
+        """One cycle of the active rows; returns each row's new tokens (accepted drafts, then the target's
+        next token). `spec` needs a draft shape for the current bucket."""
+        if self.n == 0:
+            return []
+        nb = self.bucket(self.n)
+        if spec and self.shapes[nb] is None:
+            raise ValueError(f"bucket {nb} has no draft shape")
+        self._runner(nb, spec)()
+        pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
+        return [p[2 : 3 + p[0]] for p in pkt]
+
+    def shape_of(self, n: int) -> RowShape | None:
+        return self.shapes[self.bucket(max(1, n))]
+
+    # -- device steps (fixed shapes for a bucket of nb rows) ------------------------------------------
+    def _advance(self, nb: int, n_acc: torch.Tensor, new_root: torch.Tensor) -> None:
+        self.root[:nb].copy_(new_root)
+        last = self.seq_len - self.margin  # idle rows stay inside their caches; active rows never get here
+        self.length[:nb].copy_((self.length[:nb] + n_acc + 1).clamp(max=last))
+
+    def _plain_cycle(self, nb: int) -> None:
+        length, root = self.length[:nb], self.root[:nb]
+        pos = length[:, None]  # [nb, 1]
+        mask = (self.ar_s[None, :] <= length[:, None])[:, None, :]  # [nb, 1, S]
+        logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
+                                          want_aux=self.d is not None)  # [nb, 1, V]
+        tok = logits[:, 0].argmax(dim=-1)  # [nb]
+        if self.d is not None:
+            dmask = (self.ar_sd[None, :] <= length[:, None])[:, None, :]  # [nb, 1, Sd]
+            out = self.d.forward_rows(self.d.combine(aux), tok[:, None], pos, pos, dmask, self.dk[:nb],
+                                      self.dv[:nb], self.d_rope)  # [nb, 1, H]
+            self.last_out[:nb].copy_(out[:, 0])
+        zero = torch.zeros_like(tok)
+        self.packet[:nb, :3].copy_(torch.stack([zero, zero, tok], dim=1))
+        self._advance(nb, zero, tok)
+
+    def _spec_cycle(self, nb: int) -> None:
+        tokens, parents1 = self._draft(nb)  # [nb, N], [nb, N+1]
+        anc, top, aux = self._verify(nb, tokens, parents1)
+        keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
+        self._commit(nb, keep, n_acc, emitted, aux)
+
+    def _draft(self, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE-2 expansion and rerank per row (`FastCore.draft` with a row axis): tokens [nb, N] and parents
+        [nb, N+1] (N+1 indexing; the root is its own parent)."""
+        shape = self.shapes[nb]
+        d, k, dev = self.d, shape.top_k, self.device
+        length = self.length[:nb]
+        rows = torch.arange(nb, device=dev)[:, None]  # [nb, 1]
+        lp0 = d.log_probs(self.last_out[:nb])  # [nb, Vd]
+        scores, ids = lp0.topk(k, dim=-1)  # [nb, k]
+        rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
+        rec_parents = [torch.full((nb, k), -1, dtype=torch.long, device=dev)]
+        ar_k = self.ar[:k]
+        eye = (ar_k[:, None] == ar_k[None, :])[None].expand(nb, k, k)  # [nb, k, k]
+        frontier = ar_k[None].expand(nb, k)  # [nb, k] record indices of the frontier
+        f_hidden = d.feedback(self.last_out[:nb])[:, None].expand(nb, k, -1)  # [nb, k, H]
+        f_scores = scores
+        anc = eye  # [nb, k, scratch rows so far]
+        base = (self.ar_sd[None, :] < length[:, None])[:, None, :].expand(nb, k, -1)  # [nb, k, Sd]
+        all_tokens = rec_tokens[0]  # [nb, R]
+        n_rec = k
+        for step in range(1, shape.depth):
+            cols = length[:, None] + self.ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
+            mask = base.clone().scatter_(2, cols[:, None, :].expand(nb, k, -1), anc)  # [nb, k, Sd]
+            pos = (length - 1 + step)[:, None].expand(nb, k)  # [nb, k]
+            out = d.forward_rows(f_hidden, all_tokens.gather(1, frontier), pos, cols[:, -k:], mask, self.dk[:nb],
+                                 self.dv[:nb], self.d_rope)  # [nb, k, H]
+            top_lp, top_ids = d.log_probs(out).topk(k, dim=-1)  # [nb, k, k]
+            cum = (f_scores[:, :, None] + top_lp).reshape(nb, k * k)  # [nb, k·k]
+            rec_scores.append(cum)
+            rec_tokens.append(d.to_target_ids(top_ids.reshape(nb, k * k)))
+            rec_parents.append(frontier[:, :, None].expand(nb, k, k).reshape(nb, k * k))
+            all_tokens = torch.cat(rec_tokens, dim=1)
+            best = cum.topk(k, dim=-1).indices  # [nb, k]
+            parent_row = best // k
+            frontier = n_rec + best
+            n_rec += k * k
+            f_scores = cum.gather(1, best)
+            f_hidden = d.feedback(out)[rows, parent_row]  # [nb, k, H]
+            anc = torch.cat([anc[rows, parent_row], eye], dim=2)  # [nb, k, (step+1)·k]
+        all_scores = torch.cat(rec_scores, dim=1)  # [nb, R]
+        all_parents = torch.cat(rec_parents, dim=1)  # [nb, R]
+        n = shape.total
+        order = torch.sort(-all_scores, dim=1, stable=True).indices[:, :n]  # best first; parents before children
+        keep = torch.sort(order, dim=1).values  # [nb, N] record order
+        remap = torch.full_like(all_parents, -1).scatter_(1, keep, self.ar[:n][None].expand(nb, n))  # [nb, R]
+        par = all_parents.gather(1, keep)  # [nb, N] record indices (-1: root)
+        par = torch.where(par >= 0, remap.gather(1, par.clamp(min=0)), par)
+        parents1 = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=dev), par + 1], dim=1)  # [nb, N+1]
+        return all_tokens.gather(1, keep), parents1
+
+    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor):
+        """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], argmax [nb, N+1], aux."""
+        shape = self.shapes[nb]
+        n1 = tokens.shape[1] + 1
+        length = self.length[:nb]
+        idx = self.ar[:n1]
+        anc = (idx[:, None] == idx[None, :])[None].expand(nb, n1, n1)  # [nb, N+1, N+1]
+        cur = idx[None].expand(nb, n1)
+        for _ in range(shape.depth):
+            cur = parents1.gather(1, cur)  # [nb, N+1]
+            anc = anc | (cur[:, :, None] == idx[None, None, :])
+        ids = torch.cat([self.root[:nb, None], tokens], dim=1)  # [nb, N+1]
+        pos = length[:, None] + anc.sum(dim=-1) - 1  # [nb, N+1]
+        slots = length[:, None] + idx[None]  # [nb, N+1]
+        mask = (self.ar_s[None, :] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
+        mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
+        logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
+                                          want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
+        return anc, logits.argmax(dim=-1), aux
+
+    def _accept(self, nb: int, tokens, parents1, anc, top):
+        """Greedy acceptance per row (`FastCore.accept`): keep [nb, D+1], n_acc [nb], emitted [nb, D+1]."""
+        n, d = tokens.shape[1], self.packet.shape[1] - 3
+        par = parents1[:, 1:]  # [nb, N]
+        match = tokens == top.gather(1, par)  # [nb, N] the draft equals the argmax after its parent
+        same = (par[:, :, None] == par[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])  # [nb, N, N]
+        earlier = torch.ones(n, n, dtype=torch.bool, device=self.device).tril(-1)
+        ok = match & ~(same & earlier).any(dim=-1)  # the first of equal siblings only
+        a = anc[:, 1:, 1:]  # [nb, N, N]
+        accepted = ~(a & ~ok[:, None, :]).any(dim=-1)  # [nb, N] every node on its path is ok
+        depth = a.sum(dim=-1)  # [nb, N]
+        n_acc = accepted.sum(dim=-1)  # [nb]
+        at_depth = accepted[:, None, :] & (depth[:, None, :] == self.ar[1 : d + 1][None, :, None])  # [nb, D, N]
+        path = (at_depth.long() * self.ar[1 : n + 1][None, None, :]).sum(dim=-1)  # [nb, D] node at depth i+1 or 0
+        keep = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=self.device), path], dim=1)  # [nb, D+1]
+        bonus = top.gather(1, keep.gather(1, n_acc[:, None]))  # [nb, 1]
+        tok1 = torch.cat([self.root[:nb, None], tokens], dim=1)  # [nb, N+1]
+        emitted = torch.cat([tok1.gather(1, path), bonus], dim=1).scatter(1, n_acc[:, None], bonus)  # [nb, D+1]
+        drafted = depth.max(dim=-1).values  # [nb]
+        self.packet[:nb].copy_(torch.cat([n_acc[:, None], drafted[:, None], emitted], dim=1))
+        return keep, n_acc, emitted
+
+    def _commit(self, nb: int, keep, n_acc, emitted, aux) -> None:
+        """Accepted K/V next to each row's prefix, drafter fed with the accepted path, state advanced."""
+        d1 = keep.shape[1]
+        length = self.length[:nb]
+        rows = torch.arange(nb, device=self.device)[:, None]  # [nb, 1]
+        dst = length[:, None] + self.ar[:d1][None]  # [nb, D+1]
+        src = length[:, None] + keep  # src >= dst elementwise: gather first, then write
+        k, v = self.k[:, :nb], self.v[:, :nb]
+        k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
+        v[:, rows, :, dst] = v[:, rows, :, src]
+        hidden = self.d.combine(aux[rows, keep])  # [nb, D+1, H]
+        dmask = self.ar_sd[None, None, :] <= dst[:, :, None]  # [nb, D+1, Sd]
+        out = self.d.forward_rows(hidden, emitted, dst, dst, dmask, self.dk[:nb], self.dv[:nb],
+                                  self.d_rope)  # [nb, D+1, H]; rows past n_acc are padding
+        self.last_out[:nb].copy_(out[rows[:, 0], n_acc])
+        self._advance(nb, n_acc, emitted.gather(1, n_acc[:, None])[:, 0])
