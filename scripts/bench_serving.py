@@ -32,7 +32,7 @@ from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.app import create_app
-from eagle3.serving.cli import fast_lane_engine
+from eagle3.serving.cli import fast_lane_engine, fast_rows
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.loadgen import drive_in_process
@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
+    p.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
+                   help="as `eagle3 serve --fast-rows` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", required=True)
@@ -105,7 +107,10 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens)
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
                             drafter if batch_drafter else None, device, config)
-    sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast)
+    fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
+                   target=fast.target if fast is not None else None)
+    sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast,
+                            rows=fr)
     rows = []
     srv = ServerThread(create_app(sched), shutdown_timeout=10).start()
     try:
@@ -152,6 +157,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     rows_policy = asdict(policy)
     for r in rows:
         r["policy"] = rows_policy
+        r["fast_lane"], r["fast_rows"] = fast is not None, fr is not None
     return rows
 
 

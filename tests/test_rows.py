@@ -39,7 +39,7 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 def make_rows(model, drafter, capacity: int, shapes: dict, seq_len: int = 256) -> FastRows:
     rows = FastRows(FastTarget(model, drafter.config.aux_layer_ids), drafter, capacity=capacity, seq_len=seq_len,
-                    shapes=shapes)
+                    shapes=shapes.get)
     rows.prepare()
     return rows
 
@@ -110,7 +110,7 @@ def test_cycles_are_capture_safe():
     d = init_drafter(model, draft_vocab_size=64, seed=1)
     model, d = model.to("meta"), d.to("meta")
     rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=64,
-                    shapes={1: TREE, 2: RowShape(3, 1, 3)})
+                    shapes={1: TREE, 2: RowShape(3, 1, 3)}.get)
     for nb in (1, 2, 4):
         rows._plain_cycle(nb)
         if rows.shapes[nb] is not None:

@@ -28,6 +28,7 @@ from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
 from eagle3.fast.engine import FastEngine  # noqa: E402
 from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter  # noqa: E402
 from eagle3.serving.app import create_app  # noqa: E402
+from eagle3.serving.cli import fast_rows  # noqa: E402
 from eagle3.serving.config import ServeConfig  # noqa: E402
 from eagle3.serving.drafting import Eagle3BatchDrafter  # noqa: E402
 from eagle3.serving.policy import SpecPolicy  # noqa: E402
@@ -40,9 +41,9 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
            "The little dog", "Mia found a shiny"]
 
 
-def make_server(model, tok, spec: bool = True, lane: bool = False, **config) -> ServerThread:
+def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, **config) -> ServerThread:
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
-    `lane`: with a fast lane (`FastEngine`) for lone greedy requests."""
+    `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
     shape = SpecConfig(depth=3, top_k=2, total_tokens=6)
@@ -53,7 +54,10 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, **config) -> 
         policy = SpecPolicy.from_spec(shape, token_budget=64, min_accept=0.0)
     fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d) if lane else None
     cfg = ServeConfig(model_name=MODEL, chat_template=TEMPLATE, **config)
-    sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast)
+    fr = fast_rows("on", model, d, policy or SpecPolicy(enabled=False), cfg, "cpu",
+                   target=fast.target if fast is not None else None) if rows else None
+    sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast,
+                            rows=fr)
     return ServerThread(create_app(sched), shutdown_timeout=cfg.shutdown_timeout).start()
 
 
@@ -149,6 +153,44 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref):
             texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
                                   .choices[0].text, PROMPTS * 2, timeout=120))
         assert texts == [ref(13, prompt=p).text for p in PROMPTS * 2]
+    finally:
+        srv.stop()
+
+
+def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
+    """Greedy requests on `FastRows` (with the fast lane handing over to them), sampled ones on the generic batch,
+    64 concurrent clients streamed and not: every greedy answer equals the bs=1 reference, speculative cycles
+    ran, and a client that leaves mid-stream frees its row."""
+    srv = make_server(*stories260k, lane=True, rows=True, max_batch_size=16)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        jobs = [(PROMPTS[i % len(PROMPTS)], (8, 13, 24)[i % 3], i % 2 == 0, 0.0 if i % 5 else 0.8) for i in range(64)]
+
+        def one(job):
+            prompt, n, stream, temperature = job
+            if stream:
+                chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature,
+                                                   stream=True))
+                return "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature)
+            return r.choices[0].text, r.choices[0].finish_reason
+
+        with ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(one, jobs, timeout=120))
+        for (prompt, n, _, temperature), (text, finish) in zip(jobs, results, strict=True):
+            if temperature == 0:
+                want = ref(n, prompt=prompt)
+                assert (text, finish) == (want.text, want.finish_reason), (prompt, n)
+        sched = srv.app.state.scheduler
+        assert sched.fast_rows.spec_cycles > 0 and sched.fast_rows.cycles > sched.fast_rows.spec_cycles
+        assert sched.fast_rows.n == 0 and not sched._frows
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r1, \
+                httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r2:
+            next(r1.iter_lines())
+            next(r2.iter_lines())  # two requests: the lane has handed over to the fast rows
+        assert wait_idle(srv)
+        assert sched.fast_rows.n == 0
     finally:
         srv.stop()
 

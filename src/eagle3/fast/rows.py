@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +33,7 @@ from eagle3.fast.target import FastTarget
 
 log = logging.getLogger("eagle3.fast")
 
-__all__ = ["FastRows", "RowShape"]
+__all__ = ["FastRows", "RowShape", "buckets"]
 
 
 class RowShape:
@@ -46,7 +47,8 @@ class RowShape:
         return f"RowShape(depth={self.depth}, top_k={self.top_k}, total={self.total})"
 
 
-def _buckets(capacity: int) -> list[int]:
+def buckets(capacity: int) -> list[int]:
+    """Batch-size buckets, one graph each: powers of two below `capacity`, then `capacity`."""
     out, b = [], 1
     while b < capacity:
         out.append(b)
@@ -57,13 +59,13 @@ def _buckets(capacity: int) -> list[int]:
 class FastRows:
     """Up to `capacity` greedy rows over per-row static caches of `seq_len` slots; see the module docstring.
 
-    `shapes[bucket]` is the draft shape of that bucket's speculative cycle (None or absent: plain only).
+    `shapes(bucket)` is the draft shape of that bucket's speculative cycle (None: plain only).
     `add` prefills a row and returns its first token; `cycle(spec)` runs one cycle of all active rows and
     returns each row's new tokens; `remove(i)` frees row i (the last row takes its place).
     """
 
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
-                 shapes: dict[int, RowShape | None] | None = None, graphs: bool = True):
+                 shapes: Callable[[int], RowShape | None] | None = None, graphs: bool = True):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if drafter is not None and target.aux_layer_ids != sorted(drafter.config.aux_layer_ids):
@@ -71,9 +73,8 @@ class FastRows:
                               f"{sorted(drafter.config.aux_layer_ids)}")
         self.t, self.capacity, self.seq_len = target, capacity, seq_len
         self.d = FastDrafter(drafter) if drafter is not None else None
-        self.buckets = _buckets(capacity)
-        shapes = shapes or {}
-        self.shapes = {b: (shapes.get(b) if self.d is not None else None) for b in self.buckets}
+        self.buckets = buckets(capacity)
+        self.shapes = {b: (shapes(b) if self.d is not None and shapes is not None else None) for b in self.buckets}
         d_max = max([s.depth for s in self.shapes.values() if s] + [0])
         n_max = max([s.total for s in self.shapes.values() if s] + [0])
         scratch = max([(s.depth - 1) * s.top_k for s in self.shapes.values() if s] + [0])
@@ -98,6 +99,7 @@ class FastRows:
             self.ar_sd = torch.arange(self.sd, device=dev)
             self.last_out = torch.zeros(capacity, fd.hidden_size, dtype=fd.dtype, device=dev)
         self.n = 0  # active rows: [0, n)
+        self.cycles = self.spec_cycles = 0  # cycles run (all, speculative)
         self.graphs = graphs and dev.type == "cuda"
         self._pool = graph_pool(dev)
         self._runners: dict[tuple[int, bool], StepRunner] = {}
@@ -126,6 +128,10 @@ class FastRows:
                     self._runner(b, spec)
         self._reset_rows(0, self.capacity)
         return time.perf_counter() - t0
+
+    @property
+    def cycles_prepared(self) -> int:
+        return len(self._runners)
 
     def _runner(self, nb: int, spec: bool) -> StepRunner:
         key = (nb, spec)
@@ -197,8 +203,16 @@ class FastRows:
         if spec and self.shapes[nb] is None:
             raise ValueError(f"bucket {nb} has no draft shape")
         self._runner(nb, spec)()
+        self.cycles += 1
+        self.spec_cycles += spec
         pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
         return [p[2 : 3 + p[0]] for p in pkt]
+
+    def cache_bytes(self) -> int:
+        n = self.k.numel() * self.k.element_size() * 2
+        if self.d is not None:
+            n += self.dk.numel() * self.dk.element_size() * 2
+        return n
 
     def shape_of(self, n: int) -> RowShape | None:
         return self.shapes[self.bucket(max(1, n))]

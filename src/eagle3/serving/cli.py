@@ -10,9 +10,10 @@ import logging
 from pathlib import Path
 
 from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
+from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
 
-__all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "load_server"]
+__all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "fast_rows", "load_server"]
 
 log = logging.getLogger("eagle3")
 
@@ -62,6 +63,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a greedy request that finds the server idle decodes on the batch-1 static-cache path "
                         "(CUDA graphs) and joins the batch when another request arrives; costs a second, fused "
                         "copy of the target's weights. auto: on for CUDA targets of the fast-path families")
+    s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
+                   help="greedy requests decode as rows of a static-cache batch (one CUDA graph per batch-size "
+                        "bucket, plain or speculative cycles) instead of the generic batch. auto: on for CUDA "
+                        "targets of the fast-path families")
+    s.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len,
+                   help="cache slots per fast row; longer requests use the generic batch")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
     return s
@@ -84,7 +91,6 @@ def load_server(args):
     from eagle3.models import load_target
     from eagle3.runtime import eos_token_ids
     from eagle3.serving.app import create_app
-    from eagle3.serving.config import ServeConfig
     from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter
     from eagle3.serving.policy import default_token_budget
     from eagle3.serving.server import build_scheduler
@@ -105,7 +111,7 @@ def load_server(args):
         model_name=args.served_model_name or args.target, max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
         max_prefill_tokens=args.max_prefill_tokens, max_waiting=args.max_waiting,
-        shutdown_timeout=args.shutdown_timeout, chat_template=template)
+        shutdown_timeout=args.shutdown_timeout, chat_template=template, fast_rows_len=args.fast_rows_len)
     policy = SpecPolicy.from_spec(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
         min_accept=args.spec_min_accept, retry_after=args.spec_retry_after, measure=not args.no_spec_gate)
@@ -126,8 +132,10 @@ def load_server(args):
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config)
+    rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
+                     target=fast.target if fast is not None else None)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
-                            config=config, fast=fast)
+                            config=config, fast=fast, rows=rows)
     return sched, create_app(sched)
 
 
@@ -150,6 +158,38 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
     return engine
 
 
+def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None):
+    """The server's `FastRows` (greedy requests on the static-cache batch), captured and ready, or None (see
+    `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers."""
+    if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
+        return None
+    from eagle3.fast.rows import FastRows, RowShape
+    from eagle3.fast.target import FastTarget, fast_support
+
+    reason = fast_support(model)
+    if reason is not None:
+        if choice == "on":
+            raise ConfigError(f"--fast-rows on: this target cannot use the fast path ({reason}); use --fast-rows off")
+        log.warning("fast rows off: %s", reason)
+        return None
+    drafter = drafter if policy.enabled else None
+    aux = sorted(drafter.config.aux_layer_ids) if drafter is not None else []
+    if target is None or target.aux_layer_ids != aux:
+        target = FastTarget(model, aux)
+    limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
+    seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
+
+    def shape(bucket: int) -> RowShape | None:
+        s = policy.shape(bucket)
+        return None if s is None else RowShape(s.depth, s.top_k, s.total)
+
+    rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape)
+    seconds = rows.prepare()
+    log.info("fast rows: %d rows x %d slots (%.2f GiB of cache), %d cycles prepared in %.1f s", rows.capacity,
+             seq_len, rows.cache_bytes() / 2**30, rows.cycles_prepared, seconds)
+    return rows
+
+
 def describe(sched) -> str:
     """One line on what the server will do, printed at start (what speculates, how, and where)."""
     p = sched.policy
@@ -160,8 +200,9 @@ def describe(sched) -> str:
         spec = (f"drafter {sched.drafter.name}, up to a {shape}, token budget {p.token_budget}, "
                 f"speed gate {'on' if p.measure else 'off'}")
     lane = "off" if sched.fast is None else f"on ({sched.fast.draft})"
+    rows = "off" if sched.fast_rows is None else f"on ({sched.fast_rows.seq_len} slots each)"
     return (f"eagle3 serve: {sched.config.model_name} on {sched.target.device}; {spec}; "
-            f"max batch {sched.config.max_batch_size}; fast lane {lane}")
+            f"max batch {sched.config.max_batch_size}; fast lane {lane}; fast rows {rows}")
 
 
 def cmd_serve(args) -> int:

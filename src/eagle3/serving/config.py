@@ -22,9 +22,10 @@ class ServeConfig:
     max_stop_strings: int = 4  # as OpenAI
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
     chat_template: str | None = None  # a Jinja chat template for tokenizers without one
+    fast_rows_len: int = 2048  # cache slots per fast row (prompt + completion + a cycle); longer requests: generic
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting"):
+        for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting", "fast_rows_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

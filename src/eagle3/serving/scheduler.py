@@ -17,6 +17,11 @@ alone on the batch-1 static-cache path (CUDA graphs on a GPU), which is many tim
 on the generic path. When another request arrives it stops after its current cycle, is prefilled into the batch
 with the text it has so far, and continues there; outputs are the same either way (greedy, lossless).
 
+The fast rows (when the server has `FastRows`, on a GPU): greedy requests that fit its caches decode as rows of
+a static-cache batch instead (`eagle3.fast.rows`): one graph-captured cycle per batch-size bucket, speculative
+with the policy's shape for that bucket where the speed gate measures it faster, plain otherwise. Sampled
+requests, and those that do not fit, use the generic batch; both batches advance once per loop iteration.
+
 Results reach the HTTP side through each request's `sink` (called from this thread). Greedy output equals
 `SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
 kernels differ from bs=1 ones only by float rounding, which could flip an exact argmax tie).
@@ -47,6 +52,7 @@ from eagle3.target import Target
 
 if TYPE_CHECKING:
     from eagle3.fast.engine import FastEngine
+    from eagle3.fast.rows import FastRows
 
 __all__ = ["Event", "GenParams", "RequestHandle", "Scheduler", "SchedulerUnavailable"]
 
@@ -148,11 +154,13 @@ class Scheduler:
         config: ServeConfig | None = None,
         metrics: Metrics | None = None,
         fast: FastEngine | None = None,
+        rows: FastRows | None = None,
     ):
         """`fast`: a batch-1 `FastEngine` on the same model (with this server's drafter and largest shape) for
         the fast lane: a greedy request that finds the server idle runs on it alone, and moves into the batch
         (re-prefilled) as soon as another request arrives. With the speed gate on, lane requests alternate
-        between it and a drafter-less engine on the same weights until one is measured faster."""
+        between it and a drafter-less engine on the same weights until one is measured faster.
+        `rows`: `FastRows` on the same model for greedy requests (see the module docstring)."""
         self.target = target
         self.fast = fast
         self._in_lane = False  # a request is decoding on the fast lane (neither waiting nor in the batch)
@@ -173,6 +181,12 @@ class Scheduler:
             self._lane_gate = SpeedGate(probe_every=4, ema=self.policy.ema, max_probe_every=64)
         self.config = config or ServeConfig()
         self.metrics = metrics or Metrics(self.config.model_name)
+        self.fast_rows = rows
+        self._frows: list[_Row] = []  # mirrors the active rows of `fast_rows`, in order
+        if rows is not None and rows.capacity < self.config.max_batch_size:
+            raise ValueError(f"FastRows holds {rows.capacity} rows; the server admits {self.config.max_batch_size}")
+        self._rows_gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
+                           if rows is not None and self.policy.measure else None)
         self._cond = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._rows: list[_Row] = []
@@ -195,7 +209,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._frows)
 
     @property
     def waiting(self) -> int:
@@ -227,7 +241,8 @@ class Scheduler:
             self._closing = True
             self._cond.notify_all()
         deadline = time.monotonic() + timeout
-        while (self._rows or self._waiting or self._in_lane) and time.monotonic() < deadline and self._thread_alive():
+        while ((self._rows or self._frows or self._waiting or self._in_lane) and time.monotonic() < deadline
+               and self._thread_alive()):
             time.sleep(0.01)
         with self._cond:
             self._stopping = True
@@ -244,7 +259,7 @@ class Scheduler:
             with torch.inference_mode():
                 while True:
                     with self._cond:
-                        while not self._rows and not self._waiting and not self._stopping:
+                        while not self._rows and not self._frows and not self._waiting and not self._stopping:
                             self._cond.wait()
                         if self._stopping:
                             break
@@ -267,37 +282,44 @@ class Scheduler:
                         self._join_batch(row)
                 return
             with varying_shape_attention(self.target.device):  # the batch cache widens every cycle
+                admitted = self._add_fast_rows(admitted)
                 if admitted:
                     self._prefill(admitted)
-                if self._rows:
+            if self._frows:
+                self._fast_cycle()
+            if self._rows:
+                with varying_shape_attention(self.target.device):
                     self._cycle()
         except Exception as e:  # a failed forward must not hang clients: fail this batch, keep serving
-            log.exception("decoding step failed; failing %d in-flight requests", len(self._rows) + len(admitted))
+            log.exception("decoding step failed; failing %d in-flight requests", self.running + len(admitted))
             msg = f"internal error while decoding: {type(e).__name__}: {e}"
-            for h in [r.handle for r in self._rows] + admitted:
+            for h in [r.handle for r in self._rows + self._frows] + admitted:
                 self._send_error(h, msg, status=500)
             self._reset()
         finally:
-            self.metrics.set("eagle3_running_requests", len(self._rows))
+            self.metrics.set("eagle3_running_requests", self.running)
             self.metrics.set("eagle3_queue_depth", len(self._waiting))
 
     def _reset(self) -> None:
         self._rows = []
         self._kv = BatchKV()
+        while self._frows:
+            self._frows.pop()
+            self.fast_rows.remove(len(self._frows))
         if self.drafter is not None:
             self.drafter.select([])
 
     def _abort_all(self, message: str) -> None:
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
-        for h in [r.handle for r in self._rows] + waiting:
+        for h in [r.handle for r in self._rows + self._frows] + waiting:
             self._send_error(h, message, status=503)
         self._reset()
 
     def _take_waiting(self) -> list[RequestHandle]:
         out: list[RequestHandle] = []
         longest = 0
-        while self._waiting and len(self._rows) + len(out) < self.config.max_batch_size:
+        while self._waiting and self.running + len(out) < self.config.max_batch_size:
             h = self._waiting[0]
             if h.cancelled:
                 self._waiting.popleft()
@@ -312,6 +334,12 @@ class Scheduler:
         return out
 
     def _drop_cancelled(self) -> None:
+        for i in reversed(range(len(self._frows))):
+            if self._frows[i].handle.cancelled:
+                h = self._frows[i].handle
+                h.finished = True
+                self.metrics.inc("eagle3_requests_total", endpoint=h.params.endpoint, finish_reason="cancelled")
+                self._remove_fast_row(i)
         keep = [i for i, r in enumerate(self._rows) if not r.handle.cancelled]
         if len(keep) == len(self._rows):
             return
@@ -330,7 +358,8 @@ class Scheduler:
 
     # -- the fast lane: one greedy request alone on the batch-1 fast path ------------------------
     def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
-        return (self.fast is not None and not self._rows and len(admitted) == 1 and not self._waiting
+        return (self.fast is not None and not self._rows and not self._frows and len(admitted) == 1
+                and not self._waiting
                 and admitted[0].params.temperature == 0)
 
     def _run_lane(self, h: RequestHandle) -> _Row | None:
@@ -389,11 +418,77 @@ class Scheduler:
         """Move a lane request into the batch: prefill its text so far (the root, its last token, stays out of
         the cache as for every row) and the drafter's history."""
         ctx = list(row.handle.params.prompt_ids) + row.out[:-1]
+        if self._fits_fast_rows(row.handle.params, len(ctx)):
+            self.fast_rows.add(ctx, root=row.root)
+            self._frows.append(row)
+            return
         kv, _, aux = prefill(self.target, [ctx])
         if self.drafter is not None:
             self.drafter.add([ctx], aux, [row.root])
         self._kv.merge(kv)
         self._rows.append(row)
+
+    # -- fast rows: greedy requests on the static-cache batch -----------------------------------
+    def _fits_fast_rows(self, p: GenParams, context: int) -> bool:
+        fr = self.fast_rows
+        return (fr is not None and p.temperature == 0 and fr.n < fr.capacity
+                and fr.fits(context, p.max_tokens - (context - len(p.prompt_ids))))
+
+    def _add_fast_rows(self, admitted: list[RequestHandle]) -> list[RequestHandle]:
+        """Prefill the admitted requests that fit the fast rows there (one by one) and emit their first token;
+        returns the others."""
+        rest = []
+        for h in admitted:
+            p = h.params
+            if not self._fits_fast_rows(p, len(p.prompt_ids)):
+                rest.append(h)
+                continue
+            first = self.fast_rows.add(list(p.prompt_ids))
+            self.metrics.inc("eagle3_prompt_tokens_total", len(p.prompt_ids))
+            h.first_token_at = time.perf_counter()
+            self.metrics.observe("eagle3_time_to_first_token_seconds", h.first_token_at - h.arrival)
+            row = _Row(h, drafting=False)
+            self._frows.append(row)
+            if self._emit(row, [first]):
+                self._remove_fast_row(len(self._frows) - 1)
+        return rest
+
+    def _remove_fast_row(self, i: int) -> None:
+        """Free fast row i; the last row moves into its place, here as in `FastRows.remove`."""
+        self.fast_rows.remove(i)
+        last = self._frows.pop()
+        if i < len(self._frows):
+            self._frows[i] = last
+
+    def _fast_cycle(self) -> None:
+        t0 = time.perf_counter()
+        fr, m = self.fast_rows, self.metrics
+        b = fr.n
+        shape = fr.shape_of(b)
+        spec = shape is not None and self.policy.enabled
+        if spec and self._rows_gate is not None and not self._rows_gate.speculate(b):
+            m.inc("eagle3_spec_paused_cycles_total")
+            spec = False
+        new_tokens = fr.cycle(spec)
+        n = shape.total if spec else 0
+        m.inc("eagle3_verify_steps_total")
+        m.inc("eagle3_verified_tokens_total", b * (n + 1))
+        m.observe("eagle3_batch_size", b)
+        m.set("eagle3_spec_draft_tokens", n)
+        if spec:
+            m.inc("eagle3_draft_tokens_total", b * n)
+            m.inc("eagle3_accepted_tokens_total", sum(len(t) - 1 for t in new_tokens))
+            m.inc("eagle3_spec_row_steps_total", b)
+            for t in new_tokens:
+                m.record_row_cycle(shape.depth, len(t) - 1)
+        finished = [self._emit(r, t) for r, t in zip(self._frows, new_tokens, strict=True)]
+        for i in reversed(range(len(finished))):
+            if finished[i]:
+                self._remove_fast_row(i)
+        seconds = time.perf_counter() - t0
+        m.observe("eagle3_cycle_seconds", seconds)
+        if self._rows_gate is not None and shape is not None and self.policy.enabled:
+            self._rows_gate.record(b, spec, seconds, sum(len(t) for t in new_tokens))
 
     # -- prefill -----------------------------------------------------------------------------
     def _prefill(self, handles: list[RequestHandle]) -> None:

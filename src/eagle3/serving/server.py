@@ -27,10 +27,11 @@ log = logging.getLogger("eagle3.serving")
 
 
 def build_scheduler(target: Target, tokenizer, eos_token_ids, drafter: BatchDrafter | None = None,
-                    policy: SpecPolicy | None = None, config: ServeConfig | None = None, fast=None) -> Scheduler:
+                    policy: SpecPolicy | None = None, config: ServeConfig | None = None, fast=None,
+                    rows=None) -> Scheduler:
     config = config or ServeConfig()
     return Scheduler(target, tokenizer, eos_token_ids, drafter=drafter, policy=policy, config=config,
-                     metrics=Metrics(config.model_name), fast=fast)
+                     metrics=Metrics(config.model_name), fast=fast, rows=rows)
 
 
 class ServerThread:
