@@ -19,8 +19,8 @@ from eagle3.runtime import encode_prompt, eos_token_ids
 from eagle3.target import Target
 
 # A CPU verifies a tree of 60 tokens at several times the cost of one token (it is compute-bound where a GPU
-# is bandwidth-bound). With the previous bundled drafter on 2 cores, measured speedups were: chain 2 1.09x,
-# tree 3,2,4 0.87x, tree 4,3,8 0.78x, tree 5,4,16 0.73x; the current one gives chain 2 1.14x, chain 3 0.87x (docs/benchmarks.md).
+# is bandwidth-bound). With the bundled drafter on 2 cores (`eagle3 demo --chain K / --tree ...`): chain 1 1.21x,
+# chain 2 1.22x, chain 3 0.91x, tree 3,2,4 1.02x (docs/benchmarks.md).
 # So the CPU default is a chain of 2. `--tree` or `--chain` override it.
 CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
 
