@@ -6,13 +6,11 @@
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter came out of three runs of this script on one H200 (docs/training.md has the numbers):
-#   1. REGEN_S=570 MAX_STEPS=925 EPOCHS=6 (the ShareGPT regeneration was cut at 9.5 minutes, after 12,231 of
-#      16,495 conversations; 0.85 epoch)
-#   2. on a full regeneration (REGEN_BATCH=512, no REGEN_S), continuing run 1:
-#      INIT=<run 1>/train/drafter LR=5e-4 BATCH_TOKENS=32768 EPOCHS=30 TIME_BUDGET=1000
-#   3. same W, continuing run 2: INIT=$W/train/drafter OUT=$W/train3 LR=3e-4 BATCH_TOKENS=32768 EPOCHS=30
-#      TIME_BUDGET=470  -> $W/train3/drafter is the bundled drafter
+# The bundled drafter is one fresh run of this script on one H200 (docs/training.md has the numbers), on a full
+# regeneration (REGEN_BATCH=512):
+#   REGEN_BATCH=512 LR=1e-3 BATCH_TOKENS=32768 EPOCHS=30 TIME_BUDGET=18m
+# -> 3,126 steps, 18.6 minutes from prepared data to $W/train/drafter (the defaults below are those settings).
+# Earlier bundled drafters came from shorter runs continued with INIT=<drafter> (see docs/training.md).
 set -euo pipefail
 
 W=${W:-/tmp/eagle3-smollm2}
@@ -22,13 +20,13 @@ GSM8K=${GSM8K:?path to GSM8K questions as conversations (JSONL)}
 DEVICE=${DEVICE:-cuda:0}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 REGEN_S=${REGEN_S:-0}          # stop the ShareGPT regeneration after this many seconds (0: run to the end)
-EPOCHS=${EPOCHS:-1}
+EPOCHS=${EPOCHS:-30}
 MAX_STEPS=${MAX_STEPS:-}       # caps training (and sets the schedule length)
 LR=${LR:-1e-3}
 INIT=${INIT:-}                 # continue from this drafter (its draft vocabulary is kept)
-BATCH_TOKENS=${BATCH_TOKENS:-16384}
-TIME_BUDGET=${TIME_BUDGET:-}   # train for about this long (e.g. 20m); EPOCHS and MAX_STEPS still cap it
-REGEN_BATCH=${REGEN_BATCH:-256}
+BATCH_TOKENS=${BATCH_TOKENS:-32768}
+TIME_BUDGET=${TIME_BUDGET-18m}  # train for about this long (TIME_BUDGET= : no budget); EPOCHS, MAX_STEPS cap it
+REGEN_BATCH=${REGEN_BATCH:-512}
 OUT=${OUT:-$W/train}
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
