@@ -27,7 +27,7 @@ from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
 from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate, TreeShape
 from eagle3.serving.sampling import exponential_noise, race_sample
-from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler, SchedulerUnavailable
+from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler, SchedulerUnavailable, _Row
 from eagle3.target import Target
 
 SMALL_TREE = SpecConfig(depth=4, top_k=3, total_tokens=10)
@@ -547,3 +547,27 @@ def test_a_row_that_stopped_drafting_tries_again(retry_after, max_held, monkeypa
         assert accepted >= 2 * 4 * len(prompts)  # back to 2 per cycle for the rest of each 40-token answer
     else:
         assert accepted == 0
+
+
+@pytest.mark.parametrize("which", ["stories260k", "smollm2"])
+def test_incremental_text_equals_a_full_decode(which, request):
+    """Streamed text is decoded in windows (`Scheduler._stable_text`); fed 1-3 tokens at a time, its pieces add
+    up to the full decode whenever that ends in a complete character, for a SentencePiece tokenizer that
+    drops leading spaces (stories260K) and a byte-level BPE one with multi-byte characters (SmolLM2)."""
+    model, tok = request.getfixturevalue(which)
+    sched = Scheduler(Target(copy.deepcopy(model), []), tok, [])
+    assert sched._incremental
+    text = "Héllo wörld, naïve café! 😀 Done. 日本語のテキスト and  two  spaces\nnew line."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    row = _Row(RequestHandle(GenParams(prompt_ids=[1], max_tokens=len(ids)), lambda ev: None), drafting=False)
+    g = torch.Generator().manual_seed(0)
+    i = 0
+    while i < len(ids):
+        i += int(torch.randint(1, 4, (1,), generator=g))
+        row.out = ids[:i]
+        stable = sched._stable_text(row)
+        full = tok.decode(row.out, skip_special_tokens=True)
+        assert full.startswith(stable)
+        if not full.endswith("\ufffd"):
+            assert stable == full
+    assert sched._stable_text(row) == tok.decode(ids, skip_special_tokens=True)

@@ -125,3 +125,28 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
     assert all(r["errors"] == 0 and r["requests"] >= 3 and r["output_tokens"] > 0 for r in rec["results"])
     assert (out / "bench_serving.png").stat().st_size > 0
     assert "geometric-mean speedup" in capsys.readouterr().out
+
+
+def test_bench_rows_script_writes_a_record(tmp_path, capsys):
+    """`scripts/bench_rows.py`, stories260K with a random drafter: two budgets x two batch sizes, both modes,
+    a record whose shapes follow the serving policy (a larger budget gives B=4 a larger tree)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_rows.py"
+    spec = importlib.util.spec_from_file_location("bench_rows", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "out"
+    assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--batch", "1", "4",
+                     "--budgets", "16", "64", "--cycles", "2", "--warmup", "1", "--seq-len", "512",
+                     "--prompts", "gsm8k", "--out", str(out)]) == 0
+    rec = json.loads((out / "bench_rows.json").read_text())
+    assert rec["kind"] == "bench_rows" and rec["git_sha"] is not None
+    rows = {(r["budget"], r["batch"]): r for r in rec["results"]}
+    assert set(rows) == {(16, 1), (16, 4), (64, 1), (64, 4)}
+    assert all(r["plain_tokens_per_row_cycle"] == 1.0 and r["spec_tokens_per_row_cycle"] >= 1.0
+               for r in rows.values())
+    assert rows[(16, 4)]["shape"] == "RowShape(depth=3, top_k=1, total=3)"
+    assert rows[(64, 4)]["shape"] == "RowShape(depth=6, top_k=3, total=15)"
+    assert "budget" in capsys.readouterr().out
