@@ -108,7 +108,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
                             drafter if batch_drafter else None, device, config)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
-                   target=fast.target if fast is not None else None)
+                   target=fast.target if fast is not None else None, token_budget=args.spec_budget)
     sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast,
                             rows=fr)
     rows = []

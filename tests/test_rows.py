@@ -134,3 +134,27 @@ def test_bad_use_is_refused():
         rows.cycle(spec=True)  # bucket 2 has no shape
     with pytest.raises(IndexError):
         rows.remove(5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_rows_match_the_batch1_engine():
+    """On a GPU (fp32): every bucket's cycles are captured, also for a second FastRows built after the first was
+    dropped (a graph the garbage collector frees during a capture used to spoil every capture after it), and
+    the rows' tokens equal the batch-1 engine's."""
+    model = build_tiny_target("llama", vocab_size=8).cuda()
+    d = init_drafter(model, draft_vocab_size=8, seed=1).cuda()
+    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(depth=4, top_k=3, total_tokens=12), drafter=d)
+    prompts = prompts_of([9, 4, 17], 8, seed=3)
+    ref = [engine.generate(torch.tensor(p), max_new_tokens=30, eos_token_ids=[]).token_ids for p in prompts]
+    for _ in range(2):
+        rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=256,
+                        shapes={1: TREE, 2: TREE, 4: TREE}.get)
+        rows.prepare()
+        assert all(r.graph is not None for r in rows._runners.values())
+        outs = [[rows.add(p)] for p in prompts]
+        while min(len(o) for o in outs) < 30:
+            for j, new in enumerate(rows.cycle(spec=True)):
+                outs[j] += new
+        assert [o[:30] for o in outs] == ref
+        del rows

@@ -12,6 +12,7 @@ Warm-up runs the function for real, so callers capture before loading a request 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -66,6 +67,12 @@ class StepRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.current_stream(self.device)
+            # A CUDA graph freed while another is being captured (by the cyclic garbage collector: engines and
+            # their runners reference each other) invalidates that capture, and every later capture into the
+            # pool then fails. torch no longer collects before a capture, so collect here and not during it.
+            gc.collect()
+            gc_enabled = gc.isenabled()
+            gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.call()
@@ -76,6 +83,9 @@ class StepRunner:
                 log.warning("CUDA graph capture of %s failed (%s); running it eagerly", self.name,
                             str(e).splitlines()[0] if str(e) else type(e).__name__)
                 self.use_graphs = False
+            finally:
+                if gc_enabled:
+                    gc.enable()
         self.prepare_s = time.perf_counter() - t0
         log.info("prepared %s in %.2fs (graph=%s, compiled=%s)", self.name, self.prepare_s,
                  self.graph is not None, self.compiled)

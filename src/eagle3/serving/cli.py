@@ -51,7 +51,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"draft chains of at most K tokens instead of trees (e.g. {DEFAULT_CHAIN_LENGTH})")
     s.add_argument("--no-spec", action="store_true", help="plain batched decoding (load no drafter)")
     s.add_argument("--spec-budget", type=int, default=None,
-                   help="verified tokens per batched forward, B*(N+1) (default 256 on GPU, 32 on CPU)")
+                   help="verified tokens per batched forward, B*(N+1) (default 256 on GPU, 32 on CPU; 512 on "
+                        "the fast rows)")
     s.add_argument("--spec-max-batch", type=int, default=None, help="no speculation above this batch size")
     s.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept,
                    help="a row whose running mean of accepted drafts per cycle falls below this stops drafting")
@@ -133,7 +134,7 @@ def load_server(args):
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config)
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
-                     target=fast.target if fast is not None else None)
+                     target=fast.target if fast is not None else None, token_budget=args.spec_budget)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     return sched, create_app(sched)
@@ -158,13 +159,18 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
     return engine
 
 
-def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None):
+def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
+              token_budget: int | None = None):
     """The server's `FastRows` (greedy requests on the static-cache batch), captured and ready, or None (see
-    `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers."""
+    `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
+    shape per batch size is `policy`'s with `token_budget` (default `FAST_ROWS_TOKEN_BUDGET`)."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
         return None
+    from dataclasses import replace
+
     from eagle3.fast.rows import FastRows, RowShape
     from eagle3.fast.target import FastTarget, fast_support
+    from eagle3.serving.policy import FAST_ROWS_TOKEN_BUDGET
 
     reason = fast_support(model)
     if reason is not None:
@@ -179,8 +185,10 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
     seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
 
+    rows_policy = replace(policy, token_budget=token_budget or FAST_ROWS_TOKEN_BUDGET)
+
     def shape(bucket: int) -> RowShape | None:
-        s = policy.shape(bucket)
+        s = rows_policy.shape(bucket)
         return None if s is None else RowShape(s.depth, s.top_k, s.total)
 
     rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape)

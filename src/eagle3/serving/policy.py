@@ -40,6 +40,12 @@ GPU_TOKEN_BUDGET = 256
 CPU_TOKEN_BUDGET = 32
 
 
+# FastRows (the static-cache batch) verifies a wider tree for the same cost: `scripts/bench_rows.py` on an H200
+# with SmolLM2 gave 1.64x / 1.65x plain at 32 / 64 rows with 512 tokens per cycle against 1.54x / 1.55x with
+# 256, the same at 1-16 rows, and 1.21x / 1.50x with 2,048 (docs/benchmarks.md).
+FAST_ROWS_TOKEN_BUDGET = 512
+
+
 def default_token_budget(device: str) -> int:
     """Verified tokens per batched forward: 256 on a GPU, 32 on a CPU (where compute grows with tokens)."""
     return GPU_TOKEN_BUDGET if str(device).startswith("cuda") else CPU_TOKEN_BUDGET
