@@ -1,7 +1,8 @@
 """Batched greedy rows on the fast path (`eagle3.fast.rows.FastRows`), on CPU (same code as on CUDA, eager).
 
-- rows that join and leave at different cycles, in buckets that change as they do, with plain and speculative
-  cycles mixed at random, each produce HF `generate`'s greedy output (Llama and Qwen3 layouts);
+- rows that join (several in one padded prefill) and leave at different cycles, in buckets that change as they
+  do, with plain and speculative cycles mixed at random, each produce HF `generate`'s greedy output (Llama and
+  Qwen3 layouts);
 - run side by side, each row accepts exactly what the batch-1 `FastEngine` accepts for its prompt, cycle by
   cycle (a vocabulary of 8 makes accepted paths of 2 common, so per-row KV compaction is exercised);
 - the cycles run on the meta device (no host sync, nothing created off-device: what CUDA graph capture needs);
@@ -59,12 +60,12 @@ def test_rows_joining_and_leaving_match_hf_generate(arch):
     rng = random.Random(0)
     cycles = spec_cycles = 0
     while waiting or owner:
-        while waiting and (cycles % 2 == 0 or not owner) and rows.n < rows.capacity:  # two join at a time
-            i = waiting.pop(0)
-            outs[i] = [rows.add(prompts[i])]
-            owner.append(i)
-            if len(owner) % 2:
-                break
+        if waiting and (cycles % 2 == 0 or not owner):  # one, two or three join at once (one batched prefill)
+            joining = waiting[: min(1 + cycles % 3, rows.capacity - rows.n)]
+            del waiting[: len(joining)]
+            for i, first in zip(joining, rows.add_many([prompts[i] for i in joining]), strict=True):
+                outs[i] = [first]
+                owner.append(i)
         spec = rows.can_speculate(rows.n) and rng.random() < 0.7
         spec_cycles += spec
         for j, new in enumerate(rows.cycle(spec)):

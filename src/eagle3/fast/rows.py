@@ -147,27 +147,45 @@ class FastRows:
     def add(self, prompt: list[int], root: int | None = None) -> int:
         """Prefill `prompt` into a new row (index `n` before the call); returns the row's first new token
         (`root` when given: a request moving in from elsewhere, whose next token is already known)."""
-        if self.n >= self.capacity:
-            raise RuntimeError(f"all {self.capacity} rows are in use")
-        if not self.fits(len(prompt), 1):
-            raise ConfigError(f"a {len(prompt)}-token context does not fit {self.seq_len} cache slots")
-        i, t, dev = self.n, len(prompt), self.device
-        ids = torch.tensor(prompt, dtype=torch.long, device=dev)[None]  # [1, T]
-        pos = torch.arange(t, device=dev)[None]  # [1, T]
-        mask = (self.ar_s[None, :] <= pos[0, :, None])[None]  # [1, T, S] causal
-        logits, aux = self.t.forward_rows(ids, pos, pos, mask, self.k[:, i : i + 1], self.v[:, i : i + 1], self.rope,
-                                          last_only=True, want_aux=self.d is not None)  # [1, 1, V], [1, T, 3·Ht]
-        first = int(logits[0, -1].argmax()) if root is None else int(root)
+        return self.add_many([prompt], [root])[0]
+
+    @torch.no_grad()
+    def add_many(self, prompts: list[list[int]], roots: list[int | None] | None = None) -> list[int]:
+        """Prefill several prompts into new rows n, n+1, ... in one right-padded forward (and one drafter
+        forward); returns their first new tokens (see `add`). Padding writes K/V past each prompt, into slots a
+        row's length never covers before they are overwritten, and the causal mask keeps real tokens from it."""
+        r, i = len(prompts), self.n
+        roots = roots or [None] * r
+        if i + r > self.capacity:
+            raise RuntimeError(f"{r} more rows do not fit: {i} of {self.capacity} are in use")
+        for p in prompts:
+            if not p or not self.fits(len(p), 1):
+                raise ConfigError(f"a {len(p)}-token context does not fit {self.seq_len} cache slots")
+        dev, width = self.device, max(len(p) for p in prompts)
+        ids_host = torch.zeros(r, width, dtype=torch.long)
+        for j, p in enumerate(prompts):
+            ids_host[j, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids_host.to(dev)  # [R, T] right-padded
+        lens = torch.tensor([len(p) for p in prompts], device=dev)  # [R]
+        pos = torch.arange(width, device=dev)[None].expand(r, -1)  # [R, T]
+        mask = (self.ar_s[None, None, :] <= pos[:, :, None])  # [R, T, S] causal
+        logits, aux = self.t.forward_rows(ids, pos, pos, mask, self.k[:, i : i + r], self.v[:, i : i + r],
+                                          self.rope, logits_at=lens - 1,
+                                          want_aux=self.d is not None)  # [R, 1, V], [R, T, 3·Ht]
+        first = logits[:, 0].argmax(dim=-1)  # [R]
+        known = [j for j, x in enumerate(roots) if x is not None]
+        if known:
+            first[known] = torch.tensor([roots[j] for j in known], device=dev)
         if self.d is not None:
-            nxt = torch.cat([ids[0, 1:], torch.tensor([first], device=dev)])[None]  # [1, T]: x_{t+1}
-            dmask = (self.ar_sd[None, :] <= pos[0, :, None])[None]  # [1, T, Sd]
-            out = self.d.forward_rows(self.d.combine(aux[0])[None], nxt, pos, pos, dmask, self.dk[i : i + 1],
-                                      self.dv[i : i + 1], self.d_rope)  # [1, T, H]
-            self.last_out[i].copy_(out[0, -1])
-        self.root[i] = first
-        self.length[i] = t
-        self.n += 1
-        return first
+            nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).scatter(1, (lens - 1)[:, None], first[:, None])
+            dmask = self.ar_sd[None, None, :] <= pos[:, :, None]  # [R, T, Sd]
+            out = self.d.forward_rows(self.d.combine(aux), nxt, pos, pos, dmask, self.dk[i : i + r],
+                                      self.dv[i : i + r], self.d_rope)  # [R, T, H]; row t pairs g_t with x_{t+1}
+            self.last_out[i : i + r].copy_(out[torch.arange(r, device=dev), lens - 1])
+        self.root[i : i + r] = first
+        self.length[i : i + r] = lens
+        self.n += r
+        return first.tolist()
 
     @torch.no_grad()
     def remove(self, i: int) -> None:

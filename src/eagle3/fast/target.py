@@ -308,11 +308,11 @@ class FastTarget(nn.Module):
         k_rows: torch.Tensor,  # [L, B, n_kv, S, hd]: one cache per row (`eagle3.fast.rows`)
         v_rows: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],  # (cos, signed sin) [S, hd] from `rope_table`
-        last_only: bool = False,
+        logits_at: torch.Tensor | None = None,  # [B] one position per row (prefill: each prompt's last token)
         want_aux: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward` for B rows of T tokens, each row with its own cache; returns logits [B, T or 1, V] and aux
-        [B, T, 3·H] (None unless want_aux)."""
+        """`forward` for B rows of T tokens, each row with its own cache; returns logits [B, T, V] ([B, 1, V] at
+        `logits_at`) and aux [B, T, 3·H] (None unless want_aux)."""
         b, t = ids.shape
         nh, nkv, hd = self.nh, self.nkv, self.hd
         rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
@@ -333,7 +333,7 @@ class FastTarget(nn.Module):
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         h = h.view(b, t, -1)
-        if last_only:
-            h = h[:, -1:]
+        if logits_at is not None:
+            h = h[rows[:, 0], logits_at][:, None]  # [B, 1, H]
         logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [B, T', V]
         return logits, (torch.cat(aux, dim=-1).view(b, t, -1) if want_aux else None)  # aux [B, T, 3·H]

@@ -440,22 +440,26 @@ class Scheduler:
                 and fr.fits(context, p.max_tokens - (context - len(p.prompt_ids))))
 
     def _add_fast_rows(self, admitted: list[RequestHandle]) -> list[RequestHandle]:
-        """Prefill the admitted requests that fit the fast rows there (one by one) and emit their first token;
-        returns the others."""
-        rest = []
+        """Prefill the admitted requests that fit the fast rows there (one padded forward) and emit their first
+        tokens; returns the others."""
+        fr, take, rest = self.fast_rows, [], []
         for h in admitted:
             p = h.params
-            if not self._fits_fast_rows(p, len(p.prompt_ids)):
-                rest.append(h)
-                continue
-            first = self.fast_rows.add(list(p.prompt_ids))
-            self.metrics.inc("eagle3_prompt_tokens_total", len(p.prompt_ids))
-            h.first_token_at = time.perf_counter()
-            self.metrics.observe("eagle3_time_to_first_token_seconds", h.first_token_at - h.arrival)
-            row = _Row(h, drafting=False)
-            self._frows.append(row)
-            if self._emit(row, [first]):
-                self._remove_fast_row(len(self._frows) - 1)
+            fits = fr is not None and fr.n + len(take) < fr.capacity and self._fits_fast_rows(p, len(p.prompt_ids))
+            (take if fits else rest).append(h)
+        if not take:
+            return rest
+        firsts = fr.add_many([list(h.params.prompt_ids) for h in take])
+        now = time.perf_counter()
+        base = len(self._frows)  # the new rows are base, base + 1, ... (as in FastRows)
+        for h in take:
+            self.metrics.inc("eagle3_prompt_tokens_total", len(h.params.prompt_ids))
+            h.first_token_at = now
+            self.metrics.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
+            self._frows.append(_Row(h, drafting=False))
+        for j in reversed(range(len(take))):  # from the end: a removal moves an already handled row
+            if self._emit(self._frows[base + j], [firsts[j]]):
+                self._remove_fast_row(base + j)
         return rest
 
     def _remove_fast_row(self, i: int) -> None:
