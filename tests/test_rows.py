@@ -159,3 +159,19 @@ def test_cuda_graph_rows_match_the_batch1_engine():
                 outs[j] += new
         assert [o[:30] for o in outs] == ref
         del rows
+
+
+def test_serve_says_what_to_do_when_the_rows_do_not_fit(monkeypatch):
+    """`eagle3 serve --fast-rows on`: caches that do not fit the device give a ConfigError naming the flags."""
+    import eagle3.fast.rows as rows_mod
+    from eagle3.serving.cli import fast_rows
+    from eagle3.serving.config import ServeConfig
+    from eagle3.serving.policy import SpecPolicy
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(rows_mod.FastRows, "__init__", oom)
+    model = build_tiny_target("llama", vocab_size=64)
+    with pytest.raises(ConfigError, match="--fast-rows-len or --max-batch-size, or use --fast-rows off"):
+        fast_rows("on", model, None, SpecPolicy(enabled=False), ServeConfig(max_batch_size=8), "cpu")

@@ -168,6 +168,8 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
         return None
     from dataclasses import replace
 
+    import torch
+
     from eagle3.fast.rows import FastRows, RowShape
     from eagle3.fast.target import FastTarget, fast_support
     from eagle3.serving.policy import FAST_ROWS_TOKEN_BUDGET
@@ -191,8 +193,12 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
         s = rows_policy.shape(bucket)
         return None if s is None else RowShape(s.depth, s.top_k, s.total)
 
-    rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape)
-    seconds = rows.prepare()
+    try:
+        rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape)
+        seconds = rows.prepare()
+    except torch.OutOfMemoryError as e:
+        raise ConfigError(f"the fast rows' caches ({config.max_batch_size} rows x {seq_len} slots) do not fit on "
+                          f"{device}: lower --fast-rows-len or --max-batch-size, or use --fast-rows off") from e
     log.info("fast rows: %d rows x %d slots (%.2f GiB of cache), %d cycles prepared in %.1f s", rows.capacity,
              seq_len, rows.cache_bytes() / 2**30, rows.cycles_prepared, seconds)
     return rows
