@@ -308,9 +308,10 @@ class Scheduler:
     def _reset(self) -> None:
         self._rows = []
         self._kv = BatchKV()
-        while self._frows:
-            self._frows.pop()
-            self.fast_rows.remove(len(self._frows))
+        self._frows = []
+        if self.fast_rows is not None:  # free every row, also one a failed step added without a mirror
+            while self.fast_rows.n:
+                self.fast_rows.remove(self.fast_rows.n - 1)
         if self.drafter is not None:
             self.drafter.select([])
 
