@@ -146,11 +146,17 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                 "tau": round(1 + delta("eagle3_accepted_tokens_total") / spec_rows, 3) if spec_rows else None,
                 "mean_cycle_ms": round(1000 * delta("eagle3_cycle_seconds_sum")
                                        / max(1.0, delta("eagle3_cycle_seconds_count")), 2),
+                # where the level's wall time went on the server: cycles, prefills (rows wait), idle waits
+                "cycles_s": round(delta("eagle3_cycle_seconds_sum"), 4),
+                "prefill_s": round(delta("eagle3_prefill_seconds_sum"), 4),
+                "prefills": int(delta("eagle3_prefill_seconds_count")),
+                "idle_s": round(delta("eagle3_idle_seconds_total"), 4),
             }
             rows.append(row)
             print(f"{mode:5s} c={c:<3d} {row['tokens_per_s']:9.1f} tok/s  ttft p50 {row['ttft_p50_s']:.3f}s  "
                   f"lat p50 {row['latency_p50_s']:.3f}s p90 {row['latency_p90_s']:.3f}s  batch {row['mean_batch']:.1f}"
-                  f"  tau {row['tau']}  errors {row['errors']}", flush=True)
+                  f"  tau {row['tau']}  errors {row['errors']}  | wall {wall:.2f}s: cycles {row['cycles_s']:.2f}s "
+                  f"prefill {row['prefill_s']:.2f}s ({row['prefills']}) idle {row['idle_s']:.2f}s", flush=True)
     finally:
         srv.stop()
         target.close()

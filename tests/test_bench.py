@@ -123,6 +123,9 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
     levels = {(r["mode"], r["concurrency"]) for r in rec["results"]}
     assert levels == {(m, c) for m in ("plain", "spec") for c in (1, 3)}
     assert all(r["errors"] == 0 and r["requests"] >= 3 and r["output_tokens"] > 0 for r in rec["results"])
+    # the wall time's split on the server: every level ran cycles, and the 3-client level prefilled in the batch
+    assert all(r["cycles_s"] > 0 and r["idle_s"] >= 0 for r in rec["results"])
+    assert all(r["prefills"] >= 1 and r["prefill_s"] > 0 for r in rec["results"] if r["concurrency"] == 3)
     assert (out / "bench_serving.png").stat().st_size > 0
     assert "geometric-mean speedup" in capsys.readouterr().out
 

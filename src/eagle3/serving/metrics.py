@@ -64,9 +64,11 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
     "eagle3_queue_depth": ("gauge", "Requests waiting for a batch slot."),
     "eagle3_running_requests": ("gauge", "Requests in the running batch."),
     "eagle3_spec_draft_tokens": ("gauge", "Draft nodes per drafting row in the last cycle (0: speculation off)."),
+    "eagle3_idle_seconds_total": ("counter", "Time the decode loop waited with no request to run."),
     "eagle3_tau": ("histogram", "Tokens emitted per verification of a drafting row (bonus included)."),
     "eagle3_batch_size": ("histogram", "Rows per verification forward."),
     "eagle3_cycle_seconds": ("histogram", "Wall time of one decode cycle (draft + verify + accept)."),
+    "eagle3_prefill_seconds": ("histogram", "Wall time of one batched prefill of admitted requests (rows wait)."),
     "eagle3_time_to_first_token_seconds": ("histogram", "Arrival to first token."),
     "eagle3_request_latency_seconds": ("histogram", "Arrival to last token."),
 }
@@ -77,6 +79,7 @@ _BUCKETS: dict[str, tuple[float, ...]] = {
     "eagle3_tau": TAU_BUCKETS,
     "eagle3_batch_size": BATCH_BUCKETS,
     "eagle3_cycle_seconds": CYCLE_BUCKETS,
+    "eagle3_prefill_seconds": CYCLE_BUCKETS,
     "eagle3_time_to_first_token_seconds": LATENCY_BUCKETS,
     "eagle3_request_latency_seconds": LATENCY_BUCKETS,
 }

@@ -264,8 +264,10 @@ class Scheduler:
             with torch.inference_mode():
                 while True:
                     with self._cond:
+                        t0 = time.perf_counter()
                         while not self._rows and not self._frows and not self._waiting and not self._stopping:
                             self._cond.wait()
+                        self.metrics.inc("eagle3_idle_seconds_total", time.perf_counter() - t0)
                         if self._stopping:
                             break
                         admitted = self._take_waiting()
@@ -450,8 +452,10 @@ class Scheduler:
             (take if fits else rest).append(h)
         if not take:
             return rest
+        t0 = time.perf_counter()
         firsts = fr.add_many([list(h.params.prompt_ids) for h in take])
         now = time.perf_counter()
+        self.metrics.observe("eagle3_prefill_seconds", now - t0)
         base = len(self._frows)  # the new rows are base, base + 1, ... (as in FastRows)
         for h in take:
             self.metrics.inc("eagle3_prompt_tokens_total", len(h.params.prompt_ids))
@@ -503,6 +507,7 @@ class Scheduler:
     # -- prefill -----------------------------------------------------------------------------
     def _prefill(self, handles: list[RequestHandle]) -> None:
         prompts = [list(h.params.prompt_ids) for h in handles]
+        t0 = time.perf_counter()
         kv, last, aux = prefill(self.target, prompts)  # last [b, V]
         first = last.argmax(dim=-1)  # [b]
         for i, h in enumerate(handles):
@@ -512,6 +517,7 @@ class Scheduler:
                 first[i] = race_sample(last[i : i + 1], pos, h.seed, p.temperature, p.top_p, p.top_k)[0]
         first_ids = first.tolist()
         now = time.perf_counter()
+        self.metrics.observe("eagle3_prefill_seconds", now - t0)
         use_draft = self.drafter is not None and self.policy.enabled
         survivors, rows = [], []
         for i, h in enumerate(handles):
