@@ -19,7 +19,6 @@ Greedy only: sampled requests stay on the generic batch.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -30,8 +29,6 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget
-
-log = logging.getLogger("eagle3.fast")
 
 __all__ = ["FastRows", "RowShape", "buckets"]
 
