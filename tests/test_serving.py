@@ -392,9 +392,10 @@ def test_64_concurrent_clients(client, ref):
         assert (text, finish) == (want.text, want.finish_reason), (prompt, n)
 
 
-@pytest.mark.parametrize("lane", [False, True], ids=["batch", "fast-lane"])
-def test_graceful_shutdown_finishes_in_flight_requests(stories260k, lane):
-    srv = make_server(*stories260k, spec=False, lane=lane, shutdown_timeout=20.0)
+@pytest.mark.parametrize("where", ["batch", "fast-lane", "fast-rows"])
+def test_graceful_shutdown_finishes_in_flight_requests(stories260k, where):
+    srv = make_server(*stories260k, spec=False, lane=where == "fast-lane", rows=where == "fast-rows",
+                      shutdown_timeout=20.0)
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 200, "temperature": 0, "stream": True}
     got: list[str] = []
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
@@ -448,17 +449,23 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path):
     for extra, drafter_name in ((["--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6"], "eagle3"),
                                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3"),
                                 (["--draft", "ngram", "--chain", "3", "--fast-lane", "on"], "per-row"),
-                                (["--no-spec"], None), (["--no-spec", "--fast-lane", "on"], None)):
+                                (["--no-spec"], None), (["--no-spec", "--fast-lane", "on"], None),
+                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--fast-rows", "on",
+                                  "--fast-rows-len", "256"], "eagle3"),
+                                (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None)):
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
         assert args.func.__name__ == "cmd_serve"
         sched, app = load_server(args)
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
-        lane = "on" in extra  # auto (the default) is off on a CPU
-        assert (sched.fast is not None) == lane
+        lane, rows = "--fast-lane" in extra, "--fast-rows" in extra  # auto (the default) is off on a CPU
+        assert (sched.fast is not None) == lane and (sched.fast_rows is not None) == rows
         line = describe(sched)
         assert f"fast lane {'on' if lane else 'off'}" in line and "cpu" in line
+        assert ("fast rows on (256 slots each)" if rows else "fast rows off") in line
+        if rows:
+            assert sched.fast_rows.seq_len == 256 and (sched.fast_rows.d is not None) == (drafter_name is not None)
         assert ("plain batched decoding" in line) == (drafter_name is None)
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
