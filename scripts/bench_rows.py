@@ -24,7 +24,7 @@ from eagle3.fast.rows import FastRows, RowShape
 from eagle3.fast.target import FastTarget
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
-from eagle3.runtime import encode_prompt, init_drafter
+from eagle3.runtime import drafter_for, encode_prompt
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
 
@@ -65,13 +65,7 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_target(args.target, dtype=args.dtype, device=device)
     dtype = next(model.parameters()).dtype
-    if args.random_drafter:
-        drafter = init_drafter(model, seed=0).to(device=device, dtype=dtype)
-    else:
-        from eagle3.formats import load_drafter
-
-        drafter = load_drafter(args.drafter, target_config=model.config, device=device, dtype=dtype,
-                               target_embedding=model.get_input_embeddings().weight)
+    drafter = drafter_for(model, None if args.random_drafter else args.drafter)
     spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
     _, chats = load_prompts(args.prompts, limit=max(args.batch))
     chat = bool(getattr(tok, "chat_template", None))

@@ -19,10 +19,9 @@ import torch
 
 from eagle3.config import SpecConfig
 from eagle3.evaluate import load_prompts
-from eagle3.formats import load_drafter
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
-from eagle3.runtime import encode_prompt, eos_token_ids
+from eagle3.runtime import drafter_for, encode_prompt, eos_token_ids
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.policy import SpecPolicy, default_token_budget
@@ -78,9 +77,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_target(args.target, dtype=args.dtype, device=device)
-    drafter = load_drafter(args.drafter, target_config=model.config, device=device,
-                           target_embedding=model.get_input_embeddings().weight,
-                           dtype=next(model.parameters()).dtype)
+    drafter = drafter_for(model, args.drafter)
     spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
     eos = eos_token_ids(model, tok)
     name, chats = load_prompts(args.prompts, limit=max(args.clients))

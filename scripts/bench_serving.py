@@ -30,7 +30,7 @@ from eagle3.config import SpecConfig
 from eagle3.evaluate import load_prompts
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
-from eagle3.runtime import eos_token_ids, init_drafter
+from eagle3.runtime import drafter_for, eos_token_ids
 from eagle3.serving.app import create_app
 from eagle3.serving.cli import fast_lane_engine, fast_rows
 from eagle3.serving.config import ServeConfig
@@ -210,13 +210,7 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_target(args.target, dtype=args.dtype, device=device)
     dtype = next(model.parameters()).dtype
-    if args.random_drafter:
-        drafter = init_drafter(model, seed=0).to(device=device, dtype=dtype)
-    else:
-        from eagle3.formats import load_drafter
-
-        drafter = load_drafter(args.drafter, target_config=model.config,
-                               target_embedding=model.get_input_embeddings().weight, device=device, dtype=dtype)
+    drafter = drafter_for(model, None if args.random_drafter else args.drafter)
     chat = bool(getattr(tok, "chat_template", None))
     name, prompts = load_prompts(args.prompts)
     results = []

@@ -6,12 +6,22 @@ Run: pytest tests/test_bench.py
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
 from eagle3.bench import METHODS, add_bench_parser, parse_methods
 from eagle3.config import ConfigError
+
+
+def script(name: str):
+    """`scripts/<name>.py` imported as a module (the scripts are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def bench(argv: list[str]) -> int:
@@ -79,8 +89,6 @@ def test_run_record_takes_the_exported_sha_where_there_is_no_checkout(monkeypatc
 def test_bench_scheduler_script_writes_a_record(tmp_path, capsys):
     """`scripts/bench_scheduler.py` on stories260K with a random drafter: every mode runs and is recorded."""
     import copy
-    import importlib.util
-    from pathlib import Path
 
     from eagle3.formats import save_drafter
     from eagle3.models import load_target
@@ -88,10 +96,7 @@ def test_bench_scheduler_script_writes_a_record(tmp_path, capsys):
 
     model, _ = load_target("stories260k")
     save_drafter(init_drafter(copy.deepcopy(model), seed=0), tmp_path / "drafter")
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_scheduler.py"
-    spec = importlib.util.spec_from_file_location("bench_scheduler", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = script("bench_scheduler")
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--device", "cpu",
                      "--clients", "1", "3", "--max-tokens", "8", "--prompts", "gsm8k", "--out", str(out),
@@ -107,13 +112,7 @@ def test_bench_scheduler_script_writes_a_record(tmp_path, capsys):
 def test_bench_serving_script_writes_a_record(tmp_path, capsys):
     """`scripts/bench_serving.py` against its in-process server over HTTP, stories260K with a random drafter:
     both modes at two concurrency levels, no errors, a run record and a chart."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = script("bench_serving")
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--concurrency", "1", "3",
                      "--max-tokens", "8", "--min-requests", "3", "--rounds", "1", "--warmup", "1",
@@ -133,13 +132,7 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
 def test_bench_rows_script_writes_a_record(tmp_path, capsys):
     """`scripts/bench_rows.py`, stories260K with a random drafter: two budgets x two batch sizes, both modes,
     a record whose shapes follow the serving policy (a larger budget gives B=4 a larger tree)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_rows.py"
-    spec = importlib.util.spec_from_file_location("bench_rows", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = script("bench_rows")
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--batch", "1", "4",
                      "--budgets", "16", "64", "--cycles", "2", "--warmup", "1", "--seq-len", "512",

@@ -66,7 +66,7 @@ def test_rows_joining_and_leaving_match_hf_generate(arch):
             for i, first in zip(joining, rows.add_many([prompts[i] for i in joining]), strict=True):
                 outs[i] = [first]
                 owner.append(i)
-        spec = rows.can_speculate(rows.n) and rng.random() < 0.7
+        spec = rows.shape_of(rows.n) is not None and rng.random() < 0.7
         spec_cycles += spec
         for j, new in enumerate(rows.cycle(spec)):
             outs[owner[j]] += new

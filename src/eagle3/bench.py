@@ -143,7 +143,7 @@ def run_bench(
     from eagle3.fast.overhead import copy_bandwidth
     from eagle3.models import load_target
     from eagle3.record import run_record
-    from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter
+    from eagle3.runtime import drafter_for, encode_prompt, eos_token_ids
 
     methods = methods or list(METHODS)
     tree = tree or SpecConfig()
@@ -167,13 +167,8 @@ def run_bench(
         if drafter is None:
             echo("no --drafter: skipping the EAGLE-3 methods (chain, tree); pass --drafter DIR or --drafter random")
             methods = [m for m in methods if m not in NEEDS_DRAFTER]
-        elif drafter == "random":
-            d = init_drafter(model, seed=0).to(device=dev, dtype=next(model.parameters()).dtype).eval()
         else:
-            from eagle3.formats import load_drafter
-
-            d = load_drafter(drafter, target_config=model.config, target_embedding=model.get_input_embeddings().weight,
-                             device=dev, dtype=next(model.parameters()).dtype)
+            d = drafter_for(model, None if drafter == "random" else drafter)
     reason = fast_support(model)
     if reason is not None:
         echo(f"fast path unavailable ({reason}): methods d-g use the generic engine")

@@ -89,7 +89,6 @@ def load_runtime(
     dtype: str = "auto",
     draft_model: str | None = None,
 ) -> Runtime:
-    from eagle3.formats import load_drafter
     from eagle3.models import load_target
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,9 +100,7 @@ def load_runtime(
     if draft == "eagle3":
         if drafter is None:
             raise ConfigError("--draft eagle3 needs --drafter DIR")
-        d = load_drafter(drafter, target_config=model.config,
-                         target_embedding=model.get_input_embeddings().weight, device=device,
-                         dtype=next(model.parameters()).dtype)
+        d = drafter_for(model, drafter)
         aux_ids = d.config.aux_layer_ids
     else:
         aux_ids = []
@@ -123,6 +120,18 @@ def load_runtime(
     log.debug("target %s (%d layers), draft=%s, spec=%s", target, tcfg.num_hidden_layers, draft, spec)
     return Runtime(model=model, tokenizer=tokenizer, target=tgt,
                    engine=SpeculativeEngine(tgt, proposer, tokenizer), drafter=d, spec=spec, draft=draft)
+
+
+def drafter_for(model, path: str | Path | None) -> Eagle3Drafter:
+    """The drafter saved at `path`, checked against `model` and placed like it (the target's embedding, device and
+    dtype); `path` None gives a random one (smoke tests and benchmarks of the machinery)."""
+    param = next(model.parameters())
+    if path is None:
+        return init_drafter(model, seed=0).to(device=param.device, dtype=param.dtype).eval()
+    from eagle3.formats import load_drafter
+
+    return load_drafter(path, target_config=model.config, target_embedding=model.get_input_embeddings().weight,
+                        device=param.device, dtype=param.dtype)
 
 
 def init_drafter(model, draft_vocab_size: int | None = None, seed: int = 0, **overrides) -> Eagle3Drafter:

@@ -105,9 +105,6 @@ class FastRows:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def can_speculate(self, n: int) -> bool:
-        return self.shapes[self.bucket(max(1, n))] is not None
-
     def fits(self, context: int, max_new_tokens: int) -> bool:
         """Whether a request of this many prompt and new tokens fits a row's cache."""
         return context + max_new_tokens + self.margin <= self.seq_len

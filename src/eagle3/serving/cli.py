@@ -88,9 +88,8 @@ def load_server(args):
     import torch
 
     from eagle3.decoding.proposers import NgramProposer
-    from eagle3.formats import load_drafter
     from eagle3.models import load_target
-    from eagle3.runtime import eos_token_ids
+    from eagle3.runtime import drafter_for, eos_token_ids
     from eagle3.serving.app import create_app
     from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter
     from eagle3.serving.policy import default_token_budget
@@ -120,9 +119,7 @@ def load_server(args):
     drafter, d = None, None
     aux_ids: list[int] = []
     if draft == "eagle3":
-        d = load_drafter(args.drafter, target_config=model.config,
-                         target_embedding=model.get_input_embeddings().weight, device=device,
-                         dtype=next(model.parameters()).dtype)
+        d = drafter_for(model, args.drafter)
         aux_ids = d.config.aux_layer_ids
         drafter = Eagle3BatchDrafter(d)
     elif draft == "ngram":

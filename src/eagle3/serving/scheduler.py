@@ -446,9 +446,11 @@ class Scheduler:
         """Prefill the admitted requests that fit the fast rows there (one padded forward) and emit their first
         tokens; returns the others."""
         fr, take, rest = self.fast_rows, [], []
+        if fr is None:
+            return admitted
         for h in admitted:
             p = h.params
-            fits = fr is not None and fr.n + len(take) < fr.capacity and self._fits_fast_rows(p, len(p.prompt_ids))
+            fits = fr.n + len(take) < fr.capacity and self._fits_fast_rows(p, len(p.prompt_ids))
             (take if fits else rest).append(h)
         if not take:
             return rest
