@@ -68,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-rows` (auto: on for CUDA targets of the fast-path families)")
-    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size)
+    p.add_argument("--admit-wait", type=float, default=ServeConfig.admit_wait,
+                   help="as `eagle3 serve --admit-wait` (0: admit every request at once)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -104,7 +106,8 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
         target, batch_drafter, policy = Target(model, []), None, SpecPolicy(enabled=False)
     else:
         target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
-    config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens)
+    config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
+                         admit_wait=args.admit_wait)
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
                             drafter if batch_drafter else None, device, config)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,

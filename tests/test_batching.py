@@ -17,13 +17,14 @@ import torch
 
 from conftest import ARCHS, TINY_SLIDING_WINDOW, build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import SpecConfig
+from eagle3.config import ConfigError, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept_greedy
 from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
+from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
 from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate, TreeShape
 from eagle3.serving.sampling import exponential_noise, race_sample
@@ -368,6 +369,45 @@ def test_stop_cancels_in_flight_requests_after_the_timeout(stories):
     assert not sched.alive and sched.running == 0
     with pytest.raises(SchedulerUnavailable):
         sched.submit(RequestHandle(GenParams(ids[0], 4), sink))
+
+
+# -- admission -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("admit_wait", [0.0, 1e9])
+def test_arrivals_gather_for_one_prefill_while_the_batch_decodes(stories, admit_wait):
+    """Requests arriving one by one while a row decodes share one prefill when they may wait (here without
+    limit: they join when the batch is full, or when it empties); at 0 each is admitted on arrival. Outputs
+    equal the single-request reference either way."""
+    model, tok, ids, _max, eos, _refs = stories
+    model = copy.deepcopy(model)
+    lens = [200, 12, 9, 14, 11]
+    refs = reference(model, tok, ids[:5], lens, eos)
+    cfg = ServeConfig(max_batch_size=5, admit_wait=admit_wait)
+    sched = Scheduler(Target(model, []), tok, eos, config=cfg)
+    sched._prefill_ema = 1.0  # as if one prefill had been measured
+    out = run_batch(sched, [GenParams(p, n) for p, n in zip(ids[:5], lens, strict=True)],
+                    stagger={i: 0.02 for i in range(1, 5)})
+    assert [ev.token_ids for ev in out] == [r.token_ids for r in refs]
+    prefills = sched.metrics.snapshot()["eagle3_prefill_seconds_count"]
+    if admit_wait:
+        assert prefills == 2  # the first request alone, then the four that waited for it
+    else:
+        assert prefills >= 3
+
+
+def test_a_waiting_request_joins_when_the_batch_empties(stories):
+    model, tok, ids, _max, eos, _refs = stories
+    model = copy.deepcopy(model)
+    refs = reference(model, tok, ids[:2], [30, 8], eos)
+    sched = Scheduler(Target(model, []), tok, eos, config=ServeConfig(admit_wait=1e9))
+    sched._prefill_ema = 1.0
+    out = run_batch(sched, [GenParams(ids[0], 30), GenParams(ids[1], 8)], stagger={1: 0.02})
+    assert [ev.token_ids for ev in out] == [r.token_ids for r in refs]
+    assert sched.metrics.snapshot()["eagle3_prefill_seconds_count"] == 2
+
+
+def test_admit_wait_is_checked():
+    with pytest.raises(ConfigError, match="admit_wait"):
+        ServeConfig(admit_wait=-1)
 
 
 # -- position-keyed sampling -------------------------------------------------------------------

@@ -35,14 +35,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file, for targets whose tokenizer has none")
-    s.add_argument("--max-batch-size", type=int, default=64, help="rows decoded together")
+    s.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size, help="rows decoded together")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion token limit (default: the target's max_position_embeddings)")
     s.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="completion length when a request sets no max_tokens")
-    s.add_argument("--max-prefill-tokens", type=int, default=4096, help="padded prompt tokens per batched prefill")
-    s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+    s.add_argument("--max-prefill-tokens", type=int, default=ServeConfig.max_prefill_tokens,
+                   help="padded prompt tokens per batched prefill")
+    s.add_argument("--admit-wait", type=float, default=ServeConfig.admit_wait,
+                   help="while rows decode, a new request waits up to this many (measured) prefill durations "
+                        "for others to share its prefill, which stalls the whole batch (0: admit at once)")
+    s.add_argument("--max-waiting", type=int, default=ServeConfig.max_waiting,
+                   help="queued requests before answering 503")
+    s.add_argument("--shutdown-timeout", type=float, default=ServeConfig.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     shape = s.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
@@ -110,7 +115,7 @@ def load_server(args):
     config = ServeConfig(
         model_name=args.served_model_name or args.target, max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
-        max_prefill_tokens=args.max_prefill_tokens, max_waiting=args.max_waiting,
+        max_prefill_tokens=args.max_prefill_tokens, admit_wait=args.admit_wait, max_waiting=args.max_waiting,
         shutdown_timeout=args.shutdown_timeout, chat_template=template, fast_rows_len=args.fast_rows_len)
     policy = SpecPolicy.from_spec(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,

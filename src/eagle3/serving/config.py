@@ -23,6 +23,11 @@ class ServeConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
     chat_template: str | None = None  # a Jinja chat template for tokenizers without one
     fast_rows_len: int = 2048  # cache slots per fast row (prompt + completion + a cycle); longer requests: generic
+    # While rows decode, a new request may wait up to this many prefill durations (measured) for others to share
+    # its prefill: every prefill stalls the whole batch, and one prefill of several prompts costs about what
+    # one of a single prompt does (launch-bound). 1.0 is the ski-rental rule: waiting never costs a request
+    # more than the prefill it saves the batch. 0 admits at once.
+    admit_wait: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting", "fast_rows_len"):
@@ -30,5 +35,7 @@ class ServeConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.admit_wait < 0:
+            raise ConfigError(f"admit_wait={self.admit_wait} must be >= 0")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0")

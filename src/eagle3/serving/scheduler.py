@@ -196,6 +196,7 @@ class Scheduler:
         self._waiting: deque[RequestHandle] = deque()
         self._rows: list[_Row] = []
         self._kv = BatchKV()
+        self._prefill_ema: float | None = None  # seconds per admission (prefill + first tokens), moving average
         self._closing = False  # no new requests
         self._stopping = False  # leave the loop
         self._thread: threading.Thread | None = None
@@ -288,10 +289,13 @@ class Scheduler:
                     with varying_shape_attention(self.target.device):
                         self._join_batch(row)
                 return
-            with varying_shape_attention(self.target.device):  # the batch cache widens every cycle
-                admitted = self._add_fast_rows(admitted)
-                if admitted:
-                    self._prefill(admitted)
+            if admitted:
+                t0 = time.perf_counter()
+                with varying_shape_attention(self.target.device):  # the batch cache widens every cycle
+                    rest = self._add_fast_rows(admitted)
+                    if rest:
+                        self._prefill(rest)
+                self._note_prefill(time.perf_counter() - t0)
             if self._frows:
                 self._fast_cycle()
             if self._rows:
@@ -324,8 +328,28 @@ class Scheduler:
             self._send_error(h, message, status=503)
         self._reset()
 
+    def _admission_due(self) -> bool:
+        """Whether to admit the waiting requests now, or let more gather for one shared prefill while the batch
+        decodes (`ServeConfig.admit_wait`): each prefill stalls every running row, and at small batch sizes one
+        prefill of several prompts costs about what one of a single prompt does. With staggered finishes
+        (speculative rows finish on different cycles) admitting at once meant one prefill per request."""
+        wait = self.config.admit_wait
+        if not self._waiting or not self.running or self._closing or wait == 0 or self._prefill_ema is None:
+            return True
+        if len(self._waiting) >= self.config.max_batch_size - self.running:  # nothing more could join
+            return True
+        return time.perf_counter() - self._waiting[0].arrival >= wait * self._prefill_ema
+
+    def _note_prefill(self, seconds: float) -> None:
+        """A moving average of admission time that follows a drop at once (a cold first prefill must not make
+        later requests wait for long)."""
+        ema = self._prefill_ema
+        self._prefill_ema = seconds if ema is None else min(seconds, 0.8 * ema + 0.2 * seconds)
+
     def _take_waiting(self) -> list[RequestHandle]:
         out: list[RequestHandle] = []
+        if not self._admission_due():
+            return out
         longest = 0
         while self._waiting and self.running + len(out) < self.config.max_batch_size:
             h = self._waiting[0]
