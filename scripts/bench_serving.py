@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size)
     p.add_argument("--admit-wait", type=float, default=ServeConfig.admit_wait,
                    help="as `eagle3 serve --admit-wait` (0: admit every request at once)")
+    p.add_argument("--stream-interval", type=int, default=ServeConfig.stream_interval,
+                   help="as `eagle3 serve --stream-interval`")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -107,7 +109,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     else:
         target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
     config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
-                         admit_wait=args.admit_wait)
+                         admit_wait=args.admit_wait, stream_interval=args.stream_interval)
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
                             drafter if batch_drafter else None, device, config)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
@@ -154,12 +156,14 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                 "prefill_s": round(delta("eagle3_prefill_seconds_sum"), 4),
                 "prefills": int(delta("eagle3_prefill_seconds_count")),
                 "idle_s": round(delta("eagle3_idle_seconds_total"), 4),
+                "host_s": round(delta("eagle3_cycle_host_seconds_sum"), 4),  # part of cycles_s (fast rows)
             }
             rows.append(row)
             print(f"{mode:5s} c={c:<3d} {row['tokens_per_s']:9.1f} tok/s  ttft p50 {row['ttft_p50_s']:.3f}s  "
                   f"lat p50 {row['latency_p50_s']:.3f}s p90 {row['latency_p90_s']:.3f}s  batch {row['mean_batch']:.1f}"
                   f"  tau {row['tau']}  errors {row['errors']}  | wall {wall:.2f}s: cycles {row['cycles_s']:.2f}s "
-                  f"prefill {row['prefill_s']:.2f}s ({row['prefills']}) idle {row['idle_s']:.2f}s", flush=True)
+                  f"(host {row['host_s']:.2f}s) prefill {row['prefill_s']:.2f}s ({row['prefills']}) idle {row['idle_s']:.2f}s",
+                  flush=True)
     finally:
         srv.stop()
         target.close()
@@ -167,6 +171,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     for r in rows:
         r["policy"] = rows_policy
         r["fast_lane"], r["fast_rows"] = fast is not None, fr is not None
+        r["admit_wait"], r["stream_interval"] = config.admit_wait, config.stream_interval
     return rows
 
 

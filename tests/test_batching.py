@@ -405,9 +405,38 @@ def test_a_waiting_request_joins_when_the_batch_empties(stories):
     assert sched.metrics.snapshot()["eagle3_prefill_seconds_count"] == 2
 
 
-def test_admit_wait_is_checked():
+def test_admit_wait_and_stream_interval_are_checked():
     with pytest.raises(ConfigError, match="admit_wait"):
         ServeConfig(admit_wait=-1)
+    with pytest.raises(ConfigError, match="stream_interval"):
+        ServeConfig(stream_interval=0)
+
+
+@pytest.mark.parametrize("interval", [1, 5])
+def test_stream_interval_sends_fewer_chunks_of_the_same_text(stories, interval):
+    model, tok, ids, _max, eos, _refs = stories
+    sched = Scheduler(Target(copy.deepcopy(model), []), tok, eos, config=ServeConfig(stream_interval=interval))
+    events, done = [], threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        if ev.kind != "delta":
+            done.set()
+
+    sched.start()
+    try:
+        sched.submit(RequestHandle(GenParams(ids[3], 40, stream=True), sink))
+        assert done.wait(30)
+    finally:
+        sched.stop(timeout=5)
+    deltas, final = [e for e in events if e.kind == "delta"], events[-1]
+    assert final.kind == "done" and len(final.token_ids) == 40
+    assert "".join(e.text for e in deltas) == final.text  # nothing lost or repeated
+    assert deltas[0].text  # the first chunk comes at once
+    if interval == 1:
+        assert len(deltas) >= 30
+    else:
+        assert len(deltas) <= 40 // interval + 2
 
 
 # -- position-keyed sampling -------------------------------------------------------------------

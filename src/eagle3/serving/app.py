@@ -2,7 +2,7 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 Decoding happens in the `Scheduler` thread; each request gets an asyncio queue its events are posted to
-(`loop.call_soon_threadsafe`). A client that disconnects (a stream it stops reading, or a request it
+through a `_Mailbox` (one `loop.call_soon_threadsafe` wake-up per burst of events, not one per event). A client that disconnects (a stream it stops reading, or a request it
 abandons) is cancelled, and its batch row is freed at the next cycle boundary. On shutdown the lifespan
 stops the scheduler: in-flight requests finish, or are cancelled after `ServeConfig.shutdown_timeout`.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -32,6 +33,33 @@ log = logging.getLogger("eagle3.serving")
 
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Mailbox:
+    """Events from the scheduler thread into the event loop's queues. A decode cycle emits one event per running
+    row; waking the loop for each (a self-pipe write and a loop iteration apiece) was host time the scheduler
+    thread and the loop contend for. Posts that find the mailbox non-empty ride on the wake-up already sent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Event]] = []
+
+    def post(self, queue: asyncio.Queue, ev: Event) -> None:
+        """Raises RuntimeError when the loop is closed (nobody is listening any more)."""
+        if self.loop.is_closed():
+            raise RuntimeError("event loop is closed")
+        with self._lock:
+            wake = not self._items
+            self._items.append((queue, ev))
+        if wake:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, ev in items:
+            queue.put_nowait(ev)
 
 
 def create_app(scheduler: Scheduler) -> FastAPI:
@@ -119,13 +147,16 @@ def create_app(scheduler: Scheduler) -> FastAPI:
         return GenParams(prompt_ids=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), stream=req.stream, endpoint=endpoint)
 
+    mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}  # one per loop serving this app
+
     def submit(params: GenParams) -> tuple[RequestHandle, asyncio.Queue]:
         loop = asyncio.get_running_loop()
+        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, _Mailbox(loop))
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(ev: Event) -> None:
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
+                mailbox.post(queue, ev)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 handle.cancelled = True
 

@@ -45,6 +45,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--admit-wait", type=float, default=ServeConfig.admit_wait,
                    help="while rows decode, a new request waits up to this many (measured) prefill durations "
                         "for others to share its prefill, which stalls the whole batch (0: admit at once)")
+    s.add_argument("--stream-interval", type=int, default=ServeConfig.stream_interval,
+                   help="stream a chunk every N tokens (the first and the last at once); larger values save host "
+                        "time at high concurrency")
     s.add_argument("--max-waiting", type=int, default=ServeConfig.max_waiting,
                    help="queued requests before answering 503")
     s.add_argument("--shutdown-timeout", type=float, default=ServeConfig.shutdown_timeout,
@@ -116,6 +119,7 @@ def load_server(args):
         model_name=args.served_model_name or args.target, max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
         max_prefill_tokens=args.max_prefill_tokens, admit_wait=args.admit_wait, max_waiting=args.max_waiting,
+        stream_interval=args.stream_interval,
         shutdown_timeout=args.shutdown_timeout, chat_template=template, fast_rows_len=args.fast_rows_len)
     policy = SpecPolicy.from_spec(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,

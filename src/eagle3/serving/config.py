@@ -28,9 +28,13 @@ class ServeConfig:
     # one of a single prompt does (launch-bound). 1.0 is the ski-rental rule: waiting never costs a request
     # more than the prefill it saves the batch. 0 admits at once.
     admit_wait: float = 1.0
+    # A streamed request gets a chunk every this many tokens (the first and the last at once); vLLM's and SGLang's
+    # `stream_interval`, default 1 there too. Larger values trade smoothness for host time at high concurrency.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting", "fast_rows_len"):
+        for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting", "fast_rows_len",
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

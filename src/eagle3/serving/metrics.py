@@ -69,6 +69,8 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
     "eagle3_batch_size": ("histogram", "Rows per verification forward."),
     "eagle3_cycle_seconds": ("histogram", "Wall time of one decode cycle (draft + verify + accept)."),
     "eagle3_prefill_seconds": ("histogram", "Wall time of one batched prefill of admitted requests (rows wait)."),
+    "eagle3_cycle_host_seconds": ("histogram", "Host time of one fast-rows cycle after the device step returned "
+                                               "(emitting tokens, detokenizing, streaming, bookkeeping)."),
     "eagle3_time_to_first_token_seconds": ("histogram", "Arrival to first token."),
     "eagle3_request_latency_seconds": ("histogram", "Arrival to last token."),
 }
@@ -80,6 +82,7 @@ _BUCKETS: dict[str, tuple[float, ...]] = {
     "eagle3_batch_size": BATCH_BUCKETS,
     "eagle3_cycle_seconds": CYCLE_BUCKETS,
     "eagle3_prefill_seconds": CYCLE_BUCKETS,
+    "eagle3_cycle_host_seconds": CYCLE_BUCKETS,
     "eagle3_time_to_first_token_seconds": LATENCY_BUCKETS,
     "eagle3_request_latency_seconds": LATENCY_BUCKETS,
 }

@@ -125,6 +125,7 @@ class _Row:
         self.rest = 0  # cycles left before a row that stopped drafting tries again
         self.acc = RowAcceptance()
         self.sent = 0  # characters already streamed
+        self.streamed = 0  # tokens of `out` covered by the last streamed chunk
         # incremental detokenization (`Scheduler._stable_text`): the text of out[:read_at], decoded in windows
         self.text = ""
         self.prefix_at = self.read_at = 0
@@ -510,6 +511,7 @@ class Scheduler:
             m.inc("eagle3_spec_paused_cycles_total")
             spec = False
         new_tokens = fr.cycle(spec)
+        t_host = time.perf_counter()
         n = shape.total if spec else 0
         m.inc("eagle3_verify_steps_total")
         m.inc("eagle3_verified_tokens_total", b * (n + 1))
@@ -525,8 +527,10 @@ class Scheduler:
         for i in reversed(range(len(finished))):
             if finished[i]:
                 self._remove_fast_row(i)
-        seconds = time.perf_counter() - t0
+        now = time.perf_counter()
+        seconds = now - t0
         m.observe("eagle3_cycle_seconds", seconds)
+        m.observe("eagle3_cycle_host_seconds", now - t_host)
         if self._rows_gate is not None and shape is not None and self.policy.enabled:
             self._rows_gate.record(b, spec, seconds, sum(len(t) for t in new_tokens))
 
@@ -756,7 +760,9 @@ class Scheduler:
         row.root = row.out[-1]
         self.metrics.inc("eagle3_generation_tokens_total", len(row.out) - before)
         if finish is None:
-            if p.stream:
+            # stream every `stream_interval` tokens (the first chunk at once): fewer, larger chunks cost less host
+            # time per token at high concurrency (vLLM's and SGLang's `stream_interval`, in tokens as there)
+            if p.stream and (row.sent == 0 or len(row.out) - row.streamed >= self.config.stream_interval):
                 if text is None:
                     text = self._stable_text(row) if self._incremental else self._text(row.out)
                 self._stream(row, text, final=False)
@@ -781,7 +787,7 @@ class Scheduler:
                         break
         if end > row.sent:
             self._send(row.handle, Event("delta", text=text[row.sent : end]))
-            row.sent = end
+            row.sent, row.streamed = end, len(row.out)
 
     def _finish(self, row: _Row, reason: str, text: str) -> None:
         h = row.handle
