@@ -116,17 +116,20 @@ class Metrics:
 
     def record_row_cycle(self, depth: int, accepted: int) -> None:
         """One drafting row's verification: tree depth drafted and drafts accepted."""
+        self.record_row_cycles(depth, [accepted])
+
+    def record_row_cycles(self, depth: int, accepted: list[int]) -> None:
+        """Drafting rows verified in one cycle at the same depth, each with its count of accepted drafts."""
         with self._lock:
-            self._hists["eagle3_tau"].observe(1 + accepted)
+            tau = self._hists["eagle3_tau"]
             tried = self._values["eagle3_draft_position_tried_total"]
             ok = self._values["eagle3_draft_position_accepted_total"]
+            for a in accepted:
+                tau.observe(1 + a)
             for i in range(1, depth + 1):
                 key = (("position", str(i)),)
-                tried[key] = tried.get(key, 0.0) + 1
-                if accepted >= i:
-                    ok[key] = ok.get(key, 0.0) + 1
-                elif key not in ok:
-                    ok[key] = 0.0
+                tried[key] = tried.get(key, 0.0) + len(accepted)
+                ok[key] = ok.get(key, 0.0) + sum(a >= i for a in accepted)
 
     def get(self, name: str, **labels: str) -> float:
         key = tuple(sorted(labels.items()))
