@@ -116,7 +116,33 @@ def test_cycles_are_capture_safe():
         rows._plain_cycle(nb)
         if rows.shapes[nb] is not None:
             rows._spec_cycle(nb)
+    for r, t in [(1, 16), (4, 64)]:  # admission prefills, captured per bucket too
+        rows._prefill_step(rows._prefill_slot(r, t))
     assert rows.packet.device.type == "meta"
+
+
+@pytest.mark.parametrize("prefill_tokens", [8192, 24], ids=["bucketed", "beyond-buckets"])
+def test_prefill_buckets_and_known_first_tokens(prefill_tokens):
+    """Prompts prefilled through a bucket (staging cache, padded rows and width) or, past every bucket, through
+    an exact one decode as HF does; a first token given in advance (a request moving in from elsewhere) is the
+    one the row continues from."""
+    model = build_tiny_target("qwen3", vocab_size=64)
+    d = init_drafter(model, draft_vocab_size=64, seed=1)
+    rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=128,
+                    shapes={1: TREE, 2: TREE, 4: RowShape(3, 1, 3)}.get, prefill_tokens=prefill_tokens)
+    rows.prepare()
+    assert all(r * t <= prefill_tokens for r, t in rows.prefill_buckets())
+    assert len(rows._prefills) == len(rows.prefill_buckets())
+    prompts = prompts_of([21, 6, 13], 64, seed=5)
+    forced = 7  # not the model's own choice after prompts[2]
+    refs = [hf_greedy(model, p, 12) for p in prompts[:2]] + [[forced, *hf_greedy(model, [*prompts[2], forced], 11)]]
+    assert refs[2][0] != hf_greedy(model, prompts[2], 1)[0]
+    firsts = rows.add_many(prompts, roots=[None, None, forced])
+    outs = [[f] for f in firsts]
+    while min(len(o) for o in outs) < 12:
+        for j, new in enumerate(rows.cycle(spec=True)):
+            outs[j] += new
+    assert [o[:12] for o in outs] == refs
 
 
 def test_bad_use_is_refused():

@@ -200,13 +200,17 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
         return None if s is None else RowShape(s.depth, s.top_k, s.total)
 
     try:
-        rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape)
+        # an admission holds at most max_prefill_tokens padded tokens; rounded up to powers of two (rows and
+        # width) that is at most twice as many
+        rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape,
+                        prefill_tokens=2 * config.max_prefill_tokens)
         seconds = rows.prepare()
     except torch.OutOfMemoryError as e:
         raise ConfigError(f"the fast rows' caches ({config.max_batch_size} rows x {seq_len} slots) do not fit on "
                           f"{device}: lower --fast-rows-len or --max-batch-size, or use --fast-rows off") from e
-    log.info("fast rows: %d rows x %d slots (%.2f GiB of cache), %d cycles prepared in %.1f s", rows.capacity,
-             seq_len, rows.cache_bytes() / 2**30, rows.cycles_prepared, seconds)
+    log.info("fast rows: %d rows x %d slots (%.2f GiB of cache), %d cycles and %d prefill shapes prepared in "
+             "%.1f s", rows.capacity, seq_len, rows.cache_bytes() / 2**30, rows.cycles_prepared,
+             len(rows.prefill_buckets()), seconds)
     return rows
 
 
