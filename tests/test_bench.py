@@ -146,3 +146,24 @@ def test_bench_rows_script_writes_a_record(tmp_path, capsys):
     assert rows[(16, 4)]["shape"] == "RowShape(depth=3, top_k=1, total=3)"
     assert rows[(64, 4)]["shape"] == "RowShape(depth=6, top_k=3, total=15)"
     assert "budget" in capsys.readouterr().out
+
+
+def test_position_accuracy_script_buckets_every_answer_token(tmp_path, capsys):
+    """`scripts/position_accuracy.py` on stories260K (no chat template: raw prompts) with a random drafter: each
+    bucket scores exactly the answer tokens inside it, accuracies are per TTT step, and a run record is written."""
+    mod = script("position_accuracy")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time"}\n{"prompt": "Lily had a dog"}\n')
+    out = tmp_path / "posacc.json"
+    assert mod.main(["--target", "stories260k", "--drafter", "random", "--prompts", str(prompts), "--limit", "2",
+                     "--max-new-tokens", "12", "--edges", "0", "4", "100", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["kind"] == "position_accuracy" and rec["git_sha"] is not None
+    first, rest = rec["buckets"]["0-4"], rec["buckets"]["4-100"]
+    assert first["tokens"] == 2 * 4  # two answers, their first four tokens
+    assert 0 < rest["tokens"] <= 2 * 8  # the rest of answers of at most 12 tokens (EOS may end one early)
+    assert all(len(b["acc_per_step"]) == 7 and all(0 <= a <= 1 for a in b["acc_per_step"])
+               for b in (first, rest))
+    assert "answer tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="increasing"):
+        mod.main(["--edges", "10", "5", "--out", str(out)])
