@@ -715,3 +715,32 @@ def test_prepare_can_reuse_a_drafters_vocabulary(tiny_tok, tmp_path) -> None:
     save_file({"lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "plain" / "model.safetensors"))
     with pytest.raises(ConfigError, match="no d2t / t2d"):
         read_vocab_mapping(tmp_path / "plain")
+
+
+def test_gzipped_json_and_jsonl_read_like_plain_files(tmp_path) -> None:
+    """`.json.gz` and `.jsonl.gz` read as their plain forms (also inside a folder); a gzip stream cut short keeps
+    the records before the cut and is counted, never raised."""
+    import gzip
+
+    records = _records(40)
+    jsonl = "".join(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "gz").mkdir()
+    with gzip.open(tmp_path / "gz" / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(jsonl)
+    with gzip.open(tmp_path / "gz" / "b.json.gz", "wt", encoding="utf-8") as f:
+        json.dump(records[:3], f)
+    problems: Counter[str] = Counter()
+    assert list(iter_rows(tmp_path / "gz" / "a.jsonl.gz", problems)) == records
+    assert list(iter_rows(tmp_path / "gz" / "b.json.gz", problems)) == records[:3]
+    assert list(iter_rows(tmp_path / "gz", problems)) == records + records[:3]
+    assert not problems
+    # a cut-off download: many records compressed, the file cut near its end
+    big = [sharegpt(("human", f"q {i} " + "y" * 300), ("gpt", f"a {i}")) for i in range(2000)]
+    raw = gzip.compress("".join(json.dumps(r) + "\n" for r in big).encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(raw[: len(raw) - 200])
+    got = list(iter_rows(tmp_path / "cut.jsonl.gz", problems))
+    assert 0 < len(got) < len(big) and got == big[: len(got)]
+    assert problems == Counter({"gzip_truncated": 1})
+    (tmp_path / "d.csv.gz").write_bytes(gzip.compress(b"a,b\n"))
+    with pytest.raises(ConfigError, match=r"unknown file type '\.csv\.gz'"):
+        list(iter_rows(tmp_path / "d.csv.gz"))

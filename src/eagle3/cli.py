@@ -277,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="tokenize conversations with the target's chat template, build loss masks "
                         "and the draft vocabulary")
     pr.add_argument("--target", required=True, help="the target whose tokenizer and chat template to use")
-    pr.add_argument("--data", nargs="+", required=True, help="ShareGPT/OpenAI JSON or JSONL files, parquet, "
-                    "or HF datasets folders")
+    pr.add_argument("--data", nargs="+", required=True, help="ShareGPT/OpenAI JSON or JSONL files (also "
+                    ".json.gz/.jsonl.gz), parquet, or HF datasets folders")
     pr.add_argument("--out", required=True)
     pr.add_argument("--max-length", type=int, default=2048)
     pr.add_argument("--length-policy", choices=("drop", "truncate"), default="drop")
@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL (vLLM, SGLang, eagle3 serve)")
     rg.add_argument("--model", default=None, help="model name at the endpoint")
     rg.add_argument("--concurrency", type=int, default=16)
-    rg.add_argument("--data", nargs="+", required=True)
+    rg.add_argument("--data", nargs="+", required=True, help="conversations to answer: the formats prepare reads "
+                    "(JSON/JSONL, also gzipped, parquet, HF datasets folders)")
     rg.add_argument("--out", required=True, help="output JSONL (resumable: rerun the same command to continue)")
     rg.add_argument("--temperature", type=float, default=0.0)
     rg.add_argument("--max-new-tokens", type=int, default=512)

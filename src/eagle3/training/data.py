@@ -3,7 +3,8 @@
 Three steps, each usable alone:
 
 * `iter_rows(path, problems)` streams raw rows from ShareGPT/FastChat JSON (an array, possibly truncated
-  mid-record), JSONL, parquet, or a `datasets.save_to_disk` folder; unreadable parts are counted in `problems`.
+  mid-record), JSONL (either also gzipped: `.json.gz`, `.jsonl.gz`), parquet, or a `datasets.save_to_disk`
+  folder; unreadable parts are counted in `problems`.
 * `normalize_conversation(row)` turns a ShareGPT (`conversations`/`from`/`value`) or OpenAI (`messages`/
   `role`/`content`) row into a clean `[{"role", "content"}]` list, or raises `BadRow(reason)`.
 * `ChatRenderer.encode(...)` renders with the chat template and builds the assistant-only loss mask.
@@ -27,6 +28,7 @@ turn is bad. F is tokenised once with `add_special_tokens=False` (the template w
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -35,7 +37,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -105,7 +107,49 @@ class BadRow(Exception):
 # ---------------------------------------------------------------------------------------------
 _JSON_CHUNK_CHARS = 1 << 20
 _JSON_SEPARATORS = re.compile(r"[\s,]*")
-_SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+_SUPPORTED_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet", ".arrow")
+
+
+def _data_suffix(path: Path) -> str:
+    """'.jsonl.gz' for a gzipped JSONL file, else the last suffix (lower case)."""
+    suffixes = [x.lower() for x in path.suffixes[-2:]]
+    return "".join(suffixes) if suffixes[-1:] == [".gz"] else (suffixes[-1] if suffixes else "")
+
+
+class _GzipText:
+    """Text reads from a `.gz` file. A stream cut short (a download or copy that stopped) ends the reading instead
+    of raising, and is counted as `gzip_truncated`; the records decoded before the cut are kept (those in the last
+    decompressed block may be lost with it)."""
+
+    def __init__(self, path: Path, problems: Counter[str]):
+        self._f = gzip.open(path, "rt", encoding="utf-8")  # noqa: SIM115 - closed by __exit__
+        self._problems = problems
+
+    def read(self, size: int = -1) -> str:
+        try:
+            return self._f.read(size)
+        except EOFError:
+            self._problems["gzip_truncated"] += 1
+            return ""
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._f
+        except EOFError:
+            self._problems["gzip_truncated"] += 1
+
+    def __enter__(self) -> _GzipText:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+def _open_text(path: Path, problems: Counter[str]) -> IO[str] | _GzipText:
+    """A text handle on a JSON/JSONL file, decompressing `.gz` on the fly."""
+    if path.suffix.lower() == ".gz":
+        return _GzipText(path, problems)
+    return open(path, encoding="utf-8")
 
 
 def iter_rows(path: str | os.PathLike[str], problems: Counter[str] | None = None) -> Iterator[Any]:
@@ -121,12 +165,12 @@ def iter_rows(path: str | os.PathLike[str], problems: Counter[str] | None = None
     if p.is_dir():
         yield from _iter_dir(p, problems)
         return
-    suffix = p.suffix.lower()
+    suffix = _data_suffix(p)
     if suffix == ".parquet":
         yield from _iter_parquet(p)
     elif suffix == ".arrow":
         yield from _iter_arrow_file(p)
-    elif suffix in (".json", ".jsonl"):
+    elif suffix in (".json", ".jsonl", ".json.gz", ".jsonl.gz"):
         first = _first_non_space_char(p)
         if first == "[":
             yield from _iter_json_array(p, problems)
@@ -147,7 +191,7 @@ def iter_rows(path: str | os.PathLike[str], problems: Counter[str] | None = None
 
 
 def _first_non_space_char(path: Path) -> str:
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path, Counter()) as f:  # the full read below counts any problem once
         while True:
             chunk = f.read(4096)
             if not chunk:
@@ -164,7 +208,7 @@ def _iter_json_array(path: Path, problems: Counter[str]) -> Iterator[Any]:
     decoded once the whole rest of the file is in the buffer (a truncated or broken tail), counted once.
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path, problems) as f:
         buf = f.read(_JSON_CHUNK_CHARS)
         eof = not buf
         pos = len(buf) - len(buf.lstrip())
@@ -204,7 +248,7 @@ def _refill(f: Any, buf: str, pos: int, size: int) -> tuple[str, int, bool]:
 
 
 def _iter_jsonl(path: Path, problems: Counter[str]) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path, problems) as f:
         for line in f:
             if not line.strip():
                 continue
@@ -266,7 +310,7 @@ def _iter_dir(path: Path, problems: Counter[str]) -> Iterator[Any]:
         for shard in state.get("_data_files", []):
             yield from _iter_arrow_file(path / shard["filename"])
         return
-    files = sorted(q for q in path.rglob("*") if q.is_file() and q.suffix.lower() in _SUPPORTED_SUFFIXES)
+    files = sorted(q for q in path.rglob("*") if q.is_file() and _data_suffix(q) in _SUPPORTED_SUFFIXES)
     if not files:
         raise ConfigError(f"--data {path}: the folder holds no {', '.join(_SUPPORTED_SUFFIXES)} files")
     for q in files:
