@@ -381,8 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     dm.set_defaults(func=cmd_demo)
 
     from eagle3.bench import add_bench_parser
+    from eagle3.check import add_check_parser
     from eagle3.serving.cli import add_serve_parser
 
+    add_check_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
     return p

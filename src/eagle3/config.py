@@ -85,6 +85,9 @@ class DrafterConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # acceptance measured by `eagle3 check --write-profile` (settings and tau), so a later check can tell a
+    # misconfigured deployment from a weak drafter; kept through save, load and export
+    acceptance_profile: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -76,6 +76,21 @@ class RunResult:
     def acceptance_per_position(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tried, strict=True)]
 
+    def add(self, st) -> None:
+        """Count one generation's `GenerationStats`: its tokens, cycles and per-position acceptance."""
+        self.prompts += 1
+        self.new_tokens += st.new_tokens
+        self.cycles += st.cycles
+        self.new_tokens_in_cycles += sum(st.accepted_per_cycle) + st.cycles
+        depth = max(st.drafted_depth_per_cycle, default=0)
+        if len(self.accepted) < depth:
+            self.accepted += [0] * (depth - len(self.accepted))
+            self.tried += [0] * (depth - len(self.tried))
+        for a, d in zip(st.accepted_per_cycle, st.drafted_depth_per_cycle, strict=True):
+            for j in range(d):
+                self.tried[j] += 1
+                self.accepted[j] += a > j
+
     def to_dict(self) -> dict:
         return {"dataset": self.dataset, "method": self.method, "temperature": self.temperature,
                 "prompts": self.prompts, "new_tokens": self.new_tokens, "cycles": self.cycles,
@@ -106,18 +121,7 @@ def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingC
                            seed=None if sampling.seed is None else sampling.seed + i)
         st = rt.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=s,
                                 eos_token_ids=rt.eos_token_ids).stats
-        res.prompts += 1
-        res.new_tokens += st.new_tokens
-        res.cycles += st.cycles
-        res.new_tokens_in_cycles += sum(st.accepted_per_cycle) + st.cycles
-        depth = max(st.drafted_depth_per_cycle, default=0)
-        if len(res.accepted) < depth:
-            res.accepted += [0] * (depth - len(res.accepted))
-            res.tried += [0] * (depth - len(res.tried))
-        for a, d in zip(st.accepted_per_cycle, st.drafted_depth_per_cycle, strict=True):
-            for j in range(d):
-                res.tried[j] += 1
-                res.accepted[j] += a > j
+        res.add(st)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -74,7 +74,7 @@ def _token_ids(cfg: DrafterConfig) -> dict[str, Any]:
 def _extras(cfg: DrafterConfig) -> dict[str, Any]:
     from eagle3 import __version__
 
-    return {
+    extras = {
         "version": __version__,
         "target_num_layers": cfg.target_num_layers,
         "aux_layer_ids": list(cfg.aux_layer_ids),  # vLLM convention, whatever the format writes elsewhere
@@ -82,6 +82,9 @@ def _extras(cfg: DrafterConfig) -> dict[str, Any]:
         "verifier_name_or_path": cfg.verifier_name_or_path,
         "verifier_architectures": list(cfg.verifier_architectures),
     }
+    if cfg.acceptance_profile is not None:
+        extras["acceptance_profile"] = cfg.acceptance_profile
+    return extras
 
 
 def speculators_config_dict(cfg: DrafterConfig, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
@@ -410,4 +413,5 @@ def config_from_dict(
         target_hidden_size=int(target_hidden) if target_hidden else None,
         norm_before_fc=bool(config.get("norm_before_fc", False)),
         fc_norm=bool(config.get("fc_norm", False)),
+        acceptance_profile=extras.get("acceptance_profile"),
     )
