@@ -11,6 +11,8 @@
 #   REGEN_BATCH=512 LR=1e-3 BATCH_TOKENS=32768 EPOCHS=30 TIME_BUDGET=18m
 # -> 3,126 steps, 18.6 minutes from prepared data to $W/train/drafter (the defaults below are those settings).
 # Earlier bundled drafters came from shorter runs continued with INIT=<drafter> (see docs/training.md).
+# SAMPLE_T=0.8 adds a second answer per prompt sampled at that temperature (more varied answer starts, where the
+# drafter misses most; untested so far: docs/training.md "Where the drafter misses").
 set -euo pipefail
 
 W=${W:-/tmp/eagle3-smollm2}
@@ -27,6 +29,7 @@ INIT=${INIT:-}                 # continue from this drafter (its draft vocabular
 BATCH_TOKENS=${BATCH_TOKENS:-32768}
 TIME_BUDGET=${TIME_BUDGET-18m}  # train for about this long (TIME_BUDGET= : no budget); EPOCHS, MAX_STEPS cap it
 REGEN_BATCH=${REGEN_BATCH:-512}
+SAMPLE_T=${SAMPLE_T:-}         # also train on a second, sampled answer per prompt at this temperature (e.g. 0.8)
 OUT=${OUT:-$W/train}
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
@@ -44,9 +47,21 @@ LIMIT=()
 "${LIMIT[@]}" $EAGLE3 regenerate "${RG[@]}" --data "$SHAREGPT" --out "$W/regen_sharegpt.jsonl" \
   --max-new-tokens 768 --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
 
+SAMPLED=()
+if [ -n "$SAMPLE_T" ]; then
+  # one process after the other: two regenerations sharing one H200 each ran at about half the speed of one alone
+  RS=(--target "$TARGET" --device "$DEVICE" --dtype bfloat16 --engine fast --batch-size "$REGEN_BATCH"
+      --temperature "$SAMPLE_T" --seed 1)
+  stage "regenerate GSM8K and ShareGPT, sampled at T=$SAMPLE_T"
+  $EAGLE3 regenerate "${RS[@]}" --data "$GSM8K" --out "$W/regen_gsm8k_t.jsonl" --max-new-tokens 512 --max-prompt-tokens 512
+  "${LIMIT[@]}" $EAGLE3 regenerate "${RS[@]}" --data "$SHAREGPT" --out "$W/regen_sharegpt_t.jsonl" \
+    --max-new-tokens 768 --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
+  SAMPLED=("$W/regen_sharegpt_t.jsonl" "$W/regen_gsm8k_t.jsonl")
+fi
+
 stage "prepare (draft vocab $DRAFT_VOCAB)"
 if [ ! -f "$W/data/report.json" ]; then
-  $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" "$W/regen_gsm8k.jsonl" \
+  $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" "$W/regen_gsm8k.jsonl" "${SAMPLED[@]}" \
     --out "$W/data" --max-length 2048 --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" \
     ${INIT:+--vocab-from "$INIT"}
 fi
