@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import eagle3.training.ttt as ttt_mod
 from eagle3.config import DrafterConfig
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 from eagle3.training.ttt import (
+    answer_positions,
     base_mask,
     shift_left,
     step_denominators,
@@ -222,6 +224,30 @@ def test_step_decay_and_accuracy():
     assert o2.step_correct.item() == o2.step_count.item() == t - 2
     o3 = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=1)
     assert o3.step_correct.item() < o3.step_count.item()
+
+
+def test_answer_positions_and_early_accuracy(monkeypatch):
+    """Answer positions restart at every supervised run; the early counts keep labels among each answer's first
+    EARLY_TOKENS tokens, and equal the full counts when every answer is shorter than that."""
+    lm = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 1, 1, 1, 1, 0]], dtype=torch.float)
+    assert answer_positions(lm).tolist() == [[-1, 0, 1, 2, -1, -1, 0, 1], [0, 1, -1, 0, 1, 2, 3, -1]]
+    d = make_drafter()
+    b, t, steps = 2, 8, 2
+    ids = torch.randint(0, V, (b, t))
+    pos = torch.arange(t).expand(b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    aux = torch.randn(b, t, 3 * HT)
+    tl, ta = _loss_inputs(d, _targets(b, t))
+    o = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=steps)
+    assert o.step_early_count.tolist() == o.step_count.tolist()
+    assert o.step_early_correct.tolist() == o.step_correct.tolist()
+    monkeypatch.setattr(ttt_mod, "EARLY_TOKENS", 2)  # labels at answer positions 0 and 1 only
+    o2 = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=steps)
+    # step 0: row t's label is x_{t+2}; supervised labels at positions 2, 3, 6, 7 (doc 0) and 3..6 (doc 1)
+    early0 = [(0, 2), (0, 6), (0, 7), (1, 3), (1, 4)]  # (row, label index) with answer position < 2
+    assert o2.step_early_count[0].item() == len(early0)
+    assert o2.step_early_count[0] < o2.step_count[0]
+    assert o2.step_early_correct[0] <= o2.step_early_count[0]
 
 
 def test_garbage_on_unsupervised_rows_does_not_reach_the_gradient():

@@ -61,8 +61,12 @@ from eagle3.training.checkpoints import (
 from eagle3.training.dataset import TrainData, shard_rows
 from eagle3.training.distributed import Dist, init_dist
 from eagle3.training.features import FeatureCache, Features, OnlineFeatures, human_bytes
-from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, ttt_loss
+from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, EARLY_TOKENS, ttt_loss
 from eagle3.training.vocab import draft_ids_to_target
+
+# per-step sums a training step returns (TTTModel.forward after the loss): loss, correct, count, kept, and
+# correct/count over labels among their answer's first EARLY_TOKENS tokens
+METRIC_ROWS = 6
 
 log = logging.getLogger("eagle3")
 
@@ -209,7 +213,8 @@ class TTTModel(nn.Module):
                 denominators, scale: float):
         out = ttt_loss(self.drafter, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits,
                        target_argmax, self.steps, self.decay, denominators, scale)
-        return out.loss, out.step_loss_sum, out.step_correct, out.step_count, out.step_kept
+        return (out.loss, out.step_loss_sum, out.step_correct, out.step_count, out.step_kept, out.step_early_correct,
+                out.step_early_count)
 
 
 def _load_target(cfg: TrainConfig, device: torch.device, sharded: bool = False):
@@ -531,7 +536,7 @@ class _Trainer:
             # the end, so the last micro-batch, which runs DDP's gradient all-reduce, is last on every rank.
             most = min(cfg.grad_accum, len(rows[0 :: ctx.world]))
             parts += [([len(mine) - 1], True)] * (most - len(parts))
-        metrics = torch.zeros(4, cfg.ttt_steps, device=self.device)
+        metrics = torch.zeros(METRIC_ROWS, cfg.ttt_steps, device=self.device)
         tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
         pad = 8 if self.device.type == "cuda" else 1
@@ -551,11 +556,11 @@ class _Trainer:
                 amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext())
                 with sync:
                     with amp:
-                        loss, lsum, corr, cnt, kept = self.ddp(aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+                        loss, *sums = self.ddp(aux, batch.input_ids, batch.position_ids, batch.doc_ids,
                                                                batch.loss_mask, feats.target_logits, feats.target_argmax,
                                                                den, float(ctx.world))
                     loss.backward()
-                metrics += torch.stack([lsum, corr, cnt, kept]).detach()
+                metrics += torch.stack(sums).detach()  # [METRIC_ROWS, K]
         if cfg.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         else:
@@ -590,7 +595,7 @@ class _Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=self.total, initial=step, desc="train", unit="step", dynamic_ncols=True)
-        window = torch.zeros(4, cfg.ttt_steps, device=self.device)
+        window = torch.zeros(METRIC_ROWS, cfg.ttt_steps, device=self.device)
         window_tokens, window_start, total_tokens = 0, time.perf_counter(), 0
         last_record: dict[str, Any] | None = None
         last_ckpt = latest_checkpoint(self.out) if cfg.resume else None
@@ -623,7 +628,7 @@ class _Trainer:
             if step % cfg.log_every == 0 or step == end:
                 stats = torch.cat([window.flatten(), torch.tensor([float(window_tokens)], device=self.device)])
                 ctx.all_reduce(stats)
-                w = stats[:-1].view(4, cfg.ttt_steps).cpu()
+                w = stats[:-1].view(METRIC_ROWS, cfg.ttt_steps).cpu()
                 n_tok = int(stats[-1].item())
                 total_tokens += n_tok
                 elapsed = time.perf_counter() - window_start
@@ -697,7 +702,7 @@ class _Trainer:
 
     def _record(self, step: int, epoch: float, w: torch.Tensor, tokens: int, elapsed: float,
                 grad_norm: float, lr: float) -> dict[str, Any]:
-        loss_sum, correct, count, kept = w  # each [K]
+        loss_sum, correct, count, kept, early_correct, early_count = w  # each [K]
         count = count.clamp_min(1)
         per_step = (loss_sum / count).tolist()
         decay = torch.tensor([self.cfg.step_decay**k for k in range(self.cfg.ttt_steps)])
@@ -708,6 +713,8 @@ class _Trainer:
             "loss": float((decay * loss_sum / count).sum()),
             "loss_per_step": [round(x, 6) for x in per_step],
             "acc_per_step": [round(x, 6) for x in (correct / count).tolist()],
+            # the same over labels among the first EARLY_TOKENS tokens of their answer (closer to acceptance)
+            f"acc_first{EARLY_TOKENS}_per_step": [round(x, 6) for x in (early_correct / early_count.clamp_min(1)).tolist()],
             "in_draft_vocab": round(float(kept[0] / count[0]), 6),
             "supervised_tokens": int(w[2, 0].item()),
             "tokens": tokens,

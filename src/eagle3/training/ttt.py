@@ -53,6 +53,10 @@ from eagle3.drafter import DrafterKV, Eagle3Drafter
 
 DEFAULT_TTT_STEPS = 7
 DEFAULT_STEP_DECAY = 0.8
+# Accuracy is also reported over the first EARLY_TOKENS tokens of each answer: a small target's long answers grow
+# repetitive towards their end, so the whole-answer accuracy overstates the acceptance on a benchmark's first few
+# hundred tokens (docs/training.md, "Where the drafter misses").
+EARLY_TOKENS = 128
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -102,6 +106,15 @@ def step_supervision(
     return (same_doc & shift_left(loss_mask, 2 + k, 0).bool()).float()
 
 
+def answer_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each supervised token within its run of supervised tokens (0 = an answer's first token), -1 on
+    unsupervised ones. [B, T] long."""
+    sup = loss_mask.bool()
+    idx = torch.arange(sup.shape[1], device=sup.device).expand_as(sup)  # [B, T]
+    last_gap = torch.where(sup, torch.full_like(idx, -1), idx).cummax(dim=1).values  # last unsupervised index so far
+    return torch.where(sup, idx - last_gap - 1, torch.full_like(idx, -1))
+
+
 def step_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     """N_k, the number of supervised positions per step, float [K]. For one document with loss mask m,
     N_k = sum(m[2 + k:]), so a trainer can count it straight from the data."""
@@ -135,6 +148,8 @@ class TTTOutput:
     step_correct: torch.Tensor  # [K] supervised positions where the drafter's argmax equals the target's
     step_count: torch.Tensor  # [K] supervised positions (N_k of this batch)
     step_kept: torch.Tensor  # [K] supervised positions whose target argmax is in the draft vocabulary
+    step_early_correct: torch.Tensor  # [K] as step_correct, for labels among their answer's first EARLY_TOKENS
+    step_early_count: torch.Tensor  # [K] supervised positions whose label is among the first EARLY_TOKENS
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -166,8 +181,9 @@ def ttt_loss(
     denominators = denominators.to(aux.device, torch.float32).clamp_min(1.0)
     hidden = drafter.combine(aux)  # [B, T, H]
     t = input_ids.shape[1]
+    answer_pos = answer_positions(loss_mask)  # [B, T]
     total = aux.new_zeros((), dtype=torch.float32)
-    loss_sums, correct, counts, kept = [], [], [], []
+    loss_sums, correct, counts, kept, early_correct, early_counts = [], [], [], [], [], []
     for k, out in enumerate(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps)):
         sup = step_supervision(loss_mask, doc_ids, k)  # [B, T]; 0 for rows t >= T-1-k (label beyond the end)
         n = max(t - 1 - k, 0)  # rows whose target z_{t+1+k} is inside the sequence
@@ -182,8 +198,14 @@ def ttt_loss(
         with torch.no_grad():
             pred = drafter.draft_ids_to_target(logits.argmax(-1))  # [M] target ids
             # supervised rows outside the draft vocabulary are misses: the drafter cannot emit their token
+            hit = pred == target_argmax[:, 1 + k :][sel]  # [M]
+            label_pos = shift_left(answer_pos, 2 + k, -1)  # [B, T] answer position of row t's label x_{t+2+k}
+            early = (sup > 0) & (label_pos >= 0) & (label_pos < EARLY_TOKENS)  # [B, T]
             loss_sums.append(step_sum.detach())
-            correct.append((pred == target_argmax[:, 1 + k :][sel]).sum().to(torch.float32))
+            correct.append(hit.sum().to(torch.float32))
             counts.append(sup.sum())
             kept.append(sel.sum().to(torch.float32))
-    return TTTOutput(total, torch.stack(loss_sums), torch.stack(correct), torch.stack(counts), torch.stack(kept))
+            early_correct.append((hit & early[:, :n][sel]).sum().to(torch.float32))
+            early_counts.append(early.sum().to(torch.float32))
+    return TTTOutput(total, torch.stack(loss_sums), torch.stack(correct), torch.stack(counts), torch.stack(kept),
+                     torch.stack(early_correct), torch.stack(early_counts))
