@@ -45,7 +45,7 @@ def test_bundled_drafter_passes_writes_a_profile_and_catches_misconfiguration(tm
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["kind"] == "check" and report["ok"] and report["identical"] == report["prompts"] == 2
-    assert report["acceptance"]["tau"] > 1.2
+    assert report["acceptance"]["tau"] > 1.2 and report["acceptance"]["speedup"] > 0
     profile = json.loads((good / "config.json").read_text())["eagle3"]["acceptance_profile"]
     assert profile["tau"] == report["acceptance"]["tau"] and profile["limit"] == 2 and profile["dtype"] == "float32"
     # the profile travels with the checkpoint through export (both formats) and loading
