@@ -406,10 +406,26 @@ def test_a_waiting_request_joins_when_the_batch_empties(stories):
 
 
 def test_admit_wait_and_stream_interval_are_checked():
-    with pytest.raises(ConfigError, match="admit_wait"):
-        ServeConfig(admit_wait=-1)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="admit_wait"):
+            ServeConfig(admit_wait=bad)
     with pytest.raises(ConfigError, match="stream_interval"):
         ServeConfig(stream_interval=0)
+
+
+def test_backend_decoding_only_for_the_stock_fast_tokenizer(stories260k):
+    """The Rust-backend shortcut is taken for transformers' own fast tokenizer; a subclass that rewrites decoded
+    text (as some model tokenizers do) keeps its own `decode`."""
+    from eagle3.serving.scheduler import _stock_decode
+
+    _, tok = stories260k
+    assert _stock_decode(tok)
+
+    class Rewriting(type(tok)):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs).replace(" ", "_")
+
+    assert not _stock_decode(object.__new__(Rewriting))
 
 
 @pytest.mark.parametrize("interval", [1, 5])

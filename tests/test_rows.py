@@ -199,5 +199,21 @@ def test_serve_says_what_to_do_when_the_rows_do_not_fit(monkeypatch):
 
     monkeypatch.setattr(rows_mod.FastRows, "__init__", oom)
     model = build_tiny_target("llama", vocab_size=64)
-    with pytest.raises(ConfigError, match="--fast-rows-len or --max-batch-size, or use --fast-rows off"):
+    with pytest.raises(ConfigError, match="--fast-rows-len, --max-batch-size or --max-prefill-tokens, or use --fast-rows off"):
         fast_rows("on", model, None, SpecPolicy(enabled=False), ServeConfig(max_batch_size=8), "cpu")
+
+
+def test_prefill_staging_covers_every_admission():
+    """Every admission the scheduler allows (R rows x longest prompt T <= max_prefill_tokens, up to 64 rows and
+    2,048 slots) falls in a captured bucket, also for sizes that are not powers of two."""
+    from eagle3.fast.rows import MIN_PREFILL_WIDTH, prefill_staging_tokens
+
+    def pow2(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
+    for m in (512, 3000, 4096, 6000):
+        staging = prefill_staging_tokens(m)
+        worst = max(pow2(r) * min(max(MIN_PREFILL_WIDTH, pow2(t)), 2048)
+                    for r in range(1, 65) for t in range(1, min(m // r, 2048) + 1))
+        assert worst <= staging <= 4 * m, (m, worst, staging)
+    assert prefill_staging_tokens(4096) == 8192  # the default: twice max_prefill_tokens, as before

@@ -176,7 +176,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
 
     import torch
 
-    from eagle3.fast.rows import FastRows, RowShape
+    from eagle3.fast.rows import FastRows, RowShape, prefill_staging_tokens
     from eagle3.fast.target import FastTarget, fast_support
     from eagle3.serving.policy import FAST_ROWS_TOKEN_BUDGET
 
@@ -200,14 +200,14 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
         return None if s is None else RowShape(s.depth, s.top_k, s.total)
 
     try:
-        # an admission holds at most max_prefill_tokens padded tokens; rounded up to powers of two (rows and
-        # width) that is at most twice as many
+        staging = prefill_staging_tokens(config.max_prefill_tokens)
         rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape,
-                        prefill_tokens=2 * config.max_prefill_tokens)
+                        prefill_tokens=staging)
         seconds = rows.prepare()
     except torch.OutOfMemoryError as e:
         raise ConfigError(f"the fast rows' caches ({config.max_batch_size} rows x {seq_len} slots) do not fit on "
-                          f"{device}: lower --fast-rows-len or --max-batch-size, or use --fast-rows off") from e
+                          f"{device} with their prefill staging ({staging} tokens): lower --fast-rows-len, --max-batch-size or "
+                          "--max-prefill-tokens, or use --fast-rows off") from e
     log.info("fast rows: %d rows x %d slots (%.2f GiB of cache), %d cycles and %d prefill shapes prepared in "
              "%.1f s", rows.capacity, seq_len, rows.cache_bytes() / 2**30, rows.cycles_prepared,
              len(rows.prefill_buckets()), seconds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError
@@ -39,7 +40,7 @@ class ServeConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
-        if self.admit_wait < 0:
-            raise ConfigError(f"admit_wait={self.admit_wait} must be >= 0")
+        if not math.isfinite(self.admit_wait) or self.admit_wait < 0:
+            raise ConfigError(f"admit_wait={self.admit_wait} must be a finite number >= 0 (prefill durations)")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0")

@@ -101,6 +101,16 @@ class RequestHandle:
         self.finished = False
 
 
+def _stock_decode(tokenizer) -> bool:
+    """True when `tokenizer.decode` is transformers' own fast-tokenizer decode (no subclass override)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return False
+    cls = type(tokenizer)
+    return all(getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name, None) for name in ("decode", "_decode"))
+
+
 class SchedulerUnavailable(Exception):
     """The scheduler refuses new work: `status` is the HTTP status to answer with (503)."""
 
@@ -190,7 +200,9 @@ class Scheduler:
         self._incremental = tokenizer is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         # without that clean-up, a fast tokenizer's `decode` is its Rust backend's; calling the backend directly
         # skips the Python wrapper, which was most of the host time of a 64-row cycle
-        self._backend = getattr(tokenizer, "backend_tokenizer", None) if self._incremental else None
+        # (only where the tokenizer class keeps the stock `decode`: a subclass that rewrites text keeps its own)
+        self._backend = (getattr(tokenizer, "backend_tokenizer", None)
+                         if self._incremental and _stock_decode(tokenizer) else None)
         self._frows: list[_Row] = []  # mirrors the active rows of `fast_rows`, in order
         if rows is not None and rows.capacity < self.config.max_batch_size:
             raise ValueError(f"FastRows holds {rows.capacity} rows; the server admits {self.config.max_batch_size}")
