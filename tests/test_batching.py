@@ -405,6 +405,19 @@ def test_a_waiting_request_joins_when_the_batch_empties(stories):
     assert sched.metrics.snapshot()["eagle3_prefill_seconds_count"] == 2
 
 
+def test_a_cold_first_prefill_does_not_set_the_wait(stories260k):
+    """The first measured prefill may be cold: it sets no wait until a second confirms it, and a fast second one
+    replaces a slow first at once; slower prefills later raise the average slowly."""
+    model, tok = stories260k
+    sched = Scheduler(Target(model, []), tok, eos_token_ids(model, tok))
+    sched._note_prefill(0.5)  # cold
+    assert sched._prefill_ema is None
+    sched._note_prefill(0.02)
+    assert sched._prefill_ema == pytest.approx(0.02)
+    sched._note_prefill(0.04)
+    assert sched._prefill_ema == pytest.approx(0.024)
+
+
 def test_admit_wait_and_stream_interval_are_checked():
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="admit_wait"):

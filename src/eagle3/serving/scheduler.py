@@ -213,6 +213,7 @@ class Scheduler:
         self._rows: list[_Row] = []
         self._kv = BatchKV()
         self._prefill_ema: float | None = None  # seconds per admission (prefill + first tokens), moving average
+        self._first_prefill: float | None = None  # the first measurement, held until a second confirms it
         self._closing = False  # no new requests
         self._stopping = False  # leave the loop
         self._thread: threading.Thread | None = None
@@ -357,10 +358,14 @@ class Scheduler:
         return time.perf_counter() - self._waiting[0].arrival >= wait * self._prefill_ema
 
     def _note_prefill(self, seconds: float) -> None:
-        """A moving average of admission time that follows a drop at once (a cold first prefill must not make
-        later requests wait for long)."""
-        ema = self._prefill_ema
-        self._prefill_ema = seconds if ema is None else min(seconds, 0.8 * ema + 0.2 * seconds)
+        """A moving average of admission time that follows a drop at once. The first measurement may be cold
+        (first use of a kernel or shape), so it only counts once a second one is in: until then requests are
+        admitted at once; a cold first one is then replaced by the (smaller) second."""
+        if self._prefill_ema is None and self._first_prefill is None:
+            self._first_prefill = seconds
+            return
+        ema = self._prefill_ema if self._prefill_ema is not None else self._first_prefill
+        self._prefill_ema = min(seconds, 0.8 * ema + 0.2 * seconds)
 
     def _take_waiting(self) -> list[RequestHandle]:
         out: list[RequestHandle] = []
