@@ -721,6 +721,7 @@ def test_gzipped_json_and_jsonl_read_like_plain_files(tmp_path) -> None:
     """`.json.gz` and `.jsonl.gz` read as their plain forms (also inside a folder); a gzip stream cut short keeps
     the records before the cut and is counted, never raised."""
     import gzip
+    import zlib
 
     records = _records(40)
     jsonl = "".join(json.dumps(r) + "\n" for r in records)
@@ -734,13 +735,35 @@ def test_gzipped_json_and_jsonl_read_like_plain_files(tmp_path) -> None:
     assert list(iter_rows(tmp_path / "gz" / "b.json.gz", problems)) == records[:3]
     assert list(iter_rows(tmp_path / "gz", problems)) == records + records[:3]
     assert not problems
-    # a cut-off download: many records compressed, the file cut near its end
-    big = [sharegpt(("human", f"q {i} " + "y" * 300), ("gpt", f"a {i}")) for i in range(2000)]
-    raw = gzip.compress("".join(json.dumps(r) + "\n" for r in big).encode())
-    (tmp_path / "cut.jsonl.gz").write_bytes(raw[: len(raw) - 200])
-    got = list(iter_rows(tmp_path / "cut.jsonl.gz", problems))
-    assert 0 < len(got) < len(big) and got == big[: len(got)]
-    assert problems == Counter({"gzip_truncated": 1})
+    # a cut-off download: every complete record before the cut is kept, for small and large files, JSONL and
+    # JSON arrays (whose broken tail is counted as for a plain file)
+    for n, cut in ((16, 30), (2000, 200)):
+        big = [sharegpt(("human", f"q {i} " + "y" * 300), ("gpt", f"a {i}")) for i in range(n)]
+        for name, text in (("cut.jsonl.gz", "".join(json.dumps(r) + "\n" for r in big)),
+                           ("cut.json.gz", json.dumps(big))):
+            raw = gzip.compress(text.encode())
+            (tmp_path / name).write_bytes(raw[: len(raw) - cut])
+            problems = Counter()
+            got = list(iter_rows(tmp_path / name, problems))
+            decoded = len(zlib.decompressobj(31).decompress(raw[: len(raw) - cut]))
+            ends = np.cumsum([len(json.dumps(r)) + 2 for r in big])  # end of each record in the text, or beyond
+            whole = int((ends <= decoded).sum())  # records surely complete before the cut
+            assert got == big[: len(got)] and len(got) >= whole - 1, (name, n, len(got), whole)
+            assert problems["gzip_truncated"] == 1
+    problems = Counter()
+    (tmp_path / "both").mkdir()
+    (tmp_path / "both" / "a.jsonl").write_text(jsonl)
+    (tmp_path / "both" / "a.jsonl.gz").write_bytes(gzip.compress(jsonl.encode()))
+    with pytest.raises(ConfigError, match="both there"):
+        list(iter_rows(tmp_path / "both"))
+    (tmp_path / "two.jsonl.gz").write_bytes(gzip.compress(jsonl.encode()) + gzip.compress(jsonl.encode()))  # `cat a.gz b.gz`
+    (tmp_path / "empty.jsonl.gz").write_bytes(b"")
+    problems = Counter()
+    assert list(iter_rows(tmp_path / "two.jsonl.gz", problems)) == records + records
+    assert list(iter_rows(tmp_path / "empty.jsonl.gz", problems)) == [] and not problems
+    (tmp_path / "fake.jsonl.gz").write_text(jsonl)  # not gzip at all
+    with pytest.raises(ConfigError, match="not a readable gzip file"):
+        list(iter_rows(tmp_path / "fake.jsonl.gz"))
     (tmp_path / "d.csv.gz").write_bytes(gzip.compress(b"a,b\n"))
     with pytest.raises(ConfigError, match=r"unknown file type '\.csv\.gz'"):
         list(iter_rows(tmp_path / "d.csv.gz"))

@@ -28,11 +28,12 @@ turn is bad. F is tokenised once with `add_special_tokens=False` (the template w
 
 from __future__ import annotations
 
-import gzip
 import hashlib
+import io
 import json
 import os
 import re
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,39 +117,60 @@ def _data_suffix(path: Path) -> str:
     return "".join(suffixes) if suffixes[-1:] == [".gz"] else (suffixes[-1] if suffixes else "")
 
 
-class _GzipText:
-    """Text reads from a `.gz` file. A stream cut short (a download or copy that stopped) ends the reading instead
-    of raising, and is counted as `gzip_truncated`; the records decoded before the cut are kept (those in the last
-    decompressed block may be lost with it)."""
+class _GzipBytes(io.RawIOBase):
+    """The decompressed bytes of a `.gz` file (all its members). A stream cut short (a download or copy that
+    stopped) ends early, counted once as `gzip_truncated`, with every byte before the cut delivered: decompressing
+    chunk by chunk with zlib, rather than through `gzip.GzipFile`, which raises without returning what it had
+    decoded from a short file."""
+
+    CHUNK = 1 << 16
 
     def __init__(self, path: Path, problems: Counter[str]):
-        self._f = gzip.open(path, "rt", encoding="utf-8")  # noqa: SIM115 - closed by __exit__
+        self._path = path
+        self._raw = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._z = zlib.decompressobj(31)  # 31: gzip header and trailer
         self._problems = problems
+        self._out, self._pos = b"", 0
+        self._done = self._seen = False
 
-    def read(self, size: int = -1) -> str:
-        try:
-            return self._f.read(size)
-        except EOFError:
-            self._problems["gzip_truncated"] += 1
-            return ""
+    def readable(self) -> bool:
+        return True
 
-    def __iter__(self) -> Iterator[str]:
-        try:
-            yield from self._f
-        except EOFError:
-            self._problems["gzip_truncated"] += 1
+    def _fill(self) -> None:
+        while self._pos >= len(self._out) and not self._done:
+            chunk = self._raw.read(self.CHUNK)
+            if not chunk:
+                if self._seen and not self._z.eof:
+                    self._problems["gzip_truncated"] += 1
+                self._done = True
+                return
+            self._seen = True
+            try:
+                out = self._z.decompress(chunk)
+                while self._z.eof and self._z.unused_data.strip(b"\0"):  # another member follows
+                    rest = self._z.unused_data
+                    self._z = zlib.decompressobj(31)
+                    out += self._z.decompress(rest)
+            except zlib.error as e:
+                raise ConfigError(f"--data {self._path}: not a readable gzip file ({e})") from None
+            self._out, self._pos = out, 0
 
-    def __enter__(self) -> _GzipText:
-        return self
+    def readinto(self, b: Any) -> int:
+        self._fill()
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
-    def __exit__(self, *exc: object) -> None:
-        self._f.close()
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
-def _open_text(path: Path, problems: Counter[str]) -> IO[str] | _GzipText:
+def _open_text(path: Path, problems: Counter[str]) -> IO[str]:
     """A text handle on a JSON/JSONL file, decompressing `.gz` on the fly."""
     if path.suffix.lower() == ".gz":
-        return _GzipText(path, problems)
+        return io.TextIOWrapper(io.BufferedReader(_GzipBytes(path, problems)), encoding="utf-8")
     return open(path, encoding="utf-8")
 
 
@@ -313,6 +335,10 @@ def _iter_dir(path: Path, problems: Counter[str]) -> Iterator[Any]:
     files = sorted(q for q in path.rglob("*") if q.is_file() and _data_suffix(q) in _SUPPORTED_SUFFIXES)
     if not files:
         raise ConfigError(f"--data {path}: the folder holds no {', '.join(_SUPPORTED_SUFFIXES)} files")
+    both = [q for q in files if q.with_name(q.name + ".gz") in files]
+    if both:  # `gzip -k` leaves the original: reading both would train on every row twice
+        raise ConfigError(f"--data {path}: {both[0].name} and {both[0].name}.gz are both there (the same rows twice?); "
+                          "remove one or pass the file you mean")
     for q in files:
         yield from iter_rows(q, problems)
 
