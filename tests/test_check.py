@@ -46,6 +46,7 @@ def test_bundled_drafter_passes_writes_a_profile_and_catches_misconfiguration(tm
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["kind"] == "check" and report["ok"] and report["identical"] == report["prompts"] == 2
     assert report["acceptance"]["tau"] > 1.2 and report["acceptance"]["speedup"] > 0
+    assert report["acceptance"]["tokens_per_s"] > 0
     profile = json.loads((good / "config.json").read_text())["eagle3"]["acceptance_profile"]
     assert profile["tau"] == report["acceptance"]["tau"] and profile["limit"] == 2 and profile["dtype"] == "float32"
     # the profile travels with the checkpoint through export (both formats) and loading
@@ -99,3 +100,8 @@ def test_an_untrained_drafter_fails_the_acceptance_check(tmp_path):
     assert status == {"load": "pass", "lossless": "pass", "acceptance": "fail"}
     with pytest.raises(ConfigError, match="needs a drafter folder"):
         write_profile(tmp_path / "nowhere", report)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="no prompts"):
+        run_check("stories260k", drafter, device="cpu", dataset=str(tmp_path / "empty.jsonl"), print_fn=print)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        run_check("stories260k", drafter, device="cpu", dataset=str(prompts), limit=0, print_fn=print)

@@ -136,8 +136,8 @@ def test_log_records(straight_run):
     recs = [json.loads(x) for x in (straight_run / LOG_FILE).read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 7))
     r = recs[-1]
-    assert len(r["loss_per_step"]) == len(r["acc_per_step"]) == len(r["acc_first128_per_step"]) == 3
-    assert all(0 <= a <= 1 for a in r["acc_first128_per_step"])
+    assert len(r["loss_per_step"]) == len(r["acc_per_step"]) == len(r["acc_early_per_step"]) == 3
+    assert all(0 <= a <= 1 for a in r["acc_early_per_step"]) and r["early_tokens"] == 128
     assert r["tokens_per_s"] > 0 and r["tokens"] > 0 and 0 <= r["in_draft_vocab"] <= 1
     assert recs[0]["lr"] == pytest.approx(1e-3 / 2)  # warmup step 1 of 2
     assert all(np.isfinite(x["loss"]) for x in recs)

@@ -231,6 +231,9 @@ def test_answer_positions_and_early_accuracy(monkeypatch):
     EARLY_TOKENS tokens, and equal the full counts when every answer is shorter than that."""
     lm = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 1, 1, 1, 1, 0]], dtype=torch.float)
     assert answer_positions(lm).tolist() == [[-1, 0, 1, 2, -1, -1, 0, 1], [0, 1, -1, 0, 1, 2, 3, -1]]
+    packed = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [0] * 8])  # row 0: a second document starts at token 4
+    lm_packed = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 0], [1] * 8], dtype=torch.float)
+    assert answer_positions(lm_packed, packed).tolist() == [[-1, 0, 1, 2, 0, 1, -1, -1], list(range(8))]
     d = make_drafter()
     b, t, steps = 2, 8, 2
     ids = torch.randint(0, V, (b, t))

@@ -18,6 +18,7 @@ Every finding goes to a JSON report with a run record; the exit status is 1 when
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,7 +38,8 @@ log = logging.getLogger("eagle3.check")
 
 MIN_TAU = 1.1  # below this the drafter is (nearly) never right: a misconfiguration, not a weak drafter
 PROFILE_TOLERANCE = 0.8  # a measured tau below this share of the profile's fails
-PROFILE_SETTINGS = ("dataset", "limit", "max_new_tokens", "spec", "dtype")
+# what must match for a tau to be compared with the profile's (the prompts by content, not by file name)
+PROFILE_SETTINGS = ("prompts_sha256", "max_new_tokens", "spec", "dtype")
 
 
 @dataclass
@@ -123,16 +125,22 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
     default_spec = CPU_SPEC if device == "cpu" else SpecConfig()
     spec = spec or (spec_from_dict(profile["spec"]) if "spec" in profile else default_spec)
-    settings = {"dataset": dataset or profile.get("dataset", "mt_bench"), "limit": limit or profile.get("limit", 4),
-                "max_new_tokens": max_new_tokens or profile.get("max_new_tokens", 64), "spec": spec_dict(spec),
-                "dtype": dtype_name, "device": device}
+    settings = {"dataset": dataset or profile.get("dataset", "mt_bench"),
+                "limit": profile.get("limit", 4) if limit is None else limit,
+                "max_new_tokens": profile.get("max_new_tokens", 64) if max_new_tokens is None else max_new_tokens,
+                "spec": spec_dict(spec), "dtype": dtype_name, "device": device}
+    if settings["limit"] < 1 or settings["max_new_tokens"] < 1:
+        raise ConfigError(f"--limit {settings['limit']} and --max-new-tokens {settings['max_new_tokens']} must be >= 1")
+    name, prompts = load_prompts(settings["dataset"], settings["limit"])
+    if not prompts:
+        raise ConfigError(f"no prompts in {settings['dataset']!r}: the check needs at least one")
+    settings["prompts_sha256"] = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
     report.settings = settings
 
     tgt = Target(model, cfg.aux_layer_ids)
     plain = SpeculativeEngine(tgt, NoDraftProposer(device), tok)
     eagle = SpeculativeEngine(tgt, Eagle3Proposer(d, spec), tok)
     eos = eos_token_ids(model, tok)
-    name, prompts = load_prompts(settings["dataset"], settings["limit"])
     result = RunResult(dataset=name, method=method_name("eagle3", spec), temperature=0.0)
     mismatches = []
     plain_s = eagle_s = 0.0
@@ -156,6 +164,7 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
         print_fn(f"  prompt {i + 1}/{len(prompts)}: {'identical' if a.token_ids == b.token_ids else 'DIFFERENT'}, "
                  f"tau {b.stats.tau:.2f}")
     tgt.close()
+    result.seconds = eagle_s
     report.prompts = len(prompts)
     # the same answers timed both ways on this device (the first prompt includes warm-up for both engines)
     report.acceptance = {**result.to_dict(), "seconds": round(time.perf_counter() - t0, 2),
@@ -166,8 +175,10 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
         report.add("lossless", "pass", f"greedy output identical to plain decoding on {len(prompts)}/{len(prompts)} "
                                        "prompts")
     elif dtype_name == "float32":
-        report.add("lossless", "fail", f"greedy output differs from plain decoding in float32 ({'; '.join(mismatches)}): "
-                                       "speculation changed the output, which is a bug; please report it")
+        report.add("lossless", "fail", f"greedy output differs from plain decoding in float32 ({'; '.join(mismatches)}). "
+                                       "Verifying several tokens at once can move a logit by ~1e-5 even in float32, "
+                                       "so an exact near-tie can flip; on other prompts or repeated, a difference "
+                                       "means speculation changed the output: please report it")
     else:
         report.add("lossless", "warn", f"{len(mismatches)}/{len(prompts)} answers differ from plain decoding in "
                                        f"{dtype_name} ({'; '.join(mismatches)}); verifying many tokens at once rounds "
@@ -190,8 +201,12 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     if profile:
         same = all(profile.get(k) == settings[k] for k in PROFILE_SETTINGS)
         if not same:
-            report.add("profile", "warn", "the drafter's acceptance profile was measured with other settings "
-                                          f"({ {k: profile.get(k) for k in PROFILE_SETTINGS} }); not compared")
+            differ = [k for k in PROFILE_SETTINGS if profile.get(k) != settings[k]]
+            report.add("profile", "warn", f"the drafter's acceptance profile was measured with other {', '.join(differ)} "
+                                          f"(dataset {profile.get('dataset')!r}, limit {profile.get('limit')}, "
+                                          f"{profile.get('max_new_tokens')} tokens, {profile.get('spec')}, "
+                                          f"{profile.get('dtype')}); not compared. Run without those options to "
+                                          "use the profile's")
         elif tau < PROFILE_TOLERANCE * profile["tau"]:
             report.add("profile", "fail", f"tau {tau:.2f} is below {PROFILE_TOLERANCE:.0%} of the {profile['tau']:.2f} "
                                           f"this drafter reached when its profile was measured "
@@ -213,7 +228,7 @@ def write_profile(drafter_dir: str | Path, report: CheckReport) -> Path:
     config = json.loads(path.read_text())
     acc = report.acceptance or {}
     config.setdefault("eagle3", {})["acceptance_profile"] = {
-        **{k: report.settings[k] for k in (*PROFILE_SETTINGS, "device")},
+        **{k: report.settings[k] for k in ("dataset", "limit", *PROFILE_SETTINGS, "device")},
         "tau": acc.get("tau"), "acceptance_per_position": acc.get("acceptance_per_position"),
         "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "eagle3_version": __version__,
     }
@@ -226,7 +241,7 @@ def write_profile(drafter_dir: str | Path, report: CheckReport) -> Path:
 def cmd_check(args) -> int:
     from eagle3.record import run_record, write_json
 
-    spec = SpecConfig(mode="chain", chain_length=args.chain) if args.chain else (
+    spec = SpecConfig(mode="chain", chain_length=args.chain) if args.chain is not None else (
         SpecConfig.parse_tree(args.tree) if args.tree else None)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"eagle3 check: {args.drafter} against {args.target} on {device}")

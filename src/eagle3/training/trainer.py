@@ -244,6 +244,7 @@ def _build_drafter(cfg: TrainConfig, model: nn.Module, d2t: torch.Tensor, t2d: t
 
         d = load_drafter(cfg.init, target_config=model.config, device="cpu", dtype=torch.float32,
                          target_embedding=emb)
+        d.config.acceptance_profile = None  # measured for the starting weights, not for what training makes
         if d.config.draft_vocab_size != vd or not torch.equal(d.draft_ids_to_target(torch.arange(vd)),
                                                                draft_ids_to_target(d2t)):
             raise ConfigError(
@@ -520,7 +521,7 @@ class _Trainer:
         return self.cache.load(batch, self.device)
 
     def _step(self, rows: list[list[int]]) -> tuple[torch.Tensor, int, float, float]:
-        """One optimizer step on a global batch; returns (local metric sums [4, K], local tokens, grad norm, lr)."""
+        """One optimizer step on a global batch; returns (local metric sums [METRIC_ROWS, K], local tokens, grad norm, lr)."""
         cfg, ctx = self.cfg, self.ctx
         den = self.data.step_denominators(rows, cfg.ttt_steps).to(self.device, torch.float32)  # [K] global N_k
         mine = shard_rows(rows, ctx.rank, ctx.world)
@@ -713,8 +714,9 @@ class _Trainer:
             "loss": float((decay * loss_sum / count).sum()),
             "loss_per_step": [round(x, 6) for x in per_step],
             "acc_per_step": [round(x, 6) for x in (correct / count).tolist()],
-            # the same over labels among the first EARLY_TOKENS tokens of their answer (closer to acceptance)
-            f"acc_first{EARLY_TOKENS}_per_step": [round(x, 6) for x in (early_correct / early_count.clamp_min(1)).tolist()],
+            # the same over labels among the first `early_tokens` tokens of their answer (closer to acceptance)
+            "acc_early_per_step": [round(x, 6) for x in (early_correct / early_count.clamp_min(1)).tolist()],
+            "early_tokens": EARLY_TOKENS,
             "in_draft_vocab": round(float(kept[0] / count[0]), 6),
             "supervised_tokens": int(w[2, 0].item()),
             "tokens": tokens,

@@ -106,13 +106,18 @@ def step_supervision(
     return (same_doc & shift_left(loss_mask, 2 + k, 0).bool()).float()
 
 
-def answer_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Index of each supervised token within its run of supervised tokens (0 = an answer's first token), -1 on
-    unsupervised ones. [B, T] long."""
+def answer_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of each supervised token within its run of supervised tokens of one document (0 = an answer's first
+    token), -1 on unsupervised ones. [B, T] long. `doc_ids` [B, T] (packed rows): a run restarts at a document
+    boundary."""
     sup = loss_mask.bool()
     idx = torch.arange(sup.shape[1], device=sup.device).expand_as(sup)  # [B, T]
-    last_gap = torch.where(sup, torch.full_like(idx, -1), idx).cummax(dim=1).values  # last unsupervised index so far
-    return torch.where(sup, idx - last_gap - 1, torch.full_like(idx, -1))
+    prev = torch.cat([torch.zeros_like(sup[:, :1]), sup[:, :-1]], dim=1)  # [B, T] previous token supervised
+    if doc_ids is not None:
+        prev = prev & torch.cat([torch.zeros_like(sup[:, :1]), doc_ids[:, 1:] == doc_ids[:, :-1]], dim=1)
+    start = sup & ~prev  # first token of each run
+    last_start = torch.where(start, idx, torch.full_like(idx, -1)).cummax(dim=1).values  # [B, T]
+    return torch.where(sup, idx - last_start, torch.full_like(idx, -1))
 
 
 def step_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -181,7 +186,7 @@ def ttt_loss(
     denominators = denominators.to(aux.device, torch.float32).clamp_min(1.0)
     hidden = drafter.combine(aux)  # [B, T, H]
     t = input_ids.shape[1]
-    answer_pos = answer_positions(loss_mask)  # [B, T]
+    answer_pos = answer_positions(loss_mask, doc_ids)  # [B, T]
     total = aux.new_zeros((), dtype=torch.float32)
     loss_sums, correct, counts, kept, early_correct, early_counts = [], [], [], [], [], []
     for k, out in enumerate(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps)):
