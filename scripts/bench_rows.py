@@ -24,7 +24,7 @@ from eagle3.fast.rows import FastRows, RowShape
 from eagle3.fast.target import FastTarget
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
-from eagle3.runtime import drafter_for, encode_prompt
+from eagle3.runtime import drafter_for, encode_messages
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
 
@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     drafter = drafter_for(model, None if args.random_drafter else args.drafter)
     spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
     _, chats = load_prompts(args.prompts, limit=max(args.batch))
-    chat = bool(getattr(tok, "chat_template", None))
-    prompts = [encode_prompt(tok, chat=m) if chat else encode_prompt(tok, prompt=m[-1]["content"]) for m in chats]
+    prompts = [encode_messages(tok, m) for m in chats]
     limit = args.seq_len - 8 * (args.warmup + args.cycles) - 128  # room for the timed cycles
     prompts = [p[-limit:] for p in prompts]
     target = FastTarget(model, sorted(drafter.config.aux_layer_ids))

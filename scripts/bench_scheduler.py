@@ -21,7 +21,7 @@ from eagle3.config import SpecConfig
 from eagle3.evaluate import load_prompts
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
-from eagle3.runtime import drafter_for, encode_prompt, eos_token_ids
+from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.policy import SpecPolicy, default_token_budget
@@ -81,8 +81,7 @@ def main(argv=None) -> int:
     spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
     eos = eos_token_ids(model, tok)
     name, chats = load_prompts(args.prompts, limit=max(args.clients))
-    chat = bool(getattr(tok, "chat_template", None))  # no template: the last user message as a raw prompt
-    prompts = [encode_prompt(tok, chat=m) if chat else encode_prompt(tok, prompt=m[-1]["content"]) for m in chats]
+    prompts = [encode_messages(tok, m) for m in chats]
     results = []
     for c in args.clients:
         for mode in args.modes:

@@ -24,7 +24,7 @@ from eagle3.demo import bundled_drafter
 from eagle3.evaluate import load_prompts
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
-from eagle3.runtime import drafter_for, encode_prompt, eos_token_ids
+from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 from eagle3.target import Target
 from eagle3.training.ttt import DEFAULT_TTT_STEPS, ttt_loss
 
@@ -47,21 +47,21 @@ def position_accuracy(model, tok, drafter, prompts: list[list[dict]], buckets: l
     count = {b: torch.zeros(steps) for b in buckets}
     try:
         for messages in tqdm(prompts, desc="answer and score", unit="prompt"):
-            # a target without a chat template (a base model) gets the last user turn as a raw prompt
-            prompt = (encode_prompt(tok, chat=messages) if getattr(tok, "chat_template", None)
-                      else encode_prompt(tok, prompt=messages[-1]["content"]))
+            prompt = encode_messages(tok, messages)
             ids = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)[0]  # [n]
             n = ids.shape[0]
             aux, logits = target.features(ids[None])  # [1, n, 3Ht], [1, n, V]
+            aux = aux.clone()  # an ordinary tensor (features run under inference mode)
+            draft_logits, argmax = logits.index_select(-1, draft_ids), logits.argmax(-1)  # [1, n, Vd], [1, n]
+            positions = torch.arange(n, device=ids.device)[None]
+            docs = torch.zeros(1, n, dtype=torch.long, device=ids.device)
             for lo, hi in buckets:
                 mask = torch.zeros(1, n, device=ids.device)  # answer tokens lo..hi-1 are the supervised ones
                 mask[0, len(prompt) + lo : len(prompt) + hi] = 1
                 if not mask.any():
                     continue
-                out = ttt_loss(drafter, aux.clone(), ids[None], torch.arange(n, device=ids.device)[None],
-                               torch.zeros(1, n, dtype=torch.long, device=ids.device), mask,
-                               logits.index_select(-1, draft_ids), logits.argmax(-1), steps=steps)
+                out = ttt_loss(drafter, aux, ids[None], positions, docs, mask, draft_logits, argmax, steps=steps)
                 correct[(lo, hi)] += out.step_correct.cpu()
                 count[(lo, hi)] += out.step_count.cpu()
     finally:

@@ -34,8 +34,6 @@ from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.evaluate import RunResult, load_prompts, method_name
 
-log = logging.getLogger("eagle3.check")
-
 MIN_TAU = 1.1  # below this the drafter is (nearly) never right: a misconfiguration, not a weak drafter
 PROFILE_TOLERANCE = 0.8  # a measured tau below this share of the profile's fails
 # what must match for a tau to be compared with the profile's (the prompts by content, not by file name)
@@ -86,10 +84,6 @@ def spec_dict(spec: SpecConfig) -> dict[str, Any]:
     return {"mode": "tree", "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens}
 
 
-def spec_from_dict(d: dict[str, Any]) -> SpecConfig:
-    return SpecConfig(**d)
-
-
 def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str = "auto", dataset: str | None = None,
               limit: int | None = None, max_new_tokens: int | None = None, spec: SpecConfig | None = None,
               print_fn=print) -> tuple[CheckReport, Any]:
@@ -98,7 +92,7 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     from eagle3.demo import CPU_SPEC
     from eagle3.formats import load_drafter
     from eagle3.models import load_target
-    from eagle3.runtime import encode_prompt, eos_token_ids
+    from eagle3.runtime import encode_messages, eos_token_ids
     from eagle3.target import Target
 
     report = CheckReport()
@@ -124,7 +118,7 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     profile = cfg.acceptance_profile or {}
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
     default_spec = CPU_SPEC if device == "cpu" else SpecConfig()
-    spec = spec or (spec_from_dict(profile["spec"]) if "spec" in profile else default_spec)
+    spec = spec or (SpecConfig(**profile["spec"]) if "spec" in profile else default_spec)
     settings = {"dataset": dataset or profile.get("dataset", "mt_bench"),
                 "limit": profile.get("limit", 4) if limit is None else limit,
                 "max_new_tokens": profile.get("max_new_tokens", 64) if max_new_tokens is None else max_new_tokens,
@@ -146,8 +140,7 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     plain_s = eagle_s = 0.0
     t0 = time.perf_counter()
     for i, msgs in enumerate(prompts):
-        ids = (encode_prompt(tok, chat=msgs) if getattr(tok, "chat_template", None)
-               else encode_prompt(tok, prompt=msgs[-1]["content"]))
+        ids = encode_messages(tok, msgs)
         a = plain.generate(ids, max_new_tokens=settings["max_new_tokens"], sampling=SamplingConfig(),
                            eos_token_ids=eos)
         b = eagle.generate(ids, max_new_tokens=settings["max_new_tokens"], sampling=SamplingConfig(),

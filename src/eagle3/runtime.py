@@ -62,6 +62,14 @@ def encode_prompt(tokenizer, prompt: str | None = None, chat: str | list[dict] |
     return ids
 
 
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """A benchmark row's token ids: rendered by the chat template where the tokenizer has one, else (a base model)
+    its last user message as a raw prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        return encode_prompt(tokenizer, chat=messages)
+    return encode_prompt(tokenizer, prompt=messages[-1]["content"])
+
+
 def make_proposer(draft: str, spec: SpecConfig, drafter: Eagle3Drafter | None, device,
                   draft_model=None) -> Proposer:
     if draft == "none" or spec.mode == "none":

@@ -81,13 +81,13 @@ class _Prefill:
         self.runner: StepRunner | None = None
 
 
-
 def prefill_staging_tokens(max_prefill_tokens: int) -> int:
     """Padded tokens to capture prefill buckets for, so that every admission of at most M = `max_prefill_tokens`
     padded tokens (R rows x longest prompt T) replays a graph. With bucket(R) = 2^a (2^(a-1) < R) and
     pow2(T) = 2^b (2^(b-1) < T): 2^(a+b-2) < R T <= M <= 2^m (M rounded up), so a + b <= m + 1 and the bucket
     holds at most 2^(m+1) tokens. (The width floor MIN_PREFILL_WIDTH adds nothing for M >= 512 and <= 64 rows.)"""
     return 2 * (1 << (max(1, max_prefill_tokens) - 1).bit_length())
+
 
 class FastRows:
     """Up to `capacity` greedy rows over per-row static caches of `seq_len` slots; see the module docstring.

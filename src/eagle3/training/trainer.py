@@ -521,7 +521,8 @@ class _Trainer:
         return self.cache.load(batch, self.device)
 
     def _step(self, rows: list[list[int]]) -> tuple[torch.Tensor, int, float, float]:
-        """One optimizer step on a global batch; returns (local metric sums [METRIC_ROWS, K], local tokens, grad norm, lr)."""
+        """One optimizer step on a global batch; returns (local metric sums [METRIC_ROWS, K], local tokens, grad
+        norm, lr)."""
         cfg, ctx = self.cfg, self.ctx
         den = self.data.step_denominators(rows, cfg.ttt_steps).to(self.device, torch.float32)  # [K] global N_k
         mine = shard_rows(rows, ctx.rank, ctx.world)
@@ -558,8 +559,8 @@ class _Trainer:
                 with sync:
                     with amp:
                         loss, *sums = self.ddp(aux, batch.input_ids, batch.position_ids, batch.doc_ids,
-                                                               batch.loss_mask, feats.target_logits, feats.target_argmax,
-                                                               den, float(ctx.world))
+                                               batch.loss_mask, feats.target_logits, feats.target_argmax,
+                                               den, float(ctx.world))
                     loss.backward()
                 metrics += torch.stack(sums).detach()  # [METRIC_ROWS, K]
         if cfg.grad_clip > 0:
