@@ -143,7 +143,7 @@ def run_bench(
     from eagle3.fast.overhead import copy_bandwidth
     from eagle3.models import load_target
     from eagle3.record import run_record
-    from eagle3.runtime import drafter_for, encode_prompt, eos_token_ids
+    from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 
     methods = methods or list(METHODS)
     tree = tree or SpecConfig()
@@ -156,8 +156,7 @@ def run_bench(
     eos = eos_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     name, chats = load_prompts(dataset, limit=limit)
-    use_chat = bool(getattr(tok, "chat_template", None))
-    prompts = [encode_prompt(tok, chat=m) if use_chat else encode_prompt(tok, prompt=m[0]["content"]) for m in chats]
+    prompts = [encode_messages(tok, m) for m in chats]
     if not prompts:
         raise ConfigError(f"dataset {dataset!r} has no prompts")
     longest = max(prompts, key=len)
@@ -241,7 +240,7 @@ def run_bench(
 
     bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, by.get("plain"), copy_bandwidth)
     return run_record(
-        "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=use_chat,
+        "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=bool(getattr(tok, "chat_template", None)),
         max_new_tokens=max_new_tokens, methods=methods, reference=ref_method,
         spec={"chain": chain, "tree": [tree.depth, tree.top_k, tree.total_tokens], "ngram_tokens": ngram_tokens,
               "hf_lookup_tokens": HF_LOOKUP_TOKENS},

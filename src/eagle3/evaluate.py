@@ -109,14 +109,13 @@ def method_name(draft: str, spec: SpecConfig) -> str:
 
 def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingConfig, max_new_tokens: int,
                 progress: bool = True) -> RunResult:
-    from eagle3.runtime import encode_prompt
+    from eagle3.runtime import encode_messages
 
     res = RunResult(dataset=dataset, method=method_name(rt.draft, rt.spec), temperature=sampling.temperature)
     t0 = time.perf_counter()
     for i, msgs in enumerate(tqdm(prompts, desc=f"{dataset} {res.method} T={sampling.temperature}",
                                   disable=not progress, leave=False)):
-        ids = encode_prompt(rt.tokenizer, chat=msgs) if getattr(rt.tokenizer, "chat_template", None) else \
-            encode_prompt(rt.tokenizer, prompt=msgs[0]["content"])
+        ids = encode_messages(rt.tokenizer, msgs)
         s = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                            seed=None if sampling.seed is None else sampling.seed + i)
         st = rt.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=s,
