@@ -163,12 +163,14 @@ class BatchedGenerator:
         max_new_tokens: int,
         eos_token_ids: Sequence[int],
         temperature: float = 0.0,
-        on_done: Callable[[int, BatchedOutput], None] | None = None,
+        on_done: Callable[[int, BatchedOutput], Sequence[int] | None] | None = None,
     ) -> list[BatchedOutput]:
         """Answer every prompt (token ids); each output stops at an EOS id or after max_new_tokens.
 
         A prompt longer than max_seq_len - max_new_tokens raises ConfigError before anything runs.
-        `on_done(index, output)` is called as each answer finishes (in completion order).
+        `on_done(index, output)` is called as each answer finishes (in completion order). It may return a
+        follow-up prompt (e.g. the next turn of the same conversation, which needs this answer): it gets the
+        next index, goes to the front of the queue, and its output is appended to the returned list.
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -188,9 +190,22 @@ class BatchedGenerator:
         if step.graph is None and step.use_graphs:
             step.prepare()  # warm-up decodes garbage into the cache: harmless, every row is prefilled first
         stops = set(int(e) for e in eos_token_ids)
+        prompts = list(prompts)  # follow-ups are appended
         results: list[BatchedOutput | None] = [None] * len(prompts)
         # Longest first: prefill batches of similar lengths waste little padding.
         waiting = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))
+
+        def finished(i: int, output: BatchedOutput) -> None:
+            results[i] = output
+            follow_up = on_done(i, output) if on_done is not None else None
+            if follow_up is not None:
+                if not 1 <= len(follow_up) <= room:
+                    raise ConfigError(
+                        f"follow-up of prompt {i} has {len(follow_up)} tokens; this generator takes 1..{room}"
+                    )
+                prompts.append(follow_up)
+                results.append(None)
+                waiting.appendleft(len(prompts) - 1)  # finish started work first
         owner: list[int | None] = [None] * self.rows  # prompt index decoding in each row
         made: list[list[int]] = [[] for _ in range(self.rows)]
         refill_at = max(1, self.rows // 16)  # a prefill costs a forward: batch refills, ~3% of rows idle meanwhile
@@ -202,10 +217,8 @@ class BatchedGenerator:
                     if first in stops or max_new_tokens == 1:
                         finish = "stop" if first in stops else "length"
                         i = owner[b]
-                        results[i] = BatchedOutput(tokens=[] if first in stops else [first], finish_reason=finish)
                         owner[b], made[b] = None, []
-                        if on_done is not None:
-                            on_done(i, results[i])
+                        finished(i, BatchedOutput(tokens=[] if first in stops else [first], finish_reason=finish))
                 if all(o is None for o in owner):
                     continue
             step()
@@ -225,10 +238,8 @@ class BatchedGenerator:
                         finish = "length"
                         break
                 if finish is not None:
-                    results[i] = BatchedOutput(tokens=out[:max_new_tokens], finish_reason=finish)
                     owner[b], made[b] = None, []
-                    if on_done is not None:
-                        on_done(i, results[i])
+                    finished(i, BatchedOutput(tokens=out[:max_new_tokens], finish_reason=finish))
         return results  # type: ignore[return-value]
 
     def _fill(self, free: list[int], waiting: deque, prompts, owner, made, greedy: bool) -> list[int]:

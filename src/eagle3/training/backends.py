@@ -10,7 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -195,24 +195,31 @@ class LocalBackend:
         text = self._render(messages, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def _encode_checked(
+        self, messages: list[Message], limit: int | None
+    ) -> tuple[list[int], None] | tuple[None, Generation]:
+        """Token ids of a prompt, or the failed Generation (template error, longer than `limit`)."""
+        import jinja2
+
+        try:
+            ids = self.encode(messages)
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            return None, Generation(finish_reason="error", error=f"chat template failed: {exc}")
+        if limit is not None and len(ids) > limit:
+            return None, Generation(
+                finish_reason="prompt_too_long", error=f"prompt has {len(ids)} tokens > the limit {limit}"
+            )
+        return ids, None
+
     def generate(
         self, prompts: list[list[Message]], temperature: float, max_new_tokens: int, batch_size: int = 32
     ) -> list[Generation]:
-        import jinja2
-
         results: list[Generation | None] = [None] * len(prompts)
         encoded: list[tuple[int, list[int]]] = []
         for i, messages in enumerate(prompts):
-            try:
-                ids = self.encode(messages)
-            except (jinja2.TemplateError, ValueError, TypeError) as exc:
-                results[i] = Generation(finish_reason="error", error=f"chat template failed: {exc}")
-                continue
-            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-                results[i] = Generation(
-                    finish_reason="prompt_too_long",
-                    error=f"prompt has {len(ids)} tokens > max_prompt_tokens {self.max_prompt_tokens}",
-                )
+            ids, failure = self._encode_checked(messages, self.max_prompt_tokens)
+            if failure is not None:
+                results[i] = failure
                 continue
             encoded.append((i, ids))
         if self.engine == "fast":
@@ -233,24 +240,81 @@ class LocalBackend:
             r if r is not None else Generation(finish_reason="error", error="not generated") for r in results
         ]
 
-    def _generate_fast(self, encoded, results, temperature: float, max_new_tokens: int, rows: int) -> None:
+    def _fast_generator(self, longest_prompt: int, max_new_tokens: int, rows: int) -> Any:
+        """The continuous-batching generator, kept between calls while it is big enough."""
         from eagle3.fast.batched import BatchedGenerator
 
-        need = max(len(ids) for _, ids in encoded) + max_new_tokens
-        need = max(need, (self.max_prompt_tokens or 0) + max_new_tokens)  # one size for the whole run
+        need = max(longest_prompt, self.max_prompt_tokens or 0) + max_new_tokens  # one size for the whole run
         need = -(-need // 256) * 256
         gen = self._fast
         if gen is None or gen.rows != rows or gen.seq_len < need:
             self._fast = gen = None  # free the old cache before allocating the new one
             gen = self._fast = BatchedGenerator(self.model, rows=rows, max_seq_len=need)
+        return gen
+
+    def _to_generation(self, out: Any) -> Generation:
+        stopped = out.finish_reason == "stop"
+        return Generation(
+            text=self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+            num_tokens=len(out.tokens) + stopped,  # the end-of-turn token counts, as in the hf engine
+            finish_reason=out.finish_reason,
+        )
+
+    def _generate_fast(self, encoded, results, temperature: float, max_new_tokens: int, rows: int) -> None:
+        gen = self._fast_generator(max(len(ids) for _, ids in encoded), max_new_tokens, rows)
         outs = gen.generate([ids for _, ids in encoded], max_new_tokens, self.eos_ids, temperature=temperature)
         for (i, _), out in zip(encoded, outs, strict=True):
-            stopped = out.finish_reason == "stop"
-            results[i] = Generation(
-                text=self.tokenizer.decode(out.tokens, skip_special_tokens=True),
-                num_tokens=len(out.tokens) + stopped,  # the end-of-turn token counts, as in the hf engine
-                finish_reason=out.finish_reason,
-            )
+            results[i] = self._to_generation(out)
+
+    def answer_chains(
+        self,
+        prompts: list[list[Message]],
+        on_answer: Callable[[int, Generation], list[Message] | None],
+        temperature: float,
+        max_new_tokens: int,
+        batch_size: int = 32,
+    ) -> None:
+        """Answer chains of prompts where each next prompt needs the last answer (the turns of a conversation).
+
+        Fast engine only. `prompts[k]` starts chain k; `on_answer(k, generation)` gets each answer of chain k as
+        it finishes and returns the chain's next prompt, or None when the chain is over. A next prompt joins
+        the same continuous batch at once, so conversations finish (and can be written) all through the run
+        rather than after every conversation's first turn. A prompt that fails to encode or is too long is
+        answered with the failed Generation, as in `generate`; a later turn may also exceed what the
+        generator holds (its longest first prompt, or max_prompt_tokens, plus max_new_tokens).
+        """
+        if self.engine != "fast":
+            raise ConfigError("answer_chains needs engine 'fast'; use generate() turn by turn")
+        room: list[int | None] = [self.max_prompt_tokens]  # becomes the generator's limit once it exists
+
+        def admit(k: int, messages: list[Message] | None) -> list[int] | None:
+            while messages is not None:
+                ids, failure = self._encode_checked(messages, room[0])
+                if failure is None:
+                    return ids
+                messages = on_answer(k, failure)
+            return None
+
+        chain_of: list[int] = []  # generator prompt index -> chain
+        first: list[list[int]] = []
+        for k, messages in enumerate(prompts):
+            ids = admit(k, messages)
+            if ids is not None:
+                chain_of.append(k)
+                first.append(ids)
+        if not first:
+            return
+        gen = self._fast_generator(max(len(ids) for ids in first), max_new_tokens, batch_size)
+        room[0] = gen.seq_len - max_new_tokens if self.max_prompt_tokens is None else self.max_prompt_tokens
+
+        def done(i: int, out: Any) -> list[int] | None:
+            k = chain_of[i]
+            ids = admit(k, on_answer(k, self._to_generation(out)))
+            if ids is not None:
+                chain_of.append(k)
+            return ids
+
+        gen.generate(first, max_new_tokens, self.eos_ids, temperature=temperature, on_done=done)
 
     def _generate_batch(
         self, batch: list[list[int]], temperature: float, max_new_tokens: int

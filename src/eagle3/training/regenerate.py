@@ -9,9 +9,12 @@ Each user turn gets its own answer, so two user turns in a row come out alternat
 
 Two backends answer the prompts:
 
-* `LocalBackend`: an HF causal LM + tokenizer in this process (GPU or CPU). Prompts of the same turn index
-  are batched with left padding, sorted by length; generation stops at the chat template's end-of-turn
-  token; over-long prompts are skipped (the first turn) or end the conversation (a later turn).
+* `LocalBackend`: an HF causal LM + tokenizer in this process (GPU or CPU). With the "hf" engine, prompts
+  of the same turn index are batched with left padding, sorted by length; with the "fast" engine a
+  conversation's next turn joins the continuous batch as soon as its previous answer is in, and the
+  conversation is written when its last turn is answered (an interrupted run loses only the conversations
+  in flight). Generation stops at the chat template's end-of-turn token; over-long prompts are skipped
+  (the first turn) or end the conversation (a later turn).
 * `EndpointBackend`: any OpenAI-compatible server (vLLM, SGLang, ...) through `/v1/chat/completions`,
   one conversation per worker thread, retries with backoff on 5xx and timeouts, a clear error on 4xx.
 
@@ -424,6 +427,28 @@ def _drive_batched(
             active = still
 
 
+def _drive_chains(
+    run: _Run,
+    convs: list[_Conversation],
+    backend: LocalBackend,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+) -> None:
+    """Continuous batching across turns: a conversation's next turn joins the batch as soon as its answer
+    is in, and a finished conversation is written at once, so an interrupted run keeps all but the
+    conversations in flight (the turn-synchronous driver loses a whole window's first turns)."""
+
+    def on_answer(k: int, gen: Generation) -> list[Message] | None:
+        conv = convs[k]
+        if conv.apply(gen):
+            return conv.next_prompt()
+        run.complete(conv)
+        return None
+
+    backend.answer_chains([c.next_prompt() for c in convs], on_answer, temperature, max_new_tokens, batch_size)
+
+
 def _drive_concurrent(
     run: _Run, convs: list[_Conversation], backend: EndpointBackend, temperature: float, max_new_tokens: int
 ) -> None:
@@ -544,6 +569,8 @@ def regenerate(
         chat = getattr(backend, "chat", None)
         if callable(chat) and hasattr(backend, "concurrency"):
             _drive_concurrent(run, convs, backend, temperature, max_new_tokens)  # type: ignore[arg-type]
+        elif getattr(backend, "engine", None) == "fast" and callable(getattr(backend, "answer_chains", None)):
+            _drive_chains(run, convs, backend, temperature, max_new_tokens, batch_size)  # type: ignore[arg-type]
         else:
             # Long conversations first: similar lengths share windows, and an OOM shows up at once.
             convs.sort(key=lambda c: -sum(len(m["content"]) for m in c.pending))
