@@ -285,11 +285,11 @@ class LocalBackend:
         """
         if self.engine != "fast":
             raise ConfigError("answer_chains needs engine 'fast'; use generate() turn by turn")
-        room: list[int | None] = [self.max_prompt_tokens]  # becomes the generator's limit once it exists
+        limit = self.max_prompt_tokens  # becomes what the generator holds once it exists
 
         def admit(k: int, messages: list[Message] | None) -> list[int] | None:
             while messages is not None:
-                ids, failure = self._encode_checked(messages, room[0])
+                ids, failure = self._encode_checked(messages, limit)
                 if failure is None:
                     return ids
                 messages = on_answer(k, failure)
@@ -305,7 +305,8 @@ class LocalBackend:
         if not first:
             return
         gen = self._fast_generator(max(len(ids) for ids in first), max_new_tokens, batch_size)
-        room[0] = gen.seq_len - max_new_tokens if self.max_prompt_tokens is None else self.max_prompt_tokens
+        if limit is None:
+            limit = gen.seq_len - max_new_tokens
 
         def done(i: int, out: Any) -> list[int] | None:
             k = chain_of[i]
