@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import eagle3.training.ttt as ttt_mod
 from eagle3.config import DrafterConfig
-from eagle3.drafter import DrafterKV, Eagle3Drafter
+from eagle3.drafter import DrafterKV, Eagle3Drafter, ttt_attention
 from eagle3.training.ttt import (
     answer_positions,
     base_mask,
@@ -65,9 +65,19 @@ def chain_reference(d: Eagle3Drafter, hidden, ids, pos, doc, b: int, t: int, k: 
     return h[0, -1]
 
 
-def test_ttt_attention_equals_chained_inference():
+def unpacked_batch():
+    """Row 0: one document of 11 tokens; row 1: one document of 7 tokens, then 4 pad slots (as `collate`)."""
+    ids, _, _ = packed_batch()
+    doc = torch.tensor([[0] * 11, [0] * 7 + [-1] * 4])
+    pos = torch.tensor([list(range(11)), list(range(7)) + [0] * 4])
+    return ids, pos, doc
+
+
+@pytest.mark.parametrize("batch", [packed_batch, unpacked_batch])
+def test_ttt_attention_equals_chained_inference(batch):
     d = make_drafter()
-    ids, pos, doc = packed_batch()
+    ids, pos, doc = batch()
+    assert (ttt_mod.ttt_mask(doc).base is None) == (batch is unpacked_batch)  # causal kernels where they apply
     aux = torch.randn(2, ids.shape[1], 3 * HT)
     steps = 4
     with torch.no_grad():
@@ -117,6 +127,50 @@ def test_step_mask_blocks():
     for j in (1, 2):
         assert torch.equal(m[0, 0, :, 5 * j : 5 * (j + 1)], torch.eye(5, dtype=torch.bool))
     assert torch.equal(base_mask(doc)[0], b0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_structured_ttt_attention_equals_dense_step_mask(n):
+    """`ttt_attention` (step-0 scores + one dot product per own key) is SDPA under the dense `step_mask`, in the
+    output and in the gradients of q, k and v, on packed documents with padding."""
+    torch.manual_seed(0)
+    _, _, doc = packed_batch()  # [2, 11]
+    b, t, nh, hd = doc.shape[0], doc.shape[1], 4, 8
+    q = torch.randn(b, nh, t, hd, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, nh, (n + 1) * t, hd, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, nh, (n + 1) * t, hd, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(b, nh, t, hd, dtype=torch.float64)
+    outs, grads = [], []
+    for fn in (lambda: ttt_attention(q, k, v, base_mask(doc)[:, None]),
+               lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=step_mask(doc, n))):
+        o = fn()
+        outs.append(o)
+        grads.append(torch.autograd.grad((o * w).sum(), (q, k, v)))
+    torch.testing.assert_close(outs[0], outs[1])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1)
+
+
+def test_causal_ttt_attention_equals_dense_step_mask_on_document_rows():
+    """Rows of one document each, right-padded: the implicit causal pattern gives every document row the output
+    and (with padding rows unweighted, as in the loss) the gradients of the dense `step_mask`."""
+    torch.manual_seed(0)
+    _, _, doc = unpacked_batch()
+    b, t, nh, hd, n = doc.shape[0], doc.shape[1], 4, 8, 3
+    q = torch.randn(b, nh, t, hd, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, nh, (n + 1) * t, hd, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, nh, (n + 1) * t, hd, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(b, nh, t, hd, dtype=torch.float64) * (doc >= 0)[:, None, :, None]  # padding rows: no weight
+    real = doc >= 0
+    outs, grads = [], []
+    for fn in (lambda: ttt_attention(q, k, v, None),
+               lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=step_mask(doc, n))):
+        o = fn()
+        outs.append(o.transpose(1, 2)[real])  # [real rows, nh, hd]
+        grads.append(torch.autograd.grad((o * w).sum(), (q, k, v)))
+    torch.testing.assert_close(outs[0], outs[1])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1)
 
 
 def test_step_supervision_worked_example():

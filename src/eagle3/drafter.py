@@ -75,6 +75,57 @@ class DrafterKV:
             self.values = self.values.index_select(2, keep)
 
 
+@dataclass
+class TTTMask:
+    """The attention pattern of training-time-test step k, kept structured instead of as a dense mask.
+
+    Keys are [K0 | K1 | ... | Kk] (one block of T per step, `DrafterKV` order). Row t sees the step-0 keys that
+    `base` allows and, of each later block, only its own key Kj[t] (`eagle3.training.ttt.step_mask` is the dense
+    equivalent). A dense mask makes attention cost (k+1)·T² per step although blocks 1..k hold one key per row.
+    """
+
+    base: torch.Tensor | None  # bool [B, 1, T, T], True = attend; None = causal (row t sees step-0 keys 0..t)
+
+
+def ttt_attention(
+    q: torch.Tensor,  # [B, nh, T, hd]
+    k: torch.Tensor,  # [B, nh, (n+1)·T, hd]: step-0 keys, then one block per later step
+    v: torch.Tensor,  # [B, nh, (n+1)·T, hd]
+    base: torch.Tensor | None,  # bool [B, 1, T, T]; None = causal
+) -> torch.Tensor:
+    """Softmax attention under a `TTTMask`, [B, nh, T, hd], as one SDPA call over T + n keys.
+
+    Row t's own keys k_j[t] (j = 1..n) become n "slot" keys shared by all rows: q is widened by n dimensions
+    holding its own scores q·k_j[t], slot j is the unit vector of dimension j, so its score for row t is exactly
+    q_t·k_j[t]; slot j's value is the unit vector of value dimension j, so the output there is slot j's softmax
+    weight p_j[t], normalised together with the step-0 keys. The result is o[:hd] + sum_j p_j[t]·v_j[t], the
+    same as SDPA under the dense `step_mask` (tests/test_ttt.py) at the cost of one step-0 attention instead
+    of n+1, and causal (flash) kernels stay usable: slots first, then a lower-right causal mask.
+    """
+    b, nh, t, hd = q.shape
+    n = k.shape[2] // t - 1
+    k0, v0 = k[:, :, :t], v[:, :, :t]
+    if n == 0:
+        return F.scaled_dot_product_attention(q, k0, v0, attn_mask=base, is_causal=base is None)
+    k_own = k[:, :, t:].unflatten(2, (n, t))  # [B, nh, n, T, hd]
+    v_own = v[:, :, t:].unflatten(2, (n, t))
+    s_own = (q.unsqueeze(2) * k_own).sum(-1).transpose(-1, -2)  # [B, nh, T, n] unscaled q_t·k_j[t]
+    w = -(-n // 8) * 8  # extra width, a multiple of 8 for the fused kernels
+    slots = F.pad(torch.eye(n, w, dtype=q.dtype, device=q.device), (hd, 0)).expand(b, nh, n, hd + w)  # e_{hd+j}
+    qx = torch.cat([q, F.pad(s_own.to(q.dtype), (0, w - n))], dim=-1)  # [B, nh, T, hd+w]
+    kx = torch.cat([slots, F.pad(k0, (0, w))], dim=2)  # [B, nh, n+T, hd+w]
+    vx = torch.cat([slots.to(v.dtype), F.pad(v0, (0, w))], dim=2)
+    if base is None:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(t, n + t)  # row t sees the n slots and step-0 keys 0..t
+    else:
+        mask = torch.cat([base.new_ones(*base.shape[:3], n).expand(base.shape[0], 1, t, n), base], dim=-1)
+    o = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=mask, scale=hd**-0.5)  # [B, nh, T, hd+w]
+    p_own = o[..., hd : hd + n].transpose(-1, -2).unsqueeze(-1)  # [B, nh, n, T, 1]
+    return o[..., :hd] + (p_own * v_own).sum(2)
+
+
 def rope_config(cfg: DrafterConfig) -> LlamaConfig:
     """An HF LlamaConfig carrying only the drafter's RoPE settings, so every HF rope type is honoured."""
     params: dict = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
@@ -109,7 +160,7 @@ class DrafterAttention(nn.Module):
         u: torch.Tensor,  # [B, T, 2H]
         cos: torch.Tensor,  # [B, T, hd]
         sin: torch.Tensor,
-        mask: torch.Tensor | None,  # bool [B or 1, 1, T, S] (True = attend), S = cached + T
+        mask: torch.Tensor | TTTMask | None,  # bool [B or 1, 1, T, S] (True = attend), S = cached + T
         cache: DrafterKV | None,
     ) -> torch.Tensor:
         b, t, _ = u.shape
@@ -126,7 +177,10 @@ class DrafterAttention(nn.Module):
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, T, hd]
+        if isinstance(mask, TTTMask):
+            o = ttt_attention(q, k, v, mask.base)  # [B, nh, T, hd]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, T, hd]
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
@@ -231,7 +285,7 @@ class Eagle3Drafter(nn.Module):
         hidden: torch.Tensor,  # [B, T, H]: combine(aux) or a previous feedback(out)
         input_ids: torch.Tensor,  # [B, T] target-vocabulary ids (x_{t+1} for feature row t)
         position_ids: torch.Tensor,  # [B, T]
-        mask: torch.Tensor | None = None,  # bool [B|1, 1, T, cached + T]; None = causal after the cache
+        mask: torch.Tensor | TTTMask | None = None,  # bool [B|1, 1, T, cached + T]; None = causal after the cache
         cache: DrafterKV | None = None,
     ) -> torch.Tensor:
         """Returns the pre-norm output [B, T, H]; `logits(out)` gives draft-vocab logits."""

@@ -54,11 +54,15 @@ class Features:
     target_argmax: torch.Tensor
 
 
-def target_attention_mask(batch: Batch, target: Target) -> torch.Tensor:
-    """What the target's `attention_mask` takes for `batch`: a 2-D padding mask, or for packed rows a
-    block-diagonal causal 4-D mask [B, 1, T, T] (bool for sdpa, additive for eager attention)."""
+def target_attention_mask(batch: Batch, target: Target) -> torch.Tensor | None:
+    """What the target's `attention_mask` takes for `batch`: None (causal) for rows of one document each, or
+    for packed rows a block-diagonal causal 4-D mask [B, 1, T, T] (bool for sdpa, additive for eager attention).
+
+    Rows are right-padded, so under plain causal attention a document's tokens see exactly their own prefix
+    (padding comes after them) and SDPA can use its causal flash kernel; a padding mask would force a masked
+    kernel that computes every query-key pair. Features at padding positions differ but are never used."""
     if not batch.packed:
-        return (batch.doc_ids >= 0).long()  # [B, T]
+        return None
     m = base_mask(batch.doc_ids)[:, None]  # [B, 1, T, T]; padding rows see themselves (no NaN rows)
     if getattr(target.model.config, "_attn_implementation", "sdpa") == "eager":
         zeros = torch.zeros(m.shape, dtype=target.dtype, device=m.device)
@@ -238,7 +242,7 @@ class FeatureCache:
             tensors: dict[str, torch.Tensor] = {}
             for group in _token_groups(ids, data.lengths, batch_tokens):
                 batch = data.collate([[s] for s in group]).to(target.device)
-                aux, logits = target.features(batch.input_ids, (batch.doc_ids >= 0).long())
+                aux, logits = target.features(batch.input_ids, target_attention_mask(batch, target))
                 sliced = logits[..., t2d]  # [B, T, Vd]
                 argmax = logits.argmax(-1).to(torch.int32)  # [B, T]
                 for row, s in enumerate(group):

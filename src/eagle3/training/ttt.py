@@ -21,7 +21,8 @@ Tokens are teacher forced (ground truth, pitfall 9). Worked example, n = 6, row 
 Attention at step k (pitfall 10): a query row t sees the step-0 keys of rows s <= t of its own document
 (non-padding) plus the keys that row t itself produced at steps 1..k: exactly a draft-tree node at depth k
 seeing the accepted prefix and its own k ancestors. `DrafterKV` appends one block of T keys per step, so
-step k runs against [K0 | K1 | ... | Kk] with the mask built by `step_mask`. A plain causal mask over the
+step k runs against [K0 | K1 | ... | Kk] with the mask `step_mask` describes; the drafter receives it in the
+structured form `ttt_mask` builds (`eagle3.drafter.ttt_attention`), which costs one step-0 attention per step. A plain causal mask over the
 concatenated blocks would let row t see other rows' later-step keys, which inference never provides.
 
 Loss-mask convention. `loss_mask[i] = 1` marks token x_i as one the target wrote (an assistant token). A
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.drafter import DrafterKV, Eagle3Drafter
+from eagle3.drafter import DrafterKV, Eagle3Drafter, TTTMask
 
 DEFAULT_TTT_STEPS = 7
 DEFAULT_STEP_DECAY = 0.8
@@ -126,6 +127,15 @@ def step_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int
     return torch.stack([step_supervision(loss_mask, doc_ids, k).sum() for k in range(steps)])
 
 
+def ttt_mask(doc_ids: torch.Tensor) -> TTTMask:
+    """The TTT attention pattern of a batch (doc_ids [B, T], -1 on padding). Where every row is one document
+    from position 0, right-padded, plain causal attention gives each document row exactly the step-0 keys of
+    `base_mask` (padding comes after it), so the mask is left implicit and SDPA may use a causal flash kernel;
+    padding rows then see other keys, but they carry no loss. Packed rows get the block-diagonal `base_mask`."""
+    one_doc = bool((doc_ids[:, 0] == 0).all() and (doc_ids <= 0).all() and (doc_ids[:, 1:] <= doc_ids[:, :-1]).all())
+    return TTTMask(None if one_doc else base_mask(doc_ids)[:, None])
+
+
 def unroll(
     drafter: Eagle3Drafter,
     hidden: torch.Tensor,  # [B, T, H] = drafter.combine(aux)
@@ -136,10 +146,10 @@ def unroll(
 ) -> Iterator[torch.Tensor]:
     """Yield the pre-norm drafter output of each TTT step k = 0..steps-1, [B, T, H] (see module docstring)."""
     cache = DrafterKV()
-    base = base_mask(doc_ids)  # [B, T, T]
+    mask = ttt_mask(doc_ids)  # the structured form of step_mask(doc_ids, k) for every k
     for k in range(steps):
         ids_k = shift_left(input_ids, 1 + k, 0)  # [B, T] x_{t+1+k}, teacher forced
-        out = drafter(hidden, ids_k, position_ids + k, mask=step_mask(doc_ids, k, base), cache=cache)  # [B, T, H]
+        out = drafter(hidden, ids_k, position_ids + k, mask=mask, cache=cache)  # [B, T, H]
         yield out
         hidden = drafter.feedback(out)
 
