@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from conftest import build_tiny_target
-from eagle3.config import ConfigError, SpecConfig
+from eagle3.config import ConfigError, SamplingConfig, SpecConfig
 from eagle3.fast import FastEngine, FastTarget
 from eagle3.fast.rows import FastRows, RowShape
 from eagle3.runtime import init_drafter
+from eagle3.serving.sampling import race_sample
 
 TREE = RowShape(depth=4, top_k=3, total=12)
 
@@ -82,6 +83,71 @@ def test_rows_joining_and_leaving_match_hf_generate(arch):
     assert rows.n == 0
 
 
+def race_reference(model, prompt: list[int], n: int, s: SamplingConfig) -> list[int]:
+    """Plain decoding where the token at position p is the position-keyed draw `race_sample(..., p, seed)`."""
+    ids, dev = list(prompt), next(model.parameters()).device
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device=dev)).logits[0, -1:].float()  # [1, V]
+        pos = torch.tensor([len(ids)], device=dev)
+        ids.append(int(race_sample(logits, pos, s.seed, s.temperature, s.top_p, s.top_k)[0]))
+    return ids[len(prompt):]
+
+
+def test_sampled_rows_draw_the_position_keyed_tokens():
+    """Rows with their own temperature / top-p / top-k / seed, mixed with greedy rows, joining and leaving, in
+    plain and speculative cycles: each sampled row emits exactly the position-keyed draws of plain decoding (the
+    server's generic batch draws the same), each greedy row HF's greedy output, and drafts are still accepted."""
+    model = build_tiny_target("llama", vocab_size=16)
+    d = init_drafter(model, draft_vocab_size=16, seed=1)
+    rows = make_rows(model, d, 4, {1: TREE, 2: RowShape(4, 2, 8), 4: RowShape(3, 1, 3)})
+    settings = [SamplingConfig(0.7, seed=11), None, SamplingConfig(1.0, top_k=5, seed=12),
+                SamplingConfig(0.5, top_p=0.8, seed=13), SamplingConfig(1.3, top_p=0.9, top_k=8, seed=2**40 + 5), None]
+    prompts = prompts_of([6, 11, 4, 9, 14, 5], 16, seed=7)
+    budget = [30, 20, 26, 30, 18, 24]
+    refs = [hf_greedy(model, p, n) if s is None else race_reference(model, p, n, s)
+            for p, n, s in zip(prompts, budget, settings, strict=True)]
+    owner: list[int] = []
+    outs: dict[int, list[int]] = {}
+    waiting = list(range(len(prompts)))
+    rng = random.Random(1)
+    sampled_accepts = cycles = 0
+    while waiting or owner:
+        if waiting and rows.n < rows.capacity and (cycles % 3 == 0 or not owner):
+            joining = waiting[: min(2, rows.capacity - rows.n)]
+            del waiting[: len(joining)]
+            firsts = rows.add_many([prompts[i] for i in joining], sampling=[settings[i] for i in joining])
+            for i, first in zip(joining, firsts, strict=True):
+                outs[i] = [first]
+                owner.append(i)
+        spec = rows.shape_of(rows.n) is not None and rng.random() < 0.75
+        for j, new in enumerate(rows.cycle(spec)):
+            outs[owner[j]] += new
+            sampled_accepts += (settings[owner[j]] is not None) * (len(new) - 1)
+        for j in reversed(range(len(owner))):
+            if len(outs[owner[j]]) >= budget[owner[j]]:
+                rows.remove(j)
+                owner[j] = owner[-1]
+                owner.pop()
+        cycles += 1
+    for i, ref in enumerate(refs):
+        assert outs[i][: budget[i]] == ref, f"request {i} ({settings[i]})"
+    assert sampled_accepts > 0  # sampled rows accepted drafts, not only their bonus tokens
+    assert rows.n == 0 and not rows._sampled
+
+
+def test_sampled_rows_need_a_seed_and_sampling_cycles():
+    model = build_tiny_target("llama", vocab_size=16)
+    d = init_drafter(model, draft_vocab_size=16, seed=1)
+    rows = make_rows(model, d, 2, {1: TREE, 2: TREE})
+    with pytest.raises(ConfigError, match="seed"):
+        rows.add([1, 2, 3], sampling=SamplingConfig(0.8))
+    plain = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=2, seq_len=64, sampling=False)
+    with pytest.raises(ConfigError, match="sampling=True"):
+        plain.add([1, 2, 3], sampling=SamplingConfig(0.8, seed=1))
+    assert plain.add([1, 2, 3], sampling=SamplingConfig(0.0, seed=1)) == hf_greedy(model, [1, 2, 3], 1)[0]
+
+
 @pytest.mark.parametrize("shape", [TREE, RowShape(4, 1, 4)], ids=["tree", "chain"])
 def test_rows_accept_what_the_batch1_engine_accepts(shape):
     model = build_tiny_target("llama", vocab_size=8)
@@ -112,12 +178,13 @@ def test_cycles_are_capture_safe():
     model, d = model.to("meta"), d.to("meta")
     rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=64,
                     shapes={1: TREE, 2: RowShape(3, 1, 3)}.get)
-    for nb in (1, 2, 4):
-        rows._plain_cycle(nb)
-        if rows.shapes[nb] is not None:
-            rows._spec_cycle(nb)
-    for r, t in [(1, 16), (4, 64)]:  # admission prefills, captured per bucket too
-        rows._prefill_step(rows._prefill_slot(r, t))
+    for sampled in (False, True):  # argmax cycles, and those of buckets holding sampled rows
+        for nb in (1, 2, 4):
+            rows._plain_cycle(nb, sampled)
+            if rows.shapes[nb] is not None:
+                rows._spec_cycle(nb, sampled)
+        for r, t in [(1, 16), (4, 64)]:  # admission prefills, captured per bucket too
+            rows._prefill_step(rows._prefill_slot(r, t, sampled))
     assert rows.packet.device.type == "meta"
 
 
@@ -132,7 +199,7 @@ def test_prefill_buckets_and_known_first_tokens(prefill_tokens):
                     shapes={1: TREE, 2: TREE, 4: RowShape(3, 1, 3)}.get, prefill_tokens=prefill_tokens)
     rows.prepare()
     assert all(r * t <= prefill_tokens for r, t in rows.prefill_buckets())
-    assert len(rows._prefills) == len(rows.prefill_buckets())
+    assert len(rows._prefills) == 2 * len(rows.prefill_buckets())  # argmax and sampled variants
     prompts = prompts_of([21, 6, 13], 64, seed=5)
     forced = 7  # not the model's own choice after prompts[2]
     refs = [hf_greedy(model, p, 12) for p in prompts[:2]] + [[forced, *hf_greedy(model, [*prompts[2], forced], 11)]]
@@ -185,6 +252,16 @@ def test_cuda_graph_rows_match_the_batch1_engine():
                 outs[j] += new
         assert [o[:30] for o in outs] == ref
         del rows
+    # sampled rows replay their own captured cycles and draw the position-keyed tokens, next to a greedy row
+    rows = make_rows(model, d, 4, {1: TREE, 2: TREE, 4: TREE})
+    settings = [SamplingConfig(0.8, seed=5), None, SamplingConfig(1.0, top_p=0.9, top_k=4, seed=6)]
+    want = [race_reference(model, p, 30, s) if s else r for p, s, r in zip(prompts, settings, ref, strict=True)]
+    outs = [[f] for f in rows.add_many(prompts, sampling=settings)]
+    while min(len(o) for o in outs) < 30:
+        for j, new in enumerate(rows.cycle(spec=True)):
+            outs[j] += new
+    assert all(r.graph is not None for r in rows._runners.values()) and any(k[2] for k in rows._runners)
+    assert [o[:30] for o in outs] == want
 
 
 def test_serve_says_what_to_do_when_the_rows_do_not_fit(monkeypatch):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from eagle3.config import SamplingConfig
-from eagle3.decoding.sampling import process_logits, sample
+from eagle3.decoding.sampling import process_logits, process_logits_rows, sample
 from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import Acceptance, accept, accept_from_probs
 
@@ -381,6 +381,46 @@ def test_process_logits_matches_hf_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(
         process_logits(logits.view(4, 4, 12), temperature, top_p, top_k), got.view(4, 4, 12)
     )
+
+
+ROW_SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (0.5, 4, 0.9), (2.0, 100, 0.01), (1.0, 1, 1.0),
+                (0.9, 12, 1.0), (1.1, 2, 0.5)]
+
+
+def test_process_logits_rows_equals_process_logits_row_by_row():
+    """Each row with its own temperature / top-k / top-p (ties and masked entries included) gets exactly what
+    `process_logits` gives it alone: the batched server path samples the same tokens as the per-request one."""
+    g = torch.Generator().manual_seed(1)
+    r, m, v = len(ROW_SETTINGS), 5, 12
+    logits = torch.randn(r, m, v, generator=g)
+    logits[:3, :2] = torch.randint(-2, 3, (3, 2, v), generator=g).float()  # ties at the filter edges
+    logits[4, 1, :6] = float("-inf")
+    temp = torch.tensor([t for t, _, _ in ROW_SETTINGS])
+    top_k = torch.tensor([k for _, k, _ in ROW_SETTINGS])
+    top_p = torch.tensor([p for _, _, p in ROW_SETTINGS])
+    got = process_logits_rows(logits, temp, top_p, top_k)  # [R, M, V]
+    for i, (t, k, p) in enumerate(ROW_SETTINGS):
+        assert torch.equal(got[i], process_logits(logits[i], t, top_p=p, top_k=k)), ROW_SETTINGS[i]
+
+
+def test_race_sample_rows_equals_race_sample_and_argmax():
+    """Batched position-keyed sampling: sampled rows draw what `race_sample` draws for their seed and positions,
+    rows at temperature 0 take the argmax."""
+    from eagle3.serving.sampling import race_sample, race_sample_rows, seed_hash, vocab_hash
+
+    g = torch.Generator().manual_seed(2)
+    settings = [*ROW_SETTINGS, (0.0, 0, 1.0), (0.0, 5, 0.3)]
+    r, m, v = len(settings), 7, 50
+    logits = torch.randn(r, m, v, generator=g) * 3
+    pos = torch.randint(0, 10_000, (r, m), generator=g)
+    seeds = [int(x) for x in torch.randint(0, 2**40, (r,), generator=g)]
+    got = race_sample_rows(logits, pos, torch.tensor([seed_hash(s) for s in seeds]),
+                           torch.tensor([t for t, _, _ in settings]), torch.tensor([p for _, _, p in settings]),
+                           torch.tensor([k for _, k, _ in settings]), vocab_hash(v))  # [R, M]
+    for i, (t, k, p) in enumerate(settings):
+        want = race_sample(logits[i], pos[i], seeds[i], t, p, k) if t > 0 else logits[i].argmax(-1)
+        assert torch.equal(got[i], want), settings[i]
+    assert not torch.equal(got[0], logits[0].argmax(-1))  # the sampled rows do sample
 
 
 def test_process_logits_rejects_bad_arguments():

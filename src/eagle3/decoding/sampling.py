@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["process_logits", "sample"]
+__all__ = ["process_logits", "process_logits_rows", "sample"]
 
 
 def process_logits(
@@ -43,6 +43,31 @@ def process_logits(
         remove_sorted[..., -1] = False  # the most likely token always stays
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)  # [..., V] back in vocab order
         scores = scores.masked_fill(remove, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def process_logits_rows(
+    logits: torch.Tensor,  # [R, M, V]: M positions of each of R requests
+    temperature: torch.Tensor,  # [R] fp32, > 0 (rows at 0 get an arbitrary distribution: callers take argmax)
+    top_p: torch.Tensor,  # [R] fp32 in (0, 1]
+    top_k: torch.Tensor,  # [R] long, 0 = off
+) -> torch.Tensor:
+    """`process_logits` with each row's own settings, as fixed-shape tensor ops (no host sync, CUDA-graph
+    safe): probabilities [R, M, V] equal to `process_logits(logits[r], temperature[r], top_p[r], top_k[r])`
+    row by row (tests/test_sampling_stats.py). A filter a row turns off leaves its scores untouched, as there."""
+    r, _, vocab = logits.shape
+    scores = logits.float() / temperature.clamp(min=1e-6)[:, None, None]  # [R, M, V]
+    desc = torch.sort(scores, dim=-1, descending=True).values  # [R, M, V]
+    k_idx = (top_k - 1).clamp(0, vocab - 1)[:, None, None].expand(r, scores.shape[1], 1)  # [R, M, 1]
+    kth = desc.gather(-1, k_idx)  # [R, M, 1] the k-th largest score
+    use_k = ((top_k > 0) & (top_k < vocab))[:, None, None]  # [R, 1, 1]
+    scores = scores.masked_fill(use_k & (scores < kth), float("-inf"))
+    sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)  # [R, M, V] ascending
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # [R, M, V]
+    remove_sorted = cum <= (1.0 - top_p)[:, None, None]  # [R, M, V]
+    remove_sorted[..., -1] = False  # the most likely token always stays
+    remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)  # [R, M, V] back in vocab order
+    scores = scores.masked_fill((top_p < 1.0)[:, None, None] & remove, float("-inf"))
     return scores.softmax(dim=-1)
 
 

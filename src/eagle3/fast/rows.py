@@ -19,7 +19,11 @@ up to a prefill bucket (R to a batch bucket, T to a power of two), and copies th
 Every bucket up to `prefill_tokens` padded tokens is a fixed-shape function replayed as a CUDA graph too: an
 eager prefill of SmolLM2 took about 20 ms on an H200 while every running row waited. Rows [n, nb) of a bucket are idle: they decode garbage into their own caches, their
 lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
-Greedy only: sampled requests stay on the generic batch.
+Sampled rows: a row may carry its own temperature, top-p, top-k and seed (`add_many(..., sampling=)`). Its
+tokens are then the position-keyed draws of `eagle3.serving.sampling` (the noise of position p depends only on
+the seed and p), so verification stays "accept the draft where it equals the target's choice", per row, and a
+request gets the same text here as on the server's generic batch. Buckets that hold a sampled row run a second
+set of captured cycles that compute those draws (`race_sample_rows`); all-greedy buckets keep the argmax ones.
 """
 
 from __future__ import annotations
@@ -29,15 +33,47 @@ from collections.abc import Callable
 
 import torch
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, SamplingConfig
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget
+from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
 
 __all__ = ["FastRows", "RowShape", "buckets"]
 
 MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
+
+
+class _SamplingRows:
+    """Per-row sampling settings on the device: temperature [R] (0 = greedy), top_p [R], top_k [R], seed hash [R]."""
+
+    def __init__(self, r: int, device: torch.device):
+        self.temp = torch.zeros(r, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(r, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(r, dtype=torch.long, device=device)
+        self.seed_h = torch.zeros(r, dtype=torch.long, device=device)
+
+    def set(self, lo: int, settings: list[SamplingConfig | None]) -> None:
+        """Rows lo, lo+1, ... get `settings` (None or temperature 0: greedy), in one copy per buffer."""
+        hi = lo + len(settings)
+        greedy = SamplingConfig()
+        rows = [s if s is not None and s.temperature > 0 else greedy for s in settings]
+        self.temp[lo:hi].copy_(torch.tensor([s.temperature for s in rows], dtype=torch.float32))
+        self.top_p[lo:hi].copy_(torch.tensor([s.top_p for s in rows], dtype=torch.float32))
+        self.top_k[lo:hi].copy_(torch.tensor([s.top_k for s in rows], dtype=torch.long))
+        self.seed_h[lo:hi].copy_(torch.tensor([seed_hash(s.seed or 0) for s in rows], dtype=torch.long))
+
+    def move(self, dst: int, src: int) -> None:
+        for buf in (self.temp, self.top_p, self.top_k, self.seed_h):
+            buf[dst] = buf[src]
+
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor) -> torch.Tensor:
+        """The token after each of logits [nb, M, V] (positions [nb, M] of the predicted tokens): argmax for greedy
+        rows, the position-keyed draw for sampled ones. [nb, M] long."""
+        nb = logits.shape[0]
+        return race_sample_rows(logits, positions, self.seed_h[:nb], self.temp[:nb], self.top_p[:nb],
+                                self.top_k[:nb], vocab_h)
 
 
 class RowShape:
@@ -63,9 +99,10 @@ def buckets(capacity: int) -> list[int]:
 class _Prefill:
     """Static inputs, outputs and staging caches of one prefill shape: `r` prompts right-padded to `t` tokens."""
 
-    def __init__(self, rows: FastRows, r: int, t: int, shared: bool = True):
+    def __init__(self, rows: FastRows, r: int, t: int, shared: bool = True, sampled: bool = False):
         dev, tg = rows.device, rows.t
-        self.r, self.t = r, t
+        self.r, self.t, self.sampled = r, t, sampled
+        self.sampling = _SamplingRows(r, dev)  # each prompt's settings (used when `sampled`)
         self.ids = torch.zeros(r, t, dtype=torch.long, device=dev)  # [R, T] right-padded prompts
         self.lens = torch.ones(r, dtype=torch.long, device=dev)  # [R] (padding rows: 1)
         self.root = torch.zeros(r, dtype=torch.long, device=dev)  # [R] a first token known in advance
@@ -99,7 +136,7 @@ class FastRows:
 
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
                  shapes: Callable[[int], RowShape | None] | None = None, graphs: bool = True,
-                 prefill_tokens: int = 8192):
+                 prefill_tokens: int = 8192, sampling: bool = True):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if drafter is not None and target.aux_layer_ids != sorted(drafter.config.aux_layer_ids):
@@ -124,6 +161,10 @@ class FastRows:
         self.length = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.root = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.packet = torch.zeros(capacity, d_max + 3, dtype=torch.long, device=dev)
+        self.sampling = sampling  # also capture cycles for buckets that hold sampled rows
+        self.row_sampling = _SamplingRows(capacity, dev)
+        self.vocab_h = vocab_hash(target.vocab_size, dev)  # [V]
+        self._sampled: list[bool] = []  # host mirror: active row i samples
         if self.d is not None:
             fd = self.d
             self.sd = seq_len + scratch + d_max + 2
@@ -136,11 +177,11 @@ class FastRows:
         self.cycles = self.spec_cycles = 0  # cycles run (all, speculative)
         self.graphs = graphs and dev.type == "cuda"
         self._pool = graph_pool(dev)
-        self._runners: dict[tuple[int, bool], StepRunner] = {}
+        self._runners: dict[tuple[int, bool, bool], StepRunner] = {}
         # prefill buckets (R, T) of at most `prefill_tokens` padded tokens share flat staging buffers
         self.prefill_tokens = prefill_tokens
         self._flat: dict[str, torch.Tensor] = {}
-        self._prefills: dict[tuple[int, int], _Prefill] = {}
+        self._prefills: dict[tuple[int, int, bool], _Prefill] = {}
 
     # -- host side ---------------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -157,12 +198,14 @@ class FastRows:
         if self.n:
             raise RuntimeError("prepare() runs real cycles: call it before adding rows")
         t0 = time.perf_counter()
-        for b in self.buckets:
-            for spec in (False, True):
-                if not spec or self.shapes[b] is not None:
-                    self._runner(b, spec)
-        for key in self.prefill_buckets():
-            self._prefill_slot(*key)
+        variants = (False, True) if self.sampling else (False,)
+        for sampled in variants:
+            for b in self.buckets:
+                for spec in (False, True):
+                    if not spec or self.shapes[b] is not None:
+                        self._runner(b, spec, sampled)
+            for key in self.prefill_buckets():
+                self._prefill_slot(*key, sampled)
         self._reset_rows(0, self.capacity)
         return time.perf_counter() - t0
 
@@ -206,14 +249,14 @@ class FastRows:
             out.append(flat[:, :n].view(full) if lead is not None else flat[0, :n].view(full))
         return out[0], out[1]
 
-    def _prefill_slot(self, r: int, t: int) -> _Prefill:
-        p = self._prefills.get((r, t))
+    def _prefill_slot(self, r: int, t: int, sampled: bool) -> _Prefill:
+        p = self._prefills.get((r, t, sampled))
         if p is None:
-            p = _Prefill(self, r, t)
+            p = _Prefill(self, r, t, sampled=sampled)
             p.runner = StepRunner(lambda: self._prefill_step(p), self.device, graphs=self.graphs, pool=self._pool,
-                                  name=f"rows_prefill_r{r}_t{t}")
+                                  name=f"rows_prefill_r{r}_t{t}{'_sampled' if sampled else ''}")
             p.runner.prepare()
-            self._prefills[(r, t)] = p
+            self._prefills[(r, t, sampled)] = p
         return p
 
     def _prefill_step(self, p: _Prefill) -> None:
@@ -224,36 +267,51 @@ class FastRows:
         mask = self.ar_s[None, None, :t] <= pos[:, :, None]  # [R, T, T] causal
         logits, aux = self.t.forward_rows(p.ids, pos, pos, mask, p.k, p.v, self.rope, logits_at=p.lens - 1,
                                           want_aux=self.d is not None)  # [R, 1, V], [R, T, 3·Ht]
-        p.first.copy_(torch.where(p.has_root, p.root, logits[:, 0].argmax(dim=-1)))
+        if p.sampled:  # the first new token sits at position lens
+            tok = p.sampling.choose(logits, p.lens[:, None], self.vocab_h)[:, 0]  # [R]
+        else:
+            tok = logits[:, 0].argmax(dim=-1)  # [R]
+        p.first.copy_(torch.where(p.has_root, p.root, tok))
         if self.d is not None:
             nxt = torch.cat([p.ids[:, 1:], p.ids[:, :1]], dim=1).scatter(1, (p.lens - 1)[:, None], p.first[:, None])
             out = self.d.forward_rows(self.d.combine(aux), nxt, pos, pos, mask, p.dk, p.dv,
                                       self.d_rope)  # [R, T, H]; row t pairs g_t with x_{t+1}
             p.last_out.copy_(out[torch.arange(r, device=self.device), p.lens - 1])
 
-    def _runner(self, nb: int, spec: bool) -> StepRunner:
-        key = (nb, spec)
+    def _runner(self, nb: int, spec: bool, sampled: bool) -> StepRunner:
+        key = (nb, spec, sampled)
         if key not in self._runners:
-            fn = (lambda: self._spec_cycle(nb)) if spec else (lambda: self._plain_cycle(nb))
+            if sampled and not self.sampling:
+                raise ValueError("these FastRows were built with sampling=False")
+            fn = (lambda: self._spec_cycle(nb, sampled)) if spec else (lambda: self._plain_cycle(nb, sampled))
             r = StepRunner(fn, self.device, graphs=self.graphs, pool=self._pool,
-                           name=f"rows_{'spec' if spec else 'plain'}_b{nb}")
+                           name=f"rows_{'spec' if spec else 'plain'}_b{nb}{'_sampled' if sampled else ''}")
             r.prepare()
             self._runners[key] = r
         return self._runners[key]
 
     @torch.no_grad()
-    def add(self, prompt: list[int], root: int | None = None) -> int:
+    def add(self, prompt: list[int], root: int | None = None, sampling: SamplingConfig | None = None) -> int:
         """Prefill `prompt` into a new row (index `n` before the call); returns the row's first new token
-        (`root` when given: a request moving in from elsewhere, whose next token is already known)."""
-        return self.add_many([prompt], [root])[0]
+        (`root` when given: a request moving in from elsewhere, whose next token is already known). `sampling`
+        with a temperature > 0 (and a seed) makes the row sample; None is greedy."""
+        return self.add_many([prompt], [root], [sampling])[0]
 
     @torch.no_grad()
-    def add_many(self, prompts: list[list[int]], roots: list[int | None] | None = None) -> list[int]:
+    def add_many(self, prompts: list[list[int]], roots: list[int | None] | None = None,
+                 sampling: list[SamplingConfig | None] | None = None) -> list[int]:
         """Prefill several prompts into new rows n, n+1, ... in one right-padded forward (and one drafter
         forward); returns their first new tokens (see `add`). Padding writes K/V past each prompt, into slots a
         row's length never covers before they are overwritten, and the causal mask keeps real tokens from it."""
         r, i = len(prompts), self.n
         roots = roots or [None] * r
+        sampling = sampling or [None] * r
+        sampled = [s is not None and s.temperature > 0 for s in sampling]
+        if any(sampled) and not self.sampling:
+            raise ConfigError("these FastRows were built with sampling=False; sampled requests need sampling=True")
+        for s, on in zip(sampling, sampled, strict=True):
+            if on and s.seed is None:
+                raise ConfigError("a sampled row needs a seed (its draws are keyed by seed and position)")
         if i + r > self.capacity:
             raise RuntimeError(f"{r} more rows do not fit: {i} of {self.capacity} are in use")
         for p in prompts:
@@ -261,7 +319,9 @@ class FastRows:
                 raise ConfigError(f"a {len(p)}-token context does not fit {self.seq_len} cache slots")
         width = max(len(p) for p in prompts)
         key = self._prefill_key(r, width)
-        p = self._prefill_slot(*key) if key is not None else _Prefill(self, r, width, shared=False)  # too big: eager
+        any_sampled = any(sampled)
+        p = (self._prefill_slot(*key, any_sampled) if key is not None
+             else _Prefill(self, r, width, shared=False, sampled=any_sampled))  # too big: eager
         ids = torch.zeros(p.r, p.t, dtype=torch.long)
         lens = torch.ones(p.r, dtype=torch.long)
         root = torch.zeros(p.r, dtype=torch.long)
@@ -273,6 +333,8 @@ class FastRows:
         p.lens.copy_(lens)
         p.root.copy_(root.clamp(min=0))
         p.has_root.copy_(root >= 0)
+        if any_sampled:
+            p.sampling.set(0, [*sampling, *[None] * (p.r - r)])
         if p.runner is not None:
             p.runner()
         else:
@@ -286,6 +348,8 @@ class FastRows:
             self.last_out[i : i + r].copy_(p.last_out[:r])
         self.root[i : i + r] = p.first[:r]
         self.length[i : i + r] = p.lens[:r]
+        self.row_sampling.set(i, sampling)
+        self._sampled += sampled
         self.n += r
         return p.first[:r].tolist()
 
@@ -304,12 +368,16 @@ class FastRows:
                 self.dk[i].copy_(self.dk[last])
                 self.dv[i].copy_(self.dv[last])
                 self.last_out[i].copy_(self.last_out[last])
+            self.row_sampling.move(i, last)
+            self._sampled[i] = self._sampled[last]
+        self._sampled.pop()
         self._reset_rows(last, last + 1)
         self.n -= 1
 
     def _reset_rows(self, lo: int, hi: int) -> None:
         self.length[lo:hi] = 0
         self.root[lo:hi] = 0
+        self.row_sampling.set(lo, [None] * (hi - lo))
         if self.d is not None:
             self.last_out[lo:hi] = 0
 
@@ -322,7 +390,7 @@ class FastRows:
         nb = self.bucket(self.n)
         if spec and self.shapes[nb] is None:
             raise ValueError(f"bucket {nb} has no draft shape")
-        self._runner(nb, spec)()
+        self._runner(nb, spec, any(self._sampled))()
         self.cycles += 1
         self.spec_cycles += spec
         pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
@@ -343,13 +411,16 @@ class FastRows:
         last = self.seq_len - self.margin  # idle rows stay inside their caches; active rows never get here
         self.length[:nb].copy_((self.length[:nb] + n_acc + 1).clamp(max=last))
 
-    def _plain_cycle(self, nb: int) -> None:
+    def _plain_cycle(self, nb: int, sampled: bool) -> None:
         length, root = self.length[:nb], self.root[:nb]
         pos = length[:, None]  # [nb, 1]
         mask = (self.ar_s[None, :] <= length[:, None])[:, None, :]  # [nb, 1, S]
         logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=self.d is not None)  # [nb, 1, V]
-        tok = logits[:, 0].argmax(dim=-1)  # [nb]
+        if sampled:  # the new token sits at position length + 1
+            tok = self.row_sampling.choose(logits, pos + 1, self.vocab_h)[:, 0]  # [nb]
+        else:
+            tok = logits[:, 0].argmax(dim=-1)  # [nb]
         if self.d is not None:
             dmask = (self.ar_sd[None, :] <= length[:, None])[:, None, :]  # [nb, 1, Sd]
             out = self.d.forward_rows(self.d.combine(aux), tok[:, None], pos, pos, dmask, self.dk[:nb],
@@ -359,9 +430,9 @@ class FastRows:
         self.packet[:nb, :3].copy_(torch.stack([zero, zero, tok], dim=1))
         self._advance(nb, zero, tok)
 
-    def _spec_cycle(self, nb: int) -> None:
+    def _spec_cycle(self, nb: int, sampled: bool) -> None:
         tokens, parents1 = self._draft(nb)  # [nb, N], [nb, N+1]
-        anc, top, aux = self._verify(nb, tokens, parents1)
+        anc, top, aux = self._verify(nb, tokens, parents1, sampled)
         keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
         self._commit(nb, keep, n_acc, emitted, aux)
 
@@ -415,8 +486,9 @@ class FastRows:
         parents1 = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=dev), par + 1], dim=1)  # [nb, N+1]
         return all_tokens.gather(1, keep), parents1
 
-    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor):
-        """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], argmax [nb, N+1], aux."""
+    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, sampled: bool):
+        """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
+        [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
         shape = self.shapes[nb]
         n1 = tokens.shape[1] + 1
         length = self.length[:nb]
@@ -433,6 +505,8 @@ class FastRows:
         mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
+        if sampled:  # node j predicts the token at pos[j] + 1
+            return anc, self.row_sampling.choose(logits, pos + 1, self.vocab_h), aux
         return anc, logits.argmax(dim=-1), aux
 
     def _accept(self, nb: int, tokens, parents1, anc, top):

@@ -73,9 +73,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "(CUDA graphs) and joins the batch when another request arrives; costs a second, fused "
                         "copy of the target's weights. auto: on for CUDA targets of the fast-path families")
     s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
-                   help="greedy requests decode as rows of a static-cache batch (one CUDA graph per batch-size "
-                        "bucket, plain or speculative cycles) instead of the generic batch. auto: on for CUDA "
-                        "targets of the fast-path families")
+                   help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
+                        "batch-size bucket, plain or speculative cycles) instead of the generic batch. auto: on for "
+                        "CUDA targets of the fast-path families")
     s.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len,
                    help="cache slots per fast row; longer requests use the generic batch")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -167,7 +167,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
 
 def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
               token_budget: int | None = None):
-    """The server's `FastRows` (greedy requests on the static-cache batch), captured and ready, or None (see
+    """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
     shape per batch size is `policy`'s with `token_budget` (default `FAST_ROWS_TOKEN_BUDGET`)."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.decoding.sampling import process_logits
+from eagle3.decoding.sampling import process_logits, process_logits_rows
 
-__all__ = ["exponential_noise", "hash_u32", "race_sample"]
+__all__ = ["exponential_noise", "exponential_noise_rows", "hash_u32", "race_sample", "race_sample_rows", "seed_hash"]
 
 _M32 = 0xFFFFFFFF
 
@@ -44,15 +44,31 @@ def hash_u32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def seed_hash(seed: int) -> int:
+    """The per-request key of the noise: hash_u32 of the seed's low 32 bits."""
+    return int(hash_u32(torch.tensor(seed & _M32, dtype=torch.long)))
+
+
+def vocab_hash(vocab: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The per-token key of the noise, [V] long (the same for every request and position)."""
+    return hash_u32(torch.arange(vocab, dtype=torch.long, device=device) + 0x9E3779B9)
+
+
+def exponential_noise_rows(seed_hashes: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [R, M, V] (fp32) for positions [R, M] of R requests keyed by `seed_hashes` [R] (`seed_hash`),
+    with `vocab_h` = `vocab_hash(V)`. Fixed-shape tensor ops only (CUDA-graph safe)."""
+    per_pos = hash_u32(positions.long() ^ seed_hashes[:, None])  # [R, M]
+    h = hash_u32(per_pos[..., None] ^ vocab_h)  # [R, M, V]
+    w = (h.float() + 0.5) * (1.0 / 4294967296.0)  # [R, M, V] uniform in (0, 1)
+    return -torch.log1p(-w)  # Exp(1); w rounding to 1.0 gives inf, i.e. a token that loses this draw
+
+
 def exponential_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [..., V] (fp32) for `positions` [...] (long) of a request with `seed`."""
     dev = positions.device
-    s = hash_u32(torch.tensor(seed & _M32, dtype=torch.long, device=dev))
-    per_pos = hash_u32(positions.long() ^ s)  # [...]
-    v = torch.arange(vocab, dtype=torch.long, device=dev)  # [V]
-    h = hash_u32(per_pos[..., None] ^ hash_u32(v + 0x9E3779B9))  # [..., V]
-    w = (h.float() + 0.5) * (1.0 / 4294967296.0)  # [..., V] uniform in (0, 1)
-    return -torch.log1p(-w)  # Exp(1); w rounding to 1.0 gives inf, i.e. a token that loses this draw
+    s = torch.tensor([seed_hash(seed)], dtype=torch.long, device=dev)
+    flat = positions.reshape(1, -1)  # [1, P]
+    return exponential_noise_rows(s, flat, vocab_hash(vocab, dev)).reshape(*positions.shape, vocab)
 
 
 def race_sample(
@@ -66,3 +82,20 @@ def race_sample(
     """The sampled token id for each row [M] (long): argmax of processed probs / position-keyed Exp(1)."""
     probs = process_logits(logits, temperature, top_p, top_k)  # [M, V]
     return (probs / exponential_noise(seed, positions, probs.shape[-1])).argmax(dim=-1)
+
+
+def race_sample_rows(
+    logits: torch.Tensor,  # [R, M, V] raw target logits, M positions of each of R requests
+    positions: torch.Tensor,  # [R, M] absolute position of the token each predicts
+    seed_hashes: torch.Tensor,  # [R] long, `seed_hash(seed)` per request
+    temperature: torch.Tensor,  # [R] fp32; 0 = greedy
+    top_p: torch.Tensor,  # [R] fp32
+    top_k: torch.Tensor,  # [R] long
+    vocab_h: torch.Tensor,  # [V] `vocab_hash(V)`
+) -> torch.Tensor:
+    """`race_sample` for R requests at once, each with its own settings, and argmax for rows at temperature 0:
+    token ids [R, M] (long), equal to the per-request calls (tests/test_sampling_stats.py). Fixed-shape tensor
+    ops only, so a batched decoding step that mixes greedy and sampled requests can be captured as a CUDA graph."""
+    probs = process_logits_rows(logits, temperature, top_p, top_k)  # [R, M, V]
+    drawn = (probs / exponential_noise_rows(seed_hashes, positions, vocab_h)).argmax(dim=-1)  # [R, M]
+    return torch.where((temperature > 0)[:, None], drawn, logits.argmax(dim=-1))

@@ -17,10 +17,11 @@ alone on the batch-1 static-cache path (CUDA graphs on a GPU), which is many tim
 on the generic path. When another request arrives it stops after its current cycle, is prefilled into the batch
 with the text it has so far, and continues there; outputs are the same either way (greedy, lossless).
 
-The fast rows (when the server has `FastRows`, on a GPU): greedy requests that fit its caches decode as rows of
-a static-cache batch instead (`eagle3.fast.rows`): one graph-captured cycle per batch-size bucket, speculative
-with the policy's shape for that bucket where the speed gate measures it faster, plain otherwise. Sampled
-requests, and those that do not fit, use the generic batch; both batches advance once per loop iteration.
+The fast rows (when the server has `FastRows`, on a GPU): requests that fit its caches, greedy or sampled, decode
+as rows of a static-cache batch instead (`eagle3.fast.rows`): one graph-captured cycle per batch-size bucket,
+speculative with the policy's shape for that bucket where the speed gate measures it faster, plain otherwise.
+Sampled rows draw the same position-keyed tokens there as here. Requests that do not fit use the generic batch;
+both batches advance once per loop iteration.
 
 Results reach the HTTP side through each request's `sink` (called from this thread). Greedy output equals
 `SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from eagle3.attention import varying_shape_attention
+from eagle3.config import SamplingConfig
 from eagle3.serving.batch import BatchKV, accept_greedy_batch, batch_ancestors, batched_forward, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import BatchDrafter
@@ -99,6 +101,14 @@ class RequestHandle:
         self.first_token_at: float | None = None
         self.cancelled = False
         self.finished = False
+
+
+def _row_sampling(h: RequestHandle) -> SamplingConfig | None:
+    """A request's settings for a sampled fast row (None: greedy)."""
+    p = h.params
+    if p.temperature == 0:
+        return None
+    return SamplingConfig(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=h.seed)
 
 
 def _stock_decode(tokenizer) -> bool:
@@ -174,7 +184,7 @@ class Scheduler:
         the fast lane: a greedy request that finds the server idle runs on it alone, and moves into the batch
         (re-prefilled) as soon as another request arrives. With the speed gate on, lane requests alternate
         between it and a drafter-less engine on the same weights until one is measured faster.
-        `rows`: `FastRows` on the same model for greedy requests (see the module docstring)."""
+        `rows`: `FastRows` on the same model (see the module docstring)."""
         self.target = target
         self.fast = fast
         self._in_lane = False  # a request is decoding on the fast lane (neither waiting nor in the batch)
@@ -481,10 +491,10 @@ class Scheduler:
         self._kv.merge(kv)
         self._rows.append(row)
 
-    # -- fast rows: greedy requests on the static-cache batch -----------------------------------
+    # -- fast rows: requests on the static-cache batch -----------------------------------------
     def _fits_fast_rows(self, p: GenParams, context: int) -> bool:
         fr = self.fast_rows
-        return (fr is not None and p.temperature == 0 and fr.n < fr.capacity
+        return (fr is not None and (p.temperature == 0 or fr.sampling) and fr.n < fr.capacity
                 and fr.fits(context, p.max_tokens - (context - len(p.prompt_ids))))
 
     def _add_fast_rows(self, admitted: list[RequestHandle]) -> list[RequestHandle]:
@@ -500,7 +510,7 @@ class Scheduler:
         if not take:
             return rest
         t0 = time.perf_counter()
-        firsts = fr.add_many([list(h.params.prompt_ids) for h in take])
+        firsts = fr.add_many([list(h.params.prompt_ids) for h in take], sampling=[_row_sampling(h) for h in take])
         now = time.perf_counter()
         self.metrics.observe("eagle3_prefill_seconds", now - t0)
         base = len(self._frows)  # the new rows are base, base + 1, ... (as in FastRows)
