@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=("plain", "spec"), default=["plain", "spec"])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of sampled requests (1: off)")
     p.add_argument("--prompts", default="mt_bench", help="bundled set name or JSONL")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
@@ -93,6 +94,8 @@ def request_bodies(prompts: list[list[dict]], n: int, start: int, chat: bool, ar
                 "stream_options": {"include_usage": True}}
         if args.temperature > 0:
             body["seed"] = start + i
+            if args.top_p < 1.0:
+                body["top_p"] = args.top_p
         body.update({"messages": msgs} if chat else {"prompt": msgs[-1]["content"]})
         out.append(body)
     return out
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     record = run_record("bench_serving", target=args.target, drafter=args.drafter or "random", device_name=device,
                         dtype=str(dtype), prompts=name, endpoint="chat" if chat else "completions",
-                        max_tokens=args.max_tokens, temperature=args.temperature, results=results,
+                        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, results=results,
                         speedup_spec_over_plain=speedup)
     write_json(record, out / "bench_serving.json")
     png = plot(results, out / "bench_serving.png")

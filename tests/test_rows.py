@@ -20,7 +20,7 @@ import torch
 from conftest import build_tiny_target
 from eagle3.config import ConfigError, SamplingConfig, SpecConfig
 from eagle3.fast import FastEngine, FastTarget
-from eagle3.fast.rows import FastRows, RowShape
+from eagle3.fast.rows import FILTERED, GREEDY, TEMPERATURE, FastRows, RowShape
 from eagle3.runtime import init_drafter
 from eagle3.serving.sampling import race_sample
 
@@ -133,7 +133,7 @@ def test_sampled_rows_draw_the_position_keyed_tokens():
     for i, ref in enumerate(refs):
         assert outs[i][: budget[i]] == ref, f"request {i} ({settings[i]})"
     assert sampled_accepts > 0  # sampled rows accepted drafts, not only their bonus tokens
-    assert rows.n == 0 and not rows._sampled
+    assert rows.n == 0 and not rows._modes
 
 
 def test_sampled_rows_need_a_seed_and_sampling_cycles():
@@ -178,13 +178,13 @@ def test_cycles_are_capture_safe():
     model, d = model.to("meta"), d.to("meta")
     rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=64,
                     shapes={1: TREE, 2: RowShape(3, 1, 3)}.get)
-    for sampled in (False, True):  # argmax cycles, and those of buckets holding sampled rows
+    for mode in (GREEDY, TEMPERATURE, FILTERED):  # argmax cycles, and those of buckets holding sampled rows
         for nb in (1, 2, 4):
-            rows._plain_cycle(nb, sampled)
+            rows._plain_cycle(nb, mode)
             if rows.shapes[nb] is not None:
-                rows._spec_cycle(nb, sampled)
-        for r, t in [(1, 16), (4, 64)]:  # admission prefills, captured per bucket too
-            rows._prefill_step(rows._prefill_slot(r, t, sampled))
+                rows._spec_cycle(nb, mode)
+    for r, t in [(1, 16), (4, 64)]:  # admission prefills, captured per bucket too
+        rows._prefill_step(rows._prefill_slot(r, t))
     assert rows.packet.device.type == "meta"
 
 
@@ -199,7 +199,7 @@ def test_prefill_buckets_and_known_first_tokens(prefill_tokens):
                     shapes={1: TREE, 2: TREE, 4: RowShape(3, 1, 3)}.get, prefill_tokens=prefill_tokens)
     rows.prepare()
     assert all(r * t <= prefill_tokens for r, t in rows.prefill_buckets())
-    assert len(rows._prefills) == 2 * len(rows.prefill_buckets())  # argmax and sampled variants
+    assert len(rows._prefills) == len(rows.prefill_buckets())
     prompts = prompts_of([21, 6, 13], 64, seed=5)
     forced = 7  # not the model's own choice after prompts[2]
     refs = [hf_greedy(model, p, 12) for p in prompts[:2]] + [[forced, *hf_greedy(model, [*prompts[2], forced], 11)]]
@@ -260,7 +260,7 @@ def test_cuda_graph_rows_match_the_batch1_engine():
     while min(len(o) for o in outs) < 30:
         for j, new in enumerate(rows.cycle(spec=True)):
             outs[j] += new
-    assert all(r.graph is not None for r in rows._runners.values()) and any(k[2] for k in rows._runners)
+    assert all(r.graph is not None for r in rows._runners.values()) and {k[2] for k in rows._runners} == {0, 1, 2}
     assert [o[:30] for o in outs] == want
 
 

@@ -421,6 +421,12 @@ def test_race_sample_rows_equals_race_sample_and_argmax():
         want = race_sample(logits[i], pos[i], seeds[i], t, p, k) if t > 0 else logits[i].argmax(-1)
         assert torch.equal(got[i], want), settings[i]
     assert not torch.equal(got[0], logits[0].argmax(-1))  # the sampled rows do sample
+    plain = [i for i, (_, k, p) in enumerate(settings) if k == 0 and p == 1.0]  # no filters: the sort-free path
+    idx = torch.tensor(plain)
+    fast = race_sample_rows(logits[idx], pos[idx], torch.tensor([seed_hash(seeds[i]) for i in plain]),
+                            torch.tensor([settings[i][0] for i in plain]), torch.ones(len(plain)),
+                            torch.zeros(len(plain), dtype=torch.long), vocab_hash(v), filters=False)
+    assert torch.equal(fast, got[idx])
 
 
 def test_process_logits_rejects_bad_arguments():

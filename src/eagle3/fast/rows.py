@@ -22,8 +22,10 @@ lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves 
 Sampled rows: a row may carry its own temperature, top-p, top-k and seed (`add_many(..., sampling=)`). Its
 tokens are then the position-keyed draws of `eagle3.serving.sampling` (the noise of position p depends only on
 the seed and p), so verification stays "accept the draft where it equals the target's choice", per row, and a
-request gets the same text here as on the server's generic batch. Buckets that hold a sampled row run a second
-set of captured cycles that compute those draws (`race_sample_rows`); all-greedy buckets keep the argmax ones.
+request gets the same text here as on the server's generic batch. Buckets that hold a sampled row run their own
+captured cycles that compute those draws (`race_sample_rows`): one set for rows that only set a temperature, one
+that also applies top-p / top-k (two sorts over the vocabulary per predicted token); all-greedy buckets keep the
+argmax cycles. Prefills always compute the draws (small next to the prefill itself).
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
 __all__ = ["FastRows", "RowShape", "buckets"]
 
 MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
+GREEDY, TEMPERATURE, FILTERED = 0, 1, 2  # how a row chooses its tokens (cycle variants: the largest in the bucket)
+
+
+def sampling_mode(s: SamplingConfig | None) -> int:
+    if s is None or s.temperature == 0:
+        return GREEDY
+    return TEMPERATURE if s.top_p >= 1.0 and s.top_k == 0 else FILTERED
 
 
 class _SamplingRows:
@@ -68,12 +77,14 @@ class _SamplingRows:
         for buf in (self.temp, self.top_p, self.top_k, self.seed_h):
             buf[dst] = buf[src]
 
-    def choose(self, logits: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor, mode: int) -> torch.Tensor:
         """The token after each of logits [nb, M, V] (positions [nb, M] of the predicted tokens): argmax for greedy
-        rows, the position-keyed draw for sampled ones. [nb, M] long."""
+        rows, the position-keyed draw for sampled ones (`mode` FILTERED applies their top-p / top-k). [nb, M]."""
+        if mode == GREEDY:
+            return logits.argmax(dim=-1)
         nb = logits.shape[0]
         return race_sample_rows(logits, positions, self.seed_h[:nb], self.temp[:nb], self.top_p[:nb],
-                                self.top_k[:nb], vocab_h)
+                                self.top_k[:nb], vocab_h, filters=mode == FILTERED)
 
 
 class RowShape:
@@ -99,10 +110,10 @@ def buckets(capacity: int) -> list[int]:
 class _Prefill:
     """Static inputs, outputs and staging caches of one prefill shape: `r` prompts right-padded to `t` tokens."""
 
-    def __init__(self, rows: FastRows, r: int, t: int, shared: bool = True, sampled: bool = False):
+    def __init__(self, rows: FastRows, r: int, t: int, shared: bool = True):
         dev, tg = rows.device, rows.t
-        self.r, self.t, self.sampled = r, t, sampled
-        self.sampling = _SamplingRows(r, dev)  # each prompt's settings (used when `sampled`)
+        self.r, self.t = r, t
+        self.sampling = _SamplingRows(r, dev)  # each prompt's settings
         self.ids = torch.zeros(r, t, dtype=torch.long, device=dev)  # [R, T] right-padded prompts
         self.lens = torch.ones(r, dtype=torch.long, device=dev)  # [R] (padding rows: 1)
         self.root = torch.zeros(r, dtype=torch.long, device=dev)  # [R] a first token known in advance
@@ -161,10 +172,10 @@ class FastRows:
         self.length = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.root = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.packet = torch.zeros(capacity, d_max + 3, dtype=torch.long, device=dev)
-        self.sampling = sampling  # also capture cycles for buckets that hold sampled rows
+        self.sampling = sampling  # sampled rows allowed: their cycles are captured too
         self.row_sampling = _SamplingRows(capacity, dev)
         self.vocab_h = vocab_hash(target.vocab_size, dev)  # [V]
-        self._sampled: list[bool] = []  # host mirror: active row i samples
+        self._modes: list[int] = []  # host mirror: how active row i chooses its tokens
         if self.d is not None:
             fd = self.d
             self.sd = seq_len + scratch + d_max + 2
@@ -177,11 +188,11 @@ class FastRows:
         self.cycles = self.spec_cycles = 0  # cycles run (all, speculative)
         self.graphs = graphs and dev.type == "cuda"
         self._pool = graph_pool(dev)
-        self._runners: dict[tuple[int, bool, bool], StepRunner] = {}
+        self._runners: dict[tuple[int, bool, int], StepRunner] = {}
         # prefill buckets (R, T) of at most `prefill_tokens` padded tokens share flat staging buffers
         self.prefill_tokens = prefill_tokens
         self._flat: dict[str, torch.Tensor] = {}
-        self._prefills: dict[tuple[int, int, bool], _Prefill] = {}
+        self._prefills: dict[tuple[int, int], _Prefill] = {}
 
     # -- host side ---------------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -198,14 +209,13 @@ class FastRows:
         if self.n:
             raise RuntimeError("prepare() runs real cycles: call it before adding rows")
         t0 = time.perf_counter()
-        variants = (False, True) if self.sampling else (False,)
-        for sampled in variants:
+        for mode in (GREEDY, TEMPERATURE, FILTERED) if self.sampling else (GREEDY,):
             for b in self.buckets:
                 for spec in (False, True):
                     if not spec or self.shapes[b] is not None:
-                        self._runner(b, spec, sampled)
-            for key in self.prefill_buckets():
-                self._prefill_slot(*key, sampled)
+                        self._runner(b, spec, mode)
+        for key in self.prefill_buckets():
+            self._prefill_slot(*key)
         self._reset_rows(0, self.capacity)
         return time.perf_counter() - t0
 
@@ -249,14 +259,14 @@ class FastRows:
             out.append(flat[:, :n].view(full) if lead is not None else flat[0, :n].view(full))
         return out[0], out[1]
 
-    def _prefill_slot(self, r: int, t: int, sampled: bool) -> _Prefill:
-        p = self._prefills.get((r, t, sampled))
+    def _prefill_slot(self, r: int, t: int) -> _Prefill:
+        p = self._prefills.get((r, t))
         if p is None:
-            p = _Prefill(self, r, t, sampled=sampled)
+            p = _Prefill(self, r, t)
             p.runner = StepRunner(lambda: self._prefill_step(p), self.device, graphs=self.graphs, pool=self._pool,
-                                  name=f"rows_prefill_r{r}_t{t}{'_sampled' if sampled else ''}")
+                                  name=f"rows_prefill_r{r}_t{t}")
             p.runner.prepare()
-            self._prefills[(r, t, sampled)] = p
+            self._prefills[(r, t)] = p
         return p
 
     def _prefill_step(self, p: _Prefill) -> None:
@@ -267,10 +277,8 @@ class FastRows:
         mask = self.ar_s[None, None, :t] <= pos[:, :, None]  # [R, T, T] causal
         logits, aux = self.t.forward_rows(p.ids, pos, pos, mask, p.k, p.v, self.rope, logits_at=p.lens - 1,
                                           want_aux=self.d is not None)  # [R, 1, V], [R, T, 3·Ht]
-        if p.sampled:  # the first new token sits at position lens
-            tok = p.sampling.choose(logits, p.lens[:, None], self.vocab_h)[:, 0]  # [R]
-        else:
-            tok = logits[:, 0].argmax(dim=-1)  # [R]
+        mode = FILTERED if self.sampling else GREEDY  # the first new token sits at position lens
+        tok = p.sampling.choose(logits, p.lens[:, None], self.vocab_h, mode)[:, 0]  # [R]
         p.first.copy_(torch.where(p.has_root, p.root, tok))
         if self.d is not None:
             nxt = torch.cat([p.ids[:, 1:], p.ids[:, :1]], dim=1).scatter(1, (p.lens - 1)[:, None], p.first[:, None])
@@ -278,14 +286,14 @@ class FastRows:
                                       self.d_rope)  # [R, T, H]; row t pairs g_t with x_{t+1}
             p.last_out.copy_(out[torch.arange(r, device=self.device), p.lens - 1])
 
-    def _runner(self, nb: int, spec: bool, sampled: bool) -> StepRunner:
-        key = (nb, spec, sampled)
+    def _runner(self, nb: int, spec: bool, mode: int) -> StepRunner:
+        key = (nb, spec, mode)
         if key not in self._runners:
-            if sampled and not self.sampling:
+            if mode != GREEDY and not self.sampling:
                 raise ValueError("these FastRows were built with sampling=False")
-            fn = (lambda: self._spec_cycle(nb, sampled)) if spec else (lambda: self._plain_cycle(nb, sampled))
+            fn = (lambda: self._spec_cycle(nb, mode)) if spec else (lambda: self._plain_cycle(nb, mode))
             r = StepRunner(fn, self.device, graphs=self.graphs, pool=self._pool,
-                           name=f"rows_{'spec' if spec else 'plain'}_b{nb}{'_sampled' if sampled else ''}")
+                           name=f"rows_{'spec' if spec else 'plain'}_b{nb}_m{mode}")
             r.prepare()
             self._runners[key] = r
         return self._runners[key]
@@ -306,11 +314,11 @@ class FastRows:
         r, i = len(prompts), self.n
         roots = roots or [None] * r
         sampling = sampling or [None] * r
-        sampled = [s is not None and s.temperature > 0 for s in sampling]
-        if any(sampled) and not self.sampling:
+        modes = [sampling_mode(s) for s in sampling]
+        if any(modes) and not self.sampling:
             raise ConfigError("these FastRows were built with sampling=False; sampled requests need sampling=True")
-        for s, on in zip(sampling, sampled, strict=True):
-            if on and s.seed is None:
+        for s, mode in zip(sampling, modes, strict=True):
+            if mode != GREEDY and s.seed is None:
                 raise ConfigError("a sampled row needs a seed (its draws are keyed by seed and position)")
         if i + r > self.capacity:
             raise RuntimeError(f"{r} more rows do not fit: {i} of {self.capacity} are in use")
@@ -319,9 +327,7 @@ class FastRows:
                 raise ConfigError(f"a {len(p)}-token context does not fit {self.seq_len} cache slots")
         width = max(len(p) for p in prompts)
         key = self._prefill_key(r, width)
-        any_sampled = any(sampled)
-        p = (self._prefill_slot(*key, any_sampled) if key is not None
-             else _Prefill(self, r, width, shared=False, sampled=any_sampled))  # too big: eager
+        p = self._prefill_slot(*key) if key is not None else _Prefill(self, r, width, shared=False)  # too big: eager
         ids = torch.zeros(p.r, p.t, dtype=torch.long)
         lens = torch.ones(p.r, dtype=torch.long)
         root = torch.zeros(p.r, dtype=torch.long)
@@ -333,7 +339,7 @@ class FastRows:
         p.lens.copy_(lens)
         p.root.copy_(root.clamp(min=0))
         p.has_root.copy_(root >= 0)
-        if any_sampled:
+        if self.sampling:
             p.sampling.set(0, [*sampling, *[None] * (p.r - r)])
         if p.runner is not None:
             p.runner()
@@ -349,7 +355,7 @@ class FastRows:
         self.root[i : i + r] = p.first[:r]
         self.length[i : i + r] = p.lens[:r]
         self.row_sampling.set(i, sampling)
-        self._sampled += sampled
+        self._modes += modes
         self.n += r
         return p.first[:r].tolist()
 
@@ -369,8 +375,8 @@ class FastRows:
                 self.dv[i].copy_(self.dv[last])
                 self.last_out[i].copy_(self.last_out[last])
             self.row_sampling.move(i, last)
-            self._sampled[i] = self._sampled[last]
-        self._sampled.pop()
+            self._modes[i] = self._modes[last]
+        self._modes.pop()
         self._reset_rows(last, last + 1)
         self.n -= 1
 
@@ -390,7 +396,7 @@ class FastRows:
         nb = self.bucket(self.n)
         if spec and self.shapes[nb] is None:
             raise ValueError(f"bucket {nb} has no draft shape")
-        self._runner(nb, spec, any(self._sampled))()
+        self._runner(nb, spec, max(self._modes))()
         self.cycles += 1
         self.spec_cycles += spec
         pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
@@ -411,16 +417,13 @@ class FastRows:
         last = self.seq_len - self.margin  # idle rows stay inside their caches; active rows never get here
         self.length[:nb].copy_((self.length[:nb] + n_acc + 1).clamp(max=last))
 
-    def _plain_cycle(self, nb: int, sampled: bool) -> None:
+    def _plain_cycle(self, nb: int, mode: int) -> None:
         length, root = self.length[:nb], self.root[:nb]
         pos = length[:, None]  # [nb, 1]
         mask = (self.ar_s[None, :] <= length[:, None])[:, None, :]  # [nb, 1, S]
         logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=self.d is not None)  # [nb, 1, V]
-        if sampled:  # the new token sits at position length + 1
-            tok = self.row_sampling.choose(logits, pos + 1, self.vocab_h)[:, 0]  # [nb]
-        else:
-            tok = logits[:, 0].argmax(dim=-1)  # [nb]
+        tok = self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode)[:, 0]  # [nb]; the token at length + 1
         if self.d is not None:
             dmask = (self.ar_sd[None, :] <= length[:, None])[:, None, :]  # [nb, 1, Sd]
             out = self.d.forward_rows(self.d.combine(aux), tok[:, None], pos, pos, dmask, self.dk[:nb],
@@ -430,9 +433,9 @@ class FastRows:
         self.packet[:nb, :3].copy_(torch.stack([zero, zero, tok], dim=1))
         self._advance(nb, zero, tok)
 
-    def _spec_cycle(self, nb: int, sampled: bool) -> None:
+    def _spec_cycle(self, nb: int, mode: int) -> None:
         tokens, parents1 = self._draft(nb)  # [nb, N], [nb, N+1]
-        anc, top, aux = self._verify(nb, tokens, parents1, sampled)
+        anc, top, aux = self._verify(nb, tokens, parents1, mode)
         keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
         self._commit(nb, keep, n_acc, emitted, aux)
 
@@ -486,7 +489,7 @@ class FastRows:
         parents1 = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=dev), par + 1], dim=1)  # [nb, N+1]
         return all_tokens.gather(1, keep), parents1
 
-    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, sampled: bool):
+    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, mode: int):
         """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
         [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
         shape = self.shapes[nb]
@@ -505,9 +508,7 @@ class FastRows:
         mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
-        if sampled:  # node j predicts the token at pos[j] + 1
-            return anc, self.row_sampling.choose(logits, pos + 1, self.vocab_h), aux
-        return anc, logits.argmax(dim=-1), aux
+        return anc, self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode), aux  # node j predicts pos[j] + 1
 
     def _accept(self, nb: int, tokens, parents1, anc, top):
         """Greedy acceptance per row (`FastCore.accept`): keep [nb, D+1], n_acc [nb], emitted [nb, D+1]."""

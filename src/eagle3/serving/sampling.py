@@ -3,7 +3,9 @@
 The token at absolute position p of a request with seed s is `argmax_v probs[v] / E[s, p, v]`, where E are
 i.i.d. Exp(1) variables computed by hashing (s, p, v). This is the exponential race (Gumbel-max in another
 form; vLLM's sampler draws with the same `probs / Exp(1)` argmax, `vllm/v1/sample/ops/topk_topp_sampler.py`),
-so each token is an exact draw from the processed target distribution `process_logits(...)`.
+so each token is an exact draw from the processed target distribution `process_logits(...)`. It is computed as
+`argmax_v scores[v] - log E[s, p, v]` on the filtered scores (logits / temperature, -inf where top-k or top-p
+removed a token): the softmax's normaliser is the same for every v, so this is the same draw without a softmax.
 
 Why key the noise by position: the noise for position p does not depend on the prefix, so verifying a draft
 tree is simply greedy acceptance against these per-node choices, and the sampled text is the same whether a
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.decoding.sampling import process_logits, process_logits_rows
+from eagle3.decoding.sampling import filter_scores, filter_scores_rows
 
 __all__ = ["exponential_noise", "exponential_noise_rows", "hash_u32", "race_sample", "race_sample_rows", "seed_hash"]
 
@@ -80,8 +82,8 @@ def race_sample(
     top_k: int = 0,
 ) -> torch.Tensor:
     """The sampled token id for each row [M] (long): argmax of processed probs / position-keyed Exp(1)."""
-    probs = process_logits(logits, temperature, top_p, top_k)  # [M, V]
-    return (probs / exponential_noise(seed, positions, probs.shape[-1])).argmax(dim=-1)
+    scores = filter_scores(logits, temperature, top_p, top_k)  # [M, V]
+    return (scores - exponential_noise(seed, positions, scores.shape[-1]).log()).argmax(dim=-1)
 
 
 def race_sample_rows(
@@ -92,10 +94,11 @@ def race_sample_rows(
     top_p: torch.Tensor,  # [R] fp32
     top_k: torch.Tensor,  # [R] long
     vocab_h: torch.Tensor,  # [V] `vocab_hash(V)`
+    filters: bool = True,  # False: no row uses top-p or top-k (skips two sorts over the vocabulary)
 ) -> torch.Tensor:
     """`race_sample` for R requests at once, each with its own settings, and argmax for rows at temperature 0:
     token ids [R, M] (long), equal to the per-request calls (tests/test_sampling_stats.py). Fixed-shape tensor
     ops only, so a batched decoding step that mixes greedy and sampled requests can be captured as a CUDA graph."""
-    probs = process_logits_rows(logits, temperature, top_p, top_k)  # [R, M, V]
-    drawn = (probs / exponential_noise_rows(seed_hashes, positions, vocab_h)).argmax(dim=-1)  # [R, M]
+    scores = filter_scores_rows(logits, temperature, top_p, top_k, filters)  # [R, M, V]
+    drawn = (scores - exponential_noise_rows(seed_hashes, positions, vocab_h).log()).argmax(dim=-1)  # [R, M]
     return torch.where((temperature > 0)[:, None], drawn, logits.argmax(dim=-1))
