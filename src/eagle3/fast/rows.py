@@ -49,6 +49,7 @@ GREEDY, TEMPERATURE, FILTERED = 0, 1, 2  # how a row chooses its tokens (cycle v
 
 
 def sampling_mode(s: SamplingConfig | None) -> int:
+    """GREEDY, TEMPERATURE (sampled, no top-p / top-k) or FILTERED for a row's settings."""
     if s is None or s.temperature == 0:
         return GREEDY
     return TEMPERATURE if s.top_p >= 1.0 and s.top_k == 0 else FILTERED
