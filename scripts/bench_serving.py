@@ -160,6 +160,8 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                 "prefills": int(delta("eagle3_prefill_seconds_count")),
                 "idle_s": round(delta("eagle3_idle_seconds_total"), 4),
                 "host_s": round(delta("eagle3_cycle_host_seconds_sum"), 4),  # part of cycles_s (fast rows)
+                "paused_cycles": int(delta("eagle3_spec_paused_cycles_total")),
+                "gates": sched.gate_snapshots(),  # what each speed gate believed at the end of the level
             }
             rows.append(row)
             print(f"{mode:5s} c={c:<3d} {row['tokens_per_s']:9.1f} tok/s  ttft p50 {row['ttft_p50_s']:.3f}s  "

@@ -513,6 +513,7 @@ def test_speed_gate_runs_the_faster_mode_and_probes_the_other():
     gate.record(3, True, seconds=1.0, tokens=9)  # speculation got better: 3 tokens per row-second
     assert gate.rates(2) == (3.0, 2.0)
     assert [gate.speculate(3) for _ in range(4)] == [True, True, True, False]
+    assert gate.snapshot() == {"b2_q4": {"spec": 3.0, "plain": 2.0, "probe_every": 4}}
 
 
 def test_speed_gate_learns_separately_by_the_share_of_rows_drafting():

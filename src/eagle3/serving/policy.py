@@ -224,6 +224,17 @@ class SpeedGate:
             now = self._interval.get(b, self.probe_every)
             self._interval[b] = min(2 * now, self.max_probe_every) if same else self.probe_every
 
+    def snapshot(self) -> dict[str, dict[str, float | int | None]]:
+        """What the gate believes now, per bucket "b<bits>_q<quarter>": the speculative and plain rates (tokens
+        per row-second) and the cycles between probes. For benchmarks and debugging."""
+        out = {}
+        for b in sorted({k[0] for k in self._rate}):
+            spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
+            out[f"b{b[0]}_q{b[1]}"] = {"spec": None if spec is None else round(spec, 2),
+                                       "plain": None if plain is None else round(plain, 2),
+                                       "probe_every": self._interval.get(b, self.probe_every)}
+        return out
+
     def rates(self, batch_size: int, drafting: int | None = None) -> tuple[float | None, float | None]:
         """(speculative, plain) tokens per row-second measured for this bucket."""
         b = self.bucket(batch_size, drafting)

@@ -419,6 +419,11 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.select(keep)
 
+    def gate_snapshots(self) -> dict[str, dict]:
+        """The speed gates' current beliefs (`SpeedGate.snapshot`) by path: generic batch, fast lane, fast rows."""
+        gates = {"batch": self.gate, "lane": self._lane_gate, "rows": self._rows_gate}
+        return {name: g.snapshot() for name, g in gates.items() if g is not None}
+
     # -- the fast lane: one greedy request alone on the batch-1 fast path ------------------------
     def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
         return (self.fast is not None and not self._rows and not self._frows and len(admitted) == 1
