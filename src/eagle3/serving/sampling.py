@@ -25,7 +25,8 @@ import torch
 
 from eagle3.decoding.sampling import filter_scores, filter_scores_rows
 
-__all__ = ["exponential_noise", "exponential_noise_rows", "hash_u32", "race_sample", "race_sample_rows", "seed_hash"]
+__all__ = ["exponential_noise", "exponential_noise_rows", "hash_u32", "race_sample", "race_sample_rows", "seed_hash",
+           "vocab_hash"]
 
 _M32 = 0xFFFFFFFF
 
