@@ -370,6 +370,23 @@ def test_packed_online_features_equal_separate_documents(data_dir):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_padded_online_features_equal_each_row_alone(data_dir):
+    """Rows of one document each, right-padded to the longest: the feature pass runs plain causal attention (no
+    padding mask, so SDPA may take its flash kernel) and every real token gets the features it has alone."""
+    data = TrainData(str(data_dir), max_length=64)
+    model, _ = load_target("stories260k")
+    src = OnlineFeatures(Target(model, [1, 2, 4]), torch.ones(V, dtype=torch.bool))
+    rows = sorted(range(len(data)), key=lambda s: int(data.lengths[s]))[:: max(1, len(data) // 4)][:4]
+    batch = data.collate([[s] for s in rows])
+    assert (batch.doc_ids < 0).any()  # the shorter rows are padded
+    feats = src(batch)
+    for i, s in enumerate(rows):
+        n = int(data.lengths[s])
+        alone = src(data.collate([[s]]))
+        torch.testing.assert_close(feats.aux[i, :n], alone.aux[0, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(feats.target_logits[i, :n], alone.target_logits[0, :n], atol=1e-4, rtol=1e-4)
+
+
 def test_training_lowers_the_loss(data_dir, tmp_path):
     res = train(base_cfg(data_dir, tmp_path / "learn", epochs=8, max_steps=40, lr=3e-3, save_every=0, log_every=5))
     recs = [json.loads(x) for x in (tmp_path / "learn" / LOG_FILE).read_text().splitlines()]
