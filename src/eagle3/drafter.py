@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -116,8 +117,6 @@ def ttt_attention(
     kx = torch.cat([slots, F.pad(k0, (0, w))], dim=2)  # [B, nh, n+T, hd+w]
     vx = torch.cat([slots.to(v.dtype), F.pad(v0, (0, w))], dim=2)
     if base is None:
-        from torch.nn.attention.bias import causal_lower_right
-
         mask = causal_lower_right(t, n + t)  # row t sees the n slots and step-0 keys 0..t
     else:
         mask = torch.cat([base.new_ones(*base.shape[:3], n).expand(base.shape[0], 1, t, n), base], dim=-1)

@@ -384,7 +384,6 @@ class FastRows:
     def _reset_rows(self, lo: int, hi: int) -> None:
         self.length[lo:hi] = 0
         self.root[lo:hi] = 0
-        self.row_sampling.set(lo, [None] * (hi - lo))
         if self.d is not None:
             self.last_out[lo:hi] = 0
 

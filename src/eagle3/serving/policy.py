@@ -228,7 +228,7 @@ class SpeedGate:
         """What the gate believes now, per bucket "b<bits>_q<quarter>": the speculative and plain rates (tokens
         per row-second) and the cycles between probes. For benchmarks and debugging."""
         out = {}
-        for b in sorted({k[0] for k in self._rate}):
+        for b in sorted({k[0] for k in list(self._rate)}):  # a copy: the scheduler thread may add buckets
             spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
             out[f"b{b[0]}_q{b[1]}"] = {"spec": None if spec is None else round(spec, 2),
                                        "plain": None if plain is None else round(plain, 2),

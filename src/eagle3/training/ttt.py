@@ -132,7 +132,7 @@ def ttt_mask(doc_ids: torch.Tensor) -> TTTMask:
     from position 0, right-padded, plain causal attention gives each document row exactly the step-0 keys of
     `base_mask` (padding comes after it), so the mask is left implicit and SDPA may use a causal flash kernel;
     padding rows then see other keys, but they carry no loss. Packed rows get the block-diagonal `base_mask`."""
-    one_doc = bool((doc_ids[:, 0] == 0).all() and (doc_ids <= 0).all() and (doc_ids[:, 1:] <= doc_ids[:, :-1]).all())
+    one_doc = bool((doc_ids[:, 0] == 0).all() & (doc_ids <= 0).all() & (doc_ids[:, 1:] <= doc_ids[:, :-1]).all())
     return TTTMask(None if one_doc else base_mask(doc_ids)[:, None])
 
 
