@@ -193,6 +193,25 @@ def test_chatml_mask_is_assistant_content_and_end_token(tiny_tok) -> None:
     assert row.loss_mask.dtype == np.uint8 and row.input_ids.dtype == np.int32
 
 
+def test_an_answer_cut_at_the_limit_has_no_end_token_label(tiny_tok) -> None:
+    # `eagle3 regenerate` marks answers that hit max_new_tokens; the target did not end them, so the
+    # template's <|im_end|> after such an answer must not be a label (the other turn keeps its end token).
+    messages = [dict(m) for m in TWO_TURNS]
+    messages[1]["finish_reason"] = "length"
+    text, row = encode(tiny_tok, messages, CHATML)
+    assert masked_runs(tiny_tok, text, row.input_ids, row.loss_mask) == [ASSISTANT1, ASSISTANT2 + "<|im_end|>"]
+    assert row.turns == Counter({"supervised": 2, "cut_at_limit_end_token_masked": 1})
+    _, unmarked = encode(tiny_tok, TWO_TURNS, CHATML)
+    assert unmarked.input_ids.tolist() == row.input_ids.tolist()  # the same text: the mark is not rendered
+    # read from a ShareGPT row, as regenerate writes it
+    turns = [("human", USER1), ("gpt", ASSISTANT1), ("human", USER2), ("gpt", ASSISTANT2)]
+    raw = sharegpt(*turns)
+    raw["conversations"][1]["finish_reason"] = "length"
+    assert normalize_conversation(raw)[1] == {"role": "assistant", "content": ASSISTANT1, "finish_reason": "length"}
+    raw["conversations"][0]["finish_reason"] = "length"  # on a user turn it means nothing and is dropped
+    assert "finish_reason" not in normalize_conversation(raw)[0]
+
+
 def test_llama3_mask_with_trimmed_content_and_a_single_bos(tiny_tok) -> None:
     assert tiny_tok("x")["input_ids"][0] == tiny_tok.bos_token_id  # the tokenizer would add a BOS by default
     messages = [dict(m) for m in TWO_TURNS]

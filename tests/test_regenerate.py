@@ -278,6 +278,9 @@ def test_local_max_prompt_tokens(tokenizer, tiny_model, tmp_path):
     assert sorted(out) == ["grows", "ok"]
     assert [t["from"] for t in out["grows"]["conversations"]] == ["human", "gpt"]  # cut before the long turn
     assert report.rows_skipped == 1 and report.turns_cut == 1 and report.answers_truncated == 2
+    # both answers hit max_new_tokens=4: each is marked, so `prepare` will not supervise an end token there
+    answers = [t for r in out.values() for t in r["conversations"] if t["from"] == "gpt"]
+    assert len(answers) == 2 and all(t.get("finish_reason") == "length" for t in answers)
 
 
 def test_local_backend_needs_chat_template(tokenizer, tiny_model):

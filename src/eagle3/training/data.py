@@ -20,7 +20,9 @@ If A is a prefix of B and B a prefix of F, the span F[len(A):len(B)] is what the
 turn. Inside it we locate the message content (exactly, else ignoring whitespace, since templates `trim`);
 template text before the content (an empty `<think>\\n\\n</think>\\n\\n` that a Qwen3-style template adds) is
 masked out; after the content we supervise up to and including the first special token (`<|im_end|>`,
-`<|eot_id|>`, `</s>`), not the newline after it. A turn where the prefix property fails (templates that
+`<|eot_id|>`, `</s>`), not the newline after it, unless the answer was cut at the generation limit: a turn marked
+`"finish_reason": "length"` (as `eagle3 regenerate` writes them) keeps its text supervised but not the end-of-turn
+token the template appends, because the target did not end there. A turn where the prefix property fails (templates that
 rewrite earlier turns, e.g. drop their reasoning) is left unsupervised and counted; a row with no supervised
 turn is bad. F is tokenised once with `add_special_tokens=False` (the template writes its own BOS, as in HF
 `apply_chat_template(tokenize=True)` and vLLM chat serving) and character spans map to tokens by overlap.
@@ -77,6 +79,7 @@ TURN_INSERTED_TEXT_MASKED = (
     "template_inserted_text_masked"  # e.g. an empty <think></think> the template added
 )
 TURN_NO_END_TOKEN = "no_end_token_after_content"  # no special token right after the content; none supervised
+TURN_CUT_END_MASKED = "cut_at_limit_end_token_masked"  # finish_reason "length": the template's end token is not a label
 TURN_SKIP_GENERATION_PROMPT = "skipped_generation_prompt_mismatch"  # A is not a prefix of B
 TURN_SKIP_PREFIX = "skipped_prefix_mismatch"  # B is not a prefix of F
 TURN_SKIP_CONTENT = "skipped_content_not_found"
@@ -374,6 +377,7 @@ def normalize_conversation(
     source = source[1:]`) - ShareGPT splits long chats into parts that start with the assistant; trailing user
     messages are dropped (nothing after them to supervise); `system_prompt` is inserted when the row has no
     system message. A row-level `"system"` string (some ShareGPT variants) counts as a system message.
+    An assistant message with `"finish_reason": "length"` (cut at the generation limit) keeps that key.
     """
     repairs = repairs if repairs is not None else Counter()
     if not isinstance(row, dict):
@@ -401,7 +405,10 @@ def normalize_conversation(
             content = m["content"]
         else:
             raise BadRow("malformed", "a message has no 'value'/'content'")
-        messages.append({"role": role, "content": _message_text(content)})
+        message = {"role": role, "content": _message_text(content)}
+        if role == "assistant" and m.get("finish_reason") == "length":
+            message["finish_reason"] = "length"
+        messages.append(message)
 
     system: list[dict[str, str]] = []
     if messages[0]["role"] == "system":
@@ -499,6 +506,8 @@ class ChatRenderer:
 
     def supervised_spans(self, messages: list[dict[str, str]]) -> _Spans:
         """The full render and the character spans to supervise (see the module docstring)."""
+        cut = [m.get("finish_reason") == "length" for m in messages]
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # templates see only these
         full = self.render(messages)
         spans: list[tuple[int, int]] = []
         turns: Counter[str] = Counter()
@@ -517,7 +526,10 @@ class ChatRenderer:
             if found is None:
                 turns[TURN_SKIP_CONTENT] += 1
                 continue
-            start, end, inserted, has_end_token = found
+            start, content_end, end, inserted, has_end_token = found
+            if cut[i] and has_end_token:
+                end = content_end
+                turns[TURN_CUT_END_MASKED] += 1
             spans.append((start, end))
             turns[TURN_SUPERVISED] += 1
             if inserted:
@@ -530,8 +542,9 @@ class ChatRenderer:
             raise BadRow(reason, turns=turns)
         return _Spans(full, spans, turns)
 
-    def _locate(self, upto: str, turn_start: int, content: str) -> tuple[int, int, bool, bool] | None:
-        """Where the content sits in `upto[turn_start:]`: (start, end, inserted text before it?, end token?).
+    def _locate(self, upto: str, turn_start: int, content: str) -> tuple[int, int, int, bool, bool] | None:
+        """Where the content sits in `upto`: (start, content end, end with its end token, inserted text before
+        it?, end token?), searching from `turn_start`.
 
         Among the places the content occurs, take the last one that is followed by only whitespace and/or a
         special token, so that a template header or tail that happens to contain the content's text is skipped.
@@ -553,7 +566,7 @@ class ChatRenderer:
                 end = c1 + (len(tail) - len(stripped)) + len(tok)
                 has_end_token = True
                 break
-        return turn_start + c0, turn_start + end, inserted, has_end_token
+        return turn_start + c0, turn_start + c1, turn_start + end, inserted, has_end_token
 
     def _tail_ok(self, tail: str) -> bool:
         stripped = tail.lstrip()

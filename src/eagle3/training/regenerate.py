@@ -34,6 +34,9 @@ Output: one line per conversation, in completion order::
 
     {"id": ..., "row": <index in the inputs>, "conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}
 
+An answer cut at `max_new_tokens` carries `"finish_reason": "length"`, so that `prepare` does not teach the
+drafter an end-of-turn token where the target would have gone on.
+
 Rerunning the same call resumes: rows already in the output are not regenerated, a partially written
 last line (a kill mid-write) is dropped, failed rows are retried. A report is printed and written to
 `<out>.report.json`.
@@ -305,6 +308,7 @@ class _Conversation:
         self.users_left = users
         self.messages: list[Message] = []
         self.reasoning: dict[int, str] = {}  # message index -> reasoning_content
+        self.cut: set[int] = set()  # indices of answers that hit max_new_tokens
         self.committed = 0  # messages up to here end with an answer
         self.answered = self.turns_cut = self.truncated = self.tokens = 0
         self.status = ""  # "done" | "skipped" | "failed"
@@ -337,10 +341,12 @@ class _Conversation:
             return False
         if gen.reasoning:
             self.reasoning[len(self.messages)] = gen.reasoning
+        if gen.finish_reason == "length":
+            self.cut.add(len(self.messages))
+            self.truncated += 1
         self.messages.append({"role": "assistant", "content": gen.text})
         self.committed = len(self.messages)
         self.answered += 1
-        self.truncated += gen.finish_reason == "length"
         if self.users_left > 0:
             return True
         self.status = "done"
@@ -352,6 +358,8 @@ class _Conversation:
             turn: dict[str, Any] = {"from": SHAREGPT_FROM[m["role"]], "value": m["content"]}
             if k in self.reasoning:
                 turn["reasoning_content"] = self.reasoning[k]
+            if k in self.cut:
+                turn["finish_reason"] = "length"  # `prepare` does not supervise an end-of-turn token here
             turns.append(turn)
         return {"id": self.row.id, "row": self.row.index, "conversations": turns}
 
