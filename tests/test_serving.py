@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 from eagle3.config import SpecConfig  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
-from eagle3.fast.engine import FastEngine  # noqa: E402
+from eagle3.fast.engine import FastEngine, FastOptions  # noqa: E402
 from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter  # noqa: E402
 from eagle3.serving.app import create_app  # noqa: E402
 from eagle3.serving.cli import fast_rows  # noqa: E402
@@ -41,9 +41,11 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
            "The little dog", "Mia found a shiny"]
 
 
-def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, **config) -> ServerThread:
+def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, lane_compile: bool = False,
+                **config) -> ServerThread:
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
-    `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`."""
+    `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`;
+    `lane_compile`: the lane's steps traced by torch.compile (the "aot_eager" backend: no C++ codegen on CPU)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
     shape = SpecConfig(depth=3, top_k=2, total_tokens=6)
@@ -52,8 +54,14 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
         # min_accept 0: keep drafting with the random drafter, so verification of real trees is exercised
         policy = SpecPolicy.from_spec(shape, token_budget=64, min_accept=0.0)
-    fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d) if lane else None
     cfg = ServeConfig(model_name=MODEL, chat_template=TEMPLATE, **config)
+    fast = None
+    if lane_compile:  # as `fast_lane_engine(..., compile=True)`, with small caches (128 slots)
+        options = FastOptions(compile=True, compile_backend="aot_eager")
+        fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d, options=options)
+        fast.prepare(16, 16)
+    elif lane:
+        fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d)
     fr = fast_rows("on", model, d, policy or SpecPolicy(enabled=False), cfg, "cpu",
                    target=fast.target if fast is not None else None) if rows else None
     sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast,
@@ -153,6 +161,29 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref):
             texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
                                   .choices[0].text, PROMPTS * 2, timeout=120))
         assert texts == [ref(13, prompt=p).text for p in PROMPTS * 2]
+    finally:
+        srv.stop()
+
+
+def test_compiled_fast_lane_is_ready_at_start_and_never_grows_mid_request(stories260k, ref):
+    """`serve --compile`: the lane's speculative and plain engines are compiled and captured before the first
+    request; answers equal the reference; a request larger than the lane's prepared caches decodes on the batch
+    instead of reallocating (which would recompile in the middle of serving)."""
+    srv = make_server(*stories260k, lane_compile=True)
+    try:
+        sched = srv.app.state.scheduler
+        lane, plain = sched.fast, sched._lane_plain
+        assert lane.compiled and plain is not None and plain.compiled  # both prepared before any request
+        size = lane.seq_len
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for p in PROMPTS[:4]:  # enough lone requests for the lane's gate to run both engines
+            r = c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+            assert r.choices[0].text == ref(24, prompt=p).text
+        lane_steps = metric(srv, "eagle3_verify_steps_total")
+        assert lane_steps > 0 and not lane.fits(len(ref.ids(PROMPTS[4])), 160)
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=160, temperature=0)
+        assert r.choices[0].text == ref(160, prompt=PROMPTS[4]).text
+        assert lane.seq_len == size and lane.compiled  # untouched: the long request went to the batch
     finally:
         srv.stop()
 

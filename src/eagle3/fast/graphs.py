@@ -21,6 +21,10 @@ import torch
 
 log = logging.getLogger("eagle3.fast")
 
+# One process compiles the same step functions for many shapes (tree and chain sizes, a lane's plain and
+# speculative engines, the overhead benchmark's 13 shapes): more than dynamo's default of 8 recompiles per function.
+RECOMPILE_LIMIT = 64
+
 
 class StepRunner:
     """`runner()` runs `fn`; on CUDA with `graphs`, `prepare()` captures it and later calls replay the graph."""
@@ -34,6 +38,9 @@ class StepRunner:
         self.compiled = False
         self.call = fn
         if compile:
+            from torch import _dynamo
+
+            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self.call = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
             self.compiled = True
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -127,11 +127,6 @@ def measure_overhead(
     # use count to zero while cuBLAS's workspace still holds a block there, and the next capture into the same
     # pool trips the caching allocator's `use_count > 0` assertion (torch 2.11; pytorch/pytorch#175276).
     runners: list[StepRunner] = []
-    if compile:  # 13 shapes of the same step functions in one process: more recompiles than dynamo's default 8
-        import torch._dynamo
-
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-
     def runner(fn, name):
         r = StepRunner(fn, dev, graphs=graphs, compile=compile, pool=pool, name=name)
         r.prepare()

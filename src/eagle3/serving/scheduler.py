@@ -204,6 +204,9 @@ class Scheduler:
             self._lane_plain = FastEngine(fast.model, draft="none", target=fast.target, options=fast.options)
             self._lane_gate = SpeedGate(probe_every=4, ema=self.policy.ema, max_probe_every=64)
         self.config = config or ServeConfig()
+        if self._lane_plain is not None and fast.seq_len:
+            # capture (and compile) it now, on the caches the lane already holds, not inside its first request
+            self._lane_plain.prepare(1, 0)
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
         # window decoding is exact unless the tokenizer rewrites spaces around punctuation after decoding
@@ -426,9 +429,12 @@ class Scheduler:
 
     # -- the fast lane: one greedy request alone on the batch-1 fast path ------------------------
     def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
-        return (self.fast is not None and not self._rows and not self._frows and len(admitted) == 1
-                and not self._waiting
-                and admitted[0].params.temperature == 0)
+        if not (self.fast is not None and not self._rows and not self._frows and len(admitted) == 1
+                and not self._waiting and admitted[0].params.temperature == 0):
+            return False
+        # a compiled lane takes only what its prepared caches hold: growing them would recompile mid-request
+        p = admitted[0].params
+        return not self.fast.options.compile or self.fast.fits(len(p.prompt_ids), p.max_tokens)
 
     def _run_lane(self, h: RequestHandle) -> _Row | None:
         """Decode `h` on the fast engine until it finishes, is cancelled, or another request arrives; returns
