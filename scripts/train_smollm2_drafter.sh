@@ -6,11 +6,11 @@
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter is one fresh run of this script on one H200 (docs/training.md has the numbers), on a full
-# regeneration (REGEN_BATCH=512):
-#   REGEN_BATCH=512 LR=1e-3 BATCH_TOKENS=32768 EPOCHS=30 TIME_BUDGET=18m
-# -> 3,126 steps, 18.6 minutes from prepared data to $W/train/drafter (the defaults below are those settings).
-# Earlier bundled drafters came from shorter runs continued with INIT=<drafter> (see docs/training.md).
+# The bundled drafter is one fresh run of this recipe (v2) on one H200 (docs/training.md has the numbers), on a
+# full regeneration: REGEN_BATCH=512 SHAREGPT_TOKENS=384 LR=1e-3 BATCH_TOKENS=32768 EPOCHS=30 TIME_BUDGET=690
+# -> 3,377 steps, 12.7 minutes from prepared data to $W/train/drafter (the defaults below are those settings;
+# docs/results/drafter_v2_h200/pipeline.sh is the exact script that ran). The previous bundled drafter (v1) used
+# SHAREGPT_TOKENS=768 TIME_BUDGET=18m; earlier ones were shorter runs continued with INIT=<drafter>.
 # SAMPLE_T=0.8 adds a second answer per prompt sampled at that temperature (more varied answer starts, where the
 # drafter misses most; untested so far: docs/training.md "Where the drafter misses").
 set -euo pipefail
@@ -27,7 +27,8 @@ MAX_STEPS=${MAX_STEPS:-}       # caps training (and sets the schedule length)
 LR=${LR:-1e-3}
 INIT=${INIT:-}                 # continue from this drafter (its draft vocabulary is kept)
 BATCH_TOKENS=${BATCH_TOKENS:-32768}
-TIME_BUDGET=${TIME_BUDGET-18m}  # train for about this long (TIME_BUDGET= : no budget); EPOCHS, MAX_STEPS cap it
+TIME_BUDGET=${TIME_BUDGET-690}  # train for about this long (TIME_BUDGET= : no budget); EPOCHS, MAX_STEPS cap it
+SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-384}  # new tokens per ShareGPT answer (eval decodes 256; longer answers loop)
 REGEN_BATCH=${REGEN_BATCH:-512}
 SAMPLE_T=${SAMPLE_T:-}         # also train on a second, sampled answer per prompt at this temperature (e.g. 0.8)
 OUT=${OUT:-$W/train}
@@ -41,11 +42,11 @@ stage "regenerate GSM8K"
 $EAGLE3 regenerate "${RG[@]}" --data "$GSM8K" --out "$W/regen_gsm8k.jsonl" \
   --max-new-tokens 512 --max-prompt-tokens 512
 
-stage "regenerate ShareGPT (2 user turns)"
+stage "regenerate ShareGPT (2 user turns, $SHAREGPT_TOKENS tokens)"
 LIMIT=()
 [ "$REGEN_S" -gt 0 ] && LIMIT=(timeout "$REGEN_S")
 "${LIMIT[@]}" $EAGLE3 regenerate "${RG[@]}" --data "$SHAREGPT" --out "$W/regen_sharegpt.jsonl" \
-  --max-new-tokens 768 --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
+  --max-new-tokens "$SHAREGPT_TOKENS" --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
 
 SAMPLED=()
 if [ -n "$SAMPLE_T" ]; then
@@ -55,14 +56,14 @@ if [ -n "$SAMPLE_T" ]; then
   stage "regenerate GSM8K and ShareGPT, sampled at T=$SAMPLE_T"
   $EAGLE3 regenerate "${RS[@]}" --data "$GSM8K" --out "$W/regen_gsm8k_t.jsonl" --max-new-tokens 512 --max-prompt-tokens 512
   "${LIMIT[@]}" $EAGLE3 regenerate "${RS[@]}" --data "$SHAREGPT" --out "$W/regen_sharegpt_t.jsonl" \
-    --max-new-tokens 768 --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
+    --max-new-tokens "$SHAREGPT_TOKENS" --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
   SAMPLED=("$W/regen_sharegpt_t.jsonl" "$W/regen_gsm8k_t.jsonl")
 fi
 
 stage "prepare (draft vocab $DRAFT_VOCAB)"
 if [ ! -f "$W/data/report.json" ]; then
   $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" "$W/regen_gsm8k.jsonl" "${SAMPLED[@]}" \
-    --out "$W/data" --max-length 2048 --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" \
+    --out "$W/data" --max-length 2048 --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" --workers 12 \
     ${INIT:+--vocab-from "$INIT"}
 fi
 
