@@ -212,6 +212,20 @@ def test_an_answer_cut_at_the_limit_has_no_end_token_label(tiny_tok) -> None:
     assert "finish_reason" not in normalize_conversation(raw)[0]
 
 
+def test_prepare_counts_cut_answers_and_says_so(tiny_tok, tmp_path) -> None:
+    cut = sharegpt(("human", USER1), ("gpt", ASSISTANT1))
+    cut["conversations"][1]["finish_reason"] = "length"
+    src = write_json(tmp_path / "regen.json", [cut, sharegpt(("human", USER2), ("gpt", ASSISTANT2))])
+    report = prepare(tiny_tok, [src], tmp_path / "out", max_length=4096, draft_vocab_size=100, progress=False)
+    assert report.turns == {"supervised": 2, "cut_at_limit_end_token_masked": 1}
+    assert "answers cut at the generation limit: 1 (their end-of-turn token is not a label)" in report.summary()
+    ds = PreparedDataset(tmp_path / "out")
+    assert [decoded_runs(tiny_tok, ds[i]["input_ids"], ds[i]["loss_mask"]) for i in range(2)] == [
+        [ASSISTANT1],
+        [ASSISTANT2 + "<|im_end|>"],
+    ]
+
+
 def test_llama3_mask_with_trimmed_content_and_a_single_bos(tiny_tok) -> None:
     assert tiny_tok("x")["input_ids"][0] == tiny_tok.bos_token_id  # the tokenizer would add a BOS by default
     messages = [dict(m) for m in TWO_TURNS]

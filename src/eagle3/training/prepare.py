@@ -34,6 +34,7 @@ import torch
 
 from eagle3.config import DEFAULT_DRAFT_VOCAB_SIZE, ConfigError
 from eagle3.training.data import (
+    TURN_CUT_END_MASKED,
     BadRow,
     ChatRenderer,
     EncodedRow,
@@ -133,6 +134,9 @@ class PrepareReport:
             lines.append(
                 f"assistant turns not supervised: {skipped} (supervised {self.turns.get('supervised', 0)})"
             )
+        cut = self.turns.get(TURN_CUT_END_MASKED, 0)
+        if cut:
+            lines.append(f"answers cut at the generation limit: {cut} (their end-of-turn token is not a label)")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
