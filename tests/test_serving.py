@@ -495,7 +495,7 @@ def test_smollm2_chat(smollm2):
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.text
 
 
-def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path):
+def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
     """`eagle3 serve` flags -> a working server: drafter from disk, chat template file, ngram and plain modes."""
     import argparse
 
@@ -513,11 +513,14 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path):
                                 (["--no-spec"], None), (["--no-spec", "--fast-lane", "on"], None),
                                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--fast-rows", "on",
                                   "--fast-rows-len", "256"], "eagle3"),
-                                (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None)):
+                                (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None),
+                                (["--no-spec", "--compile"], None)):  # no lane on a CPU: a warning says so
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
         assert args.func.__name__ == "cmd_serve"
+        caplog.clear()
         sched, app = load_server(args)
+        assert ("--compile has no effect" in caplog.text) == ("--compile" in extra)
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
         lane, rows = "--fast-lane" in extra, "--fast-rows" in extra  # auto (the default) is off on a CPU

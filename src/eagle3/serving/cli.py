@@ -142,6 +142,9 @@ def load_server(args):
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config, compile=args.compile)
+    if args.compile and fast is None:
+        log.warning("--compile has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
+                    "outside the fast-path families); only the lane's steps are compiled")
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
