@@ -20,11 +20,11 @@ If A is a prefix of B and B a prefix of F, the span F[len(A):len(B)] is what the
 turn. Inside it we locate the message content (exactly, else ignoring whitespace, since templates `trim`);
 template text before the content (an empty `<think>\\n\\n</think>\\n\\n` that a Qwen3-style template adds) is
 masked out; after the content we supervise up to and including the first special token (`<|im_end|>`,
-`<|eot_id|>`, `</s>`), not the newline after it, unless the answer was cut at the generation limit: a turn marked
-`"finish_reason": "length"` (as `eagle3 regenerate` writes them) keeps its text supervised but not the end-of-turn
-token the template appends, because the target did not end there. A turn where the prefix property fails (templates that
-rewrite earlier turns, e.g. drop their reasoning) is left unsupervised and counted; a row with no supervised
-turn is bad. F is tokenised once with `add_special_tokens=False` (the template writes its own BOS, as in HF
+`<|eot_id|>`, `</s>`), not the newline after it. An answer cut at the generation limit (marked
+`"finish_reason": "length"`, as `eagle3 regenerate` writes them) keeps its text supervised but not the
+end-of-turn token the template appends, because the target did not end there. A turn where the prefix property
+fails (templates that rewrite earlier turns, e.g. drop their reasoning) is left unsupervised and counted; a row
+with no supervised turn is bad. F is tokenised once with `add_special_tokens=False` (the template writes its own BOS, as in HF
 `apply_chat_template(tokenize=True)` and vLLM chat serving) and character spans map to tokens by overlap.
 """
 
@@ -79,7 +79,7 @@ TURN_INSERTED_TEXT_MASKED = (
     "template_inserted_text_masked"  # e.g. an empty <think></think> the template added
 )
 TURN_NO_END_TOKEN = "no_end_token_after_content"  # no special token right after the content; none supervised
-TURN_CUT_END_MASKED = "cut_at_limit_end_token_masked"  # finish_reason "length": the template's end token is not a label
+TURN_CUT_END_MASKED = "cut_at_limit_end_token_masked"  # finish_reason "length": its end token is not a label
 TURN_SKIP_GENERATION_PROMPT = "skipped_generation_prompt_mismatch"  # A is not a prefix of B
 TURN_SKIP_PREFIX = "skipped_prefix_mismatch"  # B is not a prefix of F
 TURN_SKIP_CONTENT = "skipped_content_not_found"
