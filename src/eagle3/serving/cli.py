@@ -153,7 +153,7 @@ def load_server(args):
 
 
 def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
-                     compile: bool = False, compile_backend: str = "inductor"):
+                     compile: bool = False):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
     inductor-compiled before capture (`FastOptions.compile`)."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
@@ -168,8 +168,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
                               "use --fast-lane off")
         log.warning("fast lane off: %s", reason)
         return None
-    options = FastOptions(compile=compile, compile_backend=compile_backend)
-    engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter, options=options)
+    engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter, options=FastOptions(compile=compile))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 

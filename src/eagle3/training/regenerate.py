@@ -310,7 +310,7 @@ class _Conversation:
         self.reasoning: dict[int, str] = {}  # message index -> reasoning_content
         self.cut: set[int] = set()  # indices of answers that hit max_new_tokens
         self.committed = 0  # messages up to here end with an answer
-        self.answered = self.turns_cut = self.truncated = self.tokens = 0
+        self.answered = self.turns_cut = self.tokens = 0
         self.status = ""  # "done" | "skipped" | "failed"
         self.reason = ""
         self.fatal = False
@@ -343,7 +343,6 @@ class _Conversation:
             self.reasoning[len(self.messages)] = gen.reasoning
         if gen.finish_reason == "length":
             self.cut.add(len(self.messages))
-            self.truncated += 1
         self.messages.append({"role": "assistant", "content": gen.text})
         self.committed = len(self.messages)
         self.answered += 1
@@ -381,7 +380,7 @@ class _Run:
         r = self.report
         r.turns_generated += conv.answered
         r.turns_cut += conv.turns_cut
-        r.answers_truncated += conv.truncated
+        r.answers_truncated += len(conv.cut)
         r.tokens_generated += conv.tokens
         if conv.status == "done":
             self.output.write(conv.record())
