@@ -3,8 +3,10 @@
 Fills B rows (`eagle3.fast.rows.FastRows`, as `eagle3 serve --fast-rows` builds them) with MT-bench prompts,
 then times `--cycles` plain cycles and `--cycles` speculative cycles of the B rows (after `--warmup` of each;
 every cycle reads its packet, as the server does). The draft shape per batch size comes from the serving policy
-with the given token budget(s), so budgets can be compared in one run. Numbers are the engine's alone: no HTTP,
-no detokenization, no scheduler. Writes `bench_rows.json` (run record) and prints a table.
+with the given token budget(s), so budgets can be compared in one run, and so can `--feed-windows` (how many plain
+cycles' tokens a row holds back for the drafter; 0 feeds it in every plain cycle). Drafter-less rows give the
+plain-cycle baseline (`bare_ms_per_cycle`), what a server without a drafter pays. Numbers are the engine's
+alone: no HTTP, no detokenization, no scheduler. Writes `bench_rows.json` (run record) and prints a table.
 
     python scripts/bench_rows.py --target smollm2 --drafter src/eagle3/assets/smollm2-drafter \\
         --device cuda:0 --batch 1 4 16 64 --budgets 256 1024 --out runs/bench-rows
@@ -20,7 +22,7 @@ import torch
 
 from eagle3.config import SpecConfig
 from eagle3.evaluate import load_prompts
-from eagle3.fast.rows import FastRows, RowShape
+from eagle3.fast.rows import FEED_WINDOW, FastRows, RowShape
 from eagle3.fast.target import FastTarget
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
@@ -39,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64], help="rows decoded together")
     p.add_argument("--budgets", type=int, nargs="+", default=[256], help="verified tokens per cycle, B*(N+1)")
+    p.add_argument("--feed-windows", type=int, nargs="+", default=[FEED_WINDOW],
+                   help="plain-cycle tokens held back per row before a drafter feed step (0: feed every cycle)")
     p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="largest tree (default 6,10,60)")
     p.add_argument("--cycles", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
@@ -72,22 +76,36 @@ def main(argv=None) -> int:
     limit = args.seq_len - 8 * (args.warmup + args.cycles) - 128  # room for the timed cycles
     prompts = [p[-limit:] for p in prompts]
     target = FastTarget(model, sorted(drafter.config.aux_layer_ids))
+
+    def fill(rows: FastRows, b: int) -> None:
+        while rows.n:
+            rows.remove(rows.n - 1)
+        for i in range(b):
+            rows.add(prompts[i % len(prompts)])
+
+    bare = FastRows(target, None, capacity=max(args.batch), seq_len=args.seq_len)  # no drafter: the baseline
+    bare.prepare()
+    bare_ms = {}
+    for b in args.batch:
+        fill(bare, b)
+        bare_ms[b] = timed(bare, False, args.cycles, args.warmup)[0]
+        print(f"no drafter     B={b:<3d} plain {bare_ms[b]:7.2f} ms", flush=True)
+    del bare
     results = []
-    for budget in args.budgets:
+    for budget, window in ((x, w) for x in args.budgets for w in args.feed_windows):
         policy = SpecPolicy.from_spec(spec, token_budget=budget)
 
         def shape(b: int, policy=policy) -> RowShape | None:
             s = policy.shape(b)
             return None if s is None else RowShape(s.depth, s.top_k, s.total)
 
-        rows = FastRows(target, drafter, capacity=max(args.batch), seq_len=args.seq_len, shapes=shape)
+        rows = FastRows(target, drafter, capacity=max(args.batch), seq_len=args.seq_len, shapes=shape,
+                        feed_window=window)
         prepare_s = rows.prepare()
         for b in args.batch:
-            while rows.n:
-                rows.remove(rows.n - 1)
-            for i in range(b):
-                rows.add(prompts[i % len(prompts)])
-            row = {"budget": budget, "batch": b, "shape": repr(rows.shape_of(b)), "prepare_s": round(prepare_s, 2)}
+            fill(rows, b)
+            row = {"budget": budget, "feed_window": window, "batch": b, "shape": repr(rows.shape_of(b)),
+                   "prepare_s": round(prepare_s, 2), "bare_ms_per_cycle": round(bare_ms[b], 3)}
             for mode, spec_on in (("plain", False), ("spec", True)):
                 if spec_on and rows.shape_of(b) is None:
                     continue
@@ -98,7 +116,7 @@ def main(argv=None) -> int:
             if "spec_tokens_per_s" in row:
                 row["speedup"] = round(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], 3)
             results.append(row)
-            print(f"budget {budget:5d} B={b:<3d} {row['shape']:<40s} plain {row['plain_ms_per_cycle']:7.2f} ms "
+            print(f"budget {budget:5d} W={window:<2d} B={b:<3d} {row['shape']:<40s} plain {row['plain_ms_per_cycle']:7.2f} ms "
                   f"{row['plain_tokens_per_s']:9.1f} tok/s | spec {row.get('spec_ms_per_cycle', float('nan')):7.2f} ms "
                   f"tau {row.get('spec_tokens_per_row_cycle', float('nan')):5.2f} "
                   f"{row.get('spec_tokens_per_s', float('nan')):9.1f} tok/s  x{row.get('speedup', float('nan')):.2f}",

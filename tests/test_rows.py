@@ -171,6 +171,52 @@ def test_rows_accept_what_the_batch1_engine_accepts(shape):
     assert max(max(a) for a in accepted) >= 2  # multi-slot compaction happened
 
 
+def test_held_tokens_reach_the_drafter_as_if_fed_every_cycle():
+    """Plain cycles hold each row's features back and a feed step gives them to the drafter in one forward (before
+    a speculative cycle, or when a row's window is full). Side by side with rows that feed the drafter in every
+    plain cycle (`feed_window=0`), through joins, leaves and a random mix of cycles, every row accepts the same
+    drafts and emits the same tokens, and after a feed both drafter caches hold the same K/V."""
+    model = build_tiny_target("llama", vocab_size=8)
+    d = init_drafter(model, draft_vocab_size=8, seed=1)
+    shapes = {1: TREE, 2: RowShape(4, 2, 8), 4: RowShape(3, 1, 3)}
+    eager, lazy = (FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=256,
+                            shapes=shapes.get, feed_window=w) for w in (0, 3))
+    prompts = prompts_of([9, 4, 17, 6, 12, 5], 8, seed=3)
+    budget = [60, 25, 70, 40, 30, 50]
+    owner: list[int] = []
+    done: dict[int, int] = {}
+    waiting = list(range(len(prompts)))
+    rng = random.Random(2)
+    cycles = accepted = 0
+    while waiting or owner:
+        if waiting and eager.n < eager.capacity and cycles % 5 == 0:
+            i = waiting.pop(0)
+            assert eager.add(prompts[i]) == lazy.add(prompts[i])
+            owner.append(i)
+            done[i] = 1
+        spec = rng.random() < 0.3  # runs of plain cycles: windows fill up
+        a, b = eager.cycle(spec), lazy.cycle(spec)
+        assert a == b, f"cycle {cycles}"
+        accepted += spec * sum(len(t) - 1 for t in a)
+        if spec:  # the lazy rows were fed first: both drafter caches cover every committed token
+            for j in range(eager.n):
+                n = int(eager.length[j])
+                torch.testing.assert_close(lazy.dk[j, :, :n], eager.dk[j, :, :n], rtol=1e-4, atol=1e-5)
+        for j, new in enumerate(a):
+            done[owner[j]] += len(new)
+        for j in reversed(range(len(owner))):
+            if done[owner[j]] >= budget[owner[j]]:
+                eager.remove(j)
+                lazy.remove(j)
+                owner[j] = owner[-1]
+                owner.pop()
+        cycles += 1
+    assert accepted >= 5  # drafts were accepted, the same ones on both sides
+    assert lazy.feeds > eager.feeds == 0 and lazy.feeds > lazy.spec_cycles  # also windows that filled up
+    with pytest.raises(ConfigError, match="feed_window"):
+        FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=2, seq_len=64, feed_window=-1)
+
+
 def test_cycles_are_capture_safe():
     """On the meta device any `.item()`, boolean indexing or tensor made on the CPU raises."""
     model = build_tiny_target("qwen3")
@@ -183,6 +229,8 @@ def test_cycles_are_capture_safe():
             rows._plain_cycle(nb, mode)
             if rows.shapes[nb] is not None:
                 rows._spec_cycle(nb, mode)
+    for nb in (1, 2, 4):
+        rows._feed_held(nb)  # the drafter catching up on plain cycles' held tokens
     for r, t in [(1, 16), (4, 64)]:  # admission prefills, captured per bucket too
         rows._prefill_step(rows._prefill_slot(r, t))
     assert rows.packet.device.type == "meta"
@@ -257,10 +305,13 @@ def test_cuda_graph_rows_match_the_batch1_engine():
     settings = [SamplingConfig(0.8, seed=5), None, SamplingConfig(1.0, top_p=0.9, top_k=4, seed=6)]
     want = [race_reference(model, p, 30, s) if s else r for p, s, r in zip(prompts, settings, ref, strict=True)]
     outs = [[f] for f in rows.add_many(prompts, sampling=settings)]
-    while min(len(o) for o in outs) < 30:
-        for j, new in enumerate(rows.cycle(spec=True)):
+    k = 0
+    while min(len(o) for o in outs) < 30:  # plain cycles in between: their held tokens are fed by captured steps
+        for j, new in enumerate(rows.cycle(spec=k % 3 == 0)):
             outs[j] += new
+        k += 1
     assert all(r.graph is not None for r in rows._runners.values()) and {k[2] for k in rows._runners} == {0, 1, 2}
+    assert rows.feeds > 0 and all(r.graph is not None for r in rows._feeds.values())
     assert [o[:30] for o in outs] == want
 
 
