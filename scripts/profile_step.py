@@ -1,0 +1,159 @@
+"""Where the time of one decoding step goes: GPU kernel time by kind, against the step's captured wall time.
+
+For plain decoding's step (one-token forward + argmax) and, with a drafter, one EAGLE-3 tree cycle (draft,
+verify, accept, commit) on the fast path (`eagle3.fast.core`): the step runs eagerly under `torch.profiler`
+(kernel durations do not depend on how they were launched), and its CUDA-graph replay is timed as the engines
+run it. Kernels are grouped by name into matmul, attention, top-k/sort/reduce, index/copy, elementwise and other;
+"idle" is the graph's wall time minus the sum of its kernels (gaps between small kernels). Writes
+`profile_step.json` (run record) and prints a table.
+
+    python scripts/profile_step.py --device cuda:0 --shape llama8b --out runs/profile-8b
+    python scripts/profile_step.py --device cuda:0 --target smollm2 --drafter src/eagle3/assets/smollm2-drafter \\
+        --out runs/profile-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from eagle3.fast.core import FastCore
+from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.graphs import StepRunner, graph_pool
+from eagle3.fast.overhead import LLAMA_8B, build_random, copy_bandwidth, time_step
+from eagle3.fast.target import FastTarget
+from eagle3.record import run_record, write_json
+
+KINDS = [  # first match wins
+    ("matmul", r"gemm|gemv|nvjet|xmma|cutlass|splitk|cublas|aten::mm|aten::addmm|aten::bmm"),
+    ("attention", r"fmha|flash|attention|efficient"),
+    ("topk/sort/reduce", r"topk|sort|radix|scan|reduce|argmax|softmax"),
+    ("index/copy", r"index|scatter|gather|copy|cat|fill"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shape", choices=("llama8b",), help="random weights at this shape (bf16)")
+    src.add_argument("--target", help="a real target (path, hub id or alias)")
+    p.add_argument("--drafter", help="EAGLE-3 drafter for --target (without it: plain decoding only)")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--context", type=int, default=512, help="cached tokens before the profiled step")
+    p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def kernel_table(fn, dev: torch.device, reps: int) -> tuple[dict[str, dict], int]:
+    """Profile `reps` eager calls of fn: per kind, microseconds and kernels per call; kernel launches per call.
+    (On a CPU, for smoke tests: operators' self time instead of kernels.)"""
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(reps):
+            fn()
+        sync()
+    table: dict[str, dict] = defaultdict(lambda: {"us": 0.0, "kernels": 0.0, "top": defaultdict(float)})
+    launches = 0
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", None) or 0) if cuda else e.self_cpu_time_total
+        if us <= 0 or (not cuda and not e.key.startswith("aten::")):
+            continue
+        t = table[kind_of(e.key)]
+        t["us"] += us / reps
+        t["kernels"] += e.count / reps
+        t["top"][e.key[:90]] += us / reps
+        launches += e.count
+    out = {}
+    for k, t in sorted(table.items(), key=lambda kv: -kv[1]["us"]):
+        top = sorted(t["top"].items(), key=lambda kv: -kv[1])[:3]
+        out[k] = {"us": round(t["us"], 1), "kernels": round(t["kernels"], 1),
+                  "top": [{"name": n, "us": round(u, 1)} for n, u in top]}
+    return out, round(launches / reps)
+
+
+def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list) -> dict:
+    table, launches = kernel_table(fn, dev, reps)
+    r = StepRunner(fn, dev, graphs=True, pool=pool, name=name)
+    r.prepare()
+    runners.append(r)  # keep every graph alive until the end (see eagle3.fast.overhead)
+    wall_us = time_step(r, dev, reps) * 1e6
+    busy = sum(t["us"] for t in table.values())
+    print(f"\n{name}: graph replay {wall_us:.1f} us, kernels {busy:.1f} us ({launches} launches), "
+          f"idle {wall_us - busy:.1f} us ({100 * (wall_us - busy) / wall_us:.0f} %)")
+    for k, t in table.items():
+        top = "; ".join(f"{x['name'][:60]} {x['us']:.1f}" for x in t["top"])
+        print(f"  {k:18s} {t['us']:9.1f} us {100 * t['us'] / wall_us:5.1f} %  {t['kernels']:6.1f} kernels  [{top}]")
+    return {"wall_us": round(wall_us, 1), "kernel_us": round(busy, 1), "launches": launches, "kinds": table}
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dev = torch.device(args.device)
+    if args.shape:
+        model, drafter = build_random(LLAMA_8B, dev, torch.bfloat16, draft_vocab_size=32000)
+    else:
+        from eagle3.models import load_target
+        from eagle3.runtime import drafter_for
+
+        model, _ = load_target(args.target, dtype="bfloat16" if dev.type == "cuda" else "float32", device=str(dev))
+        drafter = drafter_for(model, args.drafter) if args.drafter else None
+    depth, top_k, total = (int(x) for x in args.tree.split(","))
+    target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
+    seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
+    prompt = torch.randint(3, target.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+    pool, runners, results = graph_pool(dev), [], {}
+
+    def ready(core: FastCore) -> FastCore:
+        core.allocate(seq_len)
+        logits, aux = core.prefill(prompt.to(dev))
+        core.begin(prompt.to(dev), aux, logits.argmax().view(1))
+        return core
+
+    plain = ready(FastCore(target, "none"))
+    results["plain_step"] = profile("plain step", partial(plain.verify, greedy=True), dev, pool, args.reps, runners)
+    wbytes, bw = target.weight_bytes(), copy_bandwidth(dev)
+    step_s = results["plain_step"]["wall_us"] / 1e6
+    print(f"\nweights {wbytes / 1e9:.3f} GB: {wbytes / step_s / 1e9:.0f} GB/s, {100 * wbytes / step_s / bw:.1f} % of "
+          f"measured copy bandwidth ({bw / 1e9:.0f} GB/s)")
+    if drafter is not None:
+        core = ready(FastCore(target, "eagle3", FastDrafter(drafter), depth=depth, top_k=top_k, total_tokens=total))
+        core.draft()
+        saved = core.length.clone()
+
+        def cycle():
+            core.draft()
+            core.verify(greedy=True)
+            core.accept()
+            core.commit()
+            core.length.copy_(saved)  # the same state every repetition
+
+        results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners)
+        print(f"tree cycle = {results['tree_cycle']['wall_us'] / results['plain_step']['wall_us']:.2f} plain steps")
+    out = Path(args.out)
+    write_json(run_record("profile_step", target=args.target or args.shape, drafter=args.drafter,
+                          device_name=str(dev), context=args.context, tree=args.tree, weight_bytes=wbytes,
+                          copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
+    print(f"report: {out / 'profile_step.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
