@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--shape", choices=("llama8b",), help="random weights at this shape (bf16)")
     src.add_argument("--target", help="a real target (path, hub id or alias)")
     p.add_argument("--drafter", help="EAGLE-3 drafter for --target (without it: plain decoding only)")
+    p.add_argument("--random-drafter", action="store_true", help="a random drafter for --target (smoke tests)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--context", type=int, default=512, help="cached tokens before the profiled step")
     p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
         from eagle3.runtime import drafter_for
 
         model, _ = load_target(args.target, dtype="bfloat16" if dev.type == "cuda" else "float32", device=str(dev))
-        drafter = drafter_for(model, args.drafter) if args.drafter else None
+        drafter = drafter_for(model, args.drafter) if args.drafter or args.random_drafter else None
     depth, top_k, total = (int(x) for x in args.tree.split(","))
     target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
         results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners)
         print(f"tree cycle = {results['tree_cycle']['wall_us'] / results['plain_step']['wall_us']:.2f} plain steps")
     out = Path(args.out)
-    write_json(run_record("profile_step", target=args.target or args.shape, drafter=args.drafter,
+    write_json(run_record("profile_step", target=args.target or args.shape,
+                          drafter=args.drafter or ("random" if drafter is not None else None),
                           device_name=str(dev), context=args.context, tree=args.tree, weight_bytes=wbytes,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")

@@ -145,7 +145,34 @@ def test_bench_rows_script_writes_a_record(tmp_path, capsys):
                for r in rows.values())
     assert rows[(16, 4)]["shape"] == "RowShape(depth=3, top_k=1, total=3)"
     assert rows[(64, 4)]["shape"] == "RowShape(depth=6, top_k=3, total=15)"
+    assert all(r["feed_window"] == 32 and r["bare_ms_per_cycle"] > 0 for r in rows.values())
     assert "budget" in capsys.readouterr().out
+
+
+def test_bench_rows_compares_feed_windows(tmp_path):
+    """`--feed-windows 0 4`: both ways of feeding the drafter, measured on the same rows, accept the same drafts."""
+    mod = script("bench_rows")
+    out = tmp_path / "out"
+    assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--batch", "2",
+                     "--budgets", "64", "--feed-windows", "0", "4", "--cycles", "6", "--warmup", "1",
+                     "--seq-len", "512", "--prompts", "gsm8k", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench_rows.json").read_text())["results"]
+    assert [r["feed_window"] for r in rows] == [0, 4]
+    assert rows[0]["spec_tokens_per_row_cycle"] == rows[1]["spec_tokens_per_row_cycle"]
+
+
+def test_profile_step_script_groups_kernels(tmp_path, capsys):
+    """`scripts/profile_step.py` on stories260K with a random drafter, on the CPU (operators stand in for
+    kernels): a record with the plain step and the tree cycle, matmuls among the kinds."""
+    mod = script("profile_step")
+    out = tmp_path / "out"
+    assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--context", "16",
+                     "--tree", "3,2,4", "--reps", "2", "--out", str(out)]) == 0
+    rec = json.loads((out / "profile_step.json").read_text())
+    assert rec["kind"] == "profile_step" and set(rec["results"]) == {"plain_step", "tree_cycle"}
+    for r in rec["results"].values():
+        assert r["wall_us"] > 0 and r["launches"] > 0 and "matmul" in r["kinds"]
+    assert "tree cycle = " in capsys.readouterr().out
 
 
 def test_position_accuracy_script_buckets_every_answer_token(tmp_path, capsys):
