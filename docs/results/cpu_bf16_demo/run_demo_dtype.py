@@ -1,0 +1,17 @@
+"""`eagle3 demo` (3 MT-bench prompts x 128 tokens, CPU) with the target and drafter in another dtype:
+    python run_demo_dtype.py bfloat16 c2 4,4,16     # shapes: cK for a chain of K, or DEPTH,TOPK,TOTAL"""
+import sys
+
+import eagle3.demo as demo
+import eagle3.models as models
+from eagle3.config import SpecConfig
+orig = models.load_target
+dt = sys.argv[1]
+def lt(spec, dtype="auto", device="cpu", **kw):
+    return orig(spec, dtype=dt, device=device, **kw)
+models.load_target = lt
+for shape in sys.argv[2:]:
+    spec = SpecConfig(mode="chain", chain_length=int(shape[1:])) if shape.startswith("c") else SpecConfig.parse_tree(shape)
+    s = demo.run_demo(prompts=3, max_new_tokens=128, spec=spec, print_fn=lambda *a: None)
+    print(dt, shape, "identical", s["identical"], "tau", s["tau"], "speedup", s["speedup"],
+          [(r["plain_tok_s"], r["eagle_tok_s"], r["identical"]) for r in s["rows"]], flush=True)
