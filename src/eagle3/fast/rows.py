@@ -11,14 +11,14 @@ bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
                  (`feed_window` of them per row) instead of being fed to the drafter one cycle at a time; a
                  feed step gives the drafter every held token of every row in one batched forward, before the
                  next speculative cycle or when a row's window is full. So a bucket can switch between plain
-                 and speculative cycles at any time, and a plain cycle costs what a drafter-less one does
-                 (feeding the drafter there cost 7 % of SmolLM2's plain cycle on an H200). `feed_window=0`
-                 feeds it in every plain cycle instead.
+                 and speculative cycles at any time, and a plain cycle costs within 1-2 % of a drafter-less
+                 one (feeding the drafter in every plain cycle cost 5-6 % of SmolLM2's on an H200,
+                 `scripts/bench_rows.py --feed-windows 0 32`). `feed_window=0` feeds it in every plain cycle.
 
 State per row: length [B] (committed tokens), root [B] (last emitted token, not yet cached), last_out [B, H]
 (drafter output of the newest committed row, once held tokens are fed), held_n [B] (tokens held back for the
-drafter: positions length - held_n .. length - 1, features held_aux [B, W, 3·Ht], next tokens held_tok [B, W]). The host reads packet [nb, D+3] = [n_acc, drafted depth,
-emitted...] once per cycle.
+drafter, at positions length - held_n .. length - 1; their features held_aux [B, W, 3·Ht] and next tokens
+held_tok [B, W]). The host reads packet [nb, D+3] = [n_acc, drafted depth, emitted...] once per cycle.
 
 Admission (`add_many`) prefills R prompts right-padded to T tokens into a staging cache of that shape, rounded
 up to a prefill bucket (R to a batch bucket, T to a power of two), and copies the result into the rows' caches.

@@ -21,12 +21,10 @@ drafter cache covers its text.
 On top of these static rules, `SpeedGate` measures what speculation actually buys (5.): per batch-size bucket it
 keeps moving averages of emitted tokens per row-second for speculative cycles and for plain ones, runs the faster
 mode, and re-times the slower one every `probe_every` cycles, less often while the probes confirm the choice.
-Plain cycles chosen by the gate keep every
-drafting row's features for the drafter (the generic batch feeds them at once; the fast rows hold them back and
-feed them in one batched step before the next speculative cycle), so speculation can resume whenever it pays
-again. This is what keeps
-serving at or above plain decoding where the static budget guesses wrong (a slow drafter, an overhead-bound
-device, a low-acceptance workload).
+Plain cycles chosen by the gate keep every drafting row's features for the drafter (the generic batch feeds them
+at once; the fast rows hold them back and feed them in one batched step before the next speculative cycle), so
+speculation can resume whenever it pays again. This is what keeps serving at or above plain decoding where the
+static budget guesses wrong (a slow drafter, an overhead-bound device, a low-acceptance workload).
 """
 
 from __future__ import annotations
