@@ -12,7 +12,9 @@
 # docs/results/drafter_v2_h200/pipeline.sh is the exact script that ran). The previous bundled drafter (v1) used
 # SHAREGPT_TOKENS=768 TIME_BUDGET=18m; earlier ones were shorter runs continued with INIT=<drafter>.
 # SAMPLE_T=0.8 adds a second answer per prompt sampled at that temperature (more varied answer starts, where the
-# drafter misses most; untested so far: docs/training.md "Where the drafter misses").
+# drafter misses most; +0.04 tau in a short continued-training A/B, docs/training.md "Sampled answers").
+# Regenerated files already in $W (regen_gsm8k.jsonl, regen_sharegpt.jsonl, and with SAMPLE_T regen_*_t.jsonl)
+# are resumed, not redone: copy them there to spend a machine's time on prepare and training.
 set -euo pipefail
 
 W=${W:-/tmp/eagle3-smollm2}
