@@ -35,6 +35,7 @@ from eagle3.training.prepare import (
 from eagle3.training.trainer import (
     CHECKPOINT_DIR,
     LOG_FILE,
+    VAL_LOG_FILE,
     TrainConfig,
     budget_steps,
     latest_checkpoint,
@@ -288,6 +289,41 @@ def test_shard_target_two_processes_match_ddp(data_dir, tmp_path):
     full = ranks[0]["full"]
     assert all(r["frozen"] for r in ranks) and sum(r["local"] for r in ranks) == full
     assert all(abs(r["local"] - full / 2) < 0.05 * full for r in ranks)  # each rank holds about half
+
+
+def test_held_out_samples_are_validated_and_never_trained_on(data_dir, tmp_path):
+    """--val-fraction 0.25: 6 of the 24 samples are held out (by the seed alone), never planned for training, and
+    scored at every checkpoint; a stopped and resumed run writes the same validation records as an uninterrupted
+    one; two processes with a sharded target (every rank runs every held-out batch) match one process."""
+    data = TrainData(str(data_dir), 64)
+    held = data.hold_out(0.25, seed=3)
+    assert len(held) == 6 and len(data.trainable_ids) == 18
+    planned = {s for e in range(3) for b in data.plan_epoch(e, 3, batch_rows=4) for r in b for s in r}
+    assert planned == set(data.trainable_ids.tolist()) and not planned & set(held.tolist())
+    assert np.array_equal(TrainData(str(data_dir), 64).hold_out(0.25, seed=3), held)  # the seed alone decides
+
+    cfg = dict(val_fraction=0.25, batch_size=3)
+    one = train(base_cfg(data_dir, tmp_path / "one", **cfg))
+    recs = [json.loads(x) for x in (tmp_path / "one" / VAL_LOG_FILE).read_text().splitlines()]
+    assert [r["step"] for r in recs] == [3, 6] and all(r["samples"] == 6 for r in recs)
+    assert len(recs[0]["acc_per_step"]) == 3 and recs[-1]["supervised_tokens"] > 0
+    assert one.val == recs[-1]
+    train(base_cfg(data_dir, tmp_path / "resumed", stop_after=3, **cfg))
+    train(base_cfg(data_dir, tmp_path / "resumed", resume=True, **cfg))
+    assert (tmp_path / "resumed" / VAL_LOG_FILE).read_text() == (tmp_path / "one" / VAL_LOG_FILE).read_text()
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "resumed"), atol=0.0)
+
+    two = base_cfg(data_dir, tmp_path / "two", shard_target=True, **cfg)
+    torchrun2(tmp_path, TRAIN_WORKER, json.dumps(two.to_dict()), timeout=180)
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "two"), atol=1e-6)
+    recs2 = [json.loads(x) for x in (tmp_path / "two" / VAL_LOG_FILE).read_text().splitlines()]
+    assert [r["supervised_tokens"] for r in recs2] == [r["supervised_tokens"] for r in recs]
+    assert [r["loss"] for r in recs2] == pytest.approx([r["loss"] for r in recs], abs=1e-5)
+
+    with pytest.raises(ConfigError, match="val_fraction"):
+        train(base_cfg(data_dir, tmp_path / "bad", val_fraction=0.5))
+    with pytest.raises(ConfigError, match="leaves none"):
+        TrainData(str(write_prepared(tmp_path / "tiny", random_rows(1))), 64).hold_out(0.1, seed=0)
 
 
 def test_shard_target_without_torchrun_has_no_effect_and_refuses_offline(data_dir, tmp_path, caplog):

@@ -186,7 +186,7 @@ def cmd_train(args) -> int:
         save_every=args.save_every, log_every=args.log_every, features=args.features,
         feature_cache=args.feature_cache, resume=args.resume, noise=args.noise, tensorboard=args.tensorboard,
         warmup_ratio=args.warmup_ratio, intermediate_size=args.intermediate_size,
-        shard_target=args.shard_target,
+        shard_target=args.shard_target, val_fraction=args.val_fraction,
     )
     res = train(cfg)
     print(f"drafter written to {res.drafter_dir} after {res.steps} steps (final loss {res.final_loss})")
@@ -348,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true")
     t.add_argument("--noise", type=float, default=tc.noise)
     t.add_argument("--tensorboard", action="store_true")
+    t.add_argument("--val-fraction", type=float, default=tc.val_fraction,
+                   help="hold out this share of the samples (e.g. 0.01) and write their loss and accuracy at every "
+                        "checkpoint to val_log.jsonl, to see whether more training still generalises")
     t.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="acceptance (tau, per position) on benchmark prompts; JSON report and chart")

@@ -25,6 +25,7 @@ from eagle3.config import ConfigError
 from eagle3.training.prepare import MASK_FILE, TOKENS_FILE, PreparedDataset
 
 SORT_WINDOW_ROWS = 1024
+HOLD_OUT_STREAM = 0x5EED0FF  # the held-out set's random stream [seed, this]; epoch plans use [seed, epoch]
 MIN_SUPERVISED_INDEX = 2  # loss_mask[i] is used from i = 2 on: row t = i - 2 at step 0 predicts x_i
 
 
@@ -87,6 +88,19 @@ class TrainData:
     def trainable_tokens(self) -> int:
         return int(self.lengths[self.trainable_ids].sum())
 
+    def hold_out(self, fraction: float, seed: int) -> np.ndarray:
+        """Take round(fraction · N) of the N trainable samples (at least one) out of training, chosen by `seed`
+        alone, and return their ids (sorted): the held-out set for validation. Training plans skip them from then
+        on; an offline feature cache still covers them (it follows `trainable`)."""
+        n = len(self.trainable_ids)
+        k = max(1, round(fraction * n))
+        if n - k < 1:
+            raise ConfigError(f"val_fraction={fraction} holds out {k} of {n} trainable samples and leaves none to "
+                              "train on; lower --val-fraction or prepare more data")
+        held = np.sort(np.random.default_rng([seed, HOLD_OUT_STREAM]).choice(self.trainable_ids, k, replace=False))
+        self.trainable_ids = np.setdiff1d(self.trainable_ids, held)
+        return held
+
     # -- planning -----------------------------------------------------------------------------------
     def plan_epoch(
         self,
@@ -95,8 +109,10 @@ class TrainData:
         batch_rows: int | None = None,
         batch_tokens: int | None = None,
         packing: bool = False,
+        ids: np.ndarray | None = None,
     ) -> list[list[list[int]]]:
-        """Global batches for `epoch` (see the module docstring); deterministic in (seed, epoch, settings)."""
+        """Global batches for `epoch` (see the module docstring) over the trainable samples, or over `ids` (the
+        held-out set); deterministic in (seed, epoch, settings)."""
         if (batch_rows is None) == (batch_tokens is None):
             raise ConfigError("give exactly one of batch_size (rows) and batch_tokens")
         if batch_rows is not None and batch_rows < 1:
@@ -107,7 +123,7 @@ class TrainData:
                 "least one full-length row"
             )
         rng = np.random.default_rng([seed, epoch])
-        order = rng.permutation(self.trainable_ids)
+        order = rng.permutation(self.trainable_ids if ids is None else ids)
         if packing:
             rows = self._pack(order)
             per_batch = batch_rows or max(1, batch_tokens // self.max_length)

@@ -13,6 +13,7 @@ Output directory:
     checkpoints/step_XXXXXXXX/   drafter/ (same format), training_state.pt (exact fp32 drafter weights,
                                  optimizer, scheduler, data position, config), rng_rank{r}.pt
     train_log.jsonl              one JSON object per log interval
+    val_log.jsonl                with --val-fraction: loss and accuracy on the held-out samples at each checkpoint
     train_config.json            the TrainConfig and package versions of the run
 
 Checkpoints are written atomically (`eagle3.training.checkpoints`), so a crash at any point leaves the previous
@@ -71,9 +72,11 @@ METRIC_ROWS = 6
 log = logging.getLogger("eagle3")
 
 LOG_FILE = "train_log.jsonl"
+VAL_LOG_FILE = "val_log.jsonl"
 CONFIG_FILE = "train_config.json"
 # fields that fix the data order and the objective; a resumed run must keep them
-_RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs")
+_RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs",
+                 "val_fraction")
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up) and sizes its schedule from their mean; then it times the
 # next BUDGET_RECALIBRATION_STEPS and sizes it once more. Early steps run slower than later ones (kernel
@@ -138,6 +141,7 @@ class TrainConfig:
     noise: float = 0.0  # half-width of uniform noise added to the aux features (speculators uses 0.05)
     tensorboard: bool = False  # also write TensorBoard events under out/tensorboard (needs `tensorboard`)
     progress: bool = True
+    val_fraction: float = 0.0  # hold out this share of the samples; their loss and accuracy at every checkpoint
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # JSON round trips give lists
@@ -179,6 +183,8 @@ class TrainConfig:
              "--shard-target where the target fits one device (training from it frees the target), or train with "
              "--features online --shard-target")
         need(all(0 <= b < 1 for b in self.betas) and len(self.betas) == 2, f"betas={self.betas} must be two values in [0, 1)")
+        need(0 <= self.val_fraction < 0.5,
+             f"val_fraction={self.val_fraction} must be in [0, 0.5): the share of samples held out for validation")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,6 +202,7 @@ class TrainResult:
     seconds: float = 0.0
     last_checkpoint: Path | None = None
     log_file: Path | None = None
+    val: dict[str, Any] | None = None  # the last validation record (with val_fraction > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,6 +351,7 @@ class _Trainer:
                 f"{cfg.data} has no trainable rows: no sample has a supervised (loss_mask = 1) token at index >= 2 "
                 f"within max_length={cfg.max_length}; check the chat template and loss masks (`eagle3 prepare`)"
             )
+        self.val_ids = self.data.hold_out(cfg.val_fraction, cfg.seed) if cfg.val_fraction > 0 else None
         self.sharded_target = cfg.shard_target and self.ctx.world > 1
         if cfg.shard_target and not self.sharded_target and self.ctx.main:
             log.warning("shard_target: one process, so --shard-target has no effect (it shards the target over the "
@@ -398,6 +406,9 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         self.plan_sizes = [len(self._plan(e)) for e in range(cfg.epochs)]
+        self.val_plan = [] if self.val_ids is None else self.data.plan_epoch(
+            0, cfg.seed, batch_rows=cfg.batch_size, batch_tokens=cfg.batch_tokens, packing=cfg.packing,
+            ids=self.val_ids)
         self.total = sum(self.plan_sizes) if cfg.max_steps is None else min(cfg.max_steps, sum(self.plan_sizes))
         if cfg.max_steps is not None and cfg.max_steps > sum(self.plan_sizes):
             log.warning("max_steps=%d exceeds %d epochs (%d steps); training stops after the epochs",
@@ -572,6 +583,46 @@ class _Trainer:
         self.scheduler.step()
         return metrics, tokens, grad_norm, lr
 
+    @torch.no_grad()
+    def _validate(self, step: int, epoch: float, bar=None) -> dict[str, Any]:
+        """The TTT objective's loss and accuracies on the held-out samples (no gradients), summed over every rank
+        and appended to val_log.jsonl. Every rank runs every batch (a zero-weight row where it has none), as a
+        sharded target needs."""
+        cfg, ctx = self.cfg, self.ctx
+        w = torch.zeros(METRIC_ROWS, cfg.ttt_steps, device=self.device)
+        pad = 8 if self.device.type == "cuda" else 1
+        with varying_shape_attention(self.device):
+            for rows in self.val_plan:
+                den = self.data.step_denominators(rows, cfg.ttt_steps).to(self.device, torch.float32)
+                mine = shard_rows(rows, ctx.rank, ctx.world)
+                batch = self.data.collate(mine or rows[:1], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
+                if not mine:
+                    batch.loss_mask.zero_()
+                feats = self._features(batch)
+                amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext()
+                with amp:
+                    _, *sums = self.model(feats.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+                                          batch.loss_mask, feats.target_logits, feats.target_argmax, den,
+                                          float(ctx.world))
+                w += torch.stack(sums)
+        ctx.all_reduce(w)
+        rec = {"step": step, "epoch": round(epoch, 4), "samples": len(self.val_ids), **self._metrics(w.cpu())}
+        if ctx.main:
+            with open(self.out / VAL_LOG_FILE, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            acc = rec["acc_per_step"]
+            msg = (f"eagle3 train: step {step}, held-out samples: loss {rec['loss']:.4f}, accuracy step 0 "
+                   f"{acc[0]:.3f}, step {len(acc) - 1} {acc[-1]:.3f}")
+            if bar is not None:
+                bar.write(msg, file=sys.stderr)
+            else:
+                print(msg, file=sys.stderr, flush=True)
+            if self.tb is not None:
+                self.tb.add_scalar("val/loss", rec["loss"], step)
+                for k, a in enumerate(acc):
+                    self.tb.add_scalar(f"val_acc/step{k}", a, step)
+        return rec
+
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg, ctx = self.cfg, self.ctx
@@ -590,6 +641,8 @@ class _Trainer:
         if ctx.main:
             self._write_config()
             truncate_log(log_path, step)
+            if self.val_plan:
+                truncate_log(self.out / VAL_LOG_FILE, step)
             if cfg.tensorboard:
                 self.tb = self._summary_writer(str(self.out / "tensorboard"))
         bar = None
@@ -600,6 +653,7 @@ class _Trainer:
         window = torch.zeros(METRIC_ROWS, cfg.ttt_steps, device=self.device)
         window_tokens, window_start, total_tokens = 0, time.perf_counter(), 0
         last_record: dict[str, Any] | None = None
+        last_val: dict[str, Any] | None = None
         last_ckpt = latest_checkpoint(self.out) if cfg.resume else None
         plan = self._plan(epoch) if step < self.total else []
         first = step
@@ -647,6 +701,12 @@ class _Trainer:
                 window.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
             if (cfg.save_every and step % cfg.save_every == 0) or step == end:
+                if self.val_plan:  # validation time counts neither in the time budget nor in its step timing
+                    t_val = time.perf_counter()
+                    last_val = self._validate(step, epoch + bi / max(1, len(plan)), bar)
+                    spent = time.perf_counter() - t_val
+                    loop_start += spent
+                    timer = None if timer is None else timer + spent
                 last_ckpt = save_checkpoint(ctx, self.out, step, self.drafter, self._state(step, epoch, bi),
                                              cfg.keep_checkpoints)
         if bar is not None:
@@ -671,6 +731,7 @@ class _Trainer:
             seconds=time.perf_counter() - started,
             last_checkpoint=last_ckpt,
             log_file=log_path,
+            val=last_val,
         )
 
     @property
@@ -702,24 +763,29 @@ class _Trainer:
             else:
                 print(msg, file=sys.stderr, flush=True)
 
-    def _record(self, step: int, epoch: float, w: torch.Tensor, tokens: int, elapsed: float,
-                grad_norm: float, lr: float) -> dict[str, Any]:
+    def _metrics(self, w: torch.Tensor) -> dict[str, Any]:
+        """Loss and accuracies from summed metrics w [METRIC_ROWS, K] (on the CPU)."""
         loss_sum, correct, count, kept, early_correct, early_count = w  # each [K]
         count = count.clamp_min(1)
-        per_step = (loss_sum / count).tolist()
         decay = torch.tensor([self.cfg.step_decay**k for k in range(self.cfg.ttt_steps)])
         return {
-            "step": step,
-            "epoch": round(epoch, 4),
-            "lr": lr,  # the learning rate of this interval's last step
             "loss": float((decay * loss_sum / count).sum()),
-            "loss_per_step": [round(x, 6) for x in per_step],
+            "loss_per_step": [round(x, 6) for x in (loss_sum / count).tolist()],
             "acc_per_step": [round(x, 6) for x in (correct / count).tolist()],
             # the same over labels among the first `early_tokens` tokens of their answer (closer to acceptance)
             "acc_early_per_step": [round(x, 6) for x in (early_correct / early_count.clamp_min(1)).tolist()],
             "early_tokens": EARLY_TOKENS,
             "in_draft_vocab": round(float(kept[0] / count[0]), 6),
             "supervised_tokens": int(w[2, 0].item()),
+        }
+
+    def _record(self, step: int, epoch: float, w: torch.Tensor, tokens: int, elapsed: float,
+                grad_norm: float, lr: float) -> dict[str, Any]:
+        return {
+            "step": step,
+            "epoch": round(epoch, 4),
+            "lr": lr,  # the learning rate of this interval's last step
+            **self._metrics(w),
             "tokens": tokens,
             "tokens_per_s": round(tokens / max(elapsed, 1e-9), 2),
             "grad_norm": round(grad_norm, 6),
