@@ -33,6 +33,7 @@ TIME_BUDGET=${TIME_BUDGET-690}  # train for about this long (TIME_BUDGET= : no b
 SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-384}  # new tokens per ShareGPT answer (eval decodes 256; longer answers loop)
 REGEN_BATCH=${REGEN_BATCH:-512}
 SAMPLE_T=${SAMPLE_T:-}         # also train on a second, sampled answer per prompt at this temperature (e.g. 0.8)
+VAL_FRACTION=${VAL_FRACTION:-} # hold out this share of the samples and score them at every checkpoint (e.g. 0.01)
 OUT=${OUT:-$W/train}
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
@@ -74,7 +75,8 @@ RESUME=()
 [ -d "$OUT" ] && RESUME=(--resume)
 $EAGLE3 train --target "$TARGET" --data "$W/data" --out "$OUT" --epochs "$EPOCHS" --lr "$LR" \
   ${MAX_STEPS:+--max-steps "$MAX_STEPS"} ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} ${INIT:+--init "$INIT"} \
-  --batch-tokens "$BATCH_TOKENS" --save-every 200 --log-every 20 "${RESUME[@]}"
+  --batch-tokens "$BATCH_TOKENS" --save-every 200 --log-every 20 ${VAL_FRACTION:+--val-fraction "$VAL_FRACTION"} \
+  "${RESUME[@]}"
 
 stage "evaluate on MT-bench (80 first turns, 256 tokens)"
 for shape in "--tree 6,10,60" "--chain 5"; do
