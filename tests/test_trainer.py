@@ -502,14 +502,17 @@ def test_intermediate_size_must_match_init(data_dir, straight_run, tmp_path):
     assert res.steps == 1
 
 
-def test_resume_accepts_a_checkpoint_from_before_intermediate_size(data_dir, tmp_path):
+def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path):
     out = tmp_path / "old"
     train(base_cfg(data_dir, out, stop_after=1))
     state_file = latest_checkpoint(out) / "training_state.pt"
     state = torch.load(state_file, weights_only=True)
-    del state["config"]["intermediate_size"]  # an older run's config did not have it
+    del state["config"]["intermediate_size"]  # an older run's config did not have these
+    del state["config"]["val_fraction"]
     torch.save(state, state_file)
     assert train(base_cfg(data_dir, out, resume=True, max_steps=2)).steps == 2
+    with pytest.raises(ConfigError, match=r"val_fraction=0\.0"):  # a missing field means its default
+        train(base_cfg(data_dir, out, resume=True, max_steps=3, val_fraction=0.25))
 
 
 def test_budget_steps_fills_the_time_left_within_the_limits():

@@ -476,7 +476,8 @@ class _Trainer:
             return 0, 0, 0
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         saved = state["config"]
-        changed = [k for k in _RESUME_FIXED if saved.get(k) != self.cfg.to_dict().get(k)]
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # for fields newer than `saved`
+        changed = [k for k in _RESUME_FIXED if saved.get(k, defaults[k]) != self.cfg.to_dict().get(k)]
         if changed:
             raise ConfigError(
                 f"cannot resume from {ckpt}: {', '.join(f'{k}={saved.get(k)!r}' for k in changed)} differ in this "
