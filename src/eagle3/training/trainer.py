@@ -480,7 +480,7 @@ class _Trainer:
         changed = [k for k in _RESUME_FIXED if saved.get(k, defaults[k]) != self.cfg.to_dict().get(k)]
         if changed:
             raise ConfigError(
-                f"cannot resume from {ckpt}: {', '.join(f'{k}={saved.get(k)!r}' for k in changed)} differ in this "
+                f"cannot resume from {ckpt}: {', '.join(f'{k}={saved.get(k, defaults[k])!r}' for k in changed)} differ in this "
                 "run; use the same values or a new output directory"
             )
         params = dict(self.drafter.named_parameters())
