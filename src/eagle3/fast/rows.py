@@ -11,8 +11,8 @@ bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
                  (`feed_window` of them per row) instead of being fed to the drafter one cycle at a time; a
                  feed step gives the drafter every held token of every row in one batched forward, before the
                  next speculative cycle or when a row's window is full. So a bucket can switch between plain
-                 and speculative cycles at any time, and a plain cycle costs within 1-2 % of a drafter-less
-                 one (feeding the drafter in every plain cycle cost 5-6 % of SmolLM2's on an H200,
+                 and speculative cycles at any time, and a plain cycle costs within 0.8-2.1 % of a drafter-less
+                 one (feeding the drafter in every plain cycle cost 4.6-6.0 % of SmolLM2's on an H200,
                  `scripts/bench_rows.py --feed-windows 0 32`). `feed_window=0` feeds it in every plain cycle.
 
 State per row: length [B] (committed tokens), root [B] (last emitted token, not yet cached), last_out [B, H]
