@@ -431,11 +431,18 @@ def test_streamed_chunks_are_not_held_back_by_nagle(server):
     # be found in uvicorn's set of connections; a streamed answer may finish and close first.
     url = urlsplit(server.url)
     with socket.create_connection((url.hostname, url.port), timeout=5) as client_sock:
+
+        def ours(conn) -> socket.socket | None:
+            """conn's socket if it is our idle connection; the server thread may close others meanwhile."""
+            try:
+                sock = conn.transport.get_extra_info("socket")
+                return sock if sock.getpeername() == client_sock.getsockname() else None
+            except OSError:  # closed between listing and asking: not ours
+                return None
+
         deadline, socks = time.monotonic() + 5, []
         while not socks and time.monotonic() < deadline:
-            socks = [s for c in list(server.server.server_state.connections)
-                     if not c.transport.is_closing() and (s := c.transport.get_extra_info("socket")).fileno() != -1
-                     and s.getpeername() == client_sock.getsockname()]
+            socks = [s for c in list(server.server.server_state.connections) if (s := ours(c)) is not None]
             time.sleep(0.005)
         assert len(socks) == 1 and socks[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
