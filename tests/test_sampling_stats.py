@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from eagle3.config import SamplingConfig
-from eagle3.decoding.sampling import process_logits, process_logits_rows, sample
+from eagle3.decoding.sampling import filter_scores, filter_scores_rows, process_logits, sample
 from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import Acceptance, accept, accept_from_probs
 
@@ -387,9 +387,9 @@ ROW_SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (0.5, 4, 0.9), (2.0
                 (0.9, 12, 1.0), (1.1, 2, 0.5)]
 
 
-def test_process_logits_rows_equals_process_logits_row_by_row():
+def test_filter_scores_rows_equals_filter_scores_row_by_row():
     """Each row with its own temperature / top-k / top-p (ties and masked entries included) gets exactly what
-    `process_logits` gives it alone: the batched server path samples the same tokens as the per-request one."""
+    `filter_scores` gives it alone: the batched server path samples the same tokens as the per-request one."""
     g = torch.Generator().manual_seed(1)
     r, m, v = len(ROW_SETTINGS), 5, 12
     logits = torch.randn(r, m, v, generator=g)
@@ -398,9 +398,9 @@ def test_process_logits_rows_equals_process_logits_row_by_row():
     temp = torch.tensor([t for t, _, _ in ROW_SETTINGS])
     top_k = torch.tensor([k for _, k, _ in ROW_SETTINGS])
     top_p = torch.tensor([p for _, _, p in ROW_SETTINGS])
-    got = process_logits_rows(logits, temp, top_p, top_k)  # [R, M, V]
+    got = filter_scores_rows(logits, temp, top_p, top_k)  # [R, M, V]
     for i, (t, k, p) in enumerate(ROW_SETTINGS):
-        assert torch.equal(got[i], process_logits(logits[i], t, top_p=p, top_k=k)), ROW_SETTINGS[i]
+        assert torch.equal(got[i], filter_scores(logits[i], t, top_p=p, top_k=k)), ROW_SETTINGS[i]
 
 
 def test_race_sample_rows_equals_race_sample_and_argmax():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["filter_scores", "filter_scores_rows", "process_logits", "process_logits_rows", "sample"]
+__all__ = ["filter_scores", "filter_scores_rows", "process_logits", "sample"]
 
 
 def filter_scores(
@@ -62,9 +62,10 @@ def filter_scores_rows(
     filters: bool = True,
 ) -> torch.Tensor:
     """`filter_scores` with each row's own settings, as fixed-shape tensor ops (no host sync, CUDA-graph safe):
-    scores [R, M, V] equal to `filter_scores(logits[r], temperature[r], top_p[r], top_k[r])` row by row. A filter
-    a row turns off leaves its scores untouched, as there. `filters=False` skips both filters (and their two
-    sorts over the vocabulary): only for rows that all have top_p 1 and top_k 0."""
+    scores [R, M, V] equal to `filter_scores(logits[r], temperature[r], top_p[r], top_k[r])` row by row
+    (tests/test_sampling_stats.py). A filter a row turns off leaves its scores untouched, as there.
+    `filters=False` skips both filters (and their two sorts over the vocabulary): only for rows that all have
+    top_p 1 and top_k 0."""
     r, m, vocab = logits.shape
     scores = logits.float() / temperature.clamp(min=1e-6)[:, None, None]  # [R, M, V]
     if not filters:
@@ -80,13 +81,6 @@ def filter_scores_rows(
     remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)  # [R, M, V] back in vocab order
     return scores.masked_fill((top_p < 1.0)[:, None, None] & remove, float("-inf"))
 
-
-def process_logits_rows(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
-) -> torch.Tensor:
-    """`process_logits` with each row's own settings (see `filter_scores_rows`): probabilities [R, M, V] equal to
-    `process_logits(logits[r], temperature[r], top_p[r], top_k[r])` row by row (tests/test_sampling_stats.py)."""
-    return filter_scores_rows(logits, temperature, top_p, top_k).softmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
