@@ -224,6 +224,14 @@ class TTTModel(nn.Module):
                 out.step_early_count)
 
 
+def _say(msg: str, bar=None) -> None:
+    """A line on stderr, above the progress bar (not through it) when there is one."""
+    if bar is not None:
+        bar.write(msg, file=sys.stderr)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
 def _load_target(cfg: TrainConfig, device: torch.device, sharded: bool = False):
     """The target and its tokenizer on `device`; `sharded`: in CPU memory, for `distributed.shard_target` to
     place on `device`."""
@@ -532,6 +540,18 @@ class _Trainer:
             return self.source(batch)
         return self.cache.load(batch, self.device)
 
+    def _objective(self, batch, den: torch.Tensor, module: nn.Module, noise: float = 0.0):
+        """The TTT objective on one collated batch through `module` (the DDP wrapper to train, the bare model to
+        validate): (loss, metric sums...). `noise`: uniform noise of that half-width on the target's features."""
+        feats = self._features(batch)
+        aux = feats.aux
+        if noise > 0:
+            aux = aux + (torch.rand_like(aux, dtype=torch.float32) * 2 - 1).to(aux.dtype) * noise
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext()
+        with amp:
+            return module(aux, batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask,
+                          feats.target_logits, feats.target_argmax, den, float(self.ctx.world))
+
     def _step(self, rows: list[list[int]]) -> tuple[torch.Tensor, int, float, float]:
         """One optimizer step on a global batch; returns (local metric sums [METRIC_ROWS, K], local tokens, grad
         norm, lr)."""
@@ -561,18 +581,10 @@ class _Trainer:
                     batch.loss_mask.zero_()
                 else:
                     tokens += batch.num_tokens
-                feats = self._features(batch)
-                aux = feats.aux
-                if cfg.noise > 0:
-                    aux = aux + (torch.rand_like(aux, dtype=torch.float32) * 2 - 1).to(aux.dtype) * cfg.noise
                 last = j == len(parts) - 1
                 sync = contextlib.nullcontext() if (last or ctx.world == 1) else self.ddp.no_sync()
-                amp = (torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext())
                 with sync:
-                    with amp:
-                        loss, *sums = self.ddp(aux, batch.input_ids, batch.position_ids, batch.doc_ids,
-                                               batch.loss_mask, feats.target_logits, feats.target_argmax,
-                                               den, float(ctx.world))
+                    loss, *sums = self._objective(batch, den, self.ddp, cfg.noise)
                     loss.backward()
                 metrics += torch.stack(sums).detach()  # [METRIC_ROWS, K]
         if cfg.grad_clip > 0:
@@ -599,12 +611,7 @@ class _Trainer:
                 batch = self.data.collate(mine or rows[:1], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
                 if not mine:
                     batch.loss_mask.zero_()
-                feats = self._features(batch)
-                amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext()
-                with amp:
-                    _, *sums = self.model(feats.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
-                                          batch.loss_mask, feats.target_logits, feats.target_argmax, den,
-                                          float(ctx.world))
+                _, *sums = self._objective(batch, den, self.model)
                 w += torch.stack(sums)
         ctx.all_reduce(w)
         rec = {"step": step, "epoch": round(epoch, 4), "samples": len(self.val_ids), **self._metrics(w.cpu())}
@@ -612,12 +619,8 @@ class _Trainer:
             with open(self.out / VAL_LOG_FILE, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             acc = rec["acc_per_step"]
-            msg = (f"eagle3 train: step {step}, held-out samples: loss {rec['loss']:.4f}, accuracy step 0 "
-                   f"{acc[0]:.3f}, step {len(acc) - 1} {acc[-1]:.3f}")
-            if bar is not None:
-                bar.write(msg, file=sys.stderr)
-            else:
-                print(msg, file=sys.stderr, flush=True)
+            _say(f"eagle3 train: step {step}, held-out samples: loss {rec['loss']:.4f}, accuracy step 0 "
+                 f"{acc[0]:.3f}, step {len(acc) - 1} {acc[-1]:.3f}", bar)
             if self.tb is not None:
                 self.tb.add_scalar("val/loss", rec["loss"], step)
                 for k, a in enumerate(acc):
@@ -756,13 +759,9 @@ class _Trainer:
         if self.ctx.main:
             n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 1 else BUDGET_RECALIBRATION_STEPS
             epochs = self.total / max(1, self.plan_sizes[0])
-            msg = (f"eagle3 train: time budget {self.cfg.time_budget:.0f} s, {spent:.0f} s spent: "
-                   f"{step_seconds:.3f} s/step over the last {n} steps -> {self.total} steps in all "
-                   f"(about {epochs:.2f} epochs; {self.upper} without the budget)")
-            if bar is not None:
-                bar.write(msg, file=sys.stderr)  # above the progress bar, not through it
-            else:
-                print(msg, file=sys.stderr, flush=True)
+            _say(f"eagle3 train: time budget {self.cfg.time_budget:.0f} s, {spent:.0f} s spent: "
+                 f"{step_seconds:.3f} s/step over the last {n} steps -> {self.total} steps in all "
+                 f"(about {epochs:.2f} epochs; {self.upper} without the budget)", bar)
 
     def _metrics(self, w: torch.Tensor) -> dict[str, Any]:
         """Loss and accuracies from summed metrics w [METRIC_ROWS, K] (on the CPU)."""
