@@ -25,7 +25,7 @@ import torch
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.overhead import LLAMA_8B, build_random, copy_bandwidth, time_step
+from eagle3.fast.overhead import LLAMA_8B, begin_random, build_random, copy_bandwidth, time_step
 from eagle3.fast.target import FastTarget
 from eagle3.record import run_record, write_json
 
@@ -119,13 +119,11 @@ def main(argv=None) -> int:
     depth, top_k, total = (int(x) for x in args.tree.split(","))
     target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
-    prompt = torch.randint(3, target.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
     pool, runners, results = graph_pool(dev), [], {}
 
     def ready(core: FastCore) -> FastCore:
         core.allocate(seq_len)
-        logits, aux = core.prefill(prompt.to(dev))
-        core.begin(prompt.to(dev), aux, logits.argmax().view(1))
+        begin_random(core, args.context, target.vocab_size)
         return core
 
     plain = ready(FastCore(target, "none"))

@@ -94,7 +94,8 @@ def time_step(runner: Callable[[], None], device: torch.device, reps: int, round
     return statistics.median(_time_once(burst, device) / reps for _ in range(rounds))
 
 
-def _prefill(core: FastCore, context: int, vocab: int) -> None:
+def begin_random(core: FastCore, context: int, vocab: int) -> None:
+    """Prefill `core` (caches allocated) with `context` random tokens (seed 0) and begin decoding after them."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (context,), generator=g).to(core.device)
     logits, aux = core.prefill(prompt)
@@ -136,7 +137,7 @@ def measure_overhead(
     # the unit: plain decoding's step (one-token forward + argmax), state left unchanged
     plain = FastCore(target, "none")
     plain.allocate(seq_len)
-    _prefill(plain, context, vocab)
+    begin_random(plain, context, vocab)
     t_step = time_step(runner(partial(plain.verify, greedy=True), "target-step"), dev, reps)
     wbytes = target.weight_bytes()
     kv_ctx = target.kv_bytes(context)
@@ -160,7 +161,7 @@ def measure_overhead(
     for kind, depth, top_k, total in configs:
         core = FastCore(target, "eagle3", fdrafter, depth=depth, top_k=top_k, total_tokens=total)
         core.allocate(seq_len)
-        _prefill(core, context, vocab)
+        begin_random(core, context, vocab)
         core.draft()
         saved = core.length.clone()
 
