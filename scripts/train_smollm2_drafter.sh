@@ -6,13 +6,12 @@
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter is one fresh run of this recipe (v2) on one H200 (docs/training.md has the numbers), on a
-# full regeneration: REGEN_BATCH=512 SHAREGPT_TOKENS=384 LR=1e-3 BATCH_TOKENS=32768 EPOCHS=30 TIME_BUDGET=690
-# -> 3,377 steps, 12.7 minutes from prepared data to $W/train/drafter (the defaults below are those settings;
-# docs/results/drafter_v2_h200/pipeline.sh is the exact script that ran). The previous bundled drafter (v1) used
-# SHAREGPT_TOKENS=768 TIME_BUDGET=18m; earlier ones were shorter runs continued with INIT=<drafter>.
-# SAMPLE_T=0.8 adds a second answer per prompt sampled at that temperature (more varied answer starts, where the
-# drafter misses most; +0.04 tau in a short continued-training A/B, docs/training.md "Sampled answers").
+# The bundled drafter is one fresh run of this recipe (v3) on one H200 (docs/training.md has the numbers): v2's
+# greedy answers plus a second answer per prompt sampled at T=0.8 (SAMPLE_T), 1 % of the samples held out for
+# validation (VAL_FRACTION), LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=870 -> 4,129 steps, 15.3 minutes from
+# prepared data to $TRAIN_OUT/drafter. The defaults below are those settings; docs/results/drafter_v3_h200/run.sh
+# is the exact script that ran. v2 was the same without SAMPLE_T and with TIME_BUDGET=690 (MT-bench tree tau
+# 3.62 against v3's 3.89); v1 used SHAREGPT_TOKENS=768 TIME_BUDGET=18m.
 # Regenerated files already in $W (regen_gsm8k.jsonl, regen_sharegpt.jsonl, and with SAMPLE_T regen_*_t.jsonl)
 # are resumed, not redone: copy them there to spend a machine's time on prepare and training.
 set -euo pipefail
@@ -29,12 +28,12 @@ MAX_STEPS=${MAX_STEPS:-}       # caps training (and sets the schedule length)
 LR=${LR:-1e-3}
 INIT=${INIT:-}                 # continue from this drafter (its draft vocabulary is kept)
 BATCH_TOKENS=${BATCH_TOKENS:-32768}
-TIME_BUDGET=${TIME_BUDGET-690}  # train for about this long (TIME_BUDGET= : no budget); EPOCHS, MAX_STEPS cap it
+TIME_BUDGET=${TIME_BUDGET-870}  # train for about this long (TIME_BUDGET= : no budget); EPOCHS, MAX_STEPS cap it
 SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-384}  # new tokens per ShareGPT answer (eval decodes 256; longer answers loop)
 REGEN_BATCH=${REGEN_BATCH:-512}
-SAMPLE_T=${SAMPLE_T:-}         # also train on a second, sampled answer per prompt at this temperature (e.g. 0.8)
-VAL_FRACTION=${VAL_FRACTION:-} # hold out this share of the samples and score them at every checkpoint (e.g. 0.01)
-OUT=${OUT:-$W/train}
+SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second answer per prompt sampled at this temperature (SAMPLE_T= : greedy only)
+VAL_FRACTION=${VAL_FRACTION-0.01} # hold out this share of the samples, scored at every checkpoint (VAL_FRACTION= : none)
+TRAIN_OUT=${TRAIN_OUT:-$W/train}  # not OUT: CI runners and job schedulers often set that for their own use
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
 
@@ -72,15 +71,15 @@ fi
 
 stage "train ($EPOCHS epochs${MAX_STEPS:+, at most $MAX_STEPS steps}${TIME_BUDGET:+, about $TIME_BUDGET}, lr $LR)"
 RESUME=()
-[ -d "$OUT" ] && RESUME=(--resume)
-$EAGLE3 train --target "$TARGET" --data "$W/data" --out "$OUT" --epochs "$EPOCHS" --lr "$LR" \
+[ -d "$TRAIN_OUT" ] && RESUME=(--resume)
+$EAGLE3 train --target "$TARGET" --data "$W/data" --out "$TRAIN_OUT" --epochs "$EPOCHS" --lr "$LR" \
   ${MAX_STEPS:+--max-steps "$MAX_STEPS"} ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} ${INIT:+--init "$INIT"} \
   --batch-tokens "$BATCH_TOKENS" --save-every 200 --log-every 20 ${VAL_FRACTION:+--val-fraction "$VAL_FRACTION"} \
   "${RESUME[@]}"
 
 stage "evaluate on MT-bench (80 first turns, 256 tokens)"
 for shape in "--tree 6,10,60" "--chain 5"; do
-  $EAGLE3 eval --target "$TARGET" --drafter "$OUT/drafter" --device "$DEVICE" --fast --datasets mt_bench \
+  $EAGLE3 eval --target "$TARGET" --drafter "$TRAIN_OUT/drafter" --device "$DEVICE" --fast --datasets mt_bench \
     --max-new-tokens 256 $shape --out "$W/eval_${shape##* }"
 done
-stage "done: drafter in $OUT/drafter"
+stage "done: drafter in $TRAIN_OUT/drafter"
