@@ -19,7 +19,7 @@ from eagle3.runtime import encode_prompt, eos_token_ids
 from eagle3.target import Target
 
 # In fp32 a CPU verifies more than 2 tokens at 1.6-2.2x the cost of one (its fp32 GEMMs are compute-bound for a
-# few rows where a GPU is bandwidth-bound). With the bundled drafter on 2 cores (`eagle3 demo --chain K / --tree
+# few rows where a GPU is bandwidth-bound). With the v2 drafter on 2 cores (`eagle3 demo --chain K / --tree
 # ...`): chain 1 1.28x, chain 2 1.28x, chain 3 0.98x, tree 3,2,4 1.03x (docs/benchmarks.md). So the CPU default
 # is a chain of 2. (bf16 on a CPU with AMX verifies 24 tokens for about the cost of one and reaches 1.74x, but its
 # answers are not reliably identical to bf16 plain decoding, which is what this demo shows.)
