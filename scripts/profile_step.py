@@ -54,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="cached tokens before the profiled step")
     p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--fuse-pointwise", action="store_true", help="the target's elementwise work compiled (Pointwise)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
         drafter = drafter_for(model, args.drafter) if args.drafter or args.random_drafter else None
     depth, top_k, total = (int(x) for x in args.tree.split(","))
     target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
+    if args.fuse_pointwise:
+        target.fuse_pointwise()
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 

@@ -245,6 +245,40 @@ def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
     assert engine._runners["cycle"].compiled, "dynamo could not trace the cycle as one graph"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_pointwise_keeps_greedy_output(models, drafters, arch):
+    """`fuse_pointwise`: norms, residual adds, RoPE and SwiGLU compiled by inductor with dynamic shapes, so one
+    set of kernels serves prefill (5 and 35 tokens), plain steps and 13-row tree verification; greedy output
+    still equals HF generate (qwen3: with its q/k norms), and a forward's logits and aux features equal eager's
+    up to fp32 rounding, also through `forward_rows`."""
+    model, d = models[arch], drafters[arch]
+    for plen in (5, 35):
+        prompt = prompt_of(plen, seed=20 + plen)
+        ref = hf_greedy(model, prompt, NEW)
+        for draft, spec in (("none", None), ("eagle3", TREE)):
+            engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=FastOptions(fuse_pointwise=True))
+            assert engine.target.pointwise.compiled
+            assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref
+
+    eager, fused = FastTarget(model, d.config.aux_layer_ids), FastTarget(model, d.config.aux_layer_ids)
+    fused.fuse_pointwise()
+    ids, t, s = prompt_of(12, seed=30), 12, 32
+    pos = torch.arange(t)
+    mask = torch.zeros(t, s, dtype=torch.bool)
+    mask[:, :t] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    outs = []
+    for tgt in (eager, fused):
+        tgt.allocate(s)
+        logits, aux = tgt.forward(ids, pos, pos, mask, want_aux=True)  # [T, V], [T, 3·H]
+        k_rows = torch.zeros(tgt.num_layers, 2, tgt.nkv, s, tgt.hd)
+        rows, _ = tgt.forward_rows(ids.expand(2, t), pos.expand(2, t), pos.expand(2, t), mask.expand(2, t, s),
+                                   k_rows, torch.zeros_like(k_rows), (tgt.cos, tgt.sin))  # [2, T, V]
+        outs.append((logits, aux, rows))
+    for e, f in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(f, e, rtol=1e-4, atol=2e-4)  # other summation orders in fp32
+    assert outs[0][0].argmax(-1).tolist() == outs[1][0].argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("kind", ["none", "tree"])
 def test_sampling_matches_generic_engine_with_same_seed(models, drafters, kind):
     model, d = models["llama"], drafters["llama"]

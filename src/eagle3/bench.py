@@ -31,7 +31,13 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
+from eagle3.config import (
+    DEFAULT_CHAIN_LENGTH,
+    DEFAULT_MAX_NEW_TOKENS,
+    FUSE_POINTWISE_HELP,
+    ConfigError,
+    SpecConfig,
+)
 
 log = logging.getLogger("eagle3.bench")
 
@@ -131,6 +137,7 @@ def run_bench(
     dtype: str = "auto",
     graphs: bool = True,
     compile: bool = False,
+    fuse_pointwise: bool = False,
     pipeline: bool = True,
     warmup: int = 1,
     echo: Callable[[str], None] = print,
@@ -175,7 +182,8 @@ def run_bench(
     ngram_spec = SpecConfig(mode="chain", chain_length=ngram_tokens)
     max_nodes = max(tree.total_tokens, chain, ngram_tokens)
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max(tree.depth, chain, ngram_tokens) + 2
-    options = FastOptions(graphs=graphs, compile=compile, pipeline=pipeline, max_seq_len=cache_len)
+    options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
+                          max_seq_len=cache_len)
     shared = None
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
@@ -244,7 +252,7 @@ def run_bench(
         max_new_tokens=max_new_tokens, methods=methods, reference=ref_method,
         spec={"chain": chain, "tree": [tree.depth, tree.top_k, tree.total_tokens], "ngram_tokens": ngram_tokens,
               "hf_lookup_tokens": HF_LOOKUP_TOKENS},
-        options={"graphs": graphs, "compile": compile, "pipeline": pipeline, "warmup": warmup,
+        options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline, "warmup": warmup,
                  "device": str(dev), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                  "cache_slots": cache_len},
         summary=summary, bandwidth=bandwidth, rows=rows,
@@ -373,6 +381,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="auto")
     b.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
     b.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
+    b.add_argument("--fuse-pointwise", action="store_true", help="fast path: " + FUSE_POINTWISE_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", help="folder for bench.json / bench.png (overhead.json)")
@@ -396,7 +405,7 @@ def cmd_bench(args) -> int:
         if device.startswith("cuda") and not args.tiny:
             torch.cuda.set_device(torch.device("cuda", torch.device(device).index or 0))
         res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
-                           reps=args.reps)
+                           fuse_pointwise=args.fuse_pointwise, reps=args.reps)
         record = run_record("bench-overhead", **res)
         path = write_json(record, out / "overhead.json")
         print(format_overhead(res))
@@ -411,7 +420,7 @@ def cmd_bench(args) -> int:
         args.target, drafter=args.drafter, dataset=args.dataset, limit=args.limit,
         max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=tree,
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
-        pipeline=not args.no_pipeline, warmup=args.warmup,
+        fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
     )
     path = write_json(record, out / "bench.json")
     png = plot_bench(record, out / "bench.png")

@@ -13,6 +13,7 @@ from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
+    FUSE_POINTWISE_HELP,
     ConfigError,
     SamplingConfig,
     SpecConfig,
@@ -79,7 +80,8 @@ def _engine(rt, args):
         choice = "fast" if on_cuda and rt.draft in FAST_DRAFT_KINDS and fast_support(rt.model) is None else "generic"
     if choice == "generic":
         return rt.engine
-    options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False))
+    options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
+                          fuse_pointwise=getattr(args, "fuse_pointwise", False))
     return fast_engine_for(rt, options)
 
 
@@ -259,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fast", action="store_true", help="same as --engine fast")
     g.add_argument("--no-graphs", action="store_true", help="fast engine: no CUDA graphs")
     g.add_argument("--compile", action="store_true", help="fast engine: torch.compile the captured steps")
+    g.add_argument("--fuse-pointwise", action="store_true", help="fast engine: " + FUSE_POINTWISE_HELP)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")

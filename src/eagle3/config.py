@@ -24,6 +24,10 @@ DEFAULT_DRAFT_VOCAB_SIZE = 32000
 DEFAULT_NGRAM_MAX = 4
 DEFAULT_NGRAM_MIN = 1
 
+# One help text for `--fuse-pointwise` (generate, bench, serve): `eagle3.fast.target.Pointwise`.
+FUSE_POINTWISE_HELP = ("compile only the target's elementwise work (norms, residual adds, RoPE, SwiGLU) with "
+                       "inductor; matrix products and attention stay with the vendor libraries")
+
 
 class ConfigError(ValueError):
     """A configuration is invalid or does not fit its target; the message says which field and what to do."""

@@ -49,6 +49,7 @@ class FastOptions:
     graphs: bool = True  # capture each cycle in a CUDA graph (False: eager kernels, same code)
     compile: bool = False  # inductor-compile the step functions before capture (slower start, fewer kernels)
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
+    fuse_pointwise: bool = False  # compile only the target's elementwise work (norms, RoPE, SwiGLU; `Pointwise`)
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
@@ -99,6 +100,8 @@ class FastEngine:
         elif mode == "eagle3" and target.aux_layer_ids != aux_ids:
             raise ConfigError(f"the shared FastTarget taps layers {target.aux_layer_ids}; the drafter needs "
                               f"{aux_ids}: build the FastTarget with the drafter's aux_layer_ids")
+        if self.options.fuse_pointwise and not target.pointwise.compiled:
+            target.fuse_pointwise(self.options.compile_backend)
         self.target = target
         fd = FastDrafter(drafter) if mode == "eagle3" else None
         if mode == "eagle3":

@@ -113,11 +113,14 @@ def measure_overhead(
     tree_top_k: int = 10,
     graphs: bool = True,
     compile: bool = False,
+    fuse_pointwise: bool = False,
     reps: int = 20,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Per-cycle costs for each chain length and tree size, in seconds and in target-step units."""
     target = FastTarget(model, drafter.config.aux_layer_ids)
+    if fuse_pointwise:
+        target.fuse_pointwise()
     fdrafter = FastDrafter(drafter)
     dev = target.device
     vocab = target.vocab_size
@@ -144,7 +147,7 @@ def measure_overhead(
     bw = copy_bandwidth(dev)
     out: dict = {
         "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
-        "graphs": graphs and dev.type == "cuda", "compile": compile, "reps": reps,
+        "graphs": graphs and dev.type == "cuda", "compile": compile, "fuse_pointwise": fuse_pointwise, "reps": reps,
         "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
         "kv_bytes_static": target.kv_bytes(seq_len),
         "copy_bandwidth_gbs": bw / 1e9,
@@ -193,16 +196,18 @@ def measure_overhead(
 
 
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
-                 compile: bool = False, reps: int | None = None, log: Callable[[str], None] = print) -> dict:
+                 compile: bool = False, fuse_pointwise: bool = False, reps: int | None = None,
+                 log: Callable[[str], None] = print) -> dict:
     """Build the random model (8B shape in bf16, or tiny in fp32) and measure; returns the result dict."""
     dev = torch.device(device)
     if tiny:
         model, drafter = build_random(TINY, dev, torch.float32, draft_vocab_size=256)
         return {"shape": "tiny-llama", **measure_overhead(
             model, drafter, context=context or 32, chains=(1, 2, 3), trees=(8, 16), tree_depth=3, tree_top_k=4,
-            graphs=graphs, compile=compile, reps=reps or 3, log=log)}
+            graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, reps=reps or 3, log=log)}
     t0 = time.perf_counter()
     model, drafter = build_random(LLAMA_8B, dev, torch.bfloat16, draft_vocab_size=32000)
     log(f"built random Llama-3.1-8B-shape target and drafter on {dev} in {time.perf_counter() - t0:.1f}s")
     return {"shape": "llama-3.1-8b", **measure_overhead(
-        model, drafter, context=context or 512, graphs=graphs, compile=compile, reps=reps or 20, log=log)}
+        model, drafter, context=context or 512, graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise,
+        reps=reps or 20, log=log)}

@@ -16,11 +16,15 @@ input of the final norm.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from eagle3.config import ConfigError
+
+log = logging.getLogger("eagle3.fast")
 
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DYNAMIC_ROPE = ("dynamic", "longrope")  # cos/sin depend on the sequence length: not a fixed table
@@ -137,6 +141,45 @@ def row_attention(
     return o.view(b, nkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b * t, nh * hd)
 
 
+def add_rms_norm(
+    h: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it: (h + o, rms_norm(h + o)), [N, H] each."""
+    h = h + o
+    return h, rms_norm(h, weight, eps)
+
+
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: [N, 2·I] (gate, up) -> silu(gate) * up [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Pointwise:
+    """The elementwise work of a decoder layer (norms, residual adds, RoPE, SwiGLU), eager or compiled.
+
+    Compiled (`backend` given), each piece becomes one or two inductor kernels, while the matrix products and the
+    attention stay with the vendor libraries (cuBLAS, cuDNN): on one H200 the Llama-3.1-8B-shaped plain step then
+    took 5,133 us instead of 5,784 us, where compiling the whole step lost to eager (docs/benchmarks.md). The
+    pieces are compiled with dynamic shapes, so prefills of any length reuse them; row-wise ops give each row the
+    same result whatever the other rows are, so verification and plain steps agree as in eager.
+    """
+
+    def __init__(self, backend: str | None = None):
+        self.backend = backend
+        pieces = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "gate": silu_gate}
+        if backend is not None:
+            pieces = {k: torch.compile(f, dynamic=True, fullgraph=True, backend=backend) for k, f in pieces.items()}
+        self.norm, self.add_norm, self.rope, self.gate = (pieces[k] for k in ("norm", "add_norm", "rope", "gate"))
+
+    @property
+    def compiled(self) -> bool:
+        return self.backend is not None
+
+
+EAGER = Pointwise()
+
+
 def _cat_bias(parts: list[nn.Linear]) -> torch.Tensor | None:
     if all(p.bias is None for p in parts):
         return None
@@ -204,6 +247,17 @@ class FastTarget(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.seq_len = 0
         self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
+        self.pointwise = EAGER
+
+    def fuse_pointwise(self, backend: str = "inductor") -> None:
+        """Run the elementwise work as compiled kernels from now on (`Pointwise`); compiles on first use, so call
+        it before capturing graphs."""
+        if self.device.type != "cuda":
+            # Without CUDA graphs every compiled call pays its guard checks in Python, about 120 per step: on a
+            # 2-core CPU SmolLM2's plain decoding fell from 25.5 to 19.9 tok/s (docs/benchmarks.md).
+            log.warning("--fuse-pointwise on %s: compiled pieces are not captured in graphs here, and their call "
+                        "overhead makes decoding slower; it is meant for CUDA", self.device)
+        self.pointwise = Pointwise(backend)
 
     @property
     def device(self) -> torch.device:
@@ -241,18 +295,27 @@ class FastTarget(nn.Module):
         """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [N, nh, hd] and k [N, nkv, hd] (Qwen3: RMSNorm
         over head_dim first); cos/sin [N, hd]."""
         n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
+        pw = self.pointwise
         if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
-            qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd), cos, sin)  # [N, nh+nkv, hd]
+            qk = pw.rope(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd), cos, sin)  # [N, nh+nkv, hd]
             return qk[:, :nh], qk[:, nh:]
-        q = apply_rope(rms_norm(qkv[:, : nh * hd].view(n, nh, hd), lw.q_norm, self.eps), cos, sin)
-        k = apply_rope(rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, self.eps), cos, sin)
+        q = pw.rope(pw.norm(qkv[:, : nh * hd].view(n, nh, hd), lw.q_norm, self.eps), cos, sin)
+        k = pw.rope(pw.norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, self.eps), cos, sin)
         return q, k
 
     def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """The post-attention half of a decoder layer: h + down(silu(gate) * up) of the normed h, [N, H]."""
-        x = rms_norm(h, lw.ln2, self.eps)
-        gate, up = F.linear(x, lw.w13, lw.b13).chunk(2, dim=-1)  # [N, I] each
-        return h + F.linear(F.silu(gate) * up, lw.w2, lw.b2)
+        x = self.pointwise.norm(h, lw.ln2, self.eps)
+        return h + F.linear(self.pointwise.gate(F.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2)
+
+    def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i after its attention: the residual add of `attn` (attention output after `wo`, [N, H]), the MLP
+        and its residual add, then the next norm (layer i+1's input norm, or the final norm after the last
+        layer). Returns h [N, H] and that norm of it [N, H]: each norm sits in one kernel with its add when fused."""
+        pw, lw = self.pointwise, self.layers[i]
+        h, x = pw.add_norm(h, attn, lw.ln2, self.eps)
+        after = self.layers[i + 1].ln1 if i + 1 < self.num_layers else self.norm
+        return pw.add_norm(h, F.linear(pw.gate(F.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2), after, self.eps)
 
     def weight_bytes(self) -> int:
         """Bytes read per decoding step for weights: layers, final norm and lm_head (the embedding table is
@@ -281,22 +344,22 @@ class FastTarget(nn.Module):
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
         bias = attention_bias(mask, nh // nkv, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
+        x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
-            x = rms_norm(h, lw.ln1, self.eps)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [T, nh, hd], [T, nkv, hd]
             self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale)  # [T, nh·hd]
-            h = self.mlp_block(h + F.linear(o, lw.wo, lw.bo), lw)
+            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         if last_only:
-            h = h[-1:]
-        logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [T', V]
+            x = x[-1:]
+        logits = F.linear(x, self.lm_head)  # [T', V]
         return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]
 
     def forward_rows(
@@ -320,20 +383,20 @@ class FastTarget(nn.Module):
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
         bias = row_attention_bias(mask, nh // nkv, self.dtype)  # [B, 1, g·T, S]
         aux: list[torch.Tensor] = []
+        x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
-            x = rms_norm(h, lw.ln1, self.eps)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
             o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
-            h = self.mlp_block(h + F.linear(o, lw.wo, lw.bo), lw)
+            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
-        h = h.view(b, t, -1)
+        x = x.view(b, t, -1)  # the final norm of h
         if logits_at is not None:
-            h = h[rows[:, 0], logits_at][:, None]  # [B, 1, H]
-        logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [B, T', V]
+            x = x[rows[:, 0], logits_at][:, None]  # [B, 1, H]
+        logits = F.linear(x, self.lm_head)  # [B, T', V]
         return logits, (torch.cat(aux, dim=-1).view(b, t, -1) if want_aux else None)  # aux [B, T, 3·H]

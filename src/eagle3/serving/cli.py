@@ -9,7 +9,13 @@ import argparse
 import logging
 from pathlib import Path
 
-from eagle3.config import DEFAULT_CHAIN_LENGTH, DEFAULT_MAX_NEW_TOKENS, ConfigError, SpecConfig
+from eagle3.config import (
+    DEFAULT_CHAIN_LENGTH,
+    DEFAULT_MAX_NEW_TOKENS,
+    FUSE_POINTWISE_HELP,
+    ConfigError,
+    SpecConfig,
+)
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
 
@@ -75,6 +81,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--compile", action="store_true",
                    help="inductor-compile the fast lane's steps before capturing them (fewer, fused kernels: faster "
                         "batch-1 decoding, about a minute more at start-up); the fast rows stay uncompiled")
+    s.add_argument("--fuse-pointwise", action="store_true",
+                   help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
     s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
                         "batch-size bucket, plain or speculative cycles) instead of the generic batch. auto: on for "
@@ -141,21 +149,23 @@ def load_server(args):
         policy = SpecPolicy(enabled=False)
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
-                            d if draft == "eagle3" else None, device, config, compile=args.compile)
+                            d if draft == "eagle3" else None, device, config, compile=args.compile,
+                            fuse_pointwise=args.fuse_pointwise)
     if args.compile and fast is None:
         log.warning("--compile has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
                     "outside the fast-path families); only the lane's steps are compiled")
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
-                     target=fast.target if fast is not None else None, token_budget=args.spec_budget)
+                     target=fast.target if fast is not None else None, token_budget=args.spec_budget,
+                     fuse_pointwise=args.fuse_pointwise)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     return sched, create_app(sched)
 
 
 def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
-                     compile: bool = False):
+                     compile: bool = False, fuse_pointwise: bool = False):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
-    inductor-compiled before capture (`FastOptions.compile`)."""
+    inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
@@ -168,13 +178,14 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
                               "use --fast-lane off")
         log.warning("fast lane off: %s", reason)
         return None
-    engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter, options=FastOptions(compile=compile))
+    engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
+                        options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 
 
 def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
-              token_budget: int | None = None):
+              token_budget: int | None = None, fuse_pointwise: bool = False):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
     shape per batch size is `policy`'s with `token_budget` (default `FAST_ROWS_TOKEN_BUDGET`)."""
@@ -198,6 +209,8 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     aux = sorted(drafter.config.aux_layer_ids) if drafter is not None else []
     if target is None or target.aux_layer_ids != aux:
         target = FastTarget(model, aux)
+    if fuse_pointwise and not target.pointwise.compiled:
+        target.fuse_pointwise()
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
     seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
 
