@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import SpecConfig
+from eagle3.config import SamplingConfig, SpecConfig
 from eagle3.evaluate import load_prompts
-from eagle3.fast.rows import FEED_WINDOW, FastRows, RowShape
+from eagle3.fast.rows import FEED_WINDOW, GREEDY, FastRows, RowShape
 from eagle3.fast.target import FastTarget
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=ServeConfig.fast_rows_len, help="cache slots per row")
     p.add_argument("--prompts", default="mt_bench", help="bundled set name or JSONL")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every row at this temperature (row i seeded with i; 0: greedy)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
         while rows.n:
             rows.remove(rows.n - 1)
         for i in range(b):
-            rows.add(prompts[i % len(prompts)])
+            sampling = SamplingConfig(temperature=args.temperature, seed=i) if args.temperature > 0 else None
+            rows.add(prompts[i % len(prompts)], sampling=sampling)
 
     bare = FastRows(target, None, capacity=max(args.batch), seq_len=args.seq_len)  # no drafter: the baseline
     bare.prepare()
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
         for b in args.batch:
             fill(rows, b)
             row = {"budget": budget, "feed_window": window, "batch": b, "shape": repr(rows.shape_of(b)),
+                   "sampled": rows.mode != GREEDY,
                    "prepare_s": round(prepare_s, 2), "bare_ms_per_cycle": round(bare_ms[b], 3)}
             for mode, spec_on in (("plain", False), ("spec", True)):
                 if spec_on and rows.shape_of(b) is None:
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
         del rows
     out = Path(args.out)
     write_json(run_record("bench_rows", target=args.target, drafter=args.drafter or "random", device_name=device,
-                          dtype=str(dtype), cycles=args.cycles, seq_len=args.seq_len, results=results),
+                          dtype=str(dtype), cycles=args.cycles, seq_len=args.seq_len, temperature=args.temperature,
+                          results=results),
                out / "bench_rows.json")
     print(f"report: {out / 'bench_rows.json'}")
     return 0

@@ -161,6 +161,24 @@ def test_bench_rows_compares_feed_windows(tmp_path):
     assert rows[0]["spec_tokens_per_row_cycle"] == rows[1]["spec_tokens_per_row_cycle"]
 
 
+def test_bench_rows_samples_at_a_temperature(tmp_path):
+    """`--temperature 0.8`: the rows run the sampling cycle variants (seeded per row), plain cycles still emit one
+    token per row, and the record says which temperature and whether the rows sampled."""
+    mod = script("bench_rows")
+    res = {}
+    for t in ("0", "0.8"):
+        out = tmp_path / t
+        assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--batch", "2",
+                         "--budgets", "64", "--cycles", "4", "--warmup", "1", "--seq-len", "512",
+                         "--prompts", "gsm8k", "--temperature", t, "--out", str(out)]) == 0
+        res[t] = json.loads((out / "bench_rows.json").read_text())
+    assert res["0.8"]["temperature"] == 0.8 and res["0"]["temperature"] == 0.0
+    for t, rec in res.items():
+        (row,) = rec["results"]
+        assert row["sampled"] == (t != "0")
+        assert row["plain_tokens_per_row_cycle"] == 1.0 and row["spec_tokens_per_row_cycle"] >= 1.0
+
+
 def test_profile_step_script_groups_kernels(tmp_path, capsys):
     """`scripts/profile_step.py` on stories260K with a random drafter, on the CPU (operators stand in for
     kernels): a record with the plain step and the tree cycle, matmuls among the kinds."""

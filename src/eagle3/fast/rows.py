@@ -428,6 +428,11 @@ class FastRows:
         if self.feed_window:
             self.held_n[lo:hi] = 0
 
+    @property
+    def mode(self) -> int:
+        """The cycle variant the active rows need: GREEDY, TEMPERATURE or FILTERED (the largest of theirs)."""
+        return max(self._modes, default=GREEDY)
+
     @torch.no_grad()
     def cycle(self, spec: bool) -> list[list[int]]:
         """One cycle of the active rows; returns each row's new tokens (accepted drafts, then the target's
@@ -439,7 +444,7 @@ class FastRows:
             raise ValueError(f"bucket {nb} has no draft shape")
         if spec and max(self._held):  # the drafter catches up before it drafts
             self._feed(nb)
-        self._runner(nb, spec, max(self._modes))()
+        self._runner(nb, spec, self.mode)()
         self.cycles += 1
         self.spec_cycles += spec
         if not spec and self.feed_window:
