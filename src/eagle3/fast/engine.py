@@ -49,7 +49,7 @@ class FastOptions:
     graphs: bool = True  # capture each cycle in a CUDA graph (False: eager kernels, same code)
     compile: bool = False  # inductor-compile the step functions before capture (slower start, fewer kernels)
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
-    fuse_pointwise: bool = False  # compile only the target's elementwise work (norms, RoPE, SwiGLU; `Pointwise`)
+    fuse_pointwise: bool = False  # compile only the target's elementwise work (`Pointwise`); a shared target stays so
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
