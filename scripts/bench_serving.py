@@ -20,6 +20,7 @@ import argparse
 import multiprocessing
 import statistics
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -132,9 +133,11 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
         start = args.warmup
         for c in args.concurrency:
             n = max(args.min_requests, c * args.rounds)
-            before = sched.metrics.snapshot()
+            settle(sched)
+            before, traced = sched.metrics.snapshot(), sched.cycles_traced
             res, wall = clients.submit(drive_in_process, srv.url, request_bodies(prompts, n, start, chat, args), c,
                                        chat, args.timeout).result()
+            settle(sched)
             after = sched.metrics.snapshot()
             start += n
 
@@ -166,6 +169,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                 "host_s": round(delta("eagle3_cycle_host_seconds_sum"), 4),  # part of cycles_s (fast rows)
                 "paused_cycles": int(delta("eagle3_spec_paused_cycles_total")),
                 "gates": sched.gate_snapshots(),  # what each speed gate believed at the end of the level
+                "cycles": sched.cycle_trace(since=traced),  # every decode cycle: rows, mode, probe, ms, tokens
             }
             rows.append(row)
             print(f"{mode:5s} c={c:<3d} {row['tokens_per_s']:9.1f} tok/s  ttft p50 {row['ttft_p50_s']:.3f}s  "
@@ -182,6 +186,15 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
         r["fast_lane"], r["fast_rows"] = fast is not None, fr is not None
         r["admit_wait"], r["stream_interval"] = config.admit_wait, config.stream_interval
     return rows
+
+
+def settle(sched, timeout: float = 5.0) -> None:
+    """Wait until the scheduler has closed its last cycle's books: clients see their last tokens before the cycle
+    that emitted them has been timed, traced and counted, so a level's numbers are read only after that."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and (
+            sched.running or sched.cycles_traced < sched.metrics.snapshot().get("eagle3_verify_steps_total", 0)):
+        time.sleep(0.001)
 
 
 def plot(results: list[dict], png: Path) -> Path | None:

@@ -150,6 +150,9 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref):
         chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stream=True))
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref(24, prompt=PROMPTS[3]).text
         assert metric(srv, "eagle3_spec_row_steps_total") > 0
+        trace = srv.app.state.scheduler.cycle_trace()  # lone requests: every traced cycle ran in the lane
+        assert set(trace["path"]) == {"lane"} and set(trace["rows"]) == {1} and any(trace["spec"])
+        assert len(trace["ms"]) == metric(srv, "eagle3_verify_steps_total")
         want = ref(24, prompt=PROMPTS[0], stop=("girl",))  # a stop string, streamed with a held-back prefix
         chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
                                            stop=["zzz", "girl"], stream=True))

@@ -174,6 +174,7 @@ class SpeedGate:
         self._since_probe: dict[tuple[int, int], int] = {}
         self._interval: dict[tuple[int, int], int] = {}  # bucket -> cycles between probes
         self._probe: dict[tuple[int, int], bool] = {}  # bucket -> the mode that was faster when a probe launched
+        self.last_probe = False  # whether the last `speculate` answer was a probe of the slower mode
 
     @staticmethod
     def bucket(batch_size: int, drafting: int | None = None) -> tuple[int, int]:
@@ -194,6 +195,7 @@ class SpeedGate:
         """The mode for the next cycle at this batch size with `drafting` rows wanting to draft (True:
         speculate)."""
         b = self.bucket(batch_size, drafting)
+        self.last_probe = False
         if (b, True) not in self._rate:
             return True
         faster = self._faster(b)
@@ -204,6 +206,7 @@ class SpeedGate:
         if n >= self._interval.get(b, self.probe_every):  # re-time the slower mode once
             self._since_probe[b] = 0
             self._probe[b] = faster
+            self.last_probe = True
             return not faster
         return faster
 

@@ -132,6 +132,7 @@ class SchedulerUnavailable(Exception):
 # Drafter input a row may have held back (plain cycles, resting) before it stops drafting for good: for an 8B
 # target that is 1,024 x 3 x 4,096 bf16 values, 24 MB per row.
 MAX_HELD_TOKENS = 1024
+TRACE_CYCLES = 16384  # decode cycles kept for `cycle_trace` (a benchmark level runs a few hundred)
 
 
 class _Row:
@@ -221,6 +222,8 @@ class Scheduler:
             raise ValueError(f"FastRows holds {rows.capacity} rows; the server admits {self.config.max_batch_size}")
         self._rows_gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
                            if rows is not None and self.policy.measure else None)
+        self._trace: deque[tuple[str, int, bool, bool, float, int]] = deque(maxlen=TRACE_CYCLES)
+        self.cycles_traced = 0  # cycles ever appended to the trace
         self._cond = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._rows: list[_Row] = []
@@ -422,6 +425,22 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.select(keep)
 
+    def _trace_cycle(self, path: str, rows: int, spec: bool, gate: SpeedGate | None, seconds: float,
+                     tokens: int) -> None:
+        """One decode cycle for `cycle_trace`: which path, rows, mode, whether the gate probed, time, tokens."""
+        self._trace.append((path, rows, spec, gate is not None and gate.last_probe, seconds, tokens))
+        self.cycles_traced += 1
+
+    def cycle_trace(self, since: int = 0) -> dict[str, list]:
+        """The decode cycles traced after the first `since` (at most the last TRACE_CYCLES), as columns: path
+        ("rows", "batch" or "lane"; a lane cycle is timed between its token callbacks), rows, spec, probe (a gate probe of the slower mode), ms, tokens. Read it while the
+        server is idle (between benchmark levels): the scheduler thread appends without a lock."""
+        cycles = list(self._trace)[max(0, len(self._trace) - (self.cycles_traced - since)):]
+        cols = ("path", "rows", "spec", "probe", "ms", "tokens")
+        out = {c: [x[i] for x in cycles] for i, c in enumerate(cols)}
+        out["ms"] = [round(1000 * s, 3) for s in out["ms"]]
+        return out
+
     def gate_snapshots(self) -> dict[str, dict]:
         """The speed gates' current beliefs (`SpeedGate.snapshot`) by path: generic batch, fast lane, fast rows."""
         gates = {"batch": self.gate, "lane": self._lane_gate, "rows": self._rows_gate}
@@ -467,6 +486,7 @@ class Scheduler:
                     m.record_row_cycle(engine.core.depth or engine.core.n_nodes, len(new) - 1)
                 else:
                     m.inc("eagle3_verified_tokens_total")
+                self._trace_cycle("lane", 1, spec, self._lane_gate, now - last[0], len(new))
             last[0] = now
             if self._emit(row, new):
                 return True
@@ -571,8 +591,11 @@ class Scheduler:
         seconds = now - t0
         m.observe("eagle3_cycle_seconds", seconds)
         m.observe("eagle3_cycle_host_seconds", now - t_host)
-        if self._rows_gate is not None and shape is not None and self.policy.enabled:
-            self._rows_gate.record(b, spec, seconds, sum(len(t) for t in new_tokens))
+        emitted = sum(len(t) for t in new_tokens)
+        gated = self._rows_gate is not None and shape is not None and self.policy.enabled
+        if gated:
+            self._rows_gate.record(b, spec, seconds, emitted)
+        self._trace_cycle("rows", b, spec, self._rows_gate if gated else None, seconds, emitted)
 
     # -- prefill -----------------------------------------------------------------------------
     def _prefill(self, handles: list[RequestHandle]) -> None:
@@ -637,8 +660,10 @@ class Scheduler:
             self._select([i for i, f in enumerate(finished) if not f])
         seconds = time.perf_counter() - t0
         self.metrics.observe("eagle3_cycle_seconds", seconds)
+        emitted = sum(len(t) for t in new_tokens)
         if self.gate is not None and wanting:  # a choice the gate made: learn from it
-            self.gate.record(b, n > 0, seconds, sum(len(t) for t in new_tokens), drafting=wanting)
+            self.gate.record(b, n > 0, seconds, emitted, drafting=wanting)
+        self._trace_cycle("batch", b, n > 0, self.gate if wanting else None, seconds, emitted)
 
     def _draft(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Padded draft trees for the batch, [B, N] tokens and parents (N = 0 when nobody drafts), and how many
