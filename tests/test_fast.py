@@ -323,14 +323,16 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):
-    """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs."""
+    """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
+    the elementwise work compiled (`fuse_pointwise`) inside the captured graphs."""
     model = build_tiny_target("llama").cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
     prompt = prompt_of(9, seed=13)
     ref = hf_greedy(model, prompt.cuda(), NEW)
     draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
                    "ngram": ("ngram", CHAIN)}[kind]
-    for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False)):
+    for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
+                 FastOptions(fuse_pointwise=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first
             assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref
