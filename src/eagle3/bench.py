@@ -253,7 +253,8 @@ def run_bench(
         spec={"chain": chain, "tree": [tree.depth, tree.top_k, tree.total_tokens], "ngram_tokens": ngram_tokens,
               "hf_lookup_tokens": HF_LOOKUP_TOKENS},
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline,
-                 "warmup": warmup, "device": str(dev), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                 "warmup": warmup, "device": str(dev),
+                 "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                  "cache_slots": cache_len},
         summary=summary, bandwidth=bandwidth, rows=rows,
     )

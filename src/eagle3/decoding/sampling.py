@@ -82,7 +82,6 @@ def filter_scores_rows(
     return scores.masked_fill((top_p < 1.0)[:, None, None] & remove, float("-inf"))
 
 
-
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token id per row of `probs` [..., V] (long, shape [...]), drawn with `generator`."""
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]

@@ -433,8 +433,9 @@ class Scheduler:
 
     def cycle_trace(self, since: int = 0) -> dict[str, list]:
         """The decode cycles traced after the first `since` (at most the last TRACE_CYCLES), as columns: path
-        ("rows", "batch" or "lane"; a lane cycle is timed between its token callbacks), rows, spec, probe (a gate probe of the slower mode), ms, tokens. Read it while the
-        server is idle (between benchmark levels): the scheduler thread appends without a lock."""
+        ("rows", "batch" or "lane"; a lane cycle is timed between its token callbacks), rows, spec, probe (a gate
+        probe of the slower mode), ms, tokens. Read it while the server is idle (between benchmark levels): the
+        scheduler thread appends without a lock."""
         cycles = list(self._trace)[max(0, len(self._trace) - (self.cycles_traced - since)):]
         cols = ("path", "rows", "spec", "probe", "ms", "tokens")
         out = {c: [x[i] for x in cycles] for i, c in enumerate(cols)}

@@ -485,10 +485,12 @@ class _Trainer:
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         saved = state["config"]
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # for fields newer than `saved`
-        changed = [k for k in _RESUME_FIXED if saved.get(k, defaults[k]) != self.cfg.to_dict().get(k)]
+        was = {k: saved.get(k, defaults[k]) for k in _RESUME_FIXED}
+        now = self.cfg.to_dict()
+        changed = [k for k in _RESUME_FIXED if was[k] != now.get(k)]
         if changed:
             raise ConfigError(
-                f"cannot resume from {ckpt}: {', '.join(f'{k}={saved.get(k, defaults[k])!r}' for k in changed)} differ in this "
+                f"cannot resume from {ckpt}: {', '.join(f'{k}={was[k]!r}' for k in changed)} differ in this "
                 "run; use the same values or a new output directory"
             )
         params = dict(self.drafter.named_parameters())
