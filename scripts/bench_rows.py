@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", default="mt_bench", help="bundled set name or JSONL")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample every row at this temperature (row i seeded with i; 0: greedy)")
+    p.add_argument("--eager-sampling", action="store_true",
+                   help="sampled rows draw with eager ops instead of the fused (compiled) draw, which is the "
+                        "default on CUDA: to measure what fusing saves")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -86,7 +89,9 @@ def main(argv=None) -> int:
             sampling = SamplingConfig(temperature=args.temperature, seed=i) if args.temperature > 0 else None
             rows.add(prompts[i % len(prompts)], sampling=sampling)
 
-    bare = FastRows(target, None, capacity=max(args.batch), seq_len=args.seq_len)  # no drafter: the baseline
+    fused = False if args.eager_sampling else None  # None: FastRows' default (fused on CUDA)
+    bare = FastRows(target, None, capacity=max(args.batch), seq_len=args.seq_len,
+                    fused_sampling=fused)  # no drafter: the baseline
     bare.prepare()
     bare_ms = {}
     for b in args.batch:
@@ -103,12 +108,12 @@ def main(argv=None) -> int:
             return None if s is None else RowShape(s.depth, s.top_k, s.total)
 
         rows = FastRows(target, drafter, capacity=max(args.batch), seq_len=args.seq_len, shapes=shape,
-                        feed_window=window)
+                        feed_window=window, fused_sampling=fused)
         prepare_s = rows.prepare()
         for b in args.batch:
             fill(rows, b)
             row = {"budget": budget, "feed_window": window, "batch": b, "shape": repr(rows.shape_of(b)),
-                   "sampled": rows.mode != GREEDY,
+                   "sampled": rows.mode != GREEDY, "fused_sampling": rows.fused_sampling,
                    "prepare_s": round(prepare_s, 2), "bare_ms_per_cycle": round(bare_ms[b], 3)}
             for mode, spec_on in (("plain", False), ("spec", True)):
                 if spec_on and rows.shape_of(b) is None:

@@ -429,6 +429,40 @@ def test_race_sample_rows_equals_race_sample_and_argmax():
     assert torch.equal(fast, got[idx])
 
 
+def test_fused_race_draws_the_same_tokens(caplog):
+    """The compiled draw (one inductor kernel) picks the same tokens as the eager ops, with and without the
+    filters, batched and for one request; if compiling fails, sampling goes on eagerly and says so."""
+    from eagle3.serving import sampling as S
+
+    g = torch.Generator().manual_seed(5)
+    settings = [*ROW_SETTINGS, (0.0, 0, 1.0)]
+    r, m, v = len(settings), 6, 300
+    logits = (torch.randn(r, m, v, generator=g) * 3).to(torch.bfloat16)
+    pos = torch.randint(0, 10_000, (r, m), generator=g)
+    args = (logits, pos, torch.tensor([S.seed_hash(7 + i) for i in range(r)]),
+            torch.tensor([t for t, _, _ in settings]), torch.tensor([p for _, _, p in settings]),
+            torch.tensor([k for _, k, _ in settings]), S.vocab_hash(v))
+    for filters in (False, True):
+        eager = S.race_sample_rows(*args, filters=filters)
+        assert torch.equal(S.race_sample_rows(*args, filters=filters, fused=True), eager), filters
+    one = S.race_sample(logits[0].float(), pos[0], 11, 0.7)
+    assert torch.equal(S.race_sample(logits[0].float(), pos[0], 11, 0.7, fused=True), one)
+    assert S.fused_draw_available()
+
+    def broken(*a):
+        raise RuntimeError("no compiler here")
+
+    saved = S._fused_draw
+    S._fused_draw = broken
+    try:
+        with caplog.at_level("WARNING", logger="eagle3.serving"):
+            assert torch.equal(S.race_sample_rows(*args, filters=False, fused=True),
+                               S.race_sample_rows(*args, filters=False))
+        assert "sampling eagerly" in caplog.text and not S.fused_draw_available()
+    finally:
+        S._fused_draw = saved
+
+
 def test_process_logits_rejects_bad_arguments():
     with pytest.raises(ValueError, match="temperature"):
         process_logits(torch.zeros(3), 0.0)

@@ -85,14 +85,16 @@ class _SamplingRows:
         for buf in (self.temp, self.top_p, self.top_k, self.seed_h):
             buf[dst] = buf[src]
 
-    def choose(self, logits: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor, mode: int) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor, mode: int,
+               fused: bool = False) -> torch.Tensor:
         """The token after each of logits [nb, M, V] (positions [nb, M] of the predicted tokens): argmax for greedy
-        rows, the position-keyed draw for sampled ones (`mode` FILTERED applies their top-p / top-k). [nb, M]."""
+        rows, the position-keyed draw for sampled ones (`mode` FILTERED applies their top-p / top-k; `fused`
+        compiles the draw into one kernel). [nb, M]."""
         if mode == GREEDY:
             return logits.argmax(dim=-1)
         nb = logits.shape[0]
         return race_sample_rows(logits, positions, self.seed_h[:nb], self.temp[:nb], self.top_p[:nb],
-                                self.top_k[:nb], vocab_h, filters=mode == FILTERED)
+                                self.top_k[:nb], vocab_h, filters=mode == FILTERED, fused=fused)
 
 
 class RowShape:
@@ -155,7 +157,8 @@ class FastRows:
 
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
                  shapes: Callable[[int], RowShape | None] | None = None, graphs: bool = True,
-                 prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW):
+                 prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW,
+                 fused_sampling: bool | None = None):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if feed_window < 0:
@@ -183,6 +186,9 @@ class FastRows:
         self.root = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.packet = torch.zeros(capacity, d_max + 3, dtype=torch.long, device=dev)
         self.sampling = sampling  # sampled rows allowed: their cycles are captured too
+        # sampled draws compiled into one kernel (None: on CUDA, where the cycles are graphs; the noise is ~30 eager
+        # passes over [rows, positions, V] otherwise; eagle3.serving.sampling)
+        self.fused_sampling = dev.type == "cuda" if fused_sampling is None else fused_sampling
         self.row_sampling = _SamplingRows(capacity, dev)
         self.vocab_h = vocab_hash(target.vocab_size, dev)  # [V]
         self._modes: list[int] = []  # host mirror: how active row i chooses its tokens
@@ -301,7 +307,7 @@ class FastRows:
         logits, aux = self.t.forward_rows(p.ids, pos, pos, mask, p.k, p.v, self.rope, logits_at=p.lens - 1,
                                           want_aux=self.d is not None)  # [R, 1, V], [R, T, 3·Ht]
         mode = FILTERED if self.sampling else GREEDY  # the first new token sits at position lens
-        tok = p.sampling.choose(logits, p.lens[:, None], self.vocab_h, mode)[:, 0]  # [R]
+        tok = p.sampling.choose(logits, p.lens[:, None], self.vocab_h, mode, self.fused_sampling)[:, 0]  # [R]
         p.first.copy_(torch.where(p.has_root, p.root, tok))
         if self.d is not None:
             nxt = torch.cat([p.ids[:, 1:], p.ids[:, :1]], dim=1).scatter(1, (p.lens - 1)[:, None], p.first[:, None])
@@ -480,7 +486,8 @@ class FastRows:
         mask = (self.ar_s[None, :] <= length[:, None])[:, None, :]  # [nb, 1, S]
         logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=self.d is not None)  # [nb, 1, V]
-        tok = self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode)[:, 0]  # [nb]; the token at length + 1
+        # [nb]: the token at length + 1
+        tok = self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode, self.fused_sampling)[:, 0]
         if self.feed_window:  # hold (features, next token) back for `_feed_held`
             rows = torch.arange(nb, device=self.device)
             j = self.held_n[:nb].clamp(max=self.feed_window - 1)  # idle rows may reach the end: they stay there
@@ -586,7 +593,9 @@ class FastRows:
         mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
-        return anc, self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode), aux  # node j predicts pos[j] + 1
+        # node j predicts the token at pos[j] + 1
+        top = self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode, self.fused_sampling)  # [nb, N+1]
+        return anc, top, aux
 
     def _accept(self, nb: int, tokens, parents1, anc, top):
         """Greedy acceptance per row (`FastCore.accept`): keep [nb, D+1], n_acc [nb], emitted [nb, D+1]."""

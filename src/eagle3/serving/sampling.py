@@ -17,16 +17,26 @@ seed gives different (equally distributed) text there.
 
 The hash is Chris Wellons' `lowbias32` (public domain, github.com/skeeto/hash-prospector), evaluated in
 int64 with 32-bit products split into 16-bit halves so nothing overflows; identical on CPU and CUDA.
+
+Cost: eagerly, the noise is about 30 int64 passes over [rows, positions, V], which at 64 rows x 8 verified
+positions x 49,152 tokens is gigabytes of memory traffic per cycle. `fused=True` compiles the draw with inductor
+into one kernel that reads the logits once and computes the hash in registers (on this 2-core CPU, 8 x 16
+positions of SmolLM2's vocabulary: 18 ms against 401 ms eager, the same tokens; `tests/test_sampling_stats.py`).
+The servers use it on CUDA, where their cycles are captured graphs (compiled before capture).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from eagle3.decoding.sampling import filter_scores, filter_scores_rows
 
-__all__ = ["exponential_noise", "exponential_noise_rows", "hash_u32", "race_sample", "race_sample_rows", "seed_hash",
-           "vocab_hash"]
+__all__ = ["exponential_noise", "exponential_noise_rows", "fused_draw_available", "hash_u32", "race_sample",
+           "race_sample_rows", "seed_hash", "vocab_hash"]
+
+log = logging.getLogger("eagle3.serving")
 
 _M32 = 0xFFFFFFFF
 
@@ -81,10 +91,54 @@ def race_sample(
     temperature: float,
     top_p: float = 1.0,
     top_k: int = 0,
+    fused: bool = False,
 ) -> torch.Tensor:
-    """The sampled token id for each row [M] (long): argmax of processed probs / position-keyed Exp(1)."""
+    """The sampled token id for each row [M] (long): argmax of processed probs / position-keyed Exp(1).
+    `fused`: the compiled draw of `race_sample_rows` (the same tokens, one kernel)."""
+    if fused:
+        dev = logits.device
+        return race_sample_rows(
+            logits[None], positions[None], torch.tensor([seed_hash(seed)], device=dev),
+            torch.tensor([float(temperature)], device=dev), torch.tensor([float(top_p)], device=dev),
+            torch.tensor([int(top_k)], device=dev), vocab_hash(logits.shape[-1], dev),
+            filters=top_p < 1.0 or top_k > 0, fused=True,
+        )[0]
     scores = filter_scores(logits, temperature, top_p, top_k)  # [M, V]
     return (scores - exponential_noise(seed, positions, scores.shape[-1]).log()).argmax(dim=-1)
+
+
+def _draw_rows(
+    logits: torch.Tensor,  # [R, M, V] raw logits
+    scores: torch.Tensor | None,  # [R, M, V] filtered fp32 scores, or None: logits / temperature
+    positions: torch.Tensor,  # [R, M]
+    seed_hashes: torch.Tensor,  # [R]
+    temperature: torch.Tensor,  # [R]
+    vocab_h: torch.Tensor,  # [V]
+) -> torch.Tensor:
+    """The race over `scores` for sampled rows, argmax of `logits` for rows at temperature 0: [R, M] long."""
+    if scores is None:
+        scores = logits.float() / temperature.clamp(min=1e-6)[:, None, None]  # [R, M, V]
+    drawn = (scores - exponential_noise_rows(seed_hashes, positions, vocab_h).log()).argmax(dim=-1)  # [R, M]
+    return torch.where((temperature > 0)[:, None], drawn, logits.argmax(dim=-1))
+
+
+_fused_draw = None  # the compiled `_draw_rows`, built on first use; False after it failed once
+
+
+def _compiled_draw():
+    global _fused_draw
+    if _fused_draw is None:
+        from torch import _dynamo
+
+        # shapes vary by rows (1 or more), positions (1 or more) and scores (None or given): up to 8 graphs
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
+        _fused_draw = torch.compile(_draw_rows, dynamic=True, fullgraph=True)
+    return _fused_draw
+
+
+def fused_draw_available() -> bool:
+    """False once compiling the fused draw has failed in this process (every draw is eager from then on)."""
+    return _fused_draw is not False
 
 
 def race_sample_rows(
@@ -96,10 +150,19 @@ def race_sample_rows(
     top_k: torch.Tensor,  # [R] long
     vocab_h: torch.Tensor,  # [V] `vocab_hash(V)`
     filters: bool = True,  # False: no row uses top-p or top-k (skips two sorts over the vocabulary)
+    fused: bool = False,  # the draw compiled into one kernel (see the module docstring); eager if that fails
 ) -> torch.Tensor:
     """`race_sample` for R requests at once, each with its own settings, and argmax for rows at temperature 0:
     token ids [R, M] (long), equal to the per-request calls (tests/test_sampling_stats.py). Fixed-shape tensor
-    ops only, so a batched decoding step that mixes greedy and sampled requests can be captured as a CUDA graph."""
-    scores = filter_scores_rows(logits, temperature, top_p, top_k, filters)  # [R, M, V]
-    drawn = (scores - exponential_noise_rows(seed_hashes, positions, vocab_h).log()).argmax(dim=-1)  # [R, M]
-    return torch.where((temperature > 0)[:, None], drawn, logits.argmax(dim=-1))
+    ops only, so a batched decoding step that mixes greedy and sampled requests can be captured as a CUDA graph
+    (a fused draw is compiled by its first call, so callers warm up before they capture)."""
+    global _fused_draw
+    scores = filter_scores_rows(logits, temperature, top_p, top_k) if filters else None  # [R, M, V]
+    if fused and fused_draw_available():
+        try:
+            return _compiled_draw()(logits, scores, positions, seed_hashes, temperature, vocab_h)
+        except Exception as e:  # inductor can fail in many ways; sampling goes on eagerly
+            log.warning("compiling the fused sampling draw failed (%s: %s); sampling eagerly from now on",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            _fused_draw = False
+    return _draw_rows(logits, scores, positions, seed_hashes, temperature, vocab_h)

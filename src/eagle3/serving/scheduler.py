@@ -608,7 +608,8 @@ class Scheduler:
             p = h.params
             if p.temperature > 0:
                 pos = torch.tensor([len(prompts[i])], device=last.device)  # the first token's position
-                first[i] = race_sample(last[i : i + 1], pos, h.seed, p.temperature, p.top_p, p.top_k)[0]
+                first[i] = race_sample(last[i : i + 1], pos, h.seed, p.temperature, p.top_p, p.top_k,
+                                       fused=last.is_cuda)[0]
         first_ids = first.tolist()
         now = time.perf_counter()
         self.metrics.observe("eagle3_prefill_seconds", now - t0)
@@ -781,7 +782,8 @@ class Scheduler:
             p = r.handle.params
             if p.temperature > 0:
                 pos = lengths[i] + offsets[i] + 1  # [N+1] position of the token each node predicts
-                top[i] = race_sample(logits[i], pos, r.handle.seed, p.temperature, p.top_p, p.top_k)
+                top[i] = race_sample(logits[i], pos, r.handle.seed, p.temperature, p.top_p, p.top_k,
+                                     fused=logits.is_cuda)
         return top
 
     # -- output --------------------------------------------------------------------------------
