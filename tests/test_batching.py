@@ -513,7 +513,8 @@ def test_speed_gate_runs_the_faster_mode_and_probes_the_other():
     gate.record(3, True, seconds=1.0, tokens=9)  # speculation got better: 3 tokens per row-second
     assert gate.rates(2) == (3.0, 2.0)
     assert [gate.speculate(3) for _ in range(4)] == [True, True, True, False]
-    assert gate.snapshot() == {"b2_q4": {"spec": 3.0, "plain": 2.0, "probe_every": 4}}
+    assert gate.snapshot() == {"b2_q4": {"spec": 3.0, "plain": 2.0, "spec_ms": 1000.0, "plain_ms": 500.0,
+                                         "probe_every": 4}}
 
 
 def test_speed_gate_learns_separately_by_the_share_of_rows_drafting():
@@ -552,6 +553,53 @@ def test_speed_gate_probes_less_often_while_the_choice_holds():
     assert modes[-1] and gate.rates(1) == (3.0, 2.0)
     assert gate.interval(1) == 4  # and the interval starts over
     assert cycles(3, spec_rate=3.0) == [True, True, True]
+
+
+def test_speed_gate_does_not_measure_the_cycle_after_a_switch():
+    """settle=1: the first cycle of each mode after the other (it carries the switch) is not measured, so a
+    probe runs two cycles and is judged by its second; a slow first cycle after every switch does not make the
+    probed mode look slower."""
+    gate = SpeedGate(probe_every=4, ema=1.0, settle=1)
+    times = {True: 1.0, False: 1.0}
+
+    def cycles(n: int) -> list[bool]:
+        modes = []
+        for _ in range(n):
+            m = gate.speculate(1)
+            switched = bool(modes) and m != modes[-1]
+            # each mode emits 2 (spec) or 1 token per second, but the cycle after a switch takes 4x as long
+            gate.record(1, m, seconds=4 * times[m] if switched else times[m], tokens=2 if m else 1)
+            modes.append(m)
+        return modes
+
+    modes = cycles(4)
+    assert modes == [True, True, False, False]  # try each mode, measured from its second cycle on
+    assert gate.rates(1) == (2.0, 1.0)
+    modes = cycles(10)  # speculation wins; the probes of plain cycles take 2 cycles, judged by the second
+    assert modes == [True] * 3 + [False, False] + [True] * 5
+    assert gate.rates(1) == (2.0, 1.0) and gate.interval(1) == 8  # the slow switch cycles were never measured
+    bare = SpeedGate(probe_every=4, ema=1.0)  # without settling, the same switch cycles drag plain's rate down
+    bare.record(1, True, 1.0, 2)
+    bare.record(1, False, 4.0, 1)
+    assert bare.rates(1) == (2.0, 0.25)
+
+
+def test_speed_gate_margin_and_affordable_probes():
+    """margin: speculation must win by that fraction; probe_share: a probe of a mode that is much slower per
+    cycle waits until it costs at most that share of the time."""
+    gate = SpeedGate(probe_every=4, ema=1.0, margin=0.05)
+    gate.record(1, True, seconds=1.0, tokens=104)
+    gate.record(1, False, seconds=1.0, tokens=100)
+    assert not gate.speculate(1)  # 4 % faster is within the margin: plain
+    gate.record(1, True, seconds=1.0, tokens=106)
+    assert gate.speculate(1)
+    gate = SpeedGate(probe_every=4, ema=1.0, probe_share=0.05)
+    gate.record(1, True, seconds=30.0, tokens=60)  # 2 tokens per second, each cycle 30x a plain one
+    gate.record(1, False, seconds=1.0, tokens=8)  # 8 tokens per second
+    # a probe loses 30 s x (1 - 2/8) = 22.5 s of output; at 5 % of 1 s cycles that is one per 450 cycles
+    assert gate.interval(1) == 450
+    modes = [gate.speculate(1) for _ in range(450)]
+    assert modes.count(True) == 1 and modes[-1]
 
 
 class _Alternating(SpeedGate):

@@ -126,12 +126,16 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
     assert all(r["cycles_s"] > 0 and r["idle_s"] >= 0 for r in rec["results"])
     assert all(r["prefills"] >= 1 and r["prefill_s"] > 0 for r in rec["results"] if r["concurrency"] == 3)
     # the per-cycle trace: one entry per decode cycle of the level, its tokens the level's output less the
-    # first tokens (emitted by prefills), speculative cycles only on the speculative server
+    # first tokens (emitted by prefills), speculative cycles only on the speculative server (whose gate timed
+    # them; with a random drafter it may have settled on plain cycles during the warm-up)
     for r in rec["results"]:
         cyc = r["cycles"]
         assert len(cyc["ms"]) == r["verify_steps"] and all(ms > 0 for ms in cyc["ms"])
         assert sum(cyc["tokens"]) == r["output_tokens"] - r["requests"]
-        assert set(cyc["path"]) == {"batch"} and (any(cyc["spec"]) == (r["mode"] == "spec"))
+        assert set(cyc["path"]) == {"batch"}
+        spec_rates = [g["spec"] for g in r["gates"]["batch"].values()]
+        assert (r["mode"] == "spec") == (any(cyc["spec"]) or any(x is not None for x in spec_rates))
+        assert r["mode"] == "spec" or not any(cyc["spec"])
     assert (out / "bench_serving.png").stat().st_size > 0
     assert "geometric-mean speedup" in capsys.readouterr().out
 

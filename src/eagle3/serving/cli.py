@@ -188,7 +188,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
               token_budget: int | None = None, fuse_pointwise: bool = False):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
-    shape per batch size is `policy`'s with `token_budget` (default `FAST_ROWS_TOKEN_BUDGET`)."""
+    shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`)."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
         return None
     from dataclasses import replace
@@ -197,7 +197,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
 
     from eagle3.fast.rows import FastRows, RowShape, prefill_staging_tokens
     from eagle3.fast.target import FastTarget, fast_support
-    from eagle3.serving.policy import FAST_ROWS_TOKEN_BUDGET
+    from eagle3.serving.policy import default_token_budget
 
     reason = fast_support(model)
     if reason is not None:
@@ -214,7 +214,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
     seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
 
-    rows_policy = replace(policy, token_budget=token_budget or FAST_ROWS_TOKEN_BUDGET)
+    rows_policy = replace(policy, token_budget=token_budget or default_token_budget(device, fast_rows=True))
 
     def shape(bucket: int) -> RowShape | None:
         s = rows_policy.shape(bucket)

@@ -46,9 +46,12 @@ CPU_TOKEN_BUDGET = 32
 FAST_ROWS_TOKEN_BUDGET = 512
 
 
-def default_token_budget(device: str) -> int:
-    """Verified tokens per batched forward: 256 on a GPU, 32 on a CPU (where compute grows with tokens)."""
-    return GPU_TOKEN_BUDGET if str(device).startswith("cuda") else CPU_TOKEN_BUDGET
+def default_token_budget(device: str, fast_rows: bool = False) -> int:
+    """Verified tokens per batched forward: 256 on a GPU (512 on the fast rows), 32 on a CPU, where compute grows
+    with tokens (fast rows on a CPU with 512: a speculative cycle of 8 SmolLM2 rows cost 30 plain ones)."""
+    if not str(device).startswith("cuda"):
+        return CPU_TOKEN_BUDGET
+    return FAST_ROWS_TOKEN_BUDGET if fast_rows else GPU_TOKEN_BUDGET
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class SpecPolicy:
     measure: bool = True  # SpeedGate: speculate only where measured faster than plain cycles
     probe_every: int = 16  # cycles between re-timings of the mode the gate is not using (doubles while confirmed)
     max_probe_every: int = 512
+    gate_settle: int = 1  # cycles after a change of mode that the gate does not measure (see SpeedGate)
+    gate_margin: float = 0.03  # speculation must beat plain cycles by this fraction
+    probe_share: float = 0.03  # the most of the time the gate's probes may cost
 
     def __post_init__(self) -> None:
         if min(self.max_depth, self.max_top_k, self.max_total) < 1:
@@ -97,6 +103,9 @@ class SpecPolicy:
             raise ConfigError(f"--spec-retry-after {self.retry_after} must be >= 0 (0: a row that stops never retries)")
         if self.probe_every < 2:
             raise ConfigError(f"probe_every={self.probe_every} must be >= 2")
+        if self.gate_settle < 0 or self.gate_margin < 0 or not 0 < self.probe_share <= 1:
+            raise ConfigError(f"gate_settle={self.gate_settle} and gate_margin={self.gate_margin} must be >= 0 and "
+                              f"probe_share={self.probe_share} in (0, 1]")
         if self.max_probe_every < self.probe_every:
             raise ConfigError(f"max_probe_every={self.max_probe_every} must be >= probe_every={self.probe_every}")
 
@@ -133,6 +142,11 @@ class SpecPolicy:
         total = min(n, top_k + (self.max_depth - 1) * top_k * top_k)
         return TreeShape(depth=self.max_depth, top_k=top_k, total=total)
 
+    def speed_gate(self) -> SpeedGate:
+        """A `SpeedGate` for serving cycles with this policy's settings."""
+        return SpeedGate(self.probe_every, self.ema, self.max_probe_every, settle=self.gate_settle,
+                         margin=self.gate_margin, probe_share=self.probe_share)
+
     def keep_drafting(self, acc: RowAcceptance) -> bool:
         return acc.cycles < self.warmup_cycles or acc.mean >= self.min_accept
 
@@ -165,15 +179,35 @@ class SpeedGate:
     cost several plain cycles), so fixed probing every 16 cycles alone kept serving below plain decoding.
     Rates are moving averages of tokens / (rows * seconds) over whole cycles (drafting, verification,
     bookkeeping and emission included).
+
+    Three guards against mistaking a transition for the mode (the serving gates use all three; defaults 0 keep
+    the bare rules above):
+
+    - `settle`: the first `settle` cycles after every change of mode are not measured, and a probe runs that
+      many cycles more. The cycle after a switch carries the switch: the first speculative cycle after plain
+      ones feeds the drafter what they held back, the first plain cycle after speculative ones shares the host
+      with streaming the larger output before it. With single-cycle probes every plain sample in a speculating
+      bucket was such a cycle (H200, sampled requests at 64 clients: plain estimated at 103-107 tokens per
+      row-second where the plain server's cycles gave 123-142; docs/benchmarks.md).
+    - `margin`: speculation must beat plain cycles by this fraction, so noise near parity settles on plain.
+    - `probe_share`: probes may cost at most this share of the time: a probe of a mode k times slower per cycle
+      waits proportionally longer (on a 2-core CPU a speculative probe of 8 rows with 60-token trees cost 30
+      plain cycles, and probing every 16-64 cycles halved throughput).
     """
 
-    def __init__(self, probe_every: int = 16, ema: float = 0.25, max_probe_every: int = 512):
+    def __init__(self, probe_every: int = 16, ema: float = 0.25, max_probe_every: int = 512, settle: int = 0,
+                 margin: float = 0.0, probe_share: float | None = None):
         self.probe_every, self.ema = probe_every, ema
         self.max_probe_every = max(probe_every, max_probe_every)
+        self.settle, self.margin, self.probe_share = settle, margin, probe_share
         self._rate: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> tokens/row-second
+        self._secs: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> seconds per cycle
         self._since_probe: dict[tuple[int, int], int] = {}
         self._interval: dict[tuple[int, int], int] = {}  # bucket -> cycles between probes
         self._probe: dict[tuple[int, int], bool] = {}  # bucket -> the mode that was faster when a probe launched
+        self._probing: dict[tuple[int, int], int] = {}  # bucket -> cycles of the running probe still to come
+        self._last: bool | None = None  # mode of the last recorded cycle (any bucket)
+        self._run = 0  # cycles of that mode in a row
         self.last_probe = False  # whether the last `speculate` answer was a probe of the slower mode
 
     @staticmethod
@@ -185,11 +219,26 @@ class SpeedGate:
 
     def interval(self, batch_size: int, drafting: int | None = None) -> int:
         """Cycles between probes for this bucket now."""
-        return self._interval.get(self.bucket(batch_size, drafting), self.probe_every)
+        b = self.bucket(batch_size, drafting)
+        n = self._interval.get(b, self.probe_every)
+        faster = self._faster(b)
+        return n if faster is None else max(n, self._affordable(b, faster))
 
     def _faster(self, b: tuple[int, int]) -> bool | None:
         spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-        return None if spec is None or plain is None else spec >= plain
+        return None if spec is None or plain is None else spec >= plain * (1.0 + self.margin)
+
+    def _affordable(self, b: tuple[int, int], faster: bool) -> int:
+        """The fewest cycles between probes for which a probe costs at most `probe_share` of the time: a probe
+        runs `settle` + 1 cycles of the slower mode, each losing (1 - its rate / the faster rate) of its time."""
+        if not self.probe_share:
+            return 0
+        t_fast, t_slow = self._secs.get((b, faster)), self._secs.get((b, not faster))
+        r_fast, r_slow = self._rate[(b, faster)], self._rate[(b, not faster)]
+        if not t_fast or t_slow is None or r_fast <= 0:
+            return 0
+        lost = (self.settle + 1) * t_slow * max(0.0, 1.0 - r_slow / r_fast)  # seconds of output lost per probe
+        return math.ceil(lost / (t_fast * self.probe_share))
 
     def speculate(self, batch_size: int, drafting: int | None = None) -> bool:
         """The mode for the next cycle at this batch size with `drafting` rows wanting to draft (True:
@@ -201,11 +250,16 @@ class SpeedGate:
         faster = self._faster(b)
         if faster is None:
             return False
+        if self._probing.get(b, 0) > 0 and b in self._probe:  # a probe's later cycles
+            self._probing[b] -= 1
+            self.last_probe = True
+            return not self._probe[b]
         n = self._since_probe.get(b, 0) + 1
         self._since_probe[b] = n
-        if n >= self._interval.get(b, self.probe_every):  # re-time the slower mode once
-            self._since_probe[b] = 0
+        if n >= max(self._interval.get(b, self.probe_every), self._affordable(b, faster)):
+            self._since_probe[b] = 0  # re-time the slower mode: `settle` + 1 cycles
             self._probe[b] = faster
+            self._probing[b] = self.settle
             self.last_probe = True
             return not faster
         return faster
@@ -216,13 +270,20 @@ class SpeedGate:
         to draft when the mode was chosen."""
         if seconds <= 0 or batch_size < 1:
             return
+        self._run = self._run + 1 if speculative == self._last else 1
+        self._last = speculative
+        if self._run <= self.settle:  # the cycle carries the switch of mode, not the mode: not measured
+            return
         b = self.bucket(batch_size, drafting)
         key = (b, speculative)
         rate = tokens / (batch_size * seconds)
-        old = self._rate.get(key)
+        old, old_s = self._rate.get(key), self._secs.get(key)
         self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
-        before = self._probe.pop(b, None)
-        if before is not None and speculative != before:  # the probe cycle itself
+        self._secs[key] = seconds if old_s is None else (1 - self.ema) * old_s + self.ema * seconds
+        before = self._probe.get(b)
+        if before is not None and speculative != before:  # the probe's measured cycle
+            del self._probe[b]
+            self._probing.pop(b, None)
             same = self._faster(b) == before
             now = self._interval.get(b, self.probe_every)
             self._interval[b] = min(2 * now, self.max_probe_every) if same else self.probe_every
@@ -233,8 +294,11 @@ class SpeedGate:
         out = {}
         for b in sorted({k[0] for k in list(self._rate)}):  # a copy: the scheduler thread may add buckets
             spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
+            spec_s, plain_s = self._secs.get((b, True)), self._secs.get((b, False))
             out[f"b{b[0]}_q{b[1]}"] = {"spec": None if spec is None else round(spec, 2),
                                        "plain": None if plain is None else round(plain, 2),
+                                       "spec_ms": None if spec_s is None else round(1000 * spec_s, 3),
+                                       "plain_ms": None if plain_s is None else round(1000 * plain_s, 3),
                                        "probe_every": self._interval.get(b, self.probe_every)}
         return out
 

@@ -194,8 +194,7 @@ class Scheduler:
         self.eos = set(int(e) for e in eos_token_ids)
         self.drafter = drafter
         self.policy = policy or SpecPolicy(enabled=drafter is not None)
-        self.gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
-                     if self.policy.measure else None)
+        self.gate = self.policy.speed_gate() if self.policy.measure else None
         # the lane's own gate, in whole requests: speculative lane requests vs plain ones on a drafter-less
         # engine that shares the lane's fused weights and caches
         self._lane_plain, self._lane_gate = None, None
@@ -220,8 +219,7 @@ class Scheduler:
         self._frows: list[_Row] = []  # mirrors the active rows of `fast_rows`, in order
         if rows is not None and rows.capacity < self.config.max_batch_size:
             raise ValueError(f"FastRows holds {rows.capacity} rows; the server admits {self.config.max_batch_size}")
-        self._rows_gate = (SpeedGate(self.policy.probe_every, self.policy.ema, self.policy.max_probe_every)
-                           if rows is not None and self.policy.measure else None)
+        self._rows_gate = self.policy.speed_gate() if rows is not None and self.policy.measure else None
         self._trace: deque[tuple[str, int, bool, bool, float, int]] = deque(maxlen=TRACE_CYCLES)
         self.cycles_traced = 0  # cycles ever appended to the trace
         self._cond = threading.Condition()
