@@ -82,8 +82,10 @@ class SpecPolicy:
     probe_every: int = 16  # cycles between re-timings of the mode the gate is not using (doubles while confirmed)
     max_probe_every: int = 512
     gate_settle: int = 1  # cycles after a change of mode that the gate does not measure (see SpeedGate)
+    gate_ema: float = 1 / 32  # weight of a cycle's newest sample in the gate's decayed token and time sums
+    probe_cycles: int = 4  # measured cycles per probe of the slower mode
     gate_margin: float = 0.03  # speculation must beat plain cycles by this fraction
-    probe_share: float = 0.03  # the most of the time the gate's probes may cost
+    probe_share: float = 0.02  # the most of the time the gate's probes may cost
 
     def __post_init__(self) -> None:
         if min(self.max_depth, self.max_top_k, self.max_total) < 1:
@@ -106,6 +108,8 @@ class SpecPolicy:
         if self.gate_settle < 0 or self.gate_margin < 0 or not 0 < self.probe_share <= 1:
             raise ConfigError(f"gate_settle={self.gate_settle} and gate_margin={self.gate_margin} must be >= 0 and "
                               f"probe_share={self.probe_share} in (0, 1]")
+        if not 0.0 < self.gate_ema <= 1.0 or self.probe_cycles < 1:
+            raise ConfigError(f"gate_ema={self.gate_ema} must be in (0, 1] and probe_cycles={self.probe_cycles} >= 1")
         if self.max_probe_every < self.probe_every:
             raise ConfigError(f"max_probe_every={self.max_probe_every} must be >= probe_every={self.probe_every}")
 
@@ -144,8 +148,8 @@ class SpecPolicy:
 
     def speed_gate(self) -> SpeedGate:
         """A `SpeedGate` for serving cycles with this policy's settings."""
-        return SpeedGate(self.probe_every, self.ema, self.max_probe_every, settle=self.gate_settle,
-                         margin=self.gate_margin, probe_share=self.probe_share)
+        return SpeedGate(self.probe_every, self.gate_ema, self.max_probe_every, settle=self.gate_settle,
+                         margin=self.gate_margin, probe_share=self.probe_share, probe_cycles=self.probe_cycles)
 
     def keep_drafting(self, acc: RowAcceptance) -> bool:
         return acc.cycles < self.warmup_cycles or acc.mean >= self.min_accept
@@ -173,12 +177,15 @@ class SpeedGate:
     server's cycles cost 36.5 ms against 26.3 ms for plain ones and the batch took as many cycles as plain
     decoding. In each bucket: try speculation first, then
     time a plain cycle; afterwards run the faster mode and give the slower one a single probe cycle every
-    `probe_every` cycles, so a change in acceptance or load is noticed. A probe that confirms the choice doubles
-    the bucket's interval (up to `max_probe_every`); one that overturns it resets the interval. A probe of the
+    `probe_every` cycles, so a change in acceptance or load is noticed. A probe that confirms the choice by more
+    than twice the noise of the two rates doubles the bucket's interval (up to `max_probe_every`); one that
+    overturns it resets the interval; one within the noise leaves it. A probe of the
     slower mode costs more than the cycle it replaces (on an H200 a speculative probe of the eager serving path
     cost several plain cycles), so fixed probing every 16 cycles alone kept serving below plain decoding.
-    Rates are moving averages of tokens / (rows * seconds) over whole cycles (drafting, verification,
-    bookkeeping and emission included).
+    Rates are tokens / (rows * seconds) over whole cycles (drafting, verification, bookkeeping and emission
+    included), as the ratio of two decayed sums (each cycle's share weighted `ema`, the older ones fading by
+    1 - `ema`): a mean of per-cycle rates would be noisier and biased, since a speculative cycle's tokens vary
+    from 1 to depth + 1.
 
     Three guards against mistaking a transition for the mode (the serving gates use all three; defaults 0 keep
     the bare rules above):
@@ -193,19 +200,28 @@ class SpeedGate:
     - `probe_share`: probes may cost at most this share of the time: a probe of a mode k times slower per cycle
       waits proportionally longer (on a 2-core CPU a speculative probe of 8 rows with 60-token trees cost 30
       plain cycles, and probing every 16-64 cycles halved throughput).
+
+    `probe_cycles`: measured cycles per probe. One speculative cycle emits anywhere from 1 to depth + 1 tokens,
+    so single-cycle probes with a fast-fading average misjudged speculation (H200, sampled requests, one client:
+    speculation gave 23 % more tokens per second in the cycles it ran, yet the gate ran 88 % plain cycles).
     """
 
     def __init__(self, probe_every: int = 16, ema: float = 0.25, max_probe_every: int = 512, settle: int = 0,
-                 margin: float = 0.0, probe_share: float | None = None):
+                 margin: float = 0.0, probe_share: float | None = None, probe_cycles: int = 1):
         self.probe_every, self.ema = probe_every, ema
         self.max_probe_every = max(probe_every, max_probe_every)
         self.settle, self.margin, self.probe_share = settle, margin, probe_share
+        self.probe_cycles = max(1, probe_cycles)
+        # (bucket, speculative) -> decayed sums [tokens, row-seconds, seconds, cycles, cycles², rate, rate²] (the
+        # last three for the noise of the rate: per-cycle rates, weighted like the sums)
+        self._sums: dict[tuple[tuple[int, int], bool], list[float]] = {}
         self._rate: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> tokens/row-second
         self._secs: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> seconds per cycle
         self._since_probe: dict[tuple[int, int], int] = {}
         self._interval: dict[tuple[int, int], int] = {}  # bucket -> cycles between probes
         self._probe: dict[tuple[int, int], bool] = {}  # bucket -> the mode that was faster when a probe launched
         self._probing: dict[tuple[int, int], int] = {}  # bucket -> cycles of the running probe still to come
+        self._probe_left: dict[tuple[int, int], int] = {}  # bucket -> measured probe cycles still to come
         self._last: bool | None = None  # mode of the last recorded cycle (any bucket)
         self._run = 0  # cycles of that mode in a row
         self.last_probe = False  # whether the last `speculate` answer was a probe of the slower mode
@@ -230,14 +246,15 @@ class SpeedGate:
 
     def _affordable(self, b: tuple[int, int], faster: bool) -> int:
         """The fewest cycles between probes for which a probe costs at most `probe_share` of the time: a probe
-        runs `settle` + 1 cycles of the slower mode, each losing (1 - its rate / the faster rate) of its time."""
+        runs `settle` + `probe_cycles` cycles of the slower mode, each losing (1 - its rate / the faster rate)
+        of its time."""
         if not self.probe_share:
             return 0
         t_fast, t_slow = self._secs.get((b, faster)), self._secs.get((b, not faster))
         r_fast, r_slow = self._rate[(b, faster)], self._rate[(b, not faster)]
         if not t_fast or t_slow is None or r_fast <= 0:
             return 0
-        lost = (self.settle + 1) * t_slow * max(0.0, 1.0 - r_slow / r_fast)  # seconds of output lost per probe
+        lost = (self.settle + self.probe_cycles) * t_slow * max(0.0, 1.0 - r_slow / r_fast)  # seconds of output lost per probe
         return math.ceil(lost / (t_fast * self.probe_share))
 
     def speculate(self, batch_size: int, drafting: int | None = None) -> bool:
@@ -257,9 +274,10 @@ class SpeedGate:
         n = self._since_probe.get(b, 0) + 1
         self._since_probe[b] = n
         if n >= max(self._interval.get(b, self.probe_every), self._affordable(b, faster)):
-            self._since_probe[b] = 0  # re-time the slower mode: `settle` + 1 cycles
+            self._since_probe[b] = 0  # re-time the slower mode: `settle` + `probe_cycles` cycles
             self._probe[b] = faster
-            self._probing[b] = self.settle
+            self._probing[b] = self.settle + self.probe_cycles - 1
+            self._probe_left[b] = self.probe_cycles
             self.last_probe = True
             return not faster
         return faster
@@ -276,17 +294,38 @@ class SpeedGate:
             return
         b = self.bucket(batch_size, drafting)
         key = (b, speculative)
-        rate = tokens / (batch_size * seconds)
-        old, old_s = self._rate.get(key), self._secs.get(key)
-        self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
-        self._secs[key] = seconds if old_s is None else (1 - self.ema) * old_s + self.ema * seconds
+        keep = 1.0 - self.ema
+        x = tokens / (batch_size * seconds)
+        old = self._sums.get(key, [0.0] * 7)
+        s = self._sums[key] = [keep * a + b for a, b in zip(old, (tokens, batch_size * seconds, seconds, 1.0, 1.0, x,
+                                                                    x * x), strict=True)]
+        s[4] = keep * keep * old[4] + 1.0  # weights squared decay twice as fast
+        self._rate[key], self._secs[key] = s[0] / s[1], s[2] / s[3]
         before = self._probe.get(b)
-        if before is not None and speculative != before:  # the probe's measured cycle
+        if before is not None and speculative != before:  # one of the probe's measured cycles
+            self._probe_left[b] = self._probe_left.get(b, 1) - 1
+            if self._probe_left[b] > 0:
+                return
             del self._probe[b]
             self._probing.pop(b, None)
-            same = self._faster(b) == before
             now = self._interval.get(b, self.probe_every)
-            self._interval[b] = min(2 * now, self.max_probe_every) if same else self.probe_every
+            if self._faster(b) != before:  # overturned: probe often again
+                self._interval[b] = self.probe_every
+            elif self._clear(b):  # confirmed beyond the noise of the samples: probe half as often
+                self._interval[b] = min(2 * now, self.max_probe_every)
+
+    def _noise(self, key: tuple[tuple[int, int], bool]) -> float:
+        """Standard error of a mode's per-cycle rate: weighted variance over the effective sample count."""
+        _, _, _, w1, w2, s1, s2 = self._sums[key]
+        mean = s1 / w1
+        var = max(0.0, s2 / w1 - mean * mean)
+        return math.sqrt(var * w2) / w1  # sqrt(var / n_eff), n_eff = w1² / w2
+
+    def _clear(self, b: tuple[int, int]) -> bool:
+        """Whether the two modes' rates differ by more than twice the noise of their difference."""
+        spec, plain = (b, True), (b, False)
+        gap = abs(self._rate[spec] - self._rate[plain])
+        return gap > 2.0 * math.hypot(self._noise(spec), self._noise(plain))
 
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
         """What the gate believes now, per bucket "b<bits>_q<quarter>": the speculative and plain rates (tokens
