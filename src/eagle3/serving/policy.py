@@ -176,8 +176,8 @@ class SpeedGate:
     lose where one where all draft wins. On an H200 with 16 clients, 36 % of row-cycles drafting, the speculative
     server's cycles cost 36.5 ms against 26.3 ms for plain ones and the batch took as many cycles as plain
     decoding. In each bucket: try speculation first, then
-    time a plain cycle; afterwards run the faster mode and give the slower one a single probe cycle every
-    `probe_every` cycles, so a change in acceptance or load is noticed. A probe that confirms the choice by more
+    time a plain cycle; afterwards run the faster mode and give the slower one a probe of `probe_cycles` cycles
+    every `probe_every` cycles, so a change in acceptance or load is noticed. A probe that confirms the choice by more
     than twice the noise of the two rates doubles the bucket's interval (up to `max_probe_every`); one that
     overturns it resets the interval; one within the noise leaves it. A probe of the
     slower mode costs more than the cycle it replaces (on an H200 a speculative probe of the eager serving path
@@ -192,10 +192,11 @@ class SpeedGate:
 
     - `settle`: the first `settle` cycles after every change of mode are not measured, and a probe runs that
       many cycles more. The cycle after a switch carries the switch: the first speculative cycle after plain
-      ones feeds the drafter what they held back, the first plain cycle after speculative ones shares the host
-      with streaming the larger output before it. With single-cycle probes every plain sample in a speculating
-      bucket was such a cycle (H200, sampled requests at 64 clients: plain estimated at 103-107 tokens per
-      row-second where the plain server's cycles gave 123-142; docs/benchmarks.md).
+      ones feeds the drafter what they held back, and on an H200 with sampled requests a plain cycle right
+      after speculative ones gave a median 140 tokens per row-second at 64 clients against 160 for plain
+      cycles after plain ones (256 against 338 at 16 clients). With single-cycle probes every plain sample in a
+      speculating bucket was such a cycle (plain estimated at 103-107 tokens per row-second where the plain
+      server's cycles gave 123-142; docs/benchmarks.md).
     - `margin`: speculation must beat plain cycles by this fraction, so noise near parity settles on plain.
     - `probe_share`: probes may cost at most this share of the time: a probe of a mode k times slower per cycle
       waits proportionally longer (on a 2-core CPU a speculative probe of 8 rows with 60-token trees cost 30
@@ -212,8 +213,8 @@ class SpeedGate:
         self.max_probe_every = max(probe_every, max_probe_every)
         self.settle, self.margin, self.probe_share = settle, margin, probe_share
         self.probe_cycles = max(1, probe_cycles)
-        # (bucket, speculative) -> decayed sums [tokens, row-seconds, seconds, cycles, cycles², rate, rate²] (the
-        # last three for the noise of the rate: per-cycle rates, weighted like the sums)
+        # (bucket, speculative) -> decayed sums [tokens, row-seconds, seconds, weights, squared weights, rate,
+        # rate²] (the last four give the noise of the per-cycle rate)
         self._sums: dict[tuple[tuple[int, int], bool], list[float]] = {}
         self._rate: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> tokens/row-second
         self._secs: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> seconds per cycle
@@ -254,7 +255,8 @@ class SpeedGate:
         r_fast, r_slow = self._rate[(b, faster)], self._rate[(b, not faster)]
         if not t_fast or t_slow is None or r_fast <= 0:
             return 0
-        lost = (self.settle + self.probe_cycles) * t_slow * max(0.0, 1.0 - r_slow / r_fast)  # seconds of output lost per probe
+        # seconds of output a probe loses
+        lost = (self.settle + self.probe_cycles) * t_slow * max(0.0, 1.0 - r_slow / r_fast)
         return math.ceil(lost / (t_fast * self.probe_share))
 
     def speculate(self, batch_size: int, drafting: int | None = None) -> bool:
@@ -297,8 +299,8 @@ class SpeedGate:
         keep = 1.0 - self.ema
         x = tokens / (batch_size * seconds)
         old = self._sums.get(key, [0.0] * 7)
-        s = self._sums[key] = [keep * a + b for a, b in zip(old, (tokens, batch_size * seconds, seconds, 1.0, 1.0, x,
-                                                                    x * x), strict=True)]
+        new = (tokens, batch_size * seconds, seconds, 1.0, 1.0, x, x * x)
+        s = self._sums[key] = [keep * a + v for a, v in zip(old, new, strict=True)]
         s[4] = keep * keep * old[4] + 1.0  # weights squared decay twice as fast
         self._rate[key], self._secs[key] = s[0] / s[1], s[2] / s[3]
         before = self._probe.get(b)
