@@ -27,11 +27,13 @@ The servers use it on CUDA, where their cycles are captured graphs (compiled bef
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from eagle3.decoding.sampling import filter_scores, filter_scores_rows
+from eagle3.fast.graphs import RECOMPILE_LIMIT
 
 __all__ = ["exponential_noise", "exponential_noise_rows", "fused_draw_available", "hash_u32", "race_sample",
            "race_sample_rows", "seed_hash", "vocab_hash"]
@@ -81,7 +83,13 @@ def exponential_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.T
     dev = positions.device
     s = torch.tensor([seed_hash(seed)], dtype=torch.long, device=dev)
     flat = positions.reshape(1, -1)  # [1, P]
-    return exponential_noise_rows(s, flat, vocab_hash(vocab, dev)).reshape(*positions.shape, vocab)
+    return exponential_noise_rows(s, flat, _vocab_hash_on(vocab, dev)).reshape(*positions.shape, vocab)
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_hash_on(vocab: int, device: torch.device) -> torch.Tensor:
+    """`vocab_hash`, computed once per vocabulary size and device (the per-request draws need it every cycle)."""
+    return vocab_hash(vocab, device)
 
 
 def race_sample(
@@ -100,7 +108,7 @@ def race_sample(
         return race_sample_rows(
             logits[None], positions[None], torch.tensor([seed_hash(seed)], device=dev),
             torch.tensor([float(temperature)], device=dev), torch.tensor([float(top_p)], device=dev),
-            torch.tensor([int(top_k)], device=dev), vocab_hash(logits.shape[-1], dev),
+            torch.tensor([int(top_k)], device=dev), _vocab_hash_on(logits.shape[-1], dev),
             filters=top_p < 1.0 or top_k > 0, fused=True,
         )[0]
     scores = filter_scores(logits, temperature, top_p, top_k)  # [M, V]
@@ -131,7 +139,7 @@ def _compiled_draw():
         from torch import _dynamo
 
         # shapes vary by rows (1 or more), positions (1 or more) and scores (None or given): up to 8 graphs
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         _fused_draw = torch.compile(_draw_rows, dynamic=True, fullgraph=True)
     return _fused_draw
 
