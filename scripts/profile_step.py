@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--fuse-pointwise", action="store_true", help="the target's elementwise work compiled (Pointwise)")
+    p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
+                   "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -136,15 +138,14 @@ def main(argv=None) -> int:
     print(f"\nweights {wbytes / 1e9:.3f} GB: {wbytes / step_s / 1e9:.0f} GB/s, {100 * wbytes / step_s / bw:.1f} % of "
           f"measured copy bandwidth ({bw / 1e9:.0f} GB/s)")
     if drafter is not None:
-        core = ready(FastCore(target, "eagle3", FastDrafter(drafter), depth=depth, top_k=top_k, total_tokens=total))
-        core.draft()
+        core = FastCore(target, "eagle3", FastDrafter(drafter), depth=depth, top_k=top_k, total_tokens=total)
+        if dev.type == "cuda" and not args.eager_drafting:
+            core.compile_drafting()
+        ready(core).piece("draft")
         saved = core.length.clone()
 
         def cycle():
-            core.draft()
-            core.verify(greedy=True)
-            core.accept()
-            core.commit()
+            core.cycle_greedy()
             core.length.copy_(saved)  # the same state every repetition
 
         results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners)
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
     write_json(run_record("profile_step", target=args.target or args.shape,
                           drafter=args.drafter or ("random" if drafter is not None else None),
                           device_name=str(dev), context=args.context, tree=args.tree, weight_bytes=wbytes,
+                          drafting_compiled=drafter is not None and core.drafting_compiled,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

@@ -26,6 +26,7 @@ from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProp
 from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept_greedy
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
+from eagle3.fast.drafter import top_k_last
 from eagle3.fast.target import apply_rope, rope_tables
 from eagle3.runtime import init_drafter
 from eagle3.target import Target
@@ -243,6 +244,59 @@ def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
     res = engine.generate(prompt, max_new_tokens=12, eos_token_ids=[])
     assert res.token_ids == ref
     assert engine._runners["cycle"].compiled, "dynamo could not trace the cycle as one graph"
+
+
+def test_two_stage_top_k_equals_topk():
+    g = torch.Generator().manual_seed(4)
+    for shape, k in (((8192,), 10), ((10, 8192), 10), ((3, 4, 1024), 7), ((5, 300), 4), ((2, 512), 300)):
+        x = torch.randn(shape, generator=g)
+        vals, idx = top_k_last(x, k)
+        ref_vals, ref_idx = x.topk(k, dim=-1)
+        assert torch.equal(vals, ref_vals) and torch.equal(idx, ref_idx), shape
+
+
+def test_compiled_drafting_keeps_trees_and_output(models, drafters):
+    """`compile_drafting`: drafting, the verification's inputs, acceptance and feeding the drafter compiled by
+    inductor, the target eager: the same trees as eager drafting cycle after cycle (fp32), the same emitted
+    tokens as HF generate, and every piece really ran compiled."""
+    model, d = models["qwen3"], drafters["qwen3"]
+    prompt = prompt_of(20, seed=40)
+    runs = []
+    for compiled in (False, True):
+        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d), depth=4, top_k=3,
+                        total_tokens=12)
+        if compiled:
+            core.compile_drafting()
+        core.allocate(256)
+        logits, aux = core.prefill(prompt)
+        core.begin(prompt, aux, logits.argmax().view(1))
+        trees = []
+        for _ in range(5):
+            core.cycle_greedy()
+            trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
+        runs.append(trees)
+        if compiled:
+            assert core._tried == {"draft", "tree_inputs", "accept", "feed"}
+    assert runs[0] == runs[1]
+
+    engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(compile_drafting=True))
+    assert engine.core.drafting_compiled
+    assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
+
+
+def test_compiled_drafting_falls_back_to_eager_with_a_warning(models, drafters, caplog):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generator here")
+
+    model, d = models["llama"], drafters["llama"]
+    prompt = prompt_of(9, seed=41)
+    engine = FastEngine(model, draft="eagle3", spec=TREE, drafter=d, options=FastOptions(compile_drafting=False))
+    engine.core.compile_drafting(backend=broken)
+    with caplog.at_level(logging.WARNING, logger="eagle3.fast"):
+        out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+    assert out == hf_greedy(model, prompt, NEW)
+    assert "torch.compile of the cycle piece draft failed" in caplog.text
+    assert not engine.core.drafting_compiled  # every piece now runs eagerly
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

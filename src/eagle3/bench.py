@@ -34,6 +34,7 @@ import torch
 from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
+    EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
     ConfigError,
     SpecConfig,
@@ -141,6 +142,7 @@ def run_bench(
     pipeline: bool = True,
     warmup: int = 1,
     echo: Callable[[str], None] = print,
+    compile_drafting: bool | None = None,
 ) -> dict:
     """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it."""
     import transformers
@@ -183,7 +185,7 @@ def run_bench(
     max_nodes = max(tree.total_tokens, chain, ngram_tokens)
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max(tree.depth, chain, ngram_tokens) + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
-                          max_seq_len=cache_len)
+                          max_seq_len=cache_len, compile_drafting=compile_drafting)
     shared = None
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
@@ -214,7 +216,8 @@ def run_bench(
         fast = isinstance(engine, FastEngine)
         compiled = (m == "hf_static" and dev.type == "cuda") or (fast and engine.compiled)
         summary.append({"method": m, "letter": letter, "label": label, "warmup_s": round(warm_s, 3),
-                        "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed})
+                        "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed,
+                        "drafting_compiled": fast and engine.core.drafting_compiled})
         echo(f"({letter}) {label}: done ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
         del engine
 
@@ -253,6 +256,7 @@ def run_bench(
         spec={"chain": chain, "tree": [tree.depth, tree.top_k, tree.total_tokens], "ngram_tokens": ngram_tokens,
               "hf_lookup_tokens": HF_LOOKUP_TOKENS},
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline,
+                 "compile_drafting": compile_drafting,
                  "warmup": warmup, "device": str(dev),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                  "cache_slots": cache_len},
@@ -384,6 +388,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
     b.add_argument("--fuse-pointwise", action="store_true", help="fast path: " + FUSE_POINTWISE_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
+    b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", help="folder for bench.json / bench.png (overhead.json)")
     b.add_argument("--overhead", action="store_true", help="per-cycle cost with random Llama-3.1-8B-shape weights")
@@ -406,7 +411,8 @@ def cmd_bench(args) -> int:
         if device.startswith("cuda") and not args.tiny:
             torch.cuda.set_device(torch.device("cuda", torch.device(device).index or 0))
         res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
-                           fuse_pointwise=args.fuse_pointwise, reps=args.reps)
+                           fuse_pointwise=args.fuse_pointwise, reps=args.reps,
+                           compile_drafting=False if args.eager_drafting else None)
         record = run_record("bench-overhead", **res)
         path = write_json(record, out / "overhead.json")
         print(format_overhead(res))
@@ -422,6 +428,7 @@ def cmd_bench(args) -> int:
         max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=tree,
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
+        compile_drafting=False if args.eager_drafting else None,
     )
     path = write_json(record, out / "bench.json")
     png = plot_bench(record, out / "bench.png")

@@ -13,6 +13,7 @@ from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
+    EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
     ConfigError,
     SamplingConfig,
@@ -81,7 +82,8 @@ def _engine(rt, args):
     if choice == "generic":
         return rt.engine
     options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
-                          fuse_pointwise=getattr(args, "fuse_pointwise", False))
+                          fuse_pointwise=getattr(args, "fuse_pointwise", False),
+                          compile_drafting=False if getattr(args, "eager_drafting", False) else None)
     return fast_engine_for(rt, options)
 
 
@@ -262,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-graphs", action="store_true", help="fast engine: no CUDA graphs")
     g.add_argument("--compile", action="store_true", help="fast engine: torch.compile the captured steps")
     g.add_argument("--fuse-pointwise", action="store_true", help="fast engine: " + FUSE_POINTWISE_HELP)
+    g.add_argument("--eager-drafting", action="store_true", help="fast engine: " + EAGER_DRAFTING_HELP)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")

@@ -21,17 +21,31 @@ root = x, length = 13.
 
 Drafter cache layout: slot s < length is the committed drafter row at RoPE position s. Tree-expansion rows of
 step j (1..depth-1) go to scratch slots length + (j-1)·k + [0, k); commit overwrites them.
+
+Compiled drafting (`FastCore.compile_drafting`): every piece of the cycle that does not run the target's weights
+(drafting, the verification's positions and mask, acceptance, feeding the drafter) can be compiled by inductor
+into a few fused kernels, while the target's forward stays eager. The emitted tokens are then bit-identical to
+an eager cycle's: the target's arithmetic is unchanged, acceptance is integer logic, and the drafter only decides
+what is proposed (its roundings change which tokens are drafted, never which are emitted).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.drafter import FastDrafter, top_k_last
+from eagle3.fast.graphs import RECOMPILE_LIMIT
 from eagle3.fast.target import FastTarget
 
+log = logging.getLogger("eagle3.fast")
+
 MODES = ("none", "eagle3", "host")
+# The pieces of a cycle that never run the target's weights (`FastCore.compile_drafting`).
+DRAFTING_PIECES = ("draft", "tree_inputs", "accept", "feed")
 
 
 class FastCore(nn.Module):
@@ -94,6 +108,8 @@ class FastCore(nn.Module):
                                  persistent=False)
         self.register_buffer("ar_s", None, persistent=False)
         self.register_buffer("ar_sd", None, persistent=False)
+        self._compiled: dict[str, object] = {}  # piece name -> compiled callable (`compile_drafting`)
+        self._tried: set[str] = set()  # compiled pieces that have run once (compiled without error)
 
     @property
     def device(self) -> torch.device:
@@ -136,6 +152,39 @@ class FastCore(nn.Module):
         if self.drafter is not None:
             self.last_out.zero_()
 
+    def compile_drafting(self, backend: str | Callable = "inductor") -> None:
+        """Compile the cycle's pieces that do not run the target (`DRAFTING_PIECES`) with inductor from now on;
+        they compile on first use (call before capturing graphs). A piece that fails to compile logs a warning
+        and runs eagerly. Emitted tokens are unchanged (module docstring)."""
+        from torch import _dynamo
+
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        names = [n for n in DRAFTING_PIECES if self.drafter is not None or n in ("tree_inputs", "accept")]
+        self._compiled = {n: torch.compile(getattr(self, n), fullgraph=True, dynamic=False, backend=backend)
+                          for n in names}
+        self._tried = set()
+
+    @property
+    def drafting_compiled(self) -> bool:
+        return bool(self._compiled)
+
+    def piece(self, name: str, *args):
+        """Piece `name`, compiled if `compile_drafting` asked for it."""
+        fn = self._compiled.get(name)
+        if fn is None:
+            return getattr(self, name)(*args)
+        if name in self._tried:
+            return fn(*args)
+        try:  # the first call compiles; later failures are real errors, not compilation ones
+            out = fn(*args)
+        except Exception as e:  # an inductor or dynamo failure must not stop decoding: run this piece eagerly
+            log.warning("torch.compile of the cycle piece %s failed (%s: %s); running it eagerly", name,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            del self._compiled[name]
+            return getattr(self, name)(*args)
+        self._tried.add(name)
+        return out
+
     # -- prefill (eager, variable length) -------------------------------------------------------
     def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt [T] into slots 0..T-1; returns next-token logits [V] and aux [T, 3·Ht] (EAGLE-3)."""
@@ -163,7 +212,7 @@ class FastCore(nn.Module):
         d, k, dev = self.drafter, self.top_k, self.device
         length = self.length  # [1]
         lp0 = d.log_probs(self.last_out)[0]  # [Vd]
-        scores, ids = lp0.topk(k)  # [k]
+        scores, ids = top_k_last(lp0, k)  # [k]
         rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
         rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
         ar_k = self.ar[:k]
@@ -180,7 +229,7 @@ class FastCore(nn.Module):
             mask = base.clone().scatter_(1, cols[None].expand(k, -1), anc)  # [k, Sd]
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
             out = d(f_hidden, all_tokens[frontier], pos, cols[-k:], mask)  # [k, H]
-            top_lp, top_ids = d.log_probs(out).topk(k, dim=-1)  # [k, k]
+            top_lp, top_ids = top_k_last(d.log_probs(out), k)  # [k, k]
             cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
             rec_scores.append(cum)
             rec_tokens.append(d.to_target_ids(top_ids.reshape(-1)))
@@ -216,8 +265,10 @@ class FastCore(nn.Module):
             anc = anc | (cur[:, None] == idx[None, :])
         return anc
 
-    def verify(self, greedy: bool = True) -> None:
-        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]."""
+    def tree_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the verification forward reads: ids [N+1] (root, nodes), RoPE positions length + depth [N+1],
+        cache slots length + [0, N] [N+1], the mask [N+1, S] (committed prefix, each node's ancestors and
+        itself) and the ancestry [N+1, N+1]."""
         n1 = self.n_nodes + 1
         length = self.length
         ids = torch.cat([self.root, self.tree_tokens])  # [N+1]
@@ -226,6 +277,11 @@ class FastCore(nn.Module):
         slots = length + self.ar[:n1]  # [N+1]
         mask = (self.ar_s < length)[None].repeat(n1, 1)  # [N+1, S] the committed prefix
         mask.scatter_(1, slots[None].expand(n1, -1), anc)  # plus each node's ancestors and itself
+        return ids, pos, slots, mask, anc
+
+    def verify(self, greedy: bool = True) -> None:
+        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]."""
+        ids, pos, slots, mask, anc = self.piece("tree_inputs")
         logits, aux = self.target(ids, pos, slots, mask, want_aux=self.drafter is not None)  # [N+1, V]
         if greedy:
             self.top.copy_(logits.argmax(dim=-1))
@@ -267,18 +323,22 @@ class FastCore(nn.Module):
         self.packet.copy_(torch.cat([n_acc, drafted, emitted]))
 
     def commit(self) -> None:
-        """Move the accepted path's K/V next to the prefix, feed the drafter, advance root and length."""
-        d1 = self.max_depth + 1
-        length, keep, n_acc = self.length, self.keep, self.n_acc
-        dst = length + self.ar[:d1]  # [D+1]
+        """Move the accepted path's K/V next to the prefix, then `feed`."""
         if self.max_depth > 0:
-            t = self.target
-            src = length + keep  # [D+1], src >= dst elementwise: gather first, then write
+            length, t = self.length, self.target
+            dst = length + self.ar[: self.max_depth + 1]  # [D+1]
+            src = length + self.keep  # [D+1], src >= dst elementwise: gather first, then write
             k_sel = t.k_cache.index_select(2, src)  # [L, nkv, D+1, hd]
             v_sel = t.v_cache.index_select(2, src)
             t.k_cache.index_copy_(2, dst, k_sel)
             t.v_cache.index_copy_(2, dst, v_sel)
+        self.piece("feed")
+
+    def feed(self) -> None:
+        """Feed the drafter the accepted rows (EAGLE-3), advance root and length."""
+        length, keep, n_acc = self.length, self.keep, self.n_acc
         if self.drafter is not None:
+            dst = length + self.ar[: self.max_depth + 1]  # [D+1]
             hidden = self.drafter.combine(self.aux.index_select(0, keep))  # [D+1, H]
             mask = self.ar_sd[None, :] <= dst[:, None]  # [D+1, Sd] committed rows + causal
             out = self.drafter(hidden, self.emitted, dst, dst, mask)  # [D+1, H]; rows > n_acc are padding
@@ -289,15 +349,15 @@ class FastCore(nn.Module):
     # -- whole cycles (what the engine captures) ----------------------------------------------
     def cycle_greedy(self) -> None:
         if self.mode == "eagle3":
-            self.draft()
+            self.piece("draft")
         self.verify(greedy=True)
-        self.accept()
+        self.piece("accept")
         self.commit()
 
     def cycle_logits(self) -> None:
         """Draft (EAGLE-3) and verify, leaving fp32 logits for host-side sampling acceptance."""
         if self.mode == "eagle3":
-            self.draft()
+            self.piece("draft")
         self.verify(greedy=False)
 
     # -- host-side helpers (outside graphs) -------------------------------------------------

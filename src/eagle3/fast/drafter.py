@@ -23,6 +23,24 @@ from eagle3.fast.target import (
     row_attention_bias,
 )
 
+# Two-stage top-k above this width: torch.topk over a few long rows runs one thread block per row (on an H200
+# [10, 8192] took 44 us, five times per tree cycle); top-k within chunks first spreads the work over many blocks.
+TOPK_CHUNK = 256
+
+
+def top_k_last(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, dim=-1)` (values descending, their indices) over [..., V], in two stages when V is a multiple of
+    `TOPK_CHUNK` wider than it: the best k of each chunk, then the best k of those. Same values; among exactly
+    equal values the order may differ."""
+    v = x.shape[-1]
+    if v <= TOPK_CHUNK or v % TOPK_CHUNK or k > TOPK_CHUNK:
+        return x.topk(k, dim=-1)
+    n = v // TOPK_CHUNK
+    vals, idx = x.unflatten(-1, (n, TOPK_CHUNK)).topk(k, dim=-1)  # [..., n, k]
+    idx = idx + torch.arange(0, v, TOPK_CHUNK, device=x.device)[:, None]  # chunk offsets
+    best, at = vals.flatten(-2).topk(k, dim=-1)  # [..., k]
+    return best, idx.flatten(-2).gather(-1, at)
+
 
 class FastDrafter(nn.Module):
     """Weights of an `Eagle3Drafter` (fused q/k/v and gate/up) plus a static KV cache `[n_kv, S, hd]`."""

@@ -50,6 +50,9 @@ class FastOptions:
     compile: bool = False  # inductor-compile the step functions before capture (slower start, fewer kernels)
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
     fuse_pointwise: bool = False  # compile only the target's elementwise work (`Pointwise`); a shared target stays so
+    # compile the cycle's pieces that do not run the target (`FastCore.compile_drafting`; emitted tokens unchanged).
+    # None: on CUDA, where they are captured in the cycle's graph (on a CPU each compiled call costs its guards).
+    compile_drafting: bool | None = None
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
@@ -114,6 +117,9 @@ class FastEngine:
             self.core = FastCore(self.target, "host", max_nodes=int(max_nodes))
         else:
             self.core = FastCore(self.target, "none")
+        cd = self.options.compile_drafting
+        if (self.target.device.type == "cuda" if cd is None else cd) and not self.options.compile and mode != "none":
+            self.core.compile_drafting(self.options.compile_backend)
         self.mode = mode
         self.device = self.target.device
         self._pool = None

@@ -116,13 +116,18 @@ def measure_overhead(
     fuse_pointwise: bool = False,
     reps: int = 20,
     log: Callable[[str], None] = print,
+    compile_drafting: bool | None = None,
 ) -> dict:
-    """Per-cycle costs for each chain length and tree size, in seconds and in target-step units."""
+    """Per-cycle costs for each chain length and tree size, in seconds and in target-step units.
+    `compile_drafting` (None: on CUDA, as `FastOptions`): the cycle's pieces that do not run the target are
+    inductor-compiled (`FastCore.compile_drafting`)."""
     target = FastTarget(model, drafter.config.aux_layer_ids)
     if fuse_pointwise:
         target.fuse_pointwise()
     fdrafter = FastDrafter(drafter)
     dev = target.device
+    if compile_drafting is None:
+        compile_drafting = dev.type == "cuda" and not compile
     vocab = target.vocab_size
     biggest = max([*trees, *chains, 1])
     seq_len = -(-(context + 2 * biggest + tree_depth + 16) // 128) * 128
@@ -147,7 +152,8 @@ def measure_overhead(
     bw = copy_bandwidth(dev)
     out: dict = {
         "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
-        "graphs": graphs and dev.type == "cuda", "compile": compile, "fuse_pointwise": fuse_pointwise, "reps": reps,
+        "graphs": graphs and dev.type == "cuda", "compile": compile, "fuse_pointwise": fuse_pointwise,
+        "compile_drafting": compile_drafting, "reps": reps,
         "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
         "kv_bytes_static": target.kv_bytes(seq_len),
         "copy_bandwidth_gbs": bw / 1e9,
@@ -163,23 +169,26 @@ def measure_overhead(
     configs = [("chain", k, 1, k) for k in chains] + [("tree", tree_depth, tree_top_k, n) for n in trees]
     for kind, depth, top_k, total in configs:
         core = FastCore(target, "eagle3", fdrafter, depth=depth, top_k=top_k, total_tokens=total)
+        if compile_drafting:
+            core.compile_drafting()
         core.allocate(seq_len)
         begin_random(core, context, vocab)
-        core.draft()
+        draft = partial(core.piece, "draft")
+        draft()
         saved = core.length.clone()
 
         def book(core=core, saved=saved):
-            core.accept()
+            core.piece("accept")
             core.commit()
             core.length.copy_(saved)  # keep the state fixed across repetitions
 
-        def cycle(core=core, book=book):
-            core.draft()
+        def cycle(core=core, book=book, draft=draft):
+            draft()
             core.verify(greedy=True)
             book()
 
         name = f"{kind}-{depth},{top_k},{core.n_nodes}"
-        t_draft = time_step(runner(core.draft, name + " draft"), dev, reps)
+        t_draft = time_step(runner(draft, name + " draft"), dev, reps)
         t_verify = time_step(runner(partial(core.verify, greedy=True), name + " verify"), dev, reps)
         core.verify(greedy=True)
         t_book = time_step(runner(book, name + " bookkeeping"), dev, reps)
@@ -197,17 +206,18 @@ def measure_overhead(
 
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
                  compile: bool = False, fuse_pointwise: bool = False, reps: int | None = None,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, compile_drafting: bool | None = None) -> dict:
     """Build the random model (8B shape in bf16, or tiny in fp32) and measure; returns the result dict."""
     dev = torch.device(device)
     if tiny:
         model, drafter = build_random(TINY, dev, torch.float32, draft_vocab_size=256)
         return {"shape": "tiny-llama", **measure_overhead(
             model, drafter, context=context or 32, chains=(1, 2, 3), trees=(8, 16), tree_depth=3, tree_top_k=4,
-            graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, reps=reps or 3, log=log)}
+            graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, reps=reps or 3, log=log,
+            compile_drafting=compile_drafting)}
     t0 = time.perf_counter()
     model, drafter = build_random(LLAMA_8B, dev, torch.bfloat16, draft_vocab_size=32000)
     log(f"built random Llama-3.1-8B-shape target and drafter on {dev} in {time.perf_counter() - t0:.1f}s")
     return {"shape": "llama-3.1-8b", **measure_overhead(
         model, drafter, context=context or 512, graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise,
-        reps=reps or 20, log=log)}
+        reps=reps or 20, log=log, compile_drafting=compile_drafting)}

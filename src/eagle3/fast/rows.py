@@ -43,7 +43,7 @@ import torch
 
 from eagle3.config import ConfigError, SamplingConfig
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.drafter import FastDrafter, top_k_last
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget
 from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
@@ -532,7 +532,7 @@ class FastRows:
         length = self.length[:nb]
         rows = torch.arange(nb, device=dev)[:, None]  # [nb, 1]
         lp0 = d.log_probs(self.last_out[:nb])  # [nb, Vd]
-        scores, ids = lp0.topk(k, dim=-1)  # [nb, k]
+        scores, ids = top_k_last(lp0, k)  # [nb, k]
         rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
         rec_parents = [torch.full((nb, k), -1, dtype=torch.long, device=dev)]
         ar_k = self.ar[:k]
@@ -550,7 +550,7 @@ class FastRows:
             pos = (length - 1 + step)[:, None].expand(nb, k)  # [nb, k]
             out = d.forward_rows(f_hidden, all_tokens.gather(1, frontier), pos, cols[:, -k:], mask, self.dk[:nb],
                                  self.dv[:nb], self.d_rope)  # [nb, k, H]
-            top_lp, top_ids = d.log_probs(out).topk(k, dim=-1)  # [nb, k, k]
+            top_lp, top_ids = top_k_last(d.log_probs(out), k)  # [nb, k, k]
             cum = (f_scores[:, :, None] + top_lp).reshape(nb, k * k)  # [nb, k·k]
             rec_scores.append(cum)
             rec_tokens.append(d.to_target_ids(top_ids.reshape(nb, k * k)))

@@ -12,6 +12,7 @@ from pathlib import Path
 from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
+    EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
     ConfigError,
     SpecConfig,
@@ -83,6 +84,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "batch-1 decoding, about a minute more at start-up); the fast rows stay uncompiled")
     s.add_argument("--fuse-pointwise", action="store_true",
                    help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
+    s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
     s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
                         "batch-size bucket, plain or speculative cycles) instead of the generic batch. auto: on for "
@@ -150,7 +152,7 @@ def load_server(args):
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config, compile=args.compile,
-                            fuse_pointwise=args.fuse_pointwise)
+                            fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting)
     if args.compile and fast is None:
         log.warning("--compile has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
                     "outside the fast-path families); only the lane's steps are compiled")
@@ -163,9 +165,10 @@ def load_server(args):
 
 
 def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
-                     compile: bool = False, fuse_pointwise: bool = False):
+                     compile: bool = False, fuse_pointwise: bool = False, eager_drafting: bool = False):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
-    inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`."""
+    inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`;
+    `eager_drafting`: `FastOptions.compile_drafting=False`."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
@@ -179,7 +182,8 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
         log.warning("fast lane off: %s", reason)
         return None
     engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
-                        options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise))
+                        options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise,
+                                            compile_drafting=False if eager_drafting else None))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 
