@@ -276,7 +276,7 @@ def test_compiled_drafting_keeps_trees_and_output(models, drafters):
             trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
         runs.append(trees)
         if compiled:
-            assert core._tried == {"draft", "tree_inputs", "accept", "feed"}
+            assert core.pieces.tried == {"draft", "tree_inputs", "accept", "feed"}
     assert runs[0] == runs[1]
 
     engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(compile_drafting=True))

@@ -31,17 +31,14 @@ what is proposed (its roundings change which tokens are drafted, never which are
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from eagle3.fast.drafter import FastDrafter, top_k_last
-from eagle3.fast.graphs import RECOMPILE_LIMIT
+from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
-
-log = logging.getLogger("eagle3.fast")
 
 MODES = ("none", "eagle3", "host")
 # The pieces of a cycle that never run the target's weights (`FastCore.compile_drafting`).
@@ -108,8 +105,7 @@ class FastCore(nn.Module):
                                  persistent=False)
         self.register_buffer("ar_s", None, persistent=False)
         self.register_buffer("ar_sd", None, persistent=False)
-        self._compiled: dict[str, object] = {}  # piece name -> compiled callable (`compile_drafting`)
-        self._tried: set[str] = set()  # compiled pieces that have run once (compiled without error)
+        self.pieces = CompiledPieces(self)  # `compile_drafting`
 
     @property
     def device(self) -> torch.device:
@@ -155,35 +151,17 @@ class FastCore(nn.Module):
     def compile_drafting(self, backend: str | Callable = "inductor") -> None:
         """Compile the cycle's pieces that do not run the target (`DRAFTING_PIECES`) with inductor from now on;
         they compile on first use (call before capturing graphs). A piece that fails to compile logs a warning
-        and runs eagerly. Emitted tokens are unchanged (module docstring)."""
-        from torch import _dynamo
-
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        and runs eagerly (`CompiledPieces`). Emitted tokens are unchanged (module docstring)."""
         names = [n for n in DRAFTING_PIECES if self.drafter is not None or n in ("tree_inputs", "accept")]
-        self._compiled = {n: torch.compile(getattr(self, n), fullgraph=True, dynamic=False, backend=backend)
-                          for n in names}
-        self._tried = set()
+        self.pieces.compile(names, backend)
 
     @property
     def drafting_compiled(self) -> bool:
-        return bool(self._compiled)
+        return bool(self.pieces)
 
     def piece(self, name: str, *args):
-        """Piece `name`, compiled if `compile_drafting` asked for it."""
-        fn = self._compiled.get(name)
-        if fn is None:
-            return getattr(self, name)(*args)
-        if name in self._tried:
-            return fn(*args)
-        try:  # the first call compiles; later failures are real errors, not compilation ones
-            out = fn(*args)
-        except Exception as e:  # an inductor or dynamo failure must not stop decoding: run this piece eagerly
-            log.warning("torch.compile of the cycle piece %s failed (%s: %s); running it eagerly", name,
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            del self._compiled[name]
-            return getattr(self, name)(*args)
-        self._tried.add(name)
-        return out
+        """Piece `name` of the cycle, compiled if `compile_drafting` asked for it."""
+        return self.pieces.run(name, *args)
 
     # -- prefill (eager, variable length) -------------------------------------------------------
     def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -104,6 +104,45 @@ class StepRunner:
             self.call()
 
 
+class CompiledPieces:
+    """Methods of `owner` that may run inductor-compiled (`compile(names)`); `run(name, *args)` calls the compiled
+    one if there is one, else the method. The first call of a compiled piece compiles it: if that fails, the
+    failure is logged and the piece runs eagerly from then on (later errors are real ones and propagate)."""
+
+    def __init__(self, owner: object, what: str = "cycle piece"):
+        self.owner, self.what = owner, what
+        self.fns: dict[str, Callable] = {}
+        self.tried: set[str] = set()  # compiled pieces that have run once
+
+    def compile(self, names: list[str], backend: str | Callable = "inductor", dynamic: bool = False) -> None:
+        """`dynamic`: integer arguments and sizes stay symbolic (one compilation serves every batch bucket)."""
+        from torch import _dynamo
+
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self.fns = {n: torch.compile(getattr(self.owner, n), fullgraph=True, dynamic=dynamic, backend=backend)
+                    for n in names}
+        self.tried = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.fns)
+
+    def run(self, name: str, *args):
+        fn = self.fns.get(name)
+        if fn is None:
+            return getattr(self.owner, name)(*args)
+        if name in self.tried:
+            return fn(*args)
+        try:
+            out = fn(*args)
+        except Exception as e:  # an inductor or dynamo failure must not stop decoding: run this piece eagerly
+            log.warning("torch.compile of the %s %s failed (%s: %s); running it eagerly", self.what, name,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            del self.fns[name]
+            return getattr(self.owner, name)(*args)
+        self.tried.add(name)
+        return out
+
+
 def graph_pool(device: torch.device):
     """One memory pool shared by the graphs of an engine (they never run concurrently)."""
     if torch.device(device).type == "cuda":

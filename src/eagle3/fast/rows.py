@@ -44,9 +44,12 @@ import torch
 from eagle3.config import ConfigError, SamplingConfig
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter, top_k_last
-from eagle3.fast.graphs import StepRunner, graph_pool
+from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
 from eagle3.fast.target import FastTarget
 from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
+
+# FastRows methods that never run the target (compiled with `compile_drafting`, as `eagle3.fast.core`)
+ROWS_DRAFTING_PIECES = ("_draft", "_tree_inputs", "_accept", "_feed_rows", "_feed_held")
 
 __all__ = ["FastRows", "RowShape", "buckets"]
 
@@ -158,7 +161,7 @@ class FastRows:
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
                  shapes: Callable[[int], RowShape | None] | None = None, graphs: bool = True,
                  prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW,
-                 fused_sampling: bool | None = None):
+                 fused_sampling: bool | None = None, compile_drafting: bool | None = None):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if feed_window < 0:
@@ -219,6 +222,11 @@ class FastRows:
         self.prefill_tokens = prefill_tokens
         self._flat: dict[str, torch.Tensor] = {}
         self._prefills: dict[tuple[int, int], _Prefill] = {}
+        # the speculative cycle's pieces that do not run the target, inductor-compiled (None: on CUDA, as
+        # `FastOptions.compile_drafting`; emitted and sampled tokens are unchanged: `eagle3.fast.core`)
+        self.pieces = CompiledPieces(self, "rows piece")
+        if self.d is not None and (dev.type == "cuda" if compile_drafting is None else compile_drafting):
+            self.pieces.compile(list(ROWS_DRAFTING_PIECES), dynamic=True)  # one compilation for all buckets
 
     # -- host side ---------------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -329,7 +337,7 @@ class FastRows:
 
     def _feed_runner(self, nb: int) -> StepRunner:
         if nb not in self._feeds:
-            r = StepRunner(lambda: self._feed_held(nb), self.device, graphs=self.graphs, pool=self._pool,
+            r = StepRunner(lambda: self.pieces.run("_feed_held", nb), self.device, graphs=self.graphs, pool=self._pool,
                            name=f"rows_feed_b{nb}")
             r.prepare()
             self._feeds[nb] = r
@@ -519,9 +527,10 @@ class FastRows:
         self.held_n[:nb].zero_()
 
     def _spec_cycle(self, nb: int, mode: int) -> None:
-        tokens, parents1 = self._draft(nb)  # [nb, N], [nb, N+1]
+        run = self.pieces.run
+        tokens, parents1 = run("_draft", nb)  # [nb, N], [nb, N+1]
         anc, top, aux = self._verify(nb, tokens, parents1, mode)
-        keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
+        keep, n_acc, emitted = run("_accept", nb, tokens, parents1, anc, top)
         self._commit(nb, keep, n_acc, emitted, aux)
 
     def _draft(self, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -574,9 +583,9 @@ class FastRows:
         parents1 = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=dev), par + 1], dim=1)  # [nb, N+1]
         return all_tokens.gather(1, keep), parents1
 
-    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, mode: int):
-        """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
-        [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
+    def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor):
+        """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache
+        slots [nb, N+1], the mask [nb, N+1, S]."""
         shape = self.shapes[nb]
         n1 = tokens.shape[1] + 1
         length = self.length[:nb]
@@ -591,6 +600,12 @@ class FastRows:
         slots = length[:, None] + idx[None]  # [nb, N+1]
         mask = (self.ar_s[None, :] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
         mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
+        return anc, ids, pos, slots, mask
+
+    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, mode: int):
+        """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
+        [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
+        anc, ids, pos, slots, mask = self.pieces.run("_tree_inputs", nb, tokens, parents1)
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
         # node j predicts the token at pos[j] + 1
@@ -620,15 +635,20 @@ class FastRows:
         return keep, n_acc, emitted
 
     def _commit(self, nb: int, keep, n_acc, emitted, aux) -> None:
-        """Accepted K/V next to each row's prefix, drafter fed with the accepted path, state advanced."""
-        d1 = keep.shape[1]
-        length = self.length[:nb]
+        """Accepted K/V next to each row's prefix, then `_feed_rows`."""
         rows = torch.arange(nb, device=self.device)[:, None]  # [nb, 1]
-        dst = length[:, None] + self.ar[:d1][None]  # [nb, D+1]
+        length = self.length[:nb]
+        dst = length[:, None] + self.ar[: keep.shape[1]][None]  # [nb, D+1]
         src = length[:, None] + keep  # src >= dst elementwise: gather first, then write
         k, v = self.k[:, :nb], self.v[:, :nb]
         k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
         v[:, rows, :, dst] = v[:, rows, :, src]
+        self.pieces.run("_feed_rows", nb, keep, n_acc, emitted, aux)
+
+    def _feed_rows(self, nb: int, keep, n_acc, emitted, aux) -> None:
+        """The drafter fed with each row's accepted path, state advanced."""
+        rows = torch.arange(nb, device=self.device)[:, None]  # [nb, 1]
+        dst = self.length[:nb, None] + self.ar[: keep.shape[1]][None]  # [nb, D+1]
         hidden = self.d.combine(aux[rows, keep])  # [nb, D+1, H]
         dmask = self.ar_sd[None, None, :] <= dst[:, :, None]  # [nb, D+1, Sd]
         out = self.d.forward_rows(hidden, emitted, dst, dst, dmask, self.dk[:nb], self.dv[:nb],
