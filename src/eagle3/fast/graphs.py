@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch._dynamo import exc as _dynamo_exc
 
 log = logging.getLogger("eagle3.fast")
 
@@ -106,13 +107,14 @@ class StepRunner:
 
 class CompiledPieces:
     """Methods of `owner` that may run inductor-compiled (`compile(names)`); `run(name, *args)` calls the compiled
-    one if there is one, else the method. The first call of a compiled piece compiles it: if that fails, the
-    failure is logged and the piece runs eagerly from then on (later errors are real ones and propagate)."""
+    one if there is one, else the method. A compiled piece compiles on its first call and again for new shapes:
+    if dynamo or inductor fails there, the failure is logged and the piece runs eagerly from then on (errors of
+    the computation itself propagate)."""
 
     def __init__(self, owner: object, what: str = "cycle piece"):
         self.owner, self.what = owner, what
         self.fns: dict[str, Callable] = {}
-        self.tried: set[str] = set()  # compiled pieces that have run once
+        self.tried: set[str] = set()  # pieces that have run compiled
 
     def compile(self, names: list[str], backend: str | Callable = "inductor", dynamic: bool = False) -> None:
         """`dynamic`: integer arguments and sizes stay symbolic (one compilation serves every batch bucket)."""
@@ -130,11 +132,10 @@ class CompiledPieces:
         fn = self.fns.get(name)
         if fn is None:
             return getattr(self.owner, name)(*args)
-        if name in self.tried:
-            return fn(*args)
         try:
             out = fn(*args)
-        except Exception as e:  # an inductor or dynamo failure must not stop decoding: run this piece eagerly
+        except _dynamo_exc.TorchDynamoException as e:  # a tracing or code generation failure (on the first call,
+            # or on a recompilation for new shapes) happens before the piece runs: run it eagerly from now on
             log.warning("torch.compile of the %s %s failed (%s: %s); running it eagerly", self.what, name,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             del self.fns[name]
