@@ -53,7 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eager-sampling", action="store_true",
                    help="sampled rows draw with eager ops instead of the fused (compiled) draw, which is the "
                         "default on CUDA: to measure what fusing saves")
-    p.add_argument("--eager-drafting", action="store_true", help="as serve --eager-drafting (compiled on CUDA by default)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -109,14 +108,12 @@ def main(argv=None) -> int:
             return None if s is None else RowShape(s.depth, s.top_k, s.total)
 
         rows = FastRows(target, drafter, capacity=max(args.batch), seq_len=args.seq_len, shapes=shape,
-                        feed_window=window, fused_sampling=fused,
-                        compile_drafting=False if args.eager_drafting else None)
+                        feed_window=window, fused_sampling=fused)
         prepare_s = rows.prepare()
         for b in args.batch:
             fill(rows, b)
             row = {"budget": budget, "feed_window": window, "batch": b, "shape": repr(rows.shape_of(b)),
                    "sampled": rows.mode != GREEDY, "fused_sampling": rows.fused_sampling,
-                   "drafting_compiled": bool(rows.pieces),
                    "prepare_s": round(prepare_s, 2), "bare_ms_per_cycle": round(bare_ms[b], 3)}
             for mode, spec_on in (("plain", False), ("spec", True)):
                 if spec_on and rows.shape_of(b) is None:

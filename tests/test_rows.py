@@ -217,31 +217,6 @@ def test_held_tokens_reach_the_drafter_as_if_fed_every_cycle():
         FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=2, seq_len=64, feed_window=-1)
 
 
-def test_compiled_drafting_rows_match_eager_rows():
-    """`compile_drafting`: drafting, the verification's inputs, acceptance and the drafter's feeds compiled by
-    inductor with symbolic batch sizes (one compilation for buckets 1, 2 and 4): cycle for cycle the same new
-    tokens as eager rows through joins, plain runs with held features, and speculative cycles."""
-    model = build_tiny_target("llama", vocab_size=8)
-    d = init_drafter(model, draft_vocab_size=8, seed=1)
-    shapes = {1: TREE, 2: RowShape(4, 2, 8), 4: RowShape(3, 1, 3)}
-    eager, compiled = (FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=128,
-                                shapes=shapes.get, feed_window=3, compile_drafting=c) for c in (False, True))
-    assert compiled.pieces and not eager.pieces
-    prompts = prompts_of([9, 4, 17, 6], 8, seed=5)
-    rng = random.Random(3)
-    accepted = 0
-    for cycle in range(40):
-        if cycle % 4 == 0 and cycle // 4 < len(prompts):
-            p = prompts[cycle // 4]
-            assert eager.add(p) == compiled.add(p)
-        spec = rng.random() < 0.6
-        a, b = eager.cycle(spec), compiled.cycle(spec)
-        assert a == b, f"cycle {cycle}"
-        accepted += spec * sum(len(t) - 1 for t in a)
-    assert accepted >= 5
-    assert compiled.pieces.tried == {"_draft", "_tree_inputs", "_accept", "_feed_rows", "_feed_held"}
-
-
 def test_cycles_are_capture_safe():
     """On the meta device any `.item()`, boolean indexing or tensor made on the CPU raises."""
     model = build_tiny_target("qwen3")

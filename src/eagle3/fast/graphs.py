@@ -116,12 +116,11 @@ class CompiledPieces:
         self.fns: dict[str, Callable] = {}
         self.tried: set[str] = set()  # pieces that have run compiled
 
-    def compile(self, names: list[str], backend: str | Callable = "inductor", dynamic: bool = False) -> None:
-        """`dynamic`: integer arguments and sizes stay symbolic (one compilation serves every batch bucket)."""
+    def compile(self, names: list[str], backend: str | Callable = "inductor") -> None:
         from torch import _dynamo
 
         _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self.fns = {n: torch.compile(getattr(self.owner, n), fullgraph=True, dynamic=dynamic, backend=backend)
+        self.fns = {n: torch.compile(getattr(self.owner, n), fullgraph=True, dynamic=False, backend=backend)
                     for n in names}
         self.tried = set()
 

@@ -44,12 +44,9 @@ import torch
 from eagle3.config import ConfigError, SamplingConfig
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter, top_k_last
-from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
+from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget
 from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
-
-# FastRows methods that never run the target (compiled with `compile_drafting`, as `eagle3.fast.core`)
-ROWS_DRAFTING_PIECES = ("_draft", "_tree_inputs", "_accept", "_feed_rows", "_feed_held")
 
 __all__ = ["FastRows", "RowShape", "buckets"]
 
@@ -161,7 +158,7 @@ class FastRows:
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
                  shapes: Callable[[int], RowShape | None] | None = None, graphs: bool = True,
                  prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW,
-                 fused_sampling: bool | None = None, compile_drafting: bool | None = None):
+                 fused_sampling: bool | None = None):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if feed_window < 0:
@@ -222,11 +219,6 @@ class FastRows:
         self.prefill_tokens = prefill_tokens
         self._flat: dict[str, torch.Tensor] = {}
         self._prefills: dict[tuple[int, int], _Prefill] = {}
-        # the speculative cycle's pieces that do not run the target, inductor-compiled (None: on CUDA, as
-        # `FastOptions.compile_drafting`; emitted and sampled tokens are unchanged: `eagle3.fast.core`)
-        self.pieces = CompiledPieces(self, "rows piece")
-        if self.d is not None and (dev.type == "cuda" if compile_drafting is None else compile_drafting):
-            self.pieces.compile(list(ROWS_DRAFTING_PIECES), dynamic=True)  # one compilation for all buckets
 
     # -- host side ---------------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -337,7 +329,7 @@ class FastRows:
 
     def _feed_runner(self, nb: int) -> StepRunner:
         if nb not in self._feeds:
-            r = StepRunner(lambda: self.pieces.run("_feed_held", nb), self.device, graphs=self.graphs, pool=self._pool,
+            r = StepRunner(lambda: self._feed_held(nb), self.device, graphs=self.graphs, pool=self._pool,
                            name=f"rows_feed_b{nb}")
             r.prepare()
             self._feeds[nb] = r
@@ -527,10 +519,9 @@ class FastRows:
         self.held_n[:nb].zero_()
 
     def _spec_cycle(self, nb: int, mode: int) -> None:
-        run = self.pieces.run
-        tokens, parents1 = run("_draft", nb)  # [nb, N], [nb, N+1]
+        tokens, parents1 = self._draft(nb)  # [nb, N], [nb, N+1]
         anc, top, aux = self._verify(nb, tokens, parents1, mode)
-        keep, n_acc, emitted = run("_accept", nb, tokens, parents1, anc, top)
+        keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
         self._commit(nb, keep, n_acc, emitted, aux)
 
     def _draft(self, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -605,7 +596,7 @@ class FastRows:
     def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, mode: int):
         """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
         [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
-        anc, ids, pos, slots, mask = self.pieces.run("_tree_inputs", nb, tokens, parents1)
+        anc, ids, pos, slots, mask = self._tree_inputs(nb, tokens, parents1)
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
         # node j predicts the token at pos[j] + 1
@@ -643,7 +634,7 @@ class FastRows:
         k, v = self.k[:, :nb], self.v[:, :nb]
         k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
         v[:, rows, :, dst] = v[:, rows, :, src]
-        self.pieces.run("_feed_rows", nb, keep, n_acc, emitted, aux)
+        self._feed_rows(nb, keep, n_acc, emitted, aux)
 
     def _feed_rows(self, nb: int, keep, n_acc, emitted, aux) -> None:
         """The drafter fed with each row's accepted path, state advanced."""

@@ -84,7 +84,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "batch-1 decoding, about a minute more at start-up); the fast rows stay uncompiled")
     s.add_argument("--fuse-pointwise", action="store_true",
                    help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
-    s.add_argument("--eager-drafting", action="store_true", help="fast lane and fast rows: " + EAGER_DRAFTING_HELP)
+    s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
     s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
                         "batch-size bucket, plain or speculative cycles) instead of the generic batch. auto: on for "
@@ -158,7 +158,7 @@ def load_server(args):
                     "outside the fast-path families); only the lane's steps are compiled")
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                     fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting)
+                     fuse_pointwise=args.fuse_pointwise)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     return sched, create_app(sched)
@@ -189,7 +189,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
 
 
 def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
-              token_budget: int | None = None, fuse_pointwise: bool = False, eager_drafting: bool = False):
+              token_budget: int | None = None, fuse_pointwise: bool = False):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
     shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`)."""
@@ -227,7 +227,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     try:
         staging = prefill_staging_tokens(config.max_prefill_tokens)
         rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape,
-                        prefill_tokens=staging, compile_drafting=False if eager_drafting else None)
+                        prefill_tokens=staging)
         seconds = rows.prepare()
     except torch.OutOfMemoryError as e:
         raise ConfigError(f"the fast rows' caches ({config.max_batch_size} rows x {seq_len} slots) do not fit on "
