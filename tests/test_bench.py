@@ -44,6 +44,7 @@ def test_bench_cpu_writes_a_record_with_every_method(tmp_path, capsys):
         assert s["tokens_per_s_median"] > 0 and s["tau"] >= 1.0
         assert s["identical"] == 2, f"{s['method']} differs from plain decoding"
     assert by["plain"]["fast_path"] and by["tree"]["fast_path"] and not by["hf"]["fast_path"]
+    assert not by["tree"]["drafting_compiled"]  # compiled drafting is the CUDA default only
     assert by["plain"]["tau"] == 1.0
     b = rec["bandwidth"]
     assert b["copy_bandwidth_gbs"] > 0 and b["floor_tokens_per_s"] > 0 and b["plain_fraction_of_floor"] > 0
@@ -54,10 +55,11 @@ def test_bench_cpu_writes_a_record_with_every_method(tmp_path, capsys):
 
 def test_bench_methods_subset_and_no_drafter(tmp_path):
     rc = bench(["--target", "stories260k", "--limit", "1", "--max-new-tokens", "8", "--device", "cpu",
-                "--methods", "d,tree,hf", "--out", str(tmp_path)])
+                "--methods", "d,tree,hf", "--eager-drafting", "--out", str(tmp_path)])
     assert rc == 0
     rec = json.loads((tmp_path / "bench.json").read_text())
     assert [s["method"] for s in rec["summary"]] == ["hf", "plain"]  # tree skipped: no drafter given
+    assert rec["options"]["compile_drafting"] is False
 
 
 def test_overhead_tiny(tmp_path, capsys):
@@ -69,6 +71,7 @@ def test_overhead_tiny(tmp_path, capsys):
     for r in rec["rows"]:
         assert r["cycle_units"] > 0 and r["verify_units"] > 0 and r["draft_units"] > 0
     assert rec["target_step_ms"] > 0 and rec["plain_bandwidth_gbs"] > 0
+    assert rec["compile_drafting"] is False  # None resolves to CUDA only
     assert "target steps" in capsys.readouterr().out
 
 
@@ -199,6 +202,7 @@ def test_profile_step_script_groups_kernels(tmp_path, capsys):
                      "--tree", "3,2,4", "--reps", "2", "--out", str(out)]) == 0
     rec = json.loads((out / "profile_step.json").read_text())
     assert rec["kind"] == "profile_step" and set(rec["results"]) == {"plain_step", "tree_cycle"}
+    assert rec["drafting_compiled"] is False
     for r in rec["results"].values():
         assert r["wall_us"] > 0 and r["launches"] > 0 and "matmul" in r["kinds"]
     assert "tree cycle = " in capsys.readouterr().out

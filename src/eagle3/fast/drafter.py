@@ -23,8 +23,9 @@ from eagle3.fast.target import (
     row_attention_bias,
 )
 
-# Two-stage top-k above this width: torch.topk over a few long rows runs one thread block per row (on an H200
-# [10, 8192] took 44 us, five times per tree cycle); top-k within chunks first spreads the work over many blocks.
+# Two-stage top-k above this width: torch.topk over a few long rows runs one thread block per row; top-k within
+# chunks first spreads the work over many blocks (on an H200, [10, 8192] -> 10: 40.0 us against 29.0 us in two
+# stages, five times per 6,10,60 tree cycle; docs/results/session14_h200/topk.log).
 TOPK_CHUNK = 256
 
 

@@ -51,7 +51,8 @@ class FastOptions:
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
     fuse_pointwise: bool = False  # compile only the target's elementwise work (`Pointwise`); a shared target stays so
     # compile the cycle's pieces that do not run the target (`FastCore.compile_drafting`; emitted tokens unchanged).
-    # None: on CUDA, where they are captured in the cycle's graph (on a CPU each compiled call costs its guards).
+    # None: on CUDA, where the compiled kernels are captured in the cycle's graph (a tree cycle went from 1.98 to
+    # 1.64 plain steps on an H200); not on a CPU, where compiling takes 10-20 s and the target dominates a cycle.
     compile_drafting: bool | None = None
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
