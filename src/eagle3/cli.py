@@ -231,7 +231,7 @@ def cmd_demo(args) -> int:
 
     spec = _spec_from_args(args) if (args.tree or args.chain) else None
     summary = run_demo(prompts=args.prompts, max_new_tokens=args.max_new_tokens, spec=spec, device=args.device,
-                       drafter=args.drafter, record=args.record)
+                       drafter=args.drafter, record=args.record, dtype=args.dtype)
     return 0 if summary["identical"] else 1
 
 
@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer")
     dm.add_argument("--max-new-tokens", type=int, default=128)
     dm.add_argument("--device", default="cpu")
+    dm.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="auto: bf16 on CUDA and on CPUs with AMX (the static-cache fast path, a chain of 3 on a CPU), "
+                         "fp32 elsewhere (the generic engine, a chain of 2)")
     dm.add_argument("--drafter", default=None, help="another drafter for SmolLM2 (default: the bundled one)")
     shape = dm.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")

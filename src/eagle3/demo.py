@@ -1,6 +1,9 @@
 """`eagle3 demo`: the README's main job. SmolLM2-135M-Instruct answers a few MT-bench prompts twice, with
 plain decoding and with EAGLE-3 (the bundled drafter), shows that the answers are identical token for token,
-and prints tau and the measured speedup. Offline; CPU by default."""
+and prints tau and the measured speedup. Offline; CPU by default.
+
+On a CPU with AMX the demo runs in bf16 on the static-cache fast path with a chain of 3; elsewhere in fp32 on
+the generic engine with a chain of 2 (why: the comments on `CPU_SPEC` and `CPU_BF16_SPEC`)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, SamplingConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.evaluate import load_prompts
@@ -21,9 +24,31 @@ from eagle3.target import Target
 # In fp32 a CPU verifies more than 2 tokens at 1.6-2.2x the cost of one (its fp32 GEMMs are compute-bound for a
 # few rows where a GPU is bandwidth-bound). With the v2 drafter on 2 cores (`eagle3 demo --chain K / --tree
 # ...`): chain 1 1.28x, chain 2 1.28x, chain 3 0.98x, tree 3,2,4 1.03x (docs/benchmarks.md). So the CPU default
-# is a chain of 2. (bf16 on a CPU with AMX verifies 24 tokens for about the cost of one and reaches 1.74x, but its
-# answers are not reliably identical to bf16 plain decoding, which is what this demo shows.)
+# is a chain of 2 in fp32.
 CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
+# In bf16 a CPU with AMX verifies a few tokens for about the cost of one, and on the fast path a chain's verification
+# gives each row the bits of a one-token step (its rows see the same cache slots in the same order), so chains stay
+# identical to bf16 plain decoding; trees do not reliably (their rows see keys at other slots). On 2 cores, 3
+# MT-bench prompts x 128 tokens: chain 3 1.64x, chain 4 1.57x, chain 5 1.52x bf16 plain, all identical
+# (docs/benchmarks.md).
+CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=3)
+DEMO_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (bf16 matrix products at about the cost of fp32 ones for one row, much less
+    for several)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe; absent: assume no AMX
+    return bool(probe is not None and probe())
+
+
+def demo_dtype(device: str, dtype: str = "auto") -> str:
+    """The demo's dtype: `dtype` unless "auto"; then bf16 on CUDA and on CPUs with AMX, fp32 on other CPUs."""
+    if dtype not in DEMO_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {DEMO_DTYPES}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if not str(device).startswith("cpu") or cpu_has_amx() else "float32"
 
 
 def _shape(spec: SpecConfig) -> str:
@@ -37,22 +62,33 @@ def bundled_drafter() -> Path:
 
 
 def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | None = None, device: str = "cpu",
-             drafter: str | Path | None = None, record: str | Path | None = None, print_fn=print) -> dict:
+             drafter: str | Path | None = None, record: str | Path | None = None, print_fn=print,
+             dtype: str = "auto") -> dict:
+    from eagle3.fast import FastEngine, FastTarget
     from eagle3.formats import load_drafter
     from eagle3.models import load_target
 
     t0 = time.perf_counter()
-    model, tok = load_target("smollm2", dtype="float32" if device == "cpu" else "auto", device=device)
+    cpu = str(device).startswith("cpu")
+    dtype = demo_dtype(device, dtype)
+    model, tok = load_target("smollm2", dtype=dtype, device=device)
     d = load_drafter(drafter or bundled_drafter(), target_config=model.config,
                      target_embedding=model.get_input_embeddings().weight, device=device,
                      dtype=next(model.parameters()).dtype)
-    spec = spec or (CPU_SPEC if device == "cpu" else SpecConfig())
-    target = Target(model, d.config.aux_layer_ids)
-    plain = SpeculativeEngine(target, NoDraftProposer(device), tok)
-    eagle = SpeculativeEngine(target, Eagle3Proposer(d, spec), tok)
+    fast = not cpu or dtype == "bfloat16"  # bf16 answers match bf16 plain decoding on the fast path (chains)
+    spec = spec or (SpecConfig() if not cpu else CPU_BF16_SPEC if dtype == "bfloat16" else CPU_SPEC)
+    if fast:
+        shared = FastTarget(model, d.config.aux_layer_ids)
+        plain = FastEngine(model, draft="none", tokenizer=tok, target=shared)
+        eagle = FastEngine(model, draft="eagle3", spec=spec, drafter=d, tokenizer=tok, target=shared)
+    else:
+        target = Target(model, d.config.aux_layer_ids)
+        plain = SpeculativeEngine(target, NoDraftProposer(device), tok)
+        eagle = SpeculativeEngine(target, Eagle3Proposer(d, spec), tok)
     eos = eos_token_ids(model, tok)
+    engine = "fast path" if fast else "generic engine"
     print_fn(f"loaded SmolLM2-135M-Instruct and the EAGLE-3 drafter in {time.perf_counter() - t0:.1f}s "
-             f"(device {device}, {torch.get_num_threads()} threads, {_shape(spec)})")
+             f"(device {device}, {dtype}, {engine}, {torch.get_num_threads()} threads, {_shape(spec)})")
     _, questions = load_prompts("mt_bench", limit=prompts)
     # warm-up, excluded from timing
     warm = encode_prompt(tok, chat="Hello!")
@@ -85,7 +121,8 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | Non
              f"plain {tot['tokens'] / tot['plain_s']:.1f} tok/s, EAGLE-3 {tot['tokens'] / tot['eagle_s']:.1f} tok/s; "
              f"speedup {speedup:.2f}x")
     summary = {"identical": all_same, "tau": round(tau, 3), "speedup": round(speedup, 3), "rows": rows,
-               "spec": spec.__dict__, "max_new_tokens": max_new_tokens}
+               "spec": spec.__dict__, "max_new_tokens": max_new_tokens, "dtype": dtype, "engine": engine,
+               "device": str(device)}
     if record:
         write_json(run_record("demo", **summary), record)
         print_fn(f"run record: {record}")
