@@ -28,7 +28,8 @@ from eagle3.target import Target
 CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
 # In bf16 a CPU with AMX verifies a few tokens for about the cost of one, and on the fast path a chain's verification
 # gives each row the bits of a one-token step (its rows see the same cache slots in the same order), so chains stay
-# identical to bf16 plain decoding; trees do not reliably (their rows see keys at other slots). On 2 cores, 3
+# identical to bf16 plain decoding; trees do not reliably (a node's ancestors sit at scattered slots: 2 of 20
+# random tree rows rounded differently from the same row in a chain). On 2 cores, 3
 # MT-bench prompts x 128 tokens: chain 3 1.64x, chain 4 1.57x, chain 5 1.52x bf16 plain, all identical
 # (docs/benchmarks.md).
 CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=3)
