@@ -76,7 +76,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | Non
     d = load_drafter(drafter or bundled_drafter(), target_config=model.config,
                      target_embedding=model.get_input_embeddings().weight, device=device,
                      dtype=next(model.parameters()).dtype)
-    fast = not cpu or dtype == "bfloat16"  # bf16 answers match bf16 plain decoding on the fast path (chains)
+    fast = cpu and dtype == "bfloat16"  # bf16 chains match bf16 plain decoding on the fast path (CPU_BF16_SPEC)
     spec = spec or (SpecConfig() if not cpu else CPU_BF16_SPEC if dtype == "bfloat16" else CPU_SPEC)
     if fast:
         shared = FastTarget(model, d.config.aux_layer_ids)
