@@ -155,6 +155,11 @@ class FastCore(nn.Module):
         names = [n for n in DRAFTING_PIECES if self.drafter is not None or n in ("tree_inputs", "accept")]
         self.pieces.compile(names, backend)
 
+    @staticmethod
+    def drafting_compiled_by_default(device: torch.device, compile: bool = False) -> bool:
+        """`compile_drafting`'s default: on CUDA, unless the whole cycle is compiled anyway (`compile`)."""
+        return torch.device(device).type == "cuda" and not compile
+
     @property
     def drafting_compiled(self) -> bool:
         return bool(self.pieces)

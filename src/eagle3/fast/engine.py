@@ -118,9 +118,11 @@ class FastEngine:
             self.core = FastCore(self.target, "host", max_nodes=int(max_nodes))
         else:
             self.core = FastCore(self.target, "none")
-        cd = self.options.compile_drafting
-        if (self.target.device.type == "cuda" if cd is None else cd) and not self.options.compile and mode != "none":
-            self.core.compile_drafting(self.options.compile_backend)
+        o = self.options
+        cd = FastCore.drafting_compiled_by_default(self.target.device) if o.compile_drafting is None \
+            else o.compile_drafting
+        if cd and not o.compile and mode != "none":
+            self.core.compile_drafting(o.compile_backend)
         self.mode = mode
         self.device = self.target.device
         self._pool = None

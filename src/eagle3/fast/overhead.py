@@ -127,7 +127,7 @@ def measure_overhead(
     fdrafter = FastDrafter(drafter)
     dev = target.device
     if compile_drafting is None:
-        compile_drafting = dev.type == "cuda" and not compile
+        compile_drafting = FastCore.drafting_compiled_by_default(dev, compile)
     vocab = target.vocab_size
     biggest = max([*trees, *chains, 1])
     seq_len = -(-(context + 2 * biggest + tree_depth + 16) // 128) * 128

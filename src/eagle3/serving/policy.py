@@ -237,9 +237,12 @@ class SpeedGate:
     def interval(self, batch_size: int, drafting: int | None = None) -> int:
         """Cycles between probes for this bucket now."""
         b = self.bucket(batch_size, drafting)
-        n = self._interval.get(b, self.probe_every)
         faster = self._faster(b)
-        return n if faster is None else max(n, self._affordable(b, faster))
+        return self._interval.get(b, self.probe_every) if faster is None else self._due(b, faster)
+
+    def _due(self, b: tuple[int, int], faster: bool) -> int:
+        """Cycles between probes of bucket `b`: its interval, or more where a probe would cost too much."""
+        return max(self._interval.get(b, self.probe_every), self._affordable(b, faster))
 
     def _faster(self, b: tuple[int, int]) -> bool | None:
         spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
@@ -275,7 +278,7 @@ class SpeedGate:
             return not self._probe[b]
         n = self._since_probe.get(b, 0) + 1
         self._since_probe[b] = n
-        if n >= max(self._interval.get(b, self.probe_every), self._affordable(b, faster)):
+        if n >= self._due(b, faster):
             self._since_probe[b] = 0  # re-time the slower mode: `settle` + `probe_cycles` cycles
             self._probe[b] = faster
             self._probing[b] = self.settle + self.probe_cycles - 1
