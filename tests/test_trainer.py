@@ -611,3 +611,38 @@ def test_time_budget_under_torchrun_sizes_every_rank_alike(data_dir, tmp_path):
     printed = (tmp_path / f"worker_{abs(hash(worker))}.log").read_text()
     assert printed.count("eagle3 train: time budget 2 s") == 1  # rank 0 says it, once (sized after 23 steps)
     assert f"-> {steps[-1]} steps in all" in printed
+
+
+def test_compiled_training_matches_eager(data_dir, straight_run, tmp_path, caplog):
+    """compile=True (the CUDA default) inductor-compiles the target's layers and the drafter's norms and MLP; on
+    CPU in fp32 it must train to the eager run's weights up to rounding, and really run compiled."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = tmp_path / "compiled"
+    with caplog.at_level("WARNING", logger="eagle3"):
+        train(base_cfg(data_dir, out, compile=True))
+    assert not [r for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert counters["stats"]["unique_graphs"] >= 2  # at least a target layer and a drafter piece
+    assert_same_weights(weights(straight_run), weights(out), atol=1e-4)
+    assert json.loads((out / "train_config.json").read_text())["config"]["compile"] is True
+
+
+def test_compile_failure_falls_back_to_eager(caplog):
+    from eagle3.training.compiled import compile_forward
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    want = layer(x)
+    compile_forward(layer, "test layer", backend=broken)
+    with caplog.at_level("WARNING", logger="eagle3"):
+        got = layer(x)
+        again = layer(x)  # eager from now on: no second attempt, no second warning
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    warnings = [r.getMessage() for r in caplog.records if "torch.compile of test layer failed" in r.getMessage()]
+    assert len(warnings) == 1 and "running it eagerly" in warnings[0]

@@ -49,7 +49,7 @@ from torch import nn
 from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError, DrafterConfig
 from eagle3.drafter import Eagle3Drafter
-from eagle3.target import Target
+from eagle3.target import Target, decoder_parts
 from eagle3.training import distributed
 from eagle3.training.checkpoints import (
     CHECKPOINT_DIR,
@@ -59,6 +59,7 @@ from eagle3.training.checkpoints import (
     set_rng_state,
     truncate_log,
 )
+from eagle3.training.compiled import compile_drafter_pieces, compile_target_layers
 from eagle3.training.dataset import TrainData, shard_rows
 from eagle3.training.distributed import Dist, init_dist
 from eagle3.training.features import FeatureCache, Features, OnlineFeatures, human_bytes
@@ -127,6 +128,8 @@ class TrainConfig:
     packing: bool = False
     dtype: str = "auto"  # target dtype: bf16 on CUDA, fp32 on CPU
     autocast: bool | None = None  # bf16 autocast for the drafter; default on for CUDA, off on CPU
+    compile: bool | None = None  # inductor-compile the target's layers and the drafter's norms and MLP
+    # (eagle3.training.compiled); default on for CUDA, off on CPU (minutes of compiling for little gain there)
     device: str | None = None  # default cuda:LOCAL_RANK if available, else cpu
     shard_target: bool = False  # FSDP-shard the frozen target over the torchrun ranks (online features only)
     seed: int = 0
@@ -342,6 +345,7 @@ class _Trainer:
         self.use_autocast = cfg.autocast if cfg.autocast is not None else self.device.type == "cuda"
         if self.use_autocast and self.device.type != "cuda":
             raise ConfigError("autocast=True needs a CUDA device; bf16 autocast is off on CPU (fp32 training)")
+        self.use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.tb = None
         if cfg.tensorboard:
             try:
@@ -380,6 +384,12 @@ class _Trainer:
             )
         drafter = _build_drafter(cfg, model, d2t, t2d).to(self.device)
         self.drafter = drafter
+        if self.use_compile:
+            compile_drafter_pieces(drafter)
+            if self.sharded_target:
+                log.warning("compile: the sharded (FSDP) target runs eagerly; only the drafter is compiled")
+            else:
+                compile_target_layers(decoder_parts(model)[0])
         if self.sharded_target:  # after _build_drafter, which reads the target's embedding (and head) in full
             local, full = distributed.shard_target(model, self.device, self.ctx.world)
             if self.ctx.main:
