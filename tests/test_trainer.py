@@ -144,6 +144,7 @@ def test_log_records(straight_run):
     assert all(np.isfinite(x["loss"]) for x in recs)
     cfg = json.loads((straight_run / "train_config.json").read_text())
     assert cfg["config"]["ttt_steps"] == 3 and cfg["drafter"]["draft_vocab_size"] == VD
+    assert cfg["compiled"] is False and cfg["autocast"] is False  # CPU defaults
 
 
 def test_grad_accum_matches_one_batch(data_dir, straight_run, tmp_path):
@@ -598,6 +599,24 @@ def test_time_budget_sizes_again_when_the_first_steps_were_slow(data_dir, tmp_pa
     assert res.steps == 77
 
 
+def test_time_budget_sizes_a_third_time_after_the_late_window(data_dir, tmp_path, monkeypatch, capsys):
+    import eagle3.training.trainer as trainer_mod
+
+    # steps 1-33 take 2 s, later ones 1 s; windows of 20, 10 and 10 steps after 3 untimed ones.
+    # Step 23: 46 s spent, 2 s/step -> 23 + 74 / 2 = 60. Step 33: 66 s, 2 s/step -> 33 + 54 / 2 = 60.
+    # Step 43: 76 s spent, 1 s/step -> 43 + 44 = 87: the third sizing uses the time the first two left.
+    monkeypatch.setattr(trainer_mod, "BUDGET_RECALIBRATION_STEPS", 10)
+    monkeypatch.setattr(trainer_mod, "BUDGET_LATE_STEPS", 10)
+    cfg = base_cfg(data_dir, tmp_path / "o", epochs=20, max_steps=None, time_budget=120.0, warmup_steps=None,
+                   save_every=0)
+    res = run_with_clock(monkeypatch, FakeClock(1.0, early_seconds=2.0, early_steps=33), cfg)
+    err = capsys.readouterr().err
+    assert "2.000 s/step over the last 20 steps -> 60 steps" in err
+    assert "2.000 s/step over the last 10 steps -> 60 steps" in err
+    assert "76 s spent: 1.000 s/step over the last 10 steps -> 87 steps" in err
+    assert res.steps == 87
+
+
 def test_time_budget_under_torchrun_sizes_every_rank_alike(data_dir, tmp_path):
     """With a real clock each rank measures its own speed; the sizing uses the mean over ranks, so both stop at
     the same step (were they to differ, the rank still training would wait in DDP's all-reduce forever)."""
@@ -625,7 +644,7 @@ def test_compiled_training_matches_eager(data_dir, straight_run, tmp_path, caplo
     assert not [r for r in caplog.records if "torch.compile" in r.getMessage()]
     assert counters["stats"]["unique_graphs"] >= 2  # at least a target layer and a drafter piece
     assert_same_weights(weights(straight_run), weights(out), atol=1e-4)
-    assert json.loads((out / "train_config.json").read_text())["config"]["compile"] is True
+    assert json.loads((out / "train_config.json").read_text())["compiled"] is True
 
 
 def test_compile_failure_falls_back_to_eager(caplog):

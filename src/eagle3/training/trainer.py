@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -79,14 +80,17 @@ CONFIG_FILE = "train_config.json"
 _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs",
                  "val_fraction")
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
-# invocation (the very first ones pay allocator warm-up) and sizes its schedule from their mean; then it times the
-# next BUDGET_RECALIBRATION_STEPS and sizes it once more. Early steps run slower than later ones (kernel
-# selection for each new batch shape): on an H200 the first estimate was 0.94-0.98 s/step, the run's average
-# about 0.6 s, and a 1,000 s budget ended after 650 s. The second sizing moves the cosine by a few percent of its
-# length, early, where the learning rate is near its peak.
+# invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
+# then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
+# BUDGET_LATE_STEPS after those, because early step times are not yet the run's: on an H200 the first estimate was
+# 0.94-0.98 s/step, the run's average about 0.6 s, and a 1,000 s budget ended after 650 s (before the second
+# sizing); with the compiled trainer the second sizing planned for 0.201 s/step and its loop of 5,306 steps ended
+# after 1,017 s, validation included, of a 1,080 s budget (docs/results/drafter_v4_h200, before the third). Each later sizing moves the cosine by a few
+# percent of its length, early, where the learning rate is near its peak.
 BUDGET_SKIP_STEPS = 3
 BUDGET_CALIBRATION_STEPS = 20
 BUDGET_RECALIBRATION_STEPS = 100
+BUDGET_LATE_STEPS = 500
 
 
 @dataclass
@@ -519,7 +523,7 @@ class _Trainer:
             for n, t in state["drafter"].items():
                 params[n].copy_(t)
         if self.cfg.time_budget is not None and state.get("budget_sized"):
-            # keep the length the first invocation chose (sized once or twice; a resume does not size again)
+            # keep the length the first invocation chose (sized one or more times; a resume does not size again)
             self._set_total(int(state["total_steps"]))
             self.budget_sizings = len(self._calibration_points)
         self.train_seconds = float(state.get("train_seconds", 0.0))
@@ -686,7 +690,7 @@ class _Trainer:
             if not self._sized and step - first == BUDGET_SKIP_STEPS:
                 timer = time.perf_counter()
             elif timer is not None and step - first in self._calibration_points:
-                n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 0 else BUDGET_RECALIBRATION_STEPS
+                n = self._calibration_windows[self.budget_sizings]
                 self._calibrate((time.perf_counter() - timer) / n, step, bar)
                 timer = None if self._sized else time.perf_counter()
                 end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
@@ -756,20 +760,24 @@ class _Trainer:
         return self.cfg.time_budget is None or self.budget_sizings >= len(self._calibration_points)
 
     @property
+    def _calibration_windows(self) -> tuple[int, ...]:
+        """How many steps each sizing of a time-budgeted run times."""
+        return (BUDGET_CALIBRATION_STEPS, BUDGET_RECALIBRATION_STEPS, BUDGET_LATE_STEPS)
+
+    @property
     def _calibration_points(self) -> tuple[int, ...]:
         """Steps of this invocation (counted from its first) at which a time-budgeted run sizes its schedule."""
-        first = BUDGET_SKIP_STEPS + BUDGET_CALIBRATION_STEPS
-        return (first, first + BUDGET_RECALIBRATION_STEPS)
+        return tuple(BUDGET_SKIP_STEPS + s for s in itertools.accumulate(self._calibration_windows))
 
     def _calibrate(self, step_seconds: float, step: int, bar=None) -> None:
-        """Size a time-budgeted run from the measured seconds per step (mean over ranks); the second sizing is
-        final. A run shorter than the second point keeps the first."""
+        """Size a time-budgeted run from the measured seconds per step (mean over ranks); the last sizing is
+        final. A run that ends before a sizing point keeps the length chosen before it."""
         t = torch.tensor([step_seconds, self.train_seconds], dtype=torch.float64, device=self.device)
         step_seconds, spent = (self.ctx.all_reduce(t) / self.ctx.world).tolist()
         self._set_total(budget_steps(step, self.cfg.time_budget - spent, step_seconds, self.upper))
         self.budget_sizings += 1
         if self.ctx.main:
-            n = BUDGET_CALIBRATION_STEPS if self.budget_sizings == 1 else BUDGET_RECALIBRATION_STEPS
+            n = self._calibration_windows[self.budget_sizings - 1]
             epochs = self.total / max(1, self.plan_sizes[0])
             _say(f"eagle3 train: time budget {self.cfg.time_budget:.0f} s, {spent:.0f} s spent: "
                  f"{step_seconds:.3f} s/step over the last {n} steps -> {self.total} steps in all "
@@ -820,6 +828,8 @@ class _Trainer:
             "drafter": self.drafter.config.to_dict(),
             "world_size": self.ctx.world,
             "device": str(self.device),
+            "compiled": self.use_compile,  # what `compile` (None: by device) resolved to
+            "autocast": self.use_autocast,
             "argv": sys.argv,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "python": sys.version.split()[0]},
