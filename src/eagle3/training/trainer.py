@@ -82,11 +82,12 @@ _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_l
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
 # then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
-# BUDGET_LATE_STEPS after those, because early step times are not yet the run's: on an H200 the first estimate was
-# 0.94-0.98 s/step, the run's average about 0.6 s, and a 1,000 s budget ended after 650 s (before the second
-# sizing); with the compiled trainer the second sizing planned for 0.201 s/step and its loop of 5,306 steps ended
-# after 1,017 s, validation included, of a 1,080 s budget (docs/results/drafter_v4_h200, before the third). Each later sizing moves the cosine by a few
-# percent of its length, early, where the learning rate is near its peak.
+# BUDGET_LATE_STEPS after those, because early step times are not yet the run's. On an H200 the first estimate
+# was 0.94-0.98 s/step, the run's average about 0.6 s, and a 1,000 s budget ended after 650 s (before the
+# second sizing); with the compiled trainer the second sizing planned for 0.201 s/step, and the loop of 5,306
+# steps ended after 1,017 s of a 1,080 s budget, validation included (docs/results/drafter_v4_h200, before the
+# third). Each later sizing moves the cosine by a few percent of its length, early, where the learning rate is
+# near its peak. Validation time is left out of the timing; checkpoint writes are in it.
 BUDGET_SKIP_STEPS = 3
 BUDGET_CALIBRATION_STEPS = 20
 BUDGET_RECALIBRATION_STEPS = 100
@@ -756,7 +757,7 @@ class _Trainer:
 
     @property
     def _sized(self) -> bool:
-        """True when the schedule's length is final: no time budget, or both sizings done (or resumed)."""
+        """True when the schedule's length is final: no time budget, or every sizing done (or resumed)."""
         return self.cfg.time_budget is None or self.budget_sizings >= len(self._calibration_points)
 
     @property
