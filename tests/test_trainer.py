@@ -584,15 +584,22 @@ def test_time_budget_flag_parses_durations():
         TrainConfig(target="t", data="d", out="o", time_budget=0).validate()
 
 
-def test_time_budget_sizes_again_when_the_first_steps_were_slow(data_dir, tmp_path, monkeypatch, capsys):
+def run_with_slow_start(data_dir, tmp_path, monkeypatch, budget: float, slow_steps: int, late_steps: int = 500):
+    """A time-budgeted run whose steps 1..slow_steps take 2 s and later ones 1 s; sizing windows of 20, 10 and
+    `late_steps` steps after 3 untimed ones."""
     import eagle3.training.trainer as trainer_mod
 
-    # steps 1-23 take 2 s, later ones 1 s. First sizing at step 23: 46 s spent, 2 s/step -> 23 + 54 / 2 = 50.
-    # Second sizing 10 steps later: 56 s spent, 1 s/step -> 33 + 44 = 77 steps.
     monkeypatch.setattr(trainer_mod, "BUDGET_RECALIBRATION_STEPS", 10)
-    cfg = base_cfg(data_dir, tmp_path / "o", epochs=20, max_steps=None, time_budget=100.0, warmup_steps=None,
+    monkeypatch.setattr(trainer_mod, "BUDGET_LATE_STEPS", late_steps)
+    cfg = base_cfg(data_dir, tmp_path / "o", epochs=20, max_steps=None, time_budget=budget, warmup_steps=None,
                    save_every=0)
-    res = run_with_clock(monkeypatch, FakeClock(1.0, early_seconds=2.0, early_steps=23), cfg)
+    return run_with_clock(monkeypatch, FakeClock(1.0, early_seconds=2.0, early_steps=slow_steps), cfg)
+
+
+def test_time_budget_sizes_again_when_the_first_steps_were_slow(data_dir, tmp_path, monkeypatch, capsys):
+    # steps 1-23 take 2 s. First sizing at step 23: 46 s spent, 2 s/step -> 23 + 54 / 2 = 50.
+    # Second sizing 10 steps later: 56 s spent, 1 s/step -> 33 + 44 = 77 steps (the third would come at 533).
+    res = run_with_slow_start(data_dir, tmp_path, monkeypatch, budget=100.0, slow_steps=23)
     err = capsys.readouterr().err
     assert "2.000 s/step over the last 20 steps -> 50 steps" in err
     assert "1.000 s/step over the last 10 steps -> 77 steps" in err
@@ -600,16 +607,9 @@ def test_time_budget_sizes_again_when_the_first_steps_were_slow(data_dir, tmp_pa
 
 
 def test_time_budget_sizes_a_third_time_after_the_late_window(data_dir, tmp_path, monkeypatch, capsys):
-    import eagle3.training.trainer as trainer_mod
-
-    # steps 1-33 take 2 s, later ones 1 s; windows of 20, 10 and 10 steps after 3 untimed ones.
-    # Step 23: 46 s spent, 2 s/step -> 23 + 74 / 2 = 60. Step 33: 66 s, 2 s/step -> 33 + 54 / 2 = 60.
-    # Step 43: 76 s spent, 1 s/step -> 43 + 44 = 87: the third sizing uses the time the first two left.
-    monkeypatch.setattr(trainer_mod, "BUDGET_RECALIBRATION_STEPS", 10)
-    monkeypatch.setattr(trainer_mod, "BUDGET_LATE_STEPS", 10)
-    cfg = base_cfg(data_dir, tmp_path / "o", epochs=20, max_steps=None, time_budget=120.0, warmup_steps=None,
-                   save_every=0)
-    res = run_with_clock(monkeypatch, FakeClock(1.0, early_seconds=2.0, early_steps=33), cfg)
+    # steps 1-33 take 2 s. Step 23: 46 s spent, 2 s/step -> 23 + 74 / 2 = 60. Step 33: 66 s, 2 s/step ->
+    # 33 + 54 / 2 = 60. Step 43: 76 s spent, 1 s/step -> 43 + 44 = 87: the third sizing uses the time left.
+    res = run_with_slow_start(data_dir, tmp_path, monkeypatch, budget=120.0, slow_steps=33, late_steps=10)
     err = capsys.readouterr().err
     assert "2.000 s/step over the last 20 steps -> 60 steps" in err
     assert "2.000 s/step over the last 10 steps -> 60 steps" in err
