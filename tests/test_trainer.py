@@ -632,7 +632,7 @@ def test_time_budget_under_torchrun_sizes_every_rank_alike(data_dir, tmp_path):
     assert f"-> {steps[-1]} steps in all" in printed
 
 
-def test_compiled_training_matches_eager(data_dir, straight_run, tmp_path, caplog):
+def test_compiled_training_matches_eager(data_dir, straight_run, tmp_path, caplog, capsys):
     """compile=True (the CUDA default) inductor-compiles the target's layers and the drafter's norms and MLP; on
     CPU in fp32 it must train to the eager run's weights up to rounding, and really run compiled."""
     from torch._dynamo.utils import counters
@@ -642,6 +642,7 @@ def test_compiled_training_matches_eager(data_dir, straight_run, tmp_path, caplo
     with caplog.at_level("WARNING", logger="eagle3"):
         train(base_cfg(data_dir, out, compile=True))
     assert not [r for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert "compiling 5 target layers and 5 drafter pieces" in capsys.readouterr().err
     assert counters["stats"]["unique_graphs"] >= 2  # at least a target layer and a drafter piece
     assert_same_weights(weights(straight_run), weights(out), atol=1e-4)
     assert json.loads((out / "train_config.json").read_text())["compiled"] is True

@@ -390,11 +390,15 @@ class _Trainer:
         drafter = _build_drafter(cfg, model, d2t, t2d).to(self.device)
         self.drafter = drafter
         if self.use_compile:
-            compile_drafter_pieces(drafter)
+            pieces = compile_drafter_pieces(drafter)
             if self.sharded_target:
                 log.warning("compile: the sharded (FSDP) target runs eagerly; only the drafter is compiled")
+                layers = 0
             else:
-                compile_target_layers(decoder_parts(model)[0])
+                layers = compile_target_layers(decoder_parts(model)[0])
+            if self.ctx.main:
+                _say(f"eagle3 train: compiling {layers} target layers and {pieces} drafter pieces with torch.compile "
+                     "(the first steps take longer; --eager turns this off)")
         if self.sharded_target:  # after _build_drafter, which reads the target's embedding (and head) in full
             local, full = distributed.shard_target(model, self.device, self.ctx.world)
             if self.ctx.main:
