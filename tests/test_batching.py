@@ -603,6 +603,29 @@ def test_speed_gate_margin_and_affordable_probes():
     assert modes.count(True) == 1 and modes[-1]
 
 
+def test_lane_gate_probes_a_slower_mode_within_the_policys_share():
+    """The fast lane's gate decides per request: after one speculative and one plain request it runs the faster
+    mode and probes the other no more often than `probe_share` of the time allows (before session 15 it probed
+    every 4 requests: a quarter of a one-client benchmark ran plain although speculation was 1.5-2x faster)."""
+    from eagle3.serving.policy import SpecPolicy
+
+    gate = SpecPolicy(probe_share=0.02).lane_gate()
+    assert gate.speculate(1)  # no measurement yet: speculate first
+    gate.record(1, True, seconds=1.0, tokens=127)  # a speculative request: 127 tokens/s
+    assert not gate.speculate(1)  # then time a plain one
+    gate.record(1, False, seconds=2.0, tokens=127)  # half as fast
+    # a plain probe loses 2 s x (1 - 0.5) = 1 s of output; at 2 % of 1 s requests that is one per 50 requests
+    assert gate.interval(1) == 50
+    modes = [gate.speculate(1) for _ in range(50)]
+    assert modes.count(False) == 1 and not modes[-1]
+    slow = SpecPolicy(probe_share=0.02).lane_gate()  # speculation slower: its probes are bounded the same way
+    slow.speculate(1)
+    slow.record(1, True, seconds=2.0, tokens=127)
+    slow.speculate(1)
+    slow.record(1, False, seconds=1.0, tokens=127)
+    assert slow.interval(1) == 50 and [slow.speculate(1) for _ in range(50)].count(True) == 1
+
+
 def _noisy_cycles(gate: SpeedGate, accept: float, n: int = 1000, seed: int = 0) -> tuple[float, float]:
     """n cycles of one row: a speculative cycle takes 1.9 s and emits 1-7 tokens (each next draft accepted with
     probability `accept`), a plain one takes 1 s for 1 token. Returns (share of speculative cycles, tokens/s)."""

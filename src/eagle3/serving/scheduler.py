@@ -202,7 +202,7 @@ class Scheduler:
             from eagle3.fast.engine import FastEngine
 
             self._lane_plain = FastEngine(fast.model, draft="none", target=fast.target, options=fast.options)
-            self._lane_gate = SpeedGate(probe_every=4, ema=self.policy.ema, max_probe_every=64)
+            self._lane_gate = self.policy.lane_gate()
         self.config = config or ServeConfig()
         if self._lane_plain is not None and fast.seq_len:
             # capture (and compile) it now, on the caches the lane already holds, not inside its first request
