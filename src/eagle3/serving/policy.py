@@ -155,7 +155,7 @@ class SpecPolicy:
         """A `SpeedGate` for the fast lane, which decides per request (a whole request speculative or plain, each
         request one sample): probes every 4 requests at first, at most every 64 while confirmed, and never more
         often than `probe_share` of the time allows. Without that bound a lane twice as fast speculating ran a plain
-        probe every 4-16 requests: a quarter of a one-client benchmark's requests ran plain (session 15)."""
+        probe every 4-8 requests: a third of an H200 one-client benchmark's cycles were plain (session 15)."""
         return SpeedGate(probe_every=4, ema=self.ema, max_probe_every=64, probe_share=self.probe_share)
 
     def keep_drafting(self, acc: RowAcceptance) -> bool:
