@@ -39,9 +39,7 @@ class StepRunner:
         self.compiled = False
         self.call = fn
         if compile:
-            from torch import _dynamo
-
-            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            raise_recompile_limit()
             self.call = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
             self.compiled = True
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -105,40 +103,53 @@ class StepRunner:
             self.call()
 
 
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let dynamo keep at least `limit` compilations per function before it silently falls back to eager."""
+    from torch import _dynamo
+
+    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, limit)
+
+
 class CompiledPieces:
     """Methods of `owner` that may run inductor-compiled (`compile(names)`); `run(name, *args)` calls the compiled
-    one if there is one, else the method. A compiled piece compiles on its first call and again for new shapes:
-    if dynamo or inductor fails there, the failure is logged and the piece runs eagerly from then on (errors of
-    the computation itself propagate)."""
+    one if there is one, else the method as it was when compiled. A compiled piece compiles on its first call and
+    again for new shapes: if dynamo or inductor fails there, the failure is logged and the piece runs eagerly from
+    then on (errors of the computation itself propagate). `label` names a single piece in that warning (default
+    "the <what> <name>")."""
 
-    def __init__(self, owner: object, what: str = "cycle piece"):
-        self.owner, self.what = owner, what
+    def __init__(self, owner: object, what: str = "cycle piece", label: str | None = None):
+        self.owner, self.what, self.label = owner, what, label
         self.fns: dict[str, Callable] = {}
+        self.eager: dict[str, Callable] = {}  # the methods as compiled (the owner may rebind the names to `run`)
         self.tried: set[str] = set()  # pieces that have run compiled
 
-    def compile(self, names: list[str], backend: str | Callable = "inductor") -> None:
-        from torch import _dynamo
-
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self.fns = {n: torch.compile(getattr(self.owner, n), fullgraph=True, dynamic=False, backend=backend)
-                    for n in names}
+    def compile(self, names: list[str], backend: str | Callable = "inductor", dynamic: bool = False,
+                fullgraph: bool = True) -> None:
+        raise_recompile_limit()
+        self.eager = {n: getattr(self.owner, n) for n in names}
+        self.fns = {n: torch.compile(f, fullgraph=fullgraph, dynamic=dynamic, backend=backend)
+                    for n, f in self.eager.items()}
         self.tried = set()
 
     def __bool__(self) -> bool:
         return bool(self.fns)
 
-    def run(self, name: str, *args):
+    def _eager(self, name: str) -> Callable:
+        return self.eager[name] if name in self.eager else getattr(self.owner, name)
+
+    def run(self, name: str, *args, **kwargs):
         fn = self.fns.get(name)
         if fn is None:
-            return getattr(self.owner, name)(*args)
+            return self._eager(name)(*args, **kwargs)
         try:
-            out = fn(*args)
+            out = fn(*args, **kwargs)
         except _dynamo_exc.TorchDynamoException as e:  # a tracing or code generation failure (on the first call,
             # or on a recompilation for new shapes) happens before the piece runs: run it eagerly from now on
-            log.warning("torch.compile of the %s %s failed (%s: %s); running it eagerly", self.what, name,
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            log.warning("torch.compile of %s failed (%s: %s); running it eagerly",
+                        self.label or f"the {self.what} {name}", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
             del self.fns[name]
-            return getattr(self.owner, name)(*args)
+            return self._eager(name)(*args, **kwargs)
         self.tried.add(name)
         return out
 

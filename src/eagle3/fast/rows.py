@@ -634,12 +634,11 @@ class FastRows:
         k, v = self.k[:, :nb], self.v[:, :nb]
         k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
         v[:, rows, :, dst] = v[:, rows, :, src]
-        self._feed_rows(nb, keep, n_acc, emitted, aux)
+        self._feed_rows(nb, keep, n_acc, emitted, aux, rows, dst)
 
-    def _feed_rows(self, nb: int, keep, n_acc, emitted, aux) -> None:
-        """The drafter fed with each row's accepted path, state advanced."""
-        rows = torch.arange(nb, device=self.device)[:, None]  # [nb, 1]
-        dst = self.length[:nb, None] + self.ar[: keep.shape[1]][None]  # [nb, D+1]
+    def _feed_rows(self, nb: int, keep, n_acc, emitted, aux, rows: torch.Tensor, dst: torch.Tensor) -> None:
+        """The drafter fed with each row's accepted path (`rows` [nb, 1], its cache slots `dst` [nb, D+1]), state
+        advanced."""
         hidden = self.d.combine(aux[rows, keep])  # [nb, D+1, H]
         dmask = self.ar_sd[None, None, :] <= dst[:, :, None]  # [nb, D+1, Sd]
         out = self.d.forward_rows(hidden, emitted, dst, dst, dmask, self.dk[:nb], self.dv[:nb],

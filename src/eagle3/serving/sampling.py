@@ -33,7 +33,7 @@ import logging
 import torch
 
 from eagle3.decoding.sampling import filter_scores, filter_scores_rows
-from eagle3.fast.graphs import RECOMPILE_LIMIT
+from eagle3.fast.graphs import raise_recompile_limit
 
 __all__ = ["exponential_noise", "exponential_noise_rows", "fused_draw_available", "hash_u32", "race_sample",
            "race_sample_rows", "seed_hash", "vocab_hash"]
@@ -136,10 +136,8 @@ _fused_draw = None  # the compiled `_draw_rows`, built on first use; False after
 def _compiled_draw():
     global _fused_draw
     if _fused_draw is None:
-        from torch import _dynamo
-
         # shapes vary by rows (1 or more), positions (1 or more) and scores (None or given): up to 8 graphs
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        raise_recompile_limit()
         _fused_draw = torch.compile(_draw_rows, dynamic=True, fullgraph=True)
     return _fused_draw
 
