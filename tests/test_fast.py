@@ -26,7 +26,7 @@ from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProp
 from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept_greedy
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
-from eagle3.fast.drafter import top_k_last
+from eagle3.fast.drafter import top_k_last, top_n_in_order
 from eagle3.fast.target import apply_rope, rope_tables
 from eagle3.runtime import init_drafter
 from eagle3.target import Target
@@ -253,6 +253,19 @@ def test_two_stage_top_k_equals_topk():
         vals, idx = top_k_last(x, k)
         ref_vals, ref_idx = x.topk(k, dim=-1)
         assert torch.equal(vals, ref_vals) and torch.equal(idx, ref_idx), shape
+
+
+def test_top_n_in_order_equals_the_two_sorts():
+    """The sort-free rerank keeps exactly what a stable descending sort's first n, sorted by index, keep: with
+    ties (equal scores, -inf) and batch dimensions."""
+    g = torch.Generator().manual_seed(5)
+    cases = [torch.randn(510, generator=g), torch.randn(4, 37, generator=g),
+             torch.randint(-3, 1, (3, 50), generator=g).float(),  # many ties
+             torch.tensor([0.0, -float("inf"), -1.0, -float("inf"), 0.0, -2.0])]
+    for scores in cases:
+        for n in (1, 5, scores.shape[-1] // 2, scores.shape[-1]):
+            ref = torch.sort(torch.sort(-scores, dim=-1, stable=True).indices[..., :n], dim=-1).values
+            assert torch.equal(top_n_in_order(scores, n), ref), (scores.shape, n)
 
 
 def test_compiled_drafting_keeps_trees_and_output(models, drafters):

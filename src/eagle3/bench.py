@@ -370,8 +370,10 @@ def format_overhead(res: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `eagle3 bench` on an argparse subparsers object."""
+    from eagle3.fast.overhead import SHAPES
+
     b = subparsers.add_parser("bench", help="tokens/s and tau of eagle3 vs HF generate, prompt lookup and the "
-                              "bandwidth floor; --overhead: per-cycle cost at the Llama-3.1-8B shape")
+                              "bandwidth floor; --overhead: per-cycle cost at the Llama-3.1-8B (or SmolLM2) shape")
     b.add_argument("--target", default=None, help="the target model (required unless --overhead)")
     b.add_argument("--drafter", default=None, help="drafter checkpoint directory, or 'random' (timing only)")
     b.add_argument("--dataset", default="mt_bench", help="bundled set name or JSONL file (default mt_bench)")
@@ -391,7 +393,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", help="folder for bench.json / bench.png (overhead.json)")
-    b.add_argument("--overhead", action="store_true", help="per-cycle cost with random Llama-3.1-8B-shape weights")
+    b.add_argument("--overhead", action="store_true", help="per-cycle cost with random weights (--shape)")
+    b.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES),
+                   help="--overhead: the random model's shape (default llama-3.1-8b)")
     b.add_argument("--tiny", action="store_true", help="--overhead on a tiny random Llama (CPU tests)")
     b.add_argument("--context", type=int, default=None, help="--overhead: cached context length (default 512)")
     b.add_argument("--reps", type=int, default=None, help="--overhead: replays per timing (default 20)")
@@ -412,7 +416,7 @@ def cmd_bench(args) -> int:
             torch.cuda.set_device(torch.device("cuda", torch.device(device).index or 0))
         res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
                            fuse_pointwise=args.fuse_pointwise, reps=args.reps,
-                           compile_drafting=False if args.eager_drafting else None)
+                           compile_drafting=False if args.eager_drafting else None, shape=args.shape)
         record = run_record("bench-overhead", **res)
         path = write_json(record, out / "overhead.json")
         print(format_overhead(res))

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from eagle3.fast.drafter import FastDrafter, top_k_last
+from eagle3.fast.drafter import FastDrafter, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
 
@@ -228,8 +228,7 @@ class FastCore(nn.Module):
         all_scores = torch.cat(rec_scores)  # [R]
         all_parents = torch.cat(rec_parents)  # [R]
         n = self.n_nodes
-        order = torch.sort(-all_scores, stable=True).indices[:n]  # best first; parents rank before children
-        keep = torch.sort(order).values  # [N] record order: parents precede children
+        keep = top_n_in_order(all_scores, n)  # [N] the best N in record order: parents precede children
         remap = torch.full_like(all_parents, -1).scatter_(0, keep, self.ar[:n])  # [R] record -> node index
         parents = all_parents[keep]  # [N] record indices (-1: root)
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)

@@ -1,7 +1,8 @@
 """`eagle3 bench --overhead`: what one speculative cycle costs, in target-step units, at a realistic size.
 
 Random weights at the Llama-3.1-8B shape in bf16 (32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads,
-vocabulary 128256) and a random EAGLE-3 drafter at H = 4096 with a 32000-token draft vocabulary. Timings come
+vocabulary 128256) and a random EAGLE-3 drafter at H = 4096 with a 32000-token draft vocabulary, or (`shape=
+"smollm2-135m"`) at SmolLM2-135M's shape with an 8,192-token draft vocabulary, where every step is launch-bound. Timings come
 from the fast path (`eagle3.fast.core`), each piece captured in its own CUDA graph and replayed `reps` times:
 
     target step   one-token verification (forward + argmax): the unit everything is divided by
@@ -35,6 +36,11 @@ from eagle3.fast.target import FastTarget
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)
+# SmolLM2-135M-Instruct's shape (the bundled drafter's target): launch-bound on a GPU, where the ratio of a cycle to
+# a plain step decides the speedup; its drafter has the bundled one's 8,192-token draft vocabulary.
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
@@ -204,10 +210,15 @@ def measure_overhead(
     return out
 
 
+# name -> (shape, draft vocabulary size); `eagle3 bench --overhead --shape NAME`
+SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 8192)}
+
+
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
                  compile: bool = False, fuse_pointwise: bool = False, reps: int | None = None,
-                 log: Callable[[str], None] = print, compile_drafting: bool | None = None) -> dict:
-    """Build the random model (8B shape in bf16, or tiny in fp32) and measure; returns the result dict."""
+                 log: Callable[[str], None] = print, compile_drafting: bool | None = None,
+                 shape: str = "llama-3.1-8b") -> dict:
+    """Build the random model (`SHAPES[shape]` in bf16, or tiny in fp32) and measure; returns the result dict."""
     dev = torch.device(device)
     if tiny:
         model, drafter = build_random(TINY, dev, torch.float32, draft_vocab_size=256)
@@ -215,9 +226,12 @@ def run_overhead(device: str, tiny: bool = False, context: int | None = None, gr
             model, drafter, context=context or 32, chains=(1, 2, 3), trees=(8, 16), tree_depth=3, tree_top_k=4,
             graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, reps=reps or 3, log=log,
             compile_drafting=compile_drafting)}
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
     t0 = time.perf_counter()
-    model, drafter = build_random(LLAMA_8B, dev, torch.bfloat16, draft_vocab_size=32000)
-    log(f"built random Llama-3.1-8B-shape target and drafter on {dev} in {time.perf_counter() - t0:.1f}s")
-    return {"shape": "llama-3.1-8b", **measure_overhead(
+    dims, draft_vocab = SHAPES[shape]
+    model, drafter = build_random(dims, dev, torch.bfloat16, draft_vocab_size=draft_vocab)
+    log(f"built random {shape}-shape target and drafter on {dev} in {time.perf_counter() - t0:.1f}s")
+    return {"shape": shape, **measure_overhead(
         model, drafter, context=context or 512, graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise,
         reps=reps or 20, log=log, compile_drafting=compile_drafting)}

@@ -43,7 +43,7 @@ import torch
 
 from eagle3.config import ConfigError, SamplingConfig
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast.drafter import FastDrafter, top_k_last
+from eagle3.fast.drafter import FastDrafter, top_k_last, top_n_in_order
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget
 from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
@@ -566,8 +566,7 @@ class FastRows:
         all_scores = torch.cat(rec_scores, dim=1)  # [nb, R]
         all_parents = torch.cat(rec_parents, dim=1)  # [nb, R]
         n = shape.total
-        order = torch.sort(-all_scores, dim=1, stable=True).indices[:, :n]  # best first; parents before children
-        keep = torch.sort(order, dim=1).values  # [nb, N] record order
+        keep = top_n_in_order(all_scores, n)  # [nb, N] the best N in record order: parents precede children
         remap = torch.full_like(all_parents, -1).scatter_(1, keep, self.ar[:n][None].expand(nb, n))  # [nb, R]
         par = all_parents.gather(1, keep)  # [nb, N] record indices (-1: root)
         par = torch.where(par >= 0, remap.gather(1, par.clamp(min=0)), par)
