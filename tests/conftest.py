@@ -110,6 +110,18 @@ def arch(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(params=[True, False], ids=["stacked-heads", "sdpa-heads"])
+def head_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both GQA layouts of the fast path's attention on this CPU: query heads stacked along the query axis (what
+    CPUs use) and query heads as SDPA heads with `enable_gqa` (what CUDA uses; `stack_query_heads`)."""
+    import eagle3.fast.drafter
+    import eagle3.fast.target
+
+    for mod in (eagle3.fast.target, eagle3.fast.drafter):
+        monkeypatch.setattr(mod, "stack_query_heads", lambda device, stacked=request.param: stacked)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def stories260k():
     """(model, tokenizer) of the bundled stories260K Llama; shared, do not modify in place."""

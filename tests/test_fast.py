@@ -126,6 +126,22 @@ def test_stops_at_eos_and_max_new_tokens_inside_a_cycle(models):
     assert res.token_ids == ref[:7] and res.finish_reason == "length"
 
 
+@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
+def test_both_head_layouts_match_hf_generate(head_layout, kind):
+    """The GQA layout CUDA uses (query heads as SDPA heads) and the CPU's (stacked along the query axis) give HF's
+    greedy output, for the target and the drafter (Llama and Qwen3, 2 query heads per KV head)."""
+    for arch in ("llama", "qwen3"):
+        model = build_tiny_target(arch)
+        d = init_drafter(model, draft_vocab_size=200, seed=1)
+        spec = {"none": SpecConfig(mode="none"), "chain": CHAIN, "tree": TREE}[kind]
+        engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d)
+        assert engine.target.stacked == head_layout
+        if kind != "none":
+            assert engine.core.drafter.stacked == head_layout
+        prompt = prompt_of(19, seed=8)
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_device_tree_equals_generic_proposer(models, drafters, arch):
     model, d = models[arch], drafters[arch]

@@ -99,9 +99,13 @@ class BatchedGenerator:
             v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd)
             self.k_cache[i, self.ar_b, :, pos] = k  # row b, slot pos[b]
             self.v_cache[i, self.ar_b, :, pos] = v
-            qg = q.view(b, nkv, g, hd)  # query heads kv·g + r share kv head `kv`
-            o = F.scaled_dot_product_attention(qg, self.k_cache[i], self.v_cache[i], attn_mask=visible,
-                                               scale=t.scale)  # [B, nkv, g, hd]
+            if t.stacked:  # the layout `stack_query_heads` picks for this device
+                qg = q.view(b, nkv, g, hd)  # query heads kv·g + r share kv head `kv`
+                o = F.scaled_dot_product_attention(qg, self.k_cache[i], self.v_cache[i], attn_mask=visible,
+                                                   scale=t.scale)  # [B, nkv, g, hd]
+            else:
+                o = F.scaled_dot_product_attention(q[:, :, None], self.k_cache[i], self.v_cache[i],
+                                                   attn_mask=visible, scale=t.scale, enable_gqa=True)  # [B, nh, 1, hd]
             h = t.mlp_block(h + F.linear(o.reshape(b, nh * hd), lw.wo, lw.bo), lw)
         return F.linear(rms_norm(h, t.norm, t.eps), t.lm_head)  # [B, V]
 

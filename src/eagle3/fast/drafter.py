@@ -21,6 +21,7 @@ from eagle3.fast.target import (
     rope_tables,
     row_attention,
     row_attention_bias,
+    stack_query_heads,
 )
 
 # Two-stage top-k above this width: torch.topk over a few long rows runs one thread block per row; top-k within
@@ -108,10 +109,16 @@ class FastDrafter(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.seq_len = 0
         self.alloc_id = 0
+        self.stacked = stack_query_heads(self.device)  # the GQA layout of attention (`stack_query_heads`)
 
     @property
     def device(self) -> torch.device:
         return self.fc.device
+
+    @property
+    def head_groups(self) -> int:
+        """Rows per token in the attention bias: g query heads per KV head when they are stacked, else 1."""
+        return self.nh // self.nkv if self.stacked else 1
 
     @torch.no_grad()
     def rope_table(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +177,8 @@ class FastDrafter(nn.Module):
         v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
         self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd]
         self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
-        bias = attention_bias(mask, nh // nkv, self.dtype)  # [1, 1, g·T, S]
-        o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale)  # [T, nh·hd]
+        bias = attention_bias(mask, self.head_groups, self.dtype)  # [1, 1, g·T, S]
+        o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, self.stacked)  # [T, nh·hd]
         r1 = residual + F.linear(o, self.wo, self.bo)
         gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]
@@ -201,8 +208,8 @@ class FastDrafter(nn.Module):
         k = apply_rope(qkv[..., nh * hd : (nh + nkv) * hd].reshape(b * t, nkv, hd), cos, sin)
         k_rows[rows, :, slots] = k.view(b, t, nkv, hd)
         v_rows[rows, :, slots] = qkv[..., (nh + nkv) * hd :].reshape(b, t, nkv, hd)
-        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, row_attention_bias(mask, nh // nkv, self.dtype),
-                          self.scale).view(b, t, nh * hd)
+        bias = row_attention_bias(mask, self.head_groups, self.dtype)  # [B, 1, g·T, S]
+        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale, self.stacked).view(b, t, nh * hd)
         r1 = residual + F.linear(o, self.wo, self.bo)
         gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]

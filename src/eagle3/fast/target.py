@@ -7,8 +7,9 @@ every cache slot (so every static HF rope type is honoured). The KV cache is one
 `[T, S]` boolean mask says which are visible, so every shape is static and the forward can be captured in a CUDA
 graph (the habit of pytorch-labs/gpt-fast `model.py`: `KVCache.update` writes by `input_pos`).
 
-GQA without copying K/V: the g = n_heads / n_kv query heads that share a KV head are stacked along the query axis,
-`q [n_kv, g·T, hd]` against `k [n_kv, S, hd]`, with the `[T, S]` mask tiled g times.
+GQA without copying K/V: on CPU the g = n_heads / n_kv query heads that share a KV head are stacked along the query
+axis, `q [n_kv, g·T, hd]` against `k [n_kv, S, hd]`, with the `[T, S]` mask tiled g times; on CUDA they stay SDPA
+heads with `enable_gqa` (`stack_query_heads` says why).
 
 Aux features (EAGLE-3): id k is HF `hidden_states[k]`, the residual stream entering decoder layer k; k = L is the
 input of the final norm.
@@ -97,8 +98,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin[:, None]
 
 
+def stack_query_heads(device: torch.device | str) -> bool:
+    """The GQA layout of attention over the static cache, chosen per device.
+
+    True (CPU): each KV head's g query heads are stacked along the query axis, q [n_kv, g·T, hd] against
+    k [n_kv, S, hd]: one plain batched attention, K/V never repeated. False (CUDA): the query heads stay SDPA heads,
+    q [1, nh, T, hd] (a strided view of the projection, no copy for any T) against k [1, n_kv, S, hd] with
+    `enable_gqa`; cuDNN then runs the nh heads in parallel. On one H200 (random SmolLM2-shaped weights, context
+    512) the one-token step took 1,513 us instead of 1,800 and a 6,10,60 tree cycle 2,721 us instead of 2,932
+    (docs/results/session16_h200/).
+    """
+    return torch.device(device).type != "cuda"
+
+
 def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask [T, S] -> additive bias [1, 1, g·T, S] for `grouped_attention` (built once per forward)."""
+    """Bool mask [T, S] -> additive bias [1, 1, g·T, S] for `grouped_attention` (built once per forward; g = 1
+    when the query heads are not stacked)."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return bias.repeat(groups, 1)[None, None]  # row r·T + t belongs to token t
 
@@ -107,11 +122,17 @@ def grouped_attention(
     q: torch.Tensor,  # [T, nh, hd]
     k_all: torch.Tensor,  # [nkv, S, hd]
     v_all: torch.Tensor,  # [nkv, S, hd]
-    bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias
+    bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
     scale: float,
+    stacked: bool = True,
 ) -> torch.Tensor:
-    """GQA attention over a static cache without repeating K/V; returns [T, nh·hd]."""
+    """GQA attention over a static cache without repeating K/V, in the layout `stack_query_heads` picks; returns
+    [T, nh·hd]."""
     t, nh, hd = q.shape
+    if not stacked:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None], attn_mask=bias,
+                                           scale=scale, enable_gqa=True)  # [1, nh, T, hd]
+        return o[0].transpose(0, 1).reshape(t, nh * hd)
     nkv = k_all.shape[0]
     g = nh // nkv
     qg = q.transpose(0, 1).reshape(nkv, g * t, hd)  # [nkv, g·T, hd]; row r·T + t is head (kv·g + r), token t
@@ -129,11 +150,16 @@ def row_attention(
     q: torch.Tensor,  # [B, T, nh, hd]
     k_rows: torch.Tensor,  # [B, nkv, S, hd]
     v_rows: torch.Tensor,  # [B, nkv, S, hd]
-    bias: torch.Tensor,  # [B, 1, g·T, S] from row_attention_bias
+    bias: torch.Tensor,  # [B, 1, g·T, S] from row_attention_bias (g = 1 unless stacked)
     scale: float,
+    stacked: bool = True,
 ) -> torch.Tensor:
     """`grouped_attention` for B rows, each over its own cache; returns [B·T, nh·hd]."""
     b, t, nh, hd = q.shape
+    if not stacked:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k_rows, v_rows, attn_mask=bias, scale=scale,
+                                           enable_gqa=True)  # [B, nh, T, hd]
+        return o.transpose(1, 2).reshape(b * t, nh * hd)
     nkv = k_rows.shape[1]
     g = nh // nkv
     qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)  # head kv·g + r: row r·T + t
@@ -249,6 +275,12 @@ class FastTarget(nn.Module):
         self.seq_len = 0
         self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
         self.pointwise = EAGER
+        self.stacked = stack_query_heads(self.device)  # the GQA layout of attention (`stack_query_heads`)
+
+    @property
+    def head_groups(self) -> int:
+        """Rows per token in the attention bias: g query heads per KV head when they are stacked, else 1."""
+        return self.nh // self.nkv if self.stacked else 1
 
     def fuse_pointwise(self, backend: str = "inductor") -> None:
         """Run the elementwise work as compiled kernels from now on (`Pointwise`); compiles on first use, so call
@@ -346,7 +378,7 @@ class FastTarget(nn.Module):
         nh, nkv, hd = self.nh, self.nkv, self.hd
         h = F.embedding(ids, self.embed)  # [T, H]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
-        bias = attention_bias(mask, nh // nkv, self.dtype)  # [1, 1, g·T, S]
+        bias = attention_bias(mask, self.head_groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
         for i, lw in enumerate(self.layers):
@@ -357,7 +389,7 @@ class FastTarget(nn.Module):
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [T, nh, hd], [T, nkv, hd]
             self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
-            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale)  # [T, nh·hd]
+            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, self.stacked)  # [T, nh·hd]
             h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
@@ -385,7 +417,7 @@ class FastTarget(nn.Module):
         rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
         h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
-        bias = row_attention_bias(mask, nh // nkv, self.dtype)  # [B, 1, g·T, S]
+        bias = row_attention_bias(mask, self.head_groups, self.dtype)  # [B, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
         for i, lw in enumerate(self.layers):
@@ -395,7 +427,8 @@ class FastTarget(nn.Module):
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
-            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
+            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale,
+                              self.stacked)  # [B·T, nh·hd]
             h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
