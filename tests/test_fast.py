@@ -142,8 +142,9 @@ def test_both_head_layouts_match_hf_generate(head_layout, kind):
         assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_device_tree_equals_generic_proposer(models, drafters, arch):
+def test_device_tree_equals_generic_proposer(models, drafters, arch, ranked):
     model, d = models[arch], drafters[arch]
     spec = SpecConfig(depth=5, top_k=4, total_tokens=20)
     prompt = prompt_of(11, seed=6)
@@ -159,6 +160,7 @@ def test_device_tree_equals_generic_proposer(models, drafters, arch):
     engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d)
     engine.prepare(prompt.numel(), 8)
     core = engine.core
+    core.ranked = ranked  # the top-k of compiled drafting on CUDA (`ranked_top_k`)
     flog, faux = core.prefill(prompt)
     torch.testing.assert_close(faux, aux[0], rtol=1e-4, atol=1e-4)
     core.begin(prompt, faux, flog.argmax().view(1))
@@ -262,13 +264,19 @@ def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
     assert engine._runners["cycle"].compiled, "dynamo could not trace the cycle as one graph"
 
 
-def test_two_stage_top_k_equals_topk():
+@pytest.mark.parametrize("ranked", [False, True])
+def test_top_k_last_equals_topk(ranked):
+    """Two-stage, ranked (chunk maxima, then ranks) and k = 1 (a max) give torch.topk's values and indices."""
     g = torch.Generator().manual_seed(4)
-    for shape, k in (((8192,), 10), ((10, 8192), 10), ((3, 4, 1024), 7), ((5, 300), 4), ((2, 512), 300)):
+    for shape, k in (((8192,), 10), ((10, 8192), 10), ((3, 4, 1024), 7), ((5, 300), 4), ((2, 512), 300),
+                     ((10, 8192), 1), ((100,), 10), ((7, 640), 10)):
         x = torch.randn(shape, generator=g)
-        vals, idx = top_k_last(x, k)
+        vals, idx = top_k_last(x, k, ranked=ranked)
         ref_vals, ref_idx = x.topk(k, dim=-1)
-        assert torch.equal(vals, ref_vals) and torch.equal(idx, ref_idx), shape
+        assert torch.equal(vals, ref_vals) and torch.equal(idx, ref_idx), (shape, k)
+    ties = torch.tensor([[0.0, 1.0, 1.0, -2.0, 1.0, 0.5] * 64])  # [1, 384]: many equal values
+    vals, idx = top_k_last(ties, 5, ranked=ranked)
+    assert torch.equal(vals, ties.topk(5).values) and torch.equal(ties.gather(-1, idx), vals)
 
 
 def test_top_n_in_order_equals_the_two_sorts():
@@ -296,6 +304,7 @@ def test_compiled_drafting_keeps_trees_and_output(models, drafters):
                         total_tokens=12)
         if compiled:
             core.compile_drafting()
+            core.ranked = True  # as on CUDA (`ranked_top_k`): the ranked top-k compiles and keeps the trees
         core.allocate(256)
         logits, aux = core.prefill(prompt)
         core.begin(prompt, aux, logits.argmax().view(1))

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from eagle3.fast.drafter import FastDrafter, top_k_last, top_n_in_order
+from eagle3.fast.drafter import FastDrafter, ranked_top_k, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
 
@@ -106,6 +106,7 @@ class FastCore(nn.Module):
         self.register_buffer("ar_s", None, persistent=False)
         self.register_buffer("ar_sd", None, persistent=False)
         self.pieces = CompiledPieces(self)  # `compile_drafting`
+        self.ranked = False  # how drafting picks its top-k: ranked where it is compiled on CUDA (`ranked_top_k`)
 
     @property
     def device(self) -> torch.device:
@@ -154,6 +155,7 @@ class FastCore(nn.Module):
         and runs eagerly (`CompiledPieces`). Emitted tokens are unchanged (module docstring)."""
         names = [n for n in DRAFTING_PIECES if self.drafter is not None or n in ("tree_inputs", "accept")]
         self.pieces.compile(names, backend)
+        self.ranked = ranked_top_k(self.device)
 
     @staticmethod
     def drafting_compiled_by_default(device: torch.device, compile: bool = False) -> bool:
@@ -195,7 +197,7 @@ class FastCore(nn.Module):
         d, k, dev = self.drafter, self.top_k, self.device
         length = self.length  # [1]
         lp0 = d.log_probs(self.last_out)[0]  # [Vd]
-        scores, ids = top_k_last(lp0, k)  # [k]
+        scores, ids = top_k_last(lp0, k, self.ranked)  # [k]
         rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
         rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
         ar_k = self.ar[:k]
@@ -212,13 +214,13 @@ class FastCore(nn.Module):
             mask = base.clone().scatter_(1, cols[None].expand(k, -1), anc)  # [k, Sd]
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
             out = d(f_hidden, all_tokens[frontier], pos, cols[-k:], mask)  # [k, H]
-            top_lp, top_ids = top_k_last(d.log_probs(out), k)  # [k, k]
+            top_lp, top_ids = top_k_last(d.log_probs(out), k, self.ranked)  # [k, k]
             cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
             rec_scores.append(cum)
             rec_tokens.append(d.to_target_ids(top_ids.reshape(-1)))
             rec_parents.append(frontier[:, None].expand(k, k).reshape(-1))
             all_tokens = torch.cat(rec_tokens)
-            best = cum.topk(k).indices  # [k] among this step's k·k
+            best = top_k_last(cum, k, self.ranked)[1]  # [k] among this step's k·k
             parent_row = best // k
             frontier = n_rec + best
             n_rec += k * k

@@ -28,13 +28,54 @@ from eagle3.fast.target import (
 # chunks first spreads the work over many blocks (on an H200, [10, 8192] -> 10: 40.0 us against 29.0 us in two
 # stages, five times per 6,10,60 tree cycle; docs/results/session14_h200/topk.log).
 TOPK_CHUNK = 256
+# `ranked` top-k: candidates come from the k chunks of this width with the largest maxima.
+RANK_CHUNK = 64
 
 
-def top_k_last(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k, dim=-1)` (values descending, their indices) over [..., V], in two stages when V is a multiple of
-    `TOPK_CHUNK` wider than it: the best k of each chunk, then the best k of those. Same values; among exactly
-    equal values the order may differ."""
+def ranked_top_k(device: torch.device | str) -> bool:
+    """Whether compiled drafting pieces (`FastCore.compile_drafting`) pick their top-k by ranking (`top_k_last(...,
+    ranked=True)`): on CUDA, where each torch.topk costs ~10 us however small its input (a radix select in passes;
+    205 us of a SmolLM2 tree cycle's 497 us of drafting kernels, docs/results/session16_h200/) while inductor fuses
+    the ranking's comparisons and sums into a few short kernels. Eager pieces and CPUs keep torch.topk: run
+    op by op, the ranking is more kernels, not fewer."""
+    return torch.device(device).type == "cuda"
+
+
+def _ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of x [..., R] in descending order and their indices (equal values: the lower index first),
+    from each element's rank: the number of elements before it in that order (R x R comparisons)."""
+    r = x.shape[-1]
+    ar = torch.arange(r, device=x.device)
+    a, b = x[..., :, None], x[..., None, :]  # element i, element j
+    rank = ((b > a) | ((b == a) & (ar[None, :] < ar[:, None]))).sum(dim=-1)  # [..., R]
+    slot = torch.where(rank < k, rank, k)  # [..., R]: output slot, or a spare slot k
+    idx = torch.zeros(*x.shape[:-1], k + 1, dtype=torch.long, device=x.device)
+    idx = idx.scatter_(-1, slot, ar.expand_as(slot))[..., :k]  # [..., k]
+    return x.gather(-1, idx), idx
+
+
+def top_k_last(x: torch.Tensor, k: int, ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, dim=-1)` (values descending, their indices) over [..., V]; among exactly equal values the order
+    may differ from torch.topk's.
+
+    k = 1 is a max. Otherwise, when V is a multiple of the chunk width and wider than it, in two stages: the best
+    k of each chunk, then the best k of those (torch.topk), or with `ranked` (`ranked_top_k`) the k chunks of
+    `RANK_CHUNK` with the largest maxima, which hold the k largest values, then the best k of their k·RANK_CHUNK
+    values, both by `_ranked`.
+    """
     v = x.shape[-1]
+    if k == 1:
+        vals, idx = x.max(dim=-1, keepdim=True)
+        return vals, idx
+    if ranked:
+        c = RANK_CHUNK
+        if v <= c or v % c or k > v // c:
+            return _ranked(x, k)
+        chunks = x.unflatten(-1, (v // c, c))  # [..., n, C]
+        _, ci = _ranked(chunks.amax(dim=-1), k)  # [..., k] the chunks holding the k largest values
+        cand = chunks.gather(-2, ci[..., None].expand(*ci.shape, c)).flatten(-2)  # [..., k·C]
+        vals, at = _ranked(cand, k)  # [..., k]
+        return vals, ci.gather(-1, at // c) * c + at % c
     if v <= TOPK_CHUNK or v % TOPK_CHUNK or k > TOPK_CHUNK:
         return x.topk(k, dim=-1)
     n = v // TOPK_CHUNK

@@ -556,7 +556,7 @@ class FastRows:
             rec_tokens.append(d.to_target_ids(top_ids.reshape(nb, k * k)))
             rec_parents.append(frontier[:, :, None].expand(nb, k, k).reshape(nb, k * k))
             all_tokens = torch.cat(rec_tokens, dim=1)
-            best = cum.topk(k, dim=-1).indices  # [nb, k]
+            best = top_k_last(cum, k)[1]  # [nb, k]
             parent_row = best // k
             frontier = n_rec + best
             n_rec += k * k
