@@ -112,8 +112,9 @@ def arch(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(params=[True, False], ids=["stacked-heads", "sdpa-heads"])
 def head_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both GQA layouts of the fast path's attention on this CPU: query heads stacked along the query axis (what
-    CPUs use) and query heads as SDPA heads with `enable_gqa` (what CUDA uses; `stack_query_heads`)."""
+    """Both GQA layouts of the fast path's attention: query heads stacked along the query axis (the default) and
+    query heads as SDPA heads with `enable_gqa` (opt-in; `stack_query_heads`), for every FastTarget and
+    FastDrafter built in the test."""
     import eagle3.fast.drafter
     import eagle3.fast.target
 

@@ -142,6 +142,30 @@ def test_both_head_layouts_match_hf_generate(head_layout, kind):
         assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
 
 
+def test_sdpa_heads_option_and_stacked_prefill(monkeypatch):
+    """`FastOptions(sdpa_heads=True)` switches target and drafter to the SDPA-heads layout; prefills (inside
+    `varying_shape_attention`) still stack the heads, cycles do not; the answer is HF's."""
+    import eagle3.fast.target as target_mod
+
+    seen = []
+    real = target_mod.grouped_attention
+
+    def spy(q, k_all, v_all, bias, scale, stacked=True):
+        seen.append((q.shape[0], stacked))
+        return real(q, k_all, v_all, bias, scale, stacked)
+
+    monkeypatch.setattr(target_mod, "grouped_attention", spy)
+    model = build_tiny_target("llama")
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(sdpa_heads=True))
+    assert not engine.target.stacked and not engine.core.drafter.stacked
+    prompt = prompt_of(13, seed=9)
+    assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
+    layers = model.config.num_hidden_layers
+    assert seen[:layers] == [(13, True)] * layers  # the prefill: stacked
+    assert {st for t, st in seen[layers:]} == {False} and {t for t, _ in seen[layers:]} == {5}  # chain of 4 + root
+
+
 @pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_device_tree_equals_generic_proposer(models, drafters, arch, ranked):

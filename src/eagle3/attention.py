@@ -11,20 +11,40 @@ calls, i.e. 0.7 ms of host time per layer where the work is a few microseconds. 
 static-cache fast path (`eagle3.fast`) only the prefill varies (one prompt length per request, one padded width
 per batched prefill) and runs under it; its decoding cycles have fixed shapes, captured once in CUDA graphs, and
 keep the default order.
+
+Inside the context the fast path also stacks each KV head's query heads along the query axis (`shapes_vary`,
+`eagle3.fast.target.gqa_layout`): without cuDNN, a masked attention with fewer KV heads than query heads has no
+fused kernel (flash takes no mask) and would run as the math kernel with K/V repeated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
 
+_state = threading.local()  # .depth: nesting of varying_shape_attention in this thread
 
-def varying_shape_attention(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """A context for forwards whose attention shapes vary: SDPA without the cuDNN backend on CUDA, and no change
-    on other devices."""
-    if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+@contextlib.contextmanager
+def varying_shape_attention(device: torch.device | str) -> Iterator[None]:
+    """A context for forwards whose attention shapes vary: SDPA without the cuDNN backend on CUDA (no change on
+    other devices), and `shapes_vary()` true inside it."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        if torch.device(device).type != "cuda":
+            yield
+            return
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            yield
+    finally:
+        _state.depth -= 1
+
+
+def shapes_vary() -> bool:
+    """Whether this thread runs inside `varying_shape_attention`."""
+    return getattr(_state, "depth", 0) > 0

@@ -36,6 +36,7 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    SDPA_HEADS_HELP,
     ConfigError,
     SpecConfig,
 )
@@ -140,6 +141,7 @@ def run_bench(
     compile: bool = False,
     fuse_pointwise: bool = False,
     pipeline: bool = True,
+    sdpa_heads: bool = False,
     warmup: int = 1,
     echo: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
@@ -185,7 +187,7 @@ def run_bench(
     max_nodes = max(tree.total_tokens, chain, ngram_tokens)
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max(tree.depth, chain, ngram_tokens) + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
-                          max_seq_len=cache_len, compile_drafting=compile_drafting)
+                          max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads)
     shared = None
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
@@ -256,7 +258,7 @@ def run_bench(
         spec={"chain": chain, "tree": [tree.depth, tree.top_k, tree.total_tokens], "ngram_tokens": ngram_tokens,
               "hf_lookup_tokens": HF_LOOKUP_TOKENS},
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline,
-                 "compile_drafting": compile_drafting,
+                 "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
                  "warmup": warmup, "device": str(dev),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                  "cache_slots": cache_len},
@@ -389,6 +391,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
     b.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
     b.add_argument("--fuse-pointwise", action="store_true", help="fast path: " + FUSE_POINTWISE_HELP)
+    b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
     b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs per method on the longest prompt")
@@ -432,7 +435,7 @@ def cmd_bench(args) -> int:
         max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=tree,
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
-        compile_drafting=False if args.eager_drafting else None,
+        compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
     )
     path = write_json(record, out / "bench.json")
     png = plot_bench(record, out / "bench.png")

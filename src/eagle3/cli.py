@@ -15,6 +15,7 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    SDPA_HEADS_HELP,
     ConfigError,
     SamplingConfig,
     SpecConfig,
@@ -83,6 +84,7 @@ def _engine(rt, args):
         return rt.engine
     options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
                           fuse_pointwise=getattr(args, "fuse_pointwise", False),
+                          sdpa_heads=getattr(args, "sdpa_heads", False),
                           compile_drafting=False if getattr(args, "eager_drafting", False) else None)
     return fast_engine_for(rt, options)
 
@@ -264,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-graphs", action="store_true", help="fast engine: no CUDA graphs")
     g.add_argument("--compile", action="store_true", help="fast engine: torch.compile the captured steps")
     g.add_argument("--fuse-pointwise", action="store_true", help="fast engine: " + FUSE_POINTWISE_HELP)
+    g.add_argument("--sdpa-heads", action="store_true", help="fast engine: " + SDPA_HEADS_HELP)
     g.add_argument("--eager-drafting", action="store_true", help="fast engine: " + EAGER_DRAFTING_HELP)
     g.set_defaults(func=cmd_generate)
 

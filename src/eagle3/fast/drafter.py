@@ -16,6 +16,7 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.target import (
     apply_rope,
     attention_bias,
+    gqa_layout,
     grouped_attention,
     rms_norm,
     rope_tables,
@@ -156,10 +157,9 @@ class FastDrafter(nn.Module):
     def device(self) -> torch.device:
         return self.fc.device
 
-    @property
-    def head_groups(self) -> int:
-        """Rows per token in the attention bias: g query heads per KV head when they are stacked, else 1."""
-        return self.nh // self.nkv if self.stacked else 1
+    def use_sdpa_heads(self) -> None:
+        """As `FastTarget.use_sdpa_heads`."""
+        self.stacked = False
 
     @torch.no_grad()
     def rope_table(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,8 +218,9 @@ class FastDrafter(nn.Module):
         v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
         self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd]
         self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
-        bias = attention_bias(mask, self.head_groups, self.dtype)  # [1, 1, g·T, S]
-        o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, self.stacked)  # [T, nh·hd]
+        stacked, groups = gqa_layout(self.stacked, nh, nkv)
+        bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
+        o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, stacked)  # [T, nh·hd]
         r1 = residual + F.linear(o, self.wo, self.bo)
         gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]
@@ -249,8 +250,9 @@ class FastDrafter(nn.Module):
         k = apply_rope(qkv[..., nh * hd : (nh + nkv) * hd].reshape(b * t, nkv, hd), cos, sin)
         k_rows[rows, :, slots] = k.view(b, t, nkv, hd)
         v_rows[rows, :, slots] = qkv[..., (nh + nkv) * hd :].reshape(b, t, nkv, hd)
-        bias = row_attention_bias(mask, self.head_groups, self.dtype)  # [B, 1, g·T, S]
-        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale, self.stacked).view(b, t, nh * hd)
+        stacked, groups = gqa_layout(self.stacked, nh, nkv)
+        bias = row_attention_bias(mask, groups, self.dtype)  # [B, 1, g·T, S]
+        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale, stacked).view(b, t, nh * hd)
         r1 = residual + F.linear(o, self.wo, self.bo)
         gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]

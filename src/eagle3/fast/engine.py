@@ -54,6 +54,7 @@ class FastOptions:
     # None: on CUDA, where the compiled kernels are captured in the cycle's graph (a tree cycle went from 1.98 to
     # 1.64 plain steps on an H200); not on a CPU, where compiling takes 10-20 s and the target dominates a cycle.
     compile_drafting: bool | None = None
+    sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
@@ -106,8 +107,12 @@ class FastEngine:
                               f"{aux_ids}: build the FastTarget with the drafter's aux_layer_ids")
         if self.options.fuse_pointwise and not target.pointwise.compiled:
             target.fuse_pointwise(self.options.compile_backend)
+        if self.options.sdpa_heads:
+            target.use_sdpa_heads()
         self.target = target
         fd = FastDrafter(drafter) if mode == "eagle3" else None
+        if fd is not None and self.options.sdpa_heads:
+            fd.use_sdpa_heads()
         if mode == "eagle3":
             chain = self.spec.mode == "chain"
             depth = self.spec.chain_length if chain else self.spec.depth

@@ -7,9 +7,9 @@ every cache slot (so every static HF rope type is honoured). The KV cache is one
 `[T, S]` boolean mask says which are visible, so every shape is static and the forward can be captured in a CUDA
 graph (the habit of pytorch-labs/gpt-fast `model.py`: `KVCache.update` writes by `input_pos`).
 
-GQA without copying K/V: on CPU the g = n_heads / n_kv query heads that share a KV head are stacked along the query
-axis, `q [n_kv, g·T, hd]` against `k [n_kv, S, hd]`, with the `[T, S]` mask tiled g times; on CUDA they stay SDPA
-heads with `enable_gqa` (`stack_query_heads` says why).
+GQA without copying K/V: the g = n_heads / n_kv query heads that share a KV head are stacked along the query axis,
+`q [n_kv, g·T, hd]` against `k [n_kv, S, hd]`, with the `[T, S]` mask tiled g times; or, opt-in, they stay SDPA
+heads with `enable_gqa` (`stack_query_heads` says what that gains and costs).
 
 Aux features (EAGLE-3): id k is HF `hidden_states[k]`, the residual stream entering decoder layer k; k = L is the
 input of the final norm.
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.attention import shapes_vary
 from eagle3.config import ConfigError
 
 log = logging.getLogger("eagle3.fast")
@@ -99,16 +100,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 def stack_query_heads(device: torch.device | str) -> bool:
-    """The GQA layout of attention over the static cache, chosen per device.
+    """The GQA layout a new `FastTarget` / `FastDrafter` starts with: stacked, on every device.
 
-    True (CPU): each KV head's g query heads are stacked along the query axis, q [n_kv, g·T, hd] against
-    k [n_kv, S, hd]: one plain batched attention, K/V never repeated. False (CUDA): the query heads stay SDPA heads,
-    q [1, nh, T, hd] (a strided view of the projection, no copy for any T) against k [1, n_kv, S, hd] with
-    `enable_gqa`; cuDNN then runs the nh heads in parallel. On one H200 (random SmolLM2-shaped weights, context
-    512) the one-token step took 1,513 us instead of 1,800 and a 6,10,60 tree cycle 2,721 us instead of 2,932
-    (docs/results/session16_h200/).
+    Stacked: each KV head's g query heads go along the query axis, q [n_kv, g·T, hd] against k [n_kv, S, hd]:
+    one plain batched attention, K/V never repeated. The other layout (`FastTarget.use_sdpa_heads`, opt-in) keeps
+    the query heads as SDPA heads, q [1, nh, T, hd] (a strided view, no copy for any T) against k [1, n_kv, S, hd]
+    with `enable_gqa`. On one H200 it made SmolLM2's plain decoding 18 % faster (518 -> 613 tok/s, MT-bench x 80)
+    but the speculative cycles only 1-4 %, and cuDNN then runs one query row with other kernels than several, so
+    bf16 chains were no longer identical to plain decoding (15/80 answers instead of 80/80;
+    docs/results/session16_h200/). Stacked it stays by default, as `--fuse-pointwise` stays off.
     """
-    return torch.device(device).type != "cuda"
+    return True
+
+
+def gqa_layout(stacked: bool, nh: int, nkv: int) -> tuple[bool, int]:
+    """(stacked, bias rows per token) for one forward: the module's layout, but stacked wherever attention shapes
+    vary (`eagle3.attention.shapes_vary`: prefills), where masked GQA has no fused kernel without cuDNN."""
+    stacked = stacked or shapes_vary()
+    return stacked, (nh // nkv if stacked else 1)
 
 
 def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -277,10 +286,10 @@ class FastTarget(nn.Module):
         self.pointwise = EAGER
         self.stacked = stack_query_heads(self.device)  # the GQA layout of attention (`stack_query_heads`)
 
-    @property
-    def head_groups(self) -> int:
-        """Rows per token in the attention bias: g query heads per KV head when they are stacked, else 1."""
-        return self.nh // self.nkv if self.stacked else 1
+    def use_sdpa_heads(self) -> None:
+        """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
+        costs); call before capturing graphs."""
+        self.stacked = False
 
     def fuse_pointwise(self, backend: str = "inductor") -> None:
         """Run the elementwise work as compiled kernels from now on (`Pointwise`); compiles on first use, so call
@@ -378,7 +387,8 @@ class FastTarget(nn.Module):
         nh, nkv, hd = self.nh, self.nkv, self.hd
         h = F.embedding(ids, self.embed)  # [T, H]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
-        bias = attention_bias(mask, self.head_groups, self.dtype)  # [1, 1, g·T, S]
+        stacked, groups = gqa_layout(self.stacked, nh, nkv)
+        bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
         for i, lw in enumerate(self.layers):
@@ -389,7 +399,7 @@ class FastTarget(nn.Module):
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [T, nh, hd], [T, nkv, hd]
             self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
-            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, self.stacked)  # [T, nh·hd]
+            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked)  # [T, nh·hd]
             h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
@@ -417,7 +427,8 @@ class FastTarget(nn.Module):
         rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
         h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
-        bias = row_attention_bias(mask, self.head_groups, self.dtype)  # [B, 1, g·T, S]
+        stacked, groups = gqa_layout(self.stacked, nh, nkv)
+        bias = row_attention_bias(mask, groups, self.dtype)  # [B, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
         for i, lw in enumerate(self.layers):
@@ -427,8 +438,7 @@ class FastTarget(nn.Module):
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
-            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale,
-                              self.stacked)  # [B·T, nh·hd]
+            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale, stacked)  # [B·T, nh·hd]
             h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
