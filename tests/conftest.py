@@ -119,7 +119,7 @@ def head_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     import eagle3.fast.target
 
     for mod in (eagle3.fast.target, eagle3.fast.drafter):
-        monkeypatch.setattr(mod, "stack_query_heads", lambda device, stacked=request.param: stacked)
+        monkeypatch.setattr(mod, "stack_query_heads", lambda stacked=request.param: stacked)
     return request.param
 
 

@@ -99,7 +99,7 @@ class BatchedGenerator:
             v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd)
             self.k_cache[i, self.ar_b, :, pos] = k  # row b, slot pos[b]
             self.v_cache[i, self.ar_b, :, pos] = v
-            if t.stacked:  # the layout `stack_query_heads` picks for this device
+            if t.stacked:  # the target's GQA layout (`stack_query_heads`)
                 qg = q.view(b, nkv, g, hd)  # query heads kv·g + r share kv head `kv`
                 o = F.scaled_dot_product_attention(qg, self.k_cache[i], self.v_cache[i], attn_mask=visible,
                                                    scale=t.scale)  # [B, nkv, g, hd]

@@ -37,21 +37,30 @@ def ranked_top_k(device: torch.device | str) -> bool:
     """Whether compiled drafting pieces (`FastCore.compile_drafting`) pick their top-k by ranking (`top_k_last(...,
     ranked=True)`): on CUDA, where each torch.topk costs ~10 us however small its input (a radix select in passes;
     205 us of a SmolLM2 tree cycle's 497 us of drafting kernels, docs/results/session16_h200/) while inductor fuses
-    the ranking's comparisons and sums into a few short kernels. Eager pieces and CPUs keep torch.topk: run
-    op by op, the ranking is more kernels, not fewer."""
+    the ranking's comparisons and sums into a few short kernels (chain 5's drafting 291 -> 214 us, the 6,10,60
+    tree's 565 -> 529 us). Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more kernels, not
+    fewer."""
     return torch.device(device).type == "cuda"
 
 
-def _ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of x [..., R] in descending order and their indices (equal values: the lower index first),
-    from each element's rank: the number of elements before it in that order (R x R comparisons)."""
-    r = x.shape[-1]
-    ar = torch.arange(r, device=x.device)
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Each element's place [..., R] in a stable descending sort of x [..., R] (equal values: the lower index
+    first), counted from R x R comparisons instead of sorted."""
+    ar = torch.arange(x.shape[-1], device=x.device)
     a, b = x[..., :, None], x[..., None, :]  # element i, element j
-    rank = ((b > a) | ((b == a) & (ar[None, :] < ar[:, None]))).sum(dim=-1)  # [..., R]
-    slot = torch.where(rank < k, rank, k)  # [..., R]: output slot, or a spare slot k
-    idx = torch.zeros(*x.shape[:-1], k + 1, dtype=torch.long, device=x.device)
-    idx = idx.scatter_(-1, slot, ar.expand_as(slot))[..., :k]  # [..., k]
+    return ((b > a) | ((b == a) & (ar[None, :] < ar[:, None]))).sum(dim=-1)  # j sorts before i, counted
+
+
+def _place(slot: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices [..., n]: out[..., slot[i]] = i for every slot[i] < n (each slot below n taken once)."""
+    ar = torch.arange(slot.shape[-1], device=slot.device)
+    out = torch.zeros(*slot.shape[:-1], n + 1, dtype=torch.long, device=slot.device)
+    return out.scatter_(-1, torch.where(slot < n, slot, n), ar.expand_as(slot))[..., :n]  # slot n: the rest
+
+
+def _ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of x [..., R] in descending order and their indices, by `_ranks`."""
+    idx = _place(_ranks(x), k)  # [..., k]
     return x.gather(-1, idx), idx
 
 
@@ -90,19 +99,12 @@ def top_n_in_order(scores: torch.Tensor, n: int) -> torch.Tensor:
     """Indices [..., n] of the n best of `scores` [..., R] in increasing index order: the EAGLE-2 rerank's
     `sort(sort(-scores, stable=True).indices[..., :n]).values` (ties go to the lower index), without sorting.
 
-    Each element's rank is the count of elements that a stable descending sort puts before it (R x R comparisons:
-    260k for a 6,10,60 tree's 510 records), and a kept element's place is the running count of kept ones before
-    it. On a GPU these fuse into a few elementwise, reduction and scan kernels where the two sorts took ~50 us of a
-    ~3 ms SmolLM2 tree cycle (docs/benchmarks.md); the result is identical (tests/test_fast.py).
+    The kept are those ranked below n (`_ranks`: R x R comparisons, 260k for a 6,10,60 tree's 510 records), each
+    placed by the running count of kept ones before it. Identical keeps (tests/test_fast.py); on an H200 a SmolLM2
+    tree cycle took the same time either way (2,932 against 2,934 us, docs/results/session16_h200/).
     """
-    r = scores.shape[-1]
-    ar = torch.arange(r, device=scores.device)
-    s_i, s_j = scores[..., :, None], scores[..., None, :]  # row i, column j
-    before = (s_j > s_i) | ((s_j == s_i) & (ar[None, :] < ar[:, None]))  # [..., R, R]: j sorts before i
-    kept = before.sum(dim=-1) < n  # [..., R]
-    place = torch.where(kept, kept.cumsum(dim=-1) - 1, n)  # [..., R]: slot among the kept, or a spare slot n
-    out = torch.zeros(*scores.shape[:-1], n + 1, dtype=torch.long, device=scores.device)
-    return out.scatter_(-1, place, ar.expand_as(place))[..., :n]
+    kept = _ranks(scores) < n  # [..., R]
+    return _place(torch.where(kept, kept.cumsum(dim=-1) - 1, n), n)
 
 
 class FastDrafter(nn.Module):
@@ -151,7 +153,7 @@ class FastDrafter(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.seq_len = 0
         self.alloc_id = 0
-        self.stacked = stack_query_heads(self.device)  # the GQA layout of attention (`stack_query_heads`)
+        self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
 
     @property
     def device(self) -> torch.device:

@@ -99,7 +99,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin[:, None]
 
 
-def stack_query_heads(device: torch.device | str) -> bool:
+def stack_query_heads() -> bool:
     """The GQA layout a new `FastTarget` / `FastDrafter` starts with: stacked, on every device.
 
     Stacked: each KV head's g query heads go along the query axis, q [n_kv, g·T, hd] against k [n_kv, S, hd]:
@@ -135,8 +135,8 @@ def grouped_attention(
     scale: float,
     stacked: bool = True,
 ) -> torch.Tensor:
-    """GQA attention over a static cache without repeating K/V, in the layout `stack_query_heads` picks; returns
-    [T, nh·hd]."""
+    """GQA attention over a static cache without repeating K/V, the query heads stacked or as SDPA heads
+    (`stack_query_heads`); returns [T, nh·hd]."""
     t, nh, hd = q.shape
     if not stacked:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None], attn_mask=bias,
@@ -284,7 +284,7 @@ class FastTarget(nn.Module):
         self.seq_len = 0
         self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
         self.pointwise = EAGER
-        self.stacked = stack_query_heads(self.device)  # the GQA layout of attention (`stack_query_heads`)
+        self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
