@@ -75,6 +75,19 @@ def test_overhead_tiny(tmp_path, capsys):
     assert "target steps" in capsys.readouterr().out
 
 
+def test_overhead_shapes():
+    """`--shape` names the random model; SmolLM2's matches the real target's dimensions and draft vocabulary."""
+    from eagle3.fast.overhead import SHAPES, run_overhead
+
+    dims, draft_vocab = SHAPES["smollm2-135m"]
+    assert (dims["hidden_size"], dims["num_hidden_layers"], dims["num_attention_heads"],
+            dims["num_key_value_heads"], dims["vocab_size"], draft_vocab) == (576, 30, 9, 3, 49152, 8192)
+    with pytest.raises(ValueError, match="unknown shape 'gpt-5'"):
+        run_overhead("cpu", shape="gpt-5")
+    with pytest.raises(SystemExit):
+        bench(["--overhead", "--shape", "gpt-5", "--device", "cpu"])
+
+
 def test_parse_methods():
     assert parse_methods("all") == list(METHODS)
     assert parse_methods("g,a,plain") == ["hf", "plain", "tree"]
