@@ -128,8 +128,8 @@ def test_stops_at_eos_and_max_new_tokens_inside_a_cycle(models):
 
 @pytest.mark.parametrize("kind", ["none", "chain", "tree"])
 def test_both_head_layouts_match_hf_generate(head_layout, kind):
-    """The GQA layout CUDA uses (query heads as SDPA heads) and the CPU's (stacked along the query axis) give HF's
-    greedy output, for the target and the drafter (Llama and Qwen3, 2 query heads per KV head)."""
+    """Both GQA layouts, query heads stacked along the query axis (the default) and as SDPA heads (`--sdpa-heads`),
+    give HF's greedy output, for the target and the drafter (Llama and Qwen3, 2 query heads per KV head)."""
     for arch in ("llama", "qwen3"):
         model = build_tiny_target(arch)
         d = init_drafter(model, draft_vocab_size=200, seed=1)
