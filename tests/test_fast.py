@@ -303,9 +303,10 @@ def test_top_k_last_equals_topk(ranked):
     assert torch.equal(vals, ties.topk(5).values) and torch.equal(ties.gather(-1, idx), vals)
 
 
-def test_top_n_in_order_equals_the_two_sorts():
-    """The sort-free rerank keeps exactly what a stable descending sort's first n, sorted by index, keep: with
-    ties (equal scores, -inf) and batch dimensions."""
+@pytest.mark.parametrize("ranked", [False, True])
+def test_top_n_in_order_equals_the_two_sorts(ranked):
+    """The rerank, sorted or ranked, keeps exactly what a stable descending sort's first n, sorted by index, keep:
+    with ties (equal scores, -inf) and batch dimensions."""
     g = torch.Generator().manual_seed(5)
     cases = [torch.randn(510, generator=g), torch.randn(4, 37, generator=g),
              torch.randint(-3, 1, (3, 50), generator=g).float(),  # many ties
@@ -313,7 +314,7 @@ def test_top_n_in_order_equals_the_two_sorts():
     for scores in cases:
         for n in (1, 5, scores.shape[-1] // 2, scores.shape[-1]):
             ref = torch.sort(torch.sort(-scores, dim=-1, stable=True).indices[..., :n], dim=-1).values
-            assert torch.equal(top_n_in_order(scores, n), ref), (scores.shape, n)
+            assert torch.equal(top_n_in_order(scores, n, ranked), ref), (scores.shape, n)
 
 
 def test_compiled_drafting_keeps_trees_and_output(models, drafters):

@@ -230,7 +230,7 @@ class FastCore(nn.Module):
         all_scores = torch.cat(rec_scores)  # [R]
         all_parents = torch.cat(rec_parents)  # [R]
         n = self.n_nodes
-        keep = top_n_in_order(all_scores, n)  # [N] the best N in record order: parents precede children
+        keep = top_n_in_order(all_scores, n, self.ranked)  # [N] the best N in record order: parents precede children
         remap = torch.full_like(all_parents, -1).scatter_(0, keep, self.ar[:n])  # [R] record -> node index
         parents = all_parents[keep]  # [N] record indices (-1: root)
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)

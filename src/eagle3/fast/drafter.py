@@ -34,8 +34,8 @@ RANK_CHUNK = 64
 
 
 def ranked_top_k(device: torch.device | str) -> bool:
-    """Whether compiled drafting pieces (`FastCore.compile_drafting`) pick their top-k by ranking (`top_k_last(...,
-    ranked=True)`): on CUDA, where each torch.topk costs ~10 us however small its input (a radix select in passes;
+    """Whether compiled drafting pieces (`FastCore.compile_drafting`) pick their top-k and rerank by ranking
+    (`top_k_last(..., ranked=True)`, `top_n_in_order(..., ranked=True)`): on CUDA, where each torch.topk costs ~10 us however small its input (a radix select in passes;
     205 us of a SmolLM2 tree cycle's 497 us of drafting kernels, docs/results/session16_h200/) while inductor fuses
     the ranking's comparisons and sums into a few short kernels (chain 5's drafting 291 -> 214 us, the 6,10,60
     tree's 565 -> 529 us). Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more kernels, not
@@ -95,14 +95,18 @@ def top_k_last(x: torch.Tensor, k: int, ranked: bool = False) -> tuple[torch.Ten
     return best, idx.flatten(-2).gather(-1, at)
 
 
-def top_n_in_order(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """Indices [..., n] of the n best of `scores` [..., R] in increasing index order: the EAGLE-2 rerank's
-    `sort(sort(-scores, stable=True).indices[..., :n]).values` (ties go to the lower index), without sorting.
+def top_n_in_order(scores: torch.Tensor, n: int, ranked: bool = False) -> torch.Tensor:
+    """Indices [..., n] of the n best of `scores` [..., R] in increasing index order: the EAGLE-2 rerank,
+    `sort(sort(-scores, stable=True).indices[..., :n]).values` (ties go to the lower index).
 
-    The kept are those ranked below n (`_ranks`: R x R comparisons, 260k for a 6,10,60 tree's 510 records), each
-    placed by the running count of kept ones before it. Identical keeps (tests/test_fast.py); on an H200 a SmolLM2
-    tree cycle took the same time either way (2,932 against 2,934 us, docs/results/session16_h200/).
+    With `ranked` (`ranked_top_k`) without sorting: the kept are those ranked below n (`_ranks`: R x R
+    comparisons, 260k for a 6,10,60 tree's 510 records), each placed by the running count of kept ones before it.
+    Identical keeps (tests/test_fast.py); compiled on an H200, a SmolLM2 tree cycle took the same time either way
+    (2,932 against 2,934 us, docs/results/session16_h200/).
     """
+    if not ranked:
+        order = torch.sort(-scores, dim=-1, stable=True).indices[..., :n]  # best first; parents before children
+        return torch.sort(order, dim=-1).values
     kept = _ranks(scores) < n  # [..., R]
     return _place(torch.where(kept, kept.cumsum(dim=-1) - 1, n), n)
 
