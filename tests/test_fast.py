@@ -27,7 +27,7 @@ from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept_greedy
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
 from eagle3.fast.drafter import top_k_last, top_n_in_order
-from eagle3.fast.target import apply_rope, rope_tables
+from eagle3.fast.target import apply_rope, apply_rope_heads, heads_first, rope_tables
 from eagle3.runtime import init_drafter
 from eagle3.target import Target
 
@@ -151,7 +151,7 @@ def test_sdpa_heads_option_and_stacked_prefill(monkeypatch):
     real = target_mod.grouped_attention
 
     def spy(q, k_all, v_all, bias, scale, stacked=True):
-        seen.append((q.shape[0], stacked))
+        seen.append((q.shape[1], stacked))  # q [nh, T, hd]
         return real(q, k_all, v_all, bias, scale, stacked)
 
     monkeypatch.setattr(target_mod, "grouped_attention", spy)
@@ -200,6 +200,41 @@ def test_rope_with_roll_is_bit_exact(dtype):
     g = torch.Generator().manual_seed(0)
     x, cos, sin = (torch.randn(*shape, generator=g).to(dtype) for shape in [(5, 3, 16), (5, 16), (5, 16)])
     assert torch.equal(apply_rope(x, *rope_tables(cos, sin)), x * cos[:, None] + rotate_half(x) * sin[:, None])
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_heads_first_is_bit_exact(dtype, tokens):
+    """RoPE on the heads-first copy of a strided slice of the fused projections gives `apply_rope`'s bits."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, 5 * 16, generator=g).to(dtype)  # [T, (nh + 2·nkv)·hd] with nh = 3, nkv = 1
+    cos, ssin = rope_tables(*(torch.randn(tokens, 16, generator=g).to(dtype) for _ in range(2)))
+    qk = qkv[:, : 4 * 16].view(tokens, 4, 16)
+    x = heads_first(qk)
+    assert x.is_contiguous() and (tokens > 1 or x.data_ptr() == qk.data_ptr())  # no copy for one token
+    assert torch.equal(apply_rope_heads(x, cos, ssin), apply_rope(qk, cos, ssin).transpose(0, 1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch):
+    """The property that keeps bf16 chains identical to plain decoding on the fast path: a forward of T causal
+    tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
+    path uses internally (heads first for T > 1, `FastTarget.rope_qk_heads`). Qwen3 covers the q/k-norm path."""
+    model = build_tiny_target(arch).to(torch.bfloat16)
+    ids = prompt_of(24, seed=3)
+    logits = {}
+    for mode in ("rows", "steps"):
+        t = FastTarget(model)
+        t.allocate(32)
+        ar = torch.arange(32)
+        t(ids[:18], ar[:18], ar[:18], ar[None, :] <= ar[:18, None])  # the same prefill for both
+        if mode == "rows":
+            pos = ar[18:24]
+            logits[mode] = t(ids[18:24], pos, pos, ar[None, :] <= pos[:, None])[0]
+        else:
+            logits[mode] = torch.cat([t(ids[p : p + 1], ar[p : p + 1], ar[p : p + 1], (ar <= p)[None])[0]
+                                      for p in range(18, 24)])
+    assert torch.equal(logits["rows"], logits["steps"])
 
 
 def _random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:

@@ -99,6 +99,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin[:, None]
 
 
+def apply_rope_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` with the heads in front: x [heads, T, hd], cos/signed_sin [T, hd]. The same elementwise
+    operations on the same operands, so the same values bit for bit in either layout."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, hd] (a strided view of the fused projections) -> contiguous [heads, T, hd]: one copy for T > 1,
+    none for T = 1 (a single row is already laid out that way)."""
+    return x.transpose(0, 1).contiguous()
+
+
 def stack_query_heads() -> bool:
     """The GQA layout a new `FastTarget` / `FastDrafter` starts with: stacked, on every device.
 
@@ -128,7 +140,7 @@ def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
 
 
 def grouped_attention(
-    q: torch.Tensor,  # [T, nh, hd]
+    q: torch.Tensor,  # [nh, T, hd] contiguous (heads first, `FastTarget.rope_qk_heads`)
     k_all: torch.Tensor,  # [nkv, S, hd]
     v_all: torch.Tensor,  # [nkv, S, hd]
     bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
@@ -137,14 +149,14 @@ def grouped_attention(
 ) -> torch.Tensor:
     """GQA attention over a static cache without repeating K/V, the query heads stacked or as SDPA heads
     (`stack_query_heads`); returns [T, nh·hd]."""
-    t, nh, hd = q.shape
+    nh, t, hd = q.shape
     if not stacked:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[None], v_all[None], attn_mask=bias,
+        o = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=bias,
                                            scale=scale, enable_gqa=True)  # [1, nh, T, hd]
         return o[0].transpose(0, 1).reshape(t, nh * hd)
     nkv = k_all.shape[0]
     g = nh // nkv
-    qg = q.transpose(0, 1).reshape(nkv, g * t, hd)  # [nkv, g·T, hd]; row r·T + t is head (kv·g + r), token t
+    qg = q.view(nkv, g * t, hd)  # [nkv, g·T, hd], a view; row r·T + t is head (kv·g + r), token t
     o = F.scaled_dot_product_attention(qg[None], k_all[None], v_all[None], attn_mask=bias, scale=scale)
     return o[0].reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
 
@@ -203,10 +215,12 @@ class Pointwise:
 
     def __init__(self, backend: str | None = None):
         self.backend = backend
-        pieces = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "gate": silu_gate}
+        pieces = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "rope_heads": apply_rope_heads,
+                  "gate": silu_gate}
         if backend is not None:
             pieces = {k: torch.compile(f, dynamic=True, fullgraph=True, backend=backend) for k, f in pieces.items()}
-        self.norm, self.add_norm, self.rope, self.gate = (pieces[k] for k in ("norm", "add_norm", "rope", "gate"))
+        self.norm, self.add_norm, self.rope, self.rope_heads, self.gate = (
+            pieces[k] for k in ("norm", "add_norm", "rope", "rope_heads", "gate"))
 
     @property
     def compiled(self) -> bool:
@@ -345,6 +359,23 @@ class FastTarget(nn.Module):
         k = pw.rope(pw.norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, self.eps), cos, sin)
         return q, k
 
+    def rope_qk_heads(self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor):
+        """`rope_qk` with the heads in front: q [nh, N, hd] and k [nkv, N, hd], contiguous, the same values.
+
+        Stacked attention then views q as [nkv, g·N, hd] and the KV write reads k as it lies. For N > 1 this
+        saves a transposing copy of q per layer (the one copy that brings the heads in front replaces the one
+        `torch.roll` makes of a strided input), and the cache write reads a contiguous k. Nothing changes for
+        N = 1. (On one H200 at SmolLM2's shape a 2-token verification ran 90 such copies more than a plain step,
+        docs/results/session17_h200/.)"""
+        n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
+        pw = self.pointwise
+        if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
+            qk = pw.rope_heads(heads_first(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)), cos, sin)
+            return qk[:nh], qk[nh:]  # [nh, N, hd], [nkv, N, hd]
+        q = pw.rope_heads(pw.norm(heads_first(qkv[:, : nh * hd].view(n, nh, hd)), lw.q_norm, self.eps), cos, sin)
+        k = pw.norm(heads_first(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)), lw.k_norm, self.eps)
+        return q, pw.rope_heads(k, cos, sin)
+
     def mlp(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """down(silu(gate) * up) of the normed x [N, H] -> [N, H]."""
         return F.linear(self.pointwise.gate(F.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2)
@@ -396,8 +427,8 @@ class FastTarget(nn.Module):
                 aux.append(h)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-            q, k = self.rope_qk(qkv, lw, cos, sin)  # [T, nh, hd], [T, nkv, hd]
-            self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd] written at `slots`
+            q, k = self.rope_qk_heads(qkv, lw, cos, sin)  # [nh, T, hd], [nkv, T, hd]
+            self.k_cache[i].index_copy_(1, slots, k)  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked)  # [T, nh·hd]
             h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
