@@ -15,11 +15,9 @@ from torch import nn
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.target import (
     apply_rope,
-    apply_rope_heads,
     attention_bias,
     gqa_layout,
     grouped_attention,
-    heads_first,
     rms_norm,
     rope_tables,
     row_attention,
@@ -221,10 +219,12 @@ class FastDrafter(nn.Module):
         u = torch.cat([rms_norm(emb, self.input_layernorm, self.eps), normed], dim=-1)  # [T, 2H]
         qkv = F.linear(u, self.wqkv, self.bqkv)  # [T, (nh + 2·nkv)·hd]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
-        q = apply_rope_heads(heads_first(qkv[:, : nh * hd].view(t, nh, hd)), cos, sin)  # [nh, T, hd]
-        k = apply_rope_heads(heads_first(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd)), cos, sin)
+        # tokens first here: compiled drafting fuses the copies, and the heads-first copy made its tree cycle
+        # 14 us slower on one H200 (docs/results/session17_h200/cycle_exp4.log)
+        q = apply_rope(qkv[:, : nh * hd].view(t, nh, hd), cos, sin).transpose(0, 1)  # [nh, T, hd]
+        k = apply_rope(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd), cos, sin)
         v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-        self.k_cache.index_copy_(1, slots, k)  # [nkv, S, hd]
+        self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd]
         self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
         stacked, groups = gqa_layout(self.stacked, nh, nkv)
         bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]

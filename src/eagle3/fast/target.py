@@ -140,7 +140,7 @@ def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
 
 
 def grouped_attention(
-    q: torch.Tensor,  # [nh, T, hd] contiguous (heads first, `FastTarget.rope_qk_heads`)
+    q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.rope_qk_heads`: no copy here)
     k_all: torch.Tensor,  # [nkv, S, hd]
     v_all: torch.Tensor,  # [nkv, S, hd]
     bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
@@ -156,7 +156,7 @@ def grouped_attention(
         return o[0].transpose(0, 1).reshape(t, nh * hd)
     nkv = k_all.shape[0]
     g = nh // nkv
-    qg = q.view(nkv, g * t, hd)  # [nkv, g·T, hd], a view; row r·T + t is head (kv·g + r), token t
+    qg = q.reshape(nkv, g * t, hd)  # [nkv, g·T, hd] (a view if q is contiguous); row r·T + t: head kv·g + r, token t
     o = F.scaled_dot_product_attention(qg[None], k_all[None], v_all[None], attn_mask=bias, scale=scale)
     return o[0].reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
 
