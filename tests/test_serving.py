@@ -42,10 +42,11 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
 
 
 def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, lane_compile: bool = False,
-                **config) -> ServerThread:
+                sdpa_heads: bool = False, **config) -> ServerThread:
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
     `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`;
-    `lane_compile`: the lane's steps traced by torch.compile (the "aot_eager" backend: no C++ codegen on CPU)."""
+    `lane_compile`: the lane's steps traced by torch.compile (the "aot_eager" backend: no C++ codegen on CPU);
+    `sdpa_heads`: lane and rows attend with the query heads as SDPA heads (`serve --sdpa-heads`)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
     shape = SpecConfig(depth=3, top_k=2, total_tokens=6)
@@ -61,9 +62,10 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
         fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d, options=options)
         fast.prepare(16, 16)
     elif lane:
-        fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d)
+        fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d,
+                          options=FastOptions(sdpa_heads=sdpa_heads))
     fr = fast_rows("on", model, d, policy or SpecPolicy(enabled=False), cfg, "cpu",
-                   target=fast.target if fast is not None else None) if rows else None
+                   target=fast.target if fast is not None else None, sdpa_heads=sdpa_heads) if rows else None
     sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast,
                             rows=fr)
     return ServerThread(create_app(sched), shutdown_timeout=cfg.shutdown_timeout).start()
@@ -226,6 +228,26 @@ def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
             next(r2.iter_lines())  # two requests: the lane has handed over to the fast rows
         assert wait_idle(srv)
         assert sched.fast_rows.n == 0
+    finally:
+        srv.stop()
+
+
+def test_sdpa_heads_server_answers_like_the_reference(stories260k, ref):
+    """`serve --sdpa-heads`: the lane and the rows (sharing one target) attend with the query heads as SDPA heads,
+    the rows' drafter too; lone and concurrent greedy requests answer as the bs=1 reference (fp32)."""
+    srv = make_server(*stories260k, lane=True, rows=True, sdpa_heads=True, max_batch_size=8)
+    try:
+        sched = srv.app.state.scheduler
+        assert sched.fast.target is sched.fast_rows.t and not sched.fast_rows.t.stacked
+        assert not sched.fast.core.drafter.stacked and not sched.fast_rows.d.stacked
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)  # the lane
+        assert r.choices[0].text == ref(24, prompt=PROMPTS[0]).text
+        with ThreadPoolExecutor(8) as pool:  # the rows
+            texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
+                                  .choices[0].text, PROMPTS, timeout=120))
+        assert texts == [ref(13, prompt=p).text for p in PROMPTS]
+        assert sched.fast_rows.spec_cycles > 0
     finally:
         srv.stop()
 

@@ -14,6 +14,7 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    SDPA_HEADS_HELP,
     ConfigError,
     SpecConfig,
 )
@@ -84,6 +85,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "batch-1 decoding, about a minute more at start-up); the fast rows stay uncompiled")
     s.add_argument("--fuse-pointwise", action="store_true",
                    help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
+    s.add_argument("--sdpa-heads", action="store_true", help="fast lane and fast rows: " + SDPA_HEADS_HELP)
     s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
     s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
@@ -152,23 +154,25 @@ def load_server(args):
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config, compile=args.compile,
-                            fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting)
+                            fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
+                            sdpa_heads=args.sdpa_heads)
     if args.compile and fast is None:
         log.warning("--compile has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
                     "outside the fast-path families); only the lane's steps are compiled")
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                     fuse_pointwise=args.fuse_pointwise)
+                     fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     return sched, create_app(sched)
 
 
 def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
-                     compile: bool = False, fuse_pointwise: bool = False, eager_drafting: bool = False):
+                     compile: bool = False, fuse_pointwise: bool = False, eager_drafting: bool = False,
+                     sdpa_heads: bool = False):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
     inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`;
-    `eager_drafting`: `FastOptions.compile_drafting=False`."""
+    `eager_drafting`: `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
@@ -183,13 +187,14 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
         return None
     engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
                         options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise,
-                                            compile_drafting=False if eager_drafting else None))
+                                            compile_drafting=False if eager_drafting else None,
+                                            sdpa_heads=sdpa_heads))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 
 
 def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
-              token_budget: int | None = None, fuse_pointwise: bool = False):
+              token_budget: int | None = None, fuse_pointwise: bool = False, sdpa_heads: bool = False):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
     shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`)."""
@@ -215,6 +220,8 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
         target = FastTarget(model, aux)
     if fuse_pointwise and not target.pointwise.compiled:
         target.fuse_pointwise()
+    if sdpa_heads:
+        target.use_sdpa_heads()  # shared with the lane, which set it already when both have the option
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
     seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
 
