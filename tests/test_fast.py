@@ -219,7 +219,7 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
 def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch):
     """The property that keeps bf16 chains identical to plain decoding on the fast path: a forward of T causal
     tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
-    path uses internally (heads first for T > 1, `FastTarget.rope_qk_heads`). Qwen3 covers the q/k-norm path."""
+    path uses internally (heads first for T > 1, `FastTarget.rope_qk(heads=True)`). Qwen3 covers the q/k-norm path."""
     model = build_tiny_target(arch).to(torch.bfloat16)
     ids = prompt_of(24, seed=3)
     logits = {}

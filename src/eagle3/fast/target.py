@@ -140,7 +140,7 @@ def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
 
 
 def grouped_attention(
-    q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.rope_qk_heads`: no copy here)
+    q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.rope_qk(heads=True)`: no copy here)
     k_all: torch.Tensor,  # [nkv, S, hd]
     v_all: torch.Tensor,  # [nkv, S, hd]
     bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
@@ -347,34 +347,24 @@ class FastTarget(nn.Module):
         cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd] each
         return rope_tables(cos[0].to(dt), sin[0].to(dt))
 
-    def rope_qk(self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor):
+    def rope_qk(self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor, heads: bool = False):
         """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [N, nh, hd] and k [N, nkv, hd] (Qwen3: RMSNorm
-        over head_dim first); cos/sin [N, hd]."""
+        over head_dim first); cos/sin [N, hd]. `heads`: heads first, q [nh, N, hd] and k [nkv, N, hd] contiguous,
+        the same values bit for bit (the same elementwise operations on the same operands).
+
+        Heads first, stacked attention views q as [nkv, g·N, hd] and the cache write reads k as it lies: for N > 1
+        the one copy that brings the heads in front replaces the copy `torch.roll` makes of a strided input and
+        saves the transposing copy of q per layer; for N = 1 nothing changes. (On one H200 at SmolLM2's shape a
+        2-token verification ran 90 such copies more than a plain step, docs/results/session17_h200/.)"""
         n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
         pw = self.pointwise
+        lay, rope = (heads_first, pw.rope_heads) if heads else ((lambda x: x), pw.rope)
         if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
-            qk = pw.rope(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd), cos, sin)  # [N, nh+nkv, hd]
-            return qk[:, :nh], qk[:, nh:]
-        q = pw.rope(pw.norm(qkv[:, : nh * hd].view(n, nh, hd), lw.q_norm, self.eps), cos, sin)
-        k = pw.rope(pw.norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, self.eps), cos, sin)
+            qk = rope(lay(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)), cos, sin)
+            return (qk[:nh], qk[nh:]) if heads else (qk[:, :nh], qk[:, nh:])
+        q = rope(pw.norm(lay(qkv[:, : nh * hd].view(n, nh, hd)), lw.q_norm, self.eps), cos, sin)
+        k = rope(pw.norm(lay(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)), lw.k_norm, self.eps), cos, sin)
         return q, k
-
-    def rope_qk_heads(self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor):
-        """`rope_qk` with the heads in front: q [nh, N, hd] and k [nkv, N, hd], contiguous, the same values.
-
-        Stacked attention then views q as [nkv, g·N, hd] and the KV write reads k as it lies. For N > 1 this
-        saves a transposing copy of q per layer (the one copy that brings the heads in front replaces the one
-        `torch.roll` makes of a strided input), and the cache write reads a contiguous k. Nothing changes for
-        N = 1. (On one H200 at SmolLM2's shape a 2-token verification ran 90 such copies more than a plain step,
-        docs/results/session17_h200/.)"""
-        n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
-        pw = self.pointwise
-        if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
-            qk = pw.rope_heads(heads_first(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)), cos, sin)
-            return qk[:nh], qk[nh:]  # [nh, N, hd], [nkv, N, hd]
-        q = pw.rope_heads(pw.norm(heads_first(qkv[:, : nh * hd].view(n, nh, hd)), lw.q_norm, self.eps), cos, sin)
-        k = pw.norm(heads_first(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)), lw.k_norm, self.eps)
-        return q, pw.rope_heads(k, cos, sin)
 
     def mlp(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """down(silu(gate) * up) of the normed x [N, H] -> [N, H]."""
@@ -427,7 +417,7 @@ class FastTarget(nn.Module):
                 aux.append(h)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-            q, k = self.rope_qk_heads(qkv, lw, cos, sin)  # [nh, T, hd], [nkv, T, hd]
+            q, k = self.rope_qk(qkv, lw, cos, sin, heads=True)  # [nh, T, hd], [nkv, T, hd]
             self.k_cache[i].index_copy_(1, slots, k)  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked)  # [T, nh·hd]
