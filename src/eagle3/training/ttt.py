@@ -199,28 +199,37 @@ def ttt_loss(
     answer_pos = answer_positions(loss_mask, doc_ids)  # [B, T]
     total = aux.new_zeros((), dtype=torch.float32)
     loss_sums, correct, counts, kept, early_correct, early_counts = [], [], [], [], [], []
-    for k, out in enumerate(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps)):
-        sup = step_supervision(loss_mask, doc_ids, k)  # [B, T]; 0 for rows t >= T-1-k (label beyond the end)
+    # Score only the rows that carry weight: supervised, target argmax in the draft vocabulary. Selecting them
+    # before the head skips the lm_head and every [*, Vd] op on padding, prompts and other documents (which may
+    # hold anything, NaN included) instead of computing and zeroing them. The rows of every step come from one
+    # nonzero over all steps, so a batch waits for the device twice (counts, indices) instead of at every
+    # boolean-mask selection (four per step); the rows and their order are those of `x[:, :n][sel]`.
+    sups = [step_supervision(loss_mask, doc_ids, k) for k in range(steps)]  # [B, T] each
+    sel = torch.zeros((steps, *input_ids.shape), dtype=torch.bool, device=input_ids.device)  # [K, B, T]
+    for k in range(steps):
         n = max(t - 1 - k, 0)  # rows whose target z_{t+1+k} is inside the sequence
-        # score only the rows that carry weight: supervised, target argmax in the draft vocabulary. Selecting
-        # them before the head skips the lm_head and every [*, Vd] op on padding, prompts and other documents
-        # (which may hold anything, NaN included) instead of computing and zeroing them.
-        sel = (sup[:, :n] > 0) & in_vocab[:, 1 + k :]  # [B, n]
-        logits = drafter.logits(out[:, :n][sel])  # [M, Vd]
-        ce = soft_cross_entropy(logits, target_logits[:, 1 + k :][sel])  # [M]
+        sel[k, :, :n] = (sups[k][:, :n] > 0) & in_vocab[:, 1 + k :]
+    per_step = sel.sum(dim=(1, 2))  # [K] rows scored per step
+    rows = sel.nonzero().split(per_step.tolist())  # per step [M_k, 3]: (step, b, t) in row-major order
+    for k, (out, idx) in enumerate(zip(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps), rows,
+                                       strict=True)):
+        b, i = idx[:, 1], idx[:, 2]  # [M] batch row and position of each scored row
+        logits = drafter.logits(out[b, i])  # [M, Vd]
+        ce = soft_cross_entropy(logits, target_logits[b, i + 1 + k])  # [M]
         step_sum = ce.sum()
         total = total + (step_decay**k) * step_sum * denominator_scale / denominators[k]
         with torch.no_grad():
+            sup = sups[k]
             pred = drafter.draft_ids_to_target(logits.argmax(-1))  # [M] target ids
             # supervised rows outside the draft vocabulary are misses: the drafter cannot emit their token
-            hit = pred == target_argmax[:, 1 + k :][sel]  # [M]
+            hit = pred == target_argmax[b, i + 1 + k]  # [M]
             label_pos = shift_left(answer_pos, 2 + k, -1)  # [B, T] answer position of row t's label x_{t+2+k}
             early = (sup > 0) & (label_pos >= 0) & (label_pos < EARLY_TOKENS)  # [B, T]
             loss_sums.append(step_sum.detach())
             correct.append(hit.sum().to(torch.float32))
             counts.append(sup.sum())
-            kept.append(sel.sum().to(torch.float32))
-            early_correct.append((hit & early[:, :n][sel]).sum().to(torch.float32))
+            kept.append(per_step[k].to(torch.float32))
+            early_correct.append((hit & early[b, i]).sum().to(torch.float32))
             early_counts.append(early.sum().to(torch.float32))
     return TTTOutput(total, torch.stack(loss_sums), torch.stack(correct), torch.stack(counts), torch.stack(kept),
                      torch.stack(early_correct), torch.stack(early_counts))
