@@ -280,6 +280,34 @@ def test_step_decay_and_accuracy():
     assert o3.step_correct.item() < o3.step_count.item()
 
 
+def test_multi_step_loss_equals_a_dense_reference():
+    """Every TTT step scores the right rows against the right targets: the loss and counts equal a dense
+    computation over all rows, weighted by supervision and draft-vocabulary membership (packed documents, padding,
+    some target argmaxes outside the draft vocabulary)."""
+    d = make_drafter(seed=3)
+    ids, pos, doc = packed_batch()
+    b, t = ids.shape
+    steps, decay = 4, 0.8
+    g = torch.Generator().manual_seed(5)
+    lm = (torch.rand(b, t, generator=g) > 0.3).float() * (doc >= 0)
+    aux = torch.randn(b, t, 3 * HT, generator=g)
+    full = _targets(b, t)
+    full[0, 6, int((~d.t2d).nonzero()[0])] = 50.0  # this target's argmax has no draft id
+    tl, ta = _loss_inputs(d, full)
+    o = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=steps, step_decay=decay)
+    den = step_denominators(lm, doc, steps).clamp_min(1.0)
+    expect, kept = torch.zeros(()), []
+    with torch.no_grad():
+        for k, out in enumerate(unroll(d, d.combine(aux), ids, pos, doc, steps)):
+            w = step_supervision(lm, doc, k) * shift_left(d.t2d[ta], 1 + k)  # [B, T]
+            p = torch.softmax(shift_left(tl, 1 + k), -1)
+            ce = -(p * torch.log_softmax(d.logits(out).float(), -1)).sum(-1)  # [B, T]
+            expect = expect + decay**k * (torch.nan_to_num(ce) * w).sum() / den[k]
+            kept.append(w.sum().item())
+    torch.testing.assert_close(o.loss.detach(), expect, rtol=1e-5, atol=1e-6)
+    assert o.step_kept.tolist() == kept and kept[0] > kept[-1] > 0
+
+
 def test_answer_positions_and_early_accuracy(monkeypatch):
     """Answer positions restart at every supervised run; the early counts keep labels among each answer's first
     EARLY_TOKENS tokens, and equal the full counts when every answer is shorter than that."""
