@@ -552,13 +552,17 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
                                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--fast-rows", "on",
                                   "--fast-rows-len", "256"], "eagle3"),
                                 (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None),
-                                (["--no-spec", "--compile"], None)):  # no lane on a CPU: a warning says so
+                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--sdpa-heads"],
+                                 "eagle3"),
+                                (["--no-spec", "--compile"], None),  # no lane on a CPU: a warning says so
+                                (["--no-spec", "--sdpa-heads"], None)):  # nothing to apply it to: a warning
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
         assert args.func.__name__ == "cmd_serve"
         caplog.clear()
         sched, app = load_server(args)
         assert ("--compile has no effect" in caplog.text) == ("--compile" in extra)
+        assert ("--sdpa-heads has no effect" in caplog.text) == ("--sdpa-heads" in extra and "--fast-lane" not in extra)
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
         lane, rows = "--fast-lane" in extra, "--fast-rows" in extra  # auto (the default) is off on a CPU
@@ -571,6 +575,7 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
         assert ("plain batched decoding" in line) == (drafter_name is None)
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
+            assert sched.fast.target.stacked == ("--sdpa-heads" not in extra)
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,

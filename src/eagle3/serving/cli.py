@@ -162,6 +162,10 @@ def load_server(args):
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget,
                      fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
+    unused = [flag for flag, on in (("--fuse-pointwise", args.fuse_pointwise), ("--sdpa-heads", args.sdpa_heads)) if on]
+    if unused and fast is None and rows is None:
+        log.warning("%s has no effect: there is neither a fast lane nor fast rows (--fast-lane/--fast-rows off, a CPU "
+                    "device with them on auto, or a target outside the fast-path families)", " and ".join(unused))
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     return sched, create_app(sched)
