@@ -41,6 +41,19 @@ def test_generate_every_draft_kind_gives_the_same_text(capsys, random_drafter):
     assert selfd["acceptance_per_position"] == [1.0] * 5 and selfd["tau"] > 5
 
 
+def test_fast_path_flags_on_the_generic_engine_warn(capsys, caplog, random_drafter):
+    """Flags of the static-cache fast path say so when the generic engine runs (auto on a CPU), and change nothing;
+    on the fast engine they apply without that warning."""
+    plain = run_json(capsys, "--drafter", str(random_drafter), "--engine", "generic")
+    caplog.clear()
+    out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--eager-drafting")
+    assert out["token_ids"] == plain["token_ids"]
+    assert "--sdpa-heads and --eager-drafting have no effect" in caplog.text
+    caplog.clear()
+    out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--engine", "fast")
+    assert out["token_ids"] == plain["token_ids"] and "no effect" not in caplog.text
+
+
 def test_export_both_formats_and_generate_from_them(capsys, random_drafter, tmp_path):
     ref = run_json(capsys, "--drafter", str(random_drafter))
     for fmt in ("speculators", "eagle"):

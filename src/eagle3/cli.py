@@ -81,6 +81,14 @@ def _engine(rt, args):
         on_cuda = next(rt.model.parameters()).device.type == "cuda"
         choice = "fast" if on_cuda and rt.draft in FAST_DRAFT_KINDS and fast_support(rt.model) is None else "generic"
     if choice == "generic":
+        fast_only = [flag for flag, attr in (("--no-graphs", "no_graphs"), ("--compile", "compile"),
+                                             ("--fuse-pointwise", "fuse_pointwise"), ("--sdpa-heads", "sdpa_heads"),
+                                             ("--eager-drafting", "eager_drafting")) if getattr(args, attr, False)]
+        if fast_only:
+            logging.getLogger("eagle3").warning(
+                "%s %s no effect: decoding runs on the generic engine (they apply to the static-cache fast path: "
+                "--engine fast, or auto on a CUDA device for a Llama/Mistral/Qwen target)", " and ".join(fast_only),
+                "has" if len(fast_only) == 1 else "have")
         return rt.engine
     options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
                           fuse_pointwise=getattr(args, "fuse_pointwise", False),

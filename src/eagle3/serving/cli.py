@@ -164,8 +164,9 @@ def load_server(args):
                      fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
     unused = [flag for flag, on in (("--fuse-pointwise", args.fuse_pointwise), ("--sdpa-heads", args.sdpa_heads)) if on]
     if unused and fast is None and rows is None:
-        log.warning("%s has no effect: there is neither a fast lane nor fast rows (--fast-lane/--fast-rows off, a CPU "
-                    "device with them on auto, or a target outside the fast-path families)", " and ".join(unused))
+        log.warning("%s %s no effect: there is neither a fast lane nor fast rows (--fast-lane/--fast-rows off, a CPU "
+                    "device with them on auto, or a target outside the fast-path families)", " and ".join(unused),
+                    "has" if len(unused) == 1 else "have")
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     return sched, create_app(sched)
