@@ -34,6 +34,7 @@ SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-384}  # new tokens per ShareGPT answer (eval 
 REGEN_BATCH=${REGEN_BATCH:-512}
 SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second answer per prompt sampled at this temperature (SAMPLE_T= : greedy only)
 VAL_FRACTION=${VAL_FRACTION-0.01} # hold out this share of the samples, scored at every checkpoint (VAL_FRACTION= : none)
+AUX_LAYERS=${AUX_LAYERS:-}     # the target layers the drafter reads (train --aux-layers; empty: 2,L//2,L-3)
 TRAIN_OUT=${TRAIN_OUT:-$W/train}  # not OUT: CI runners and job schedulers often set that for their own use
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
@@ -76,7 +77,7 @@ RESUME=()
 $EAGLE3 train --target "$TARGET" --data "$W/data" --out "$TRAIN_OUT" --epochs "$EPOCHS" --lr "$LR" \
   ${MAX_STEPS:+--max-steps "$MAX_STEPS"} ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} ${INIT:+--init "$INIT"} \
   --batch-tokens "$BATCH_TOKENS" --save-every 200 --log-every 20 ${VAL_FRACTION:+--val-fraction "$VAL_FRACTION"} \
-  "${RESUME[@]}"
+  ${AUX_LAYERS:+--aux-layers "$AUX_LAYERS"} "${RESUME[@]}"
 
 stage "evaluate on MT-bench (80 first turns, 256 tokens)"
 for shape in "--tree 6,10,60" "--chain 5"; do

@@ -666,3 +666,52 @@ def test_compile_failure_falls_back_to_eager(caplog):
     torch.testing.assert_close(again, want, rtol=0, atol=0)
     warnings = [r.getMessage() for r in caplog.records if "torch.compile of test layer failed" in r.getMessage()]
     assert len(warnings) == 1 and "running it eagerly" in warnings[0]
+
+
+def test_aux_layers_choose_the_taps_of_a_fresh_drafter(data_dir, straight_run, tmp_path, capsys):
+    """--aux-layers sets the three target layers a fresh drafter reads (saved in its config, used by the target's
+    taps); malformed, repeated or out-of-range ids and a mismatch with --init stop at once with a clear error."""
+    from eagle3.cli import main
+    from eagle3.formats import load_drafter
+
+    common = ["train", "--target", "stories260k", "--data", str(data_dir), "--max-steps", "1", "--batch-size", "4",
+              "--max-length", "64", "--ttt-steps", "2"]
+    out = tmp_path / "taps"
+    assert main([*common, "--out", str(out), "--aux-layers", "1,3,5"]) == 0  # 5 = the last layer's output
+    assert load_drafter(out / "drafter", device="cpu").config.aux_layer_ids == [1, 3, 5]
+    for bad in ("1,3", "1,x,5", "-1,2,3"):
+        with pytest.raises(SystemExit):
+            main([*common, "--out", str(tmp_path / "bad"), f"--aux-layers={bad}"])
+        assert "three non-negative layer numbers" in capsys.readouterr().err
+    for taps, why in (("3,3,4", "distinct and ascending"), ("1,2,6", "out of range"), ("1,3,5", "differ from --init")):
+        extra = ["--init", str(straight_run / "drafter")] if why.startswith("differ") else []
+        assert main([*common, "--out", str(tmp_path / why[:3]), *extra, "--aux-layers", taps]) == 2
+        assert why in capsys.readouterr().err
+        assert not (tmp_path / why[:3] / "drafter").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_training_step_never_waits_for_the_device(data_dir, tmp_path, monkeypatch):
+    """After the first steps (compilation), a training step queues its work without one host synchronisation:
+    batches come from pinned memory, the scored rows are planned on the host, the grad norm stays on the device.
+    torch's sync debug mode turns any synchronising call inside the step into an error."""
+    from eagle3.training import trainer as trainer_mod
+
+    step = trainer_mod._Trainer._step
+    calls = []
+
+    def checked(self, rows):
+        calls.append(len(calls))
+        if len(calls) <= 2:
+            return step(self, rows)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(self, rows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(trainer_mod._Trainer, "_step", checked)
+    res = train(base_cfg(data_dir, tmp_path / "cuda", device="cuda", dtype="bfloat16", max_steps=5, log_every=5,
+                         save_every=0))
+    assert res.steps == 5 and len(calls) == 5

@@ -13,6 +13,7 @@ import eagle3.training.ttt as ttt_mod
 from eagle3.config import DrafterConfig
 from eagle3.drafter import DrafterKV, Eagle3Drafter, ttt_attention
 from eagle3.training.ttt import (
+    ScoredRows,
     answer_positions,
     base_mask,
     shift_left,
@@ -346,3 +347,37 @@ def test_garbage_on_unsupervised_rows_does_not_reach_the_gradient():
     o.loss.backward()
     assert torch.isfinite(o.loss)
     assert all(torch.isfinite(p.grad).all() for p in d.trainable_parameters() if p.grad is not None)
+
+
+def test_scored_rows_planned_on_the_host_give_the_same_objective():
+    """ScoredRows built from the host copy of a batch (what the trainer passes) gives the loss, gradients and
+    counts of letting ttt_loss find the rows itself; a zero-weight batch plans no rows; a plan for another number
+    of steps is refused."""
+    d = make_drafter(seed=4)
+    ids, pos, doc = packed_batch()
+    b, t = ids.shape
+    g = torch.Generator().manual_seed(9)
+    lm = (torch.rand(b, t, generator=g) > 0.3).float() * (doc >= 0)
+    aux = torch.randn(b, t, 3 * HT, generator=g)
+    full = _targets(b, t)
+    full[1, 3, int((~d.t2d).nonzero()[0])] = 50.0  # one target argmax without a draft id
+    tl, ta = _loss_inputs(d, full)
+    plan = ScoredRows.of(lm.clone(), doc.clone(), 3)
+    assert plan.per_step == [int(step_supervision(lm, doc, k).sum()) for k in range(3)]
+    assert plan.one_doc is False and ScoredRows.of(lm[:1, :5], torch.zeros(1, 5, dtype=torch.long), 3).one_doc
+    outs = []
+    for scored in (None, plan):
+        d.zero_grad()
+        o = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=3, scored=scored)
+        o.loss.backward()
+        outs.append((o, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (a, ga), (c, gc) = outs
+    torch.testing.assert_close(a.loss, c.loss)
+    for f in ("step_loss_sum", "step_correct", "step_count", "step_kept", "step_early_correct", "step_early_count"):
+        torch.testing.assert_close(getattr(a, f), getattr(c, f), msg=f)
+    assert ga.keys() == gc.keys() and ga
+    for n in ga:
+        torch.testing.assert_close(ga[n], gc[n], msg=n)
+    assert ScoredRows.of(torch.zeros_like(lm), doc, 3).per_step == [0, 0, 0]
+    with pytest.raises(ValueError, match="planned for 3 TTT steps, not 2"):
+        ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=2, scored=plan)

@@ -50,6 +50,15 @@ def duration_seconds(text: str) -> float:
     return value
 
 
+def layer_ids(text: str) -> list[int]:
+    """'2,15,29' -> [2, 15, 29] (argparse type for --aux-layers; range and order are checked against the target)."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give three non-negative layer numbers, low,mid,high (e.g. 2,15,27 for a 30-layer target)")
+    return [int(p) for p in parts]
+
+
 def _add_target(p) -> None:
     p.add_argument("--target", required=True,
                    help="local HF directory, hub id, .gguf file, or a bundled name (smollm2, stories260k)")
@@ -199,7 +208,7 @@ def cmd_train(args) -> int:
         max_length=args.max_length, packing=args.packing, dtype=args.dtype, device=args.device, seed=args.seed,
         save_every=args.save_every, log_every=args.log_every, features=args.features,
         feature_cache=args.feature_cache, resume=args.resume, noise=args.noise, tensorboard=args.tensorboard,
-        warmup_ratio=args.warmup_ratio, intermediate_size=args.intermediate_size,
+        warmup_ratio=args.warmup_ratio, intermediate_size=args.intermediate_size, aux_layer_ids=args.aux_layers,
         shard_target=args.shard_target, val_fraction=args.val_fraction, compile=False if args.eager else None,
     )
     res = train(cfg)
@@ -340,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None, help="continue from this drafter checkpoint")
     t.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of a fresh drafter (default: the target's); with --init it must match")
+    t.add_argument("--aux-layers", type=layer_ids, default=None, metavar="LOW,MID,HIGH",
+                   help="the three target layers whose input residual stream feeds a fresh drafter, in HF "
+                        "hidden_states / vLLM numbering (L = the last layer's output); default 2,L//2,L-3")
     t.add_argument("--ttt-steps", type=int, default=tc.ttt_steps)
     t.add_argument("--lr", type=float, default=tc.lr)
     t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio)

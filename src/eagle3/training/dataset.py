@@ -46,11 +46,18 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return int((self.doc_ids >= 0).sum())
+        """Non-padding tokens (from the segments: no device read)."""
+        return sum(n for segs in self.segments for _, _, n in segs)
 
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.doc_ids.to(device),
-                     self.position_ids.to(device), self.segments, self.packed)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The tensors on `device`; `non_blocking` copies from pinned memory (`pin_memory`) without waiting."""
+        return Batch(*(x.to(device, non_blocking=non_blocking) for x in
+                       (self.input_ids, self.loss_mask, self.doc_ids, self.position_ids)), self.segments, self.packed)
+
+    def pin_memory(self) -> Batch:
+        """A copy in page-locked host memory: a copy from pageable memory makes the host wait for the device."""
+        return Batch(*(x.pin_memory() for x in (self.input_ids, self.loss_mask, self.doc_ids, self.position_ids)),
+                     self.segments, self.packed)
 
 
 class TrainData:

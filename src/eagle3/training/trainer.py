@@ -61,10 +61,10 @@ from eagle3.training.checkpoints import (
     truncate_log,
 )
 from eagle3.training.compiled import compile_drafter_pieces, compile_target_layers
-from eagle3.training.dataset import TrainData, shard_rows
+from eagle3.training.dataset import Batch, TrainData, shard_rows
 from eagle3.training.distributed import Dist, init_dist
 from eagle3.training.features import FeatureCache, Features, OnlineFeatures, human_bytes
-from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, EARLY_TOKENS, ttt_loss
+from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, EARLY_TOKENS, ScoredRows, ttt_loss
 from eagle3.training.vocab import draft_ids_to_target
 
 # per-step sums a training step returns (TTTModel.forward after the loss): loss, correct, count, kept, and
@@ -225,9 +225,9 @@ class TTTModel(nn.Module):
         self.steps, self.decay = steps, decay
 
     def forward(self, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits, target_argmax,
-                denominators, scale: float):
+                denominators, scale: float, scored: ScoredRows | None = None):
         out = ttt_loss(self.drafter, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits,
-                       target_argmax, self.steps, self.decay, denominators, scale)
+                       target_argmax, self.steps, self.decay, denominators, scale, scored)
         return (out.loss, out.step_loss_sum, out.step_correct, out.step_count, out.step_kept, out.step_early_correct,
                 out.step_early_count)
 
@@ -561,7 +561,35 @@ class _Trainer:
             return self.source(batch)
         return self.cache.load(batch, self.device)
 
-    def _objective(self, batch, den: torch.Tensor, module: nn.Module, noise: float = 0.0):
+    def _wait(self) -> None:
+        """Wait until the device has run every queued step."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _to_device(self, x):
+        """A host Batch, ScoredRows or tensor on the training device. On CUDA the copy comes from pinned memory
+        without waiting, so the host prepares the next batch while the device still runs the previous step (a
+        pageable copy, or reading a shape off the device, would make it wait): a training step waits for the
+        device only where a log line, checkpoint or validation reads results."""
+        if self.device.type != "cuda":
+            return x.to(self.device)
+        return x.pin_memory().to(self.device, non_blocking=True)
+
+    def _micro_batch(self, rows: list[list[int]], pad: int, zero: bool = False) -> tuple[Batch, ScoredRows]:
+        """Collate `rows` and plan their scored rows on the host (`zero`: a zero-weight batch, loss mask all 0),
+        then move both to the device."""
+        batch = self.data.collate(rows, pad_to_multiple=pad, packed=self.cfg.packing)
+        if zero:
+            batch.loss_mask.zero_()
+        scored = ScoredRows.of(batch.loss_mask, batch.doc_ids, self.cfg.ttt_steps)
+        return self._to_device(batch), self._to_device(scored)
+
+    def _denominators(self, rows: list[list[int]]) -> torch.Tensor:
+        """N_k [K] of the global batch `rows` on the device."""
+        return self._to_device(self.data.step_denominators(rows, self.cfg.ttt_steps).to(torch.float32))
+
+    def _objective(self, batch: Batch, scored: ScoredRows, den: torch.Tensor, module: nn.Module,
+                   noise: float = 0.0):
         """The TTT objective on one collated batch through `module` (the DDP wrapper to train, the bare model to
         validate): (loss, metric sums...). `noise`: uniform noise of that half-width on the target's features."""
         feats = self._features(batch)
@@ -571,13 +599,13 @@ class _Trainer:
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.use_autocast else contextlib.nullcontext()
         with amp:
             return module(aux, batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask,
-                          feats.target_logits, feats.target_argmax, den, float(self.ctx.world))
+                          feats.target_logits, feats.target_argmax, den, float(self.ctx.world), scored)
 
-    def _step(self, rows: list[list[int]]) -> tuple[torch.Tensor, int, float, float]:
+    def _step(self, rows: list[list[int]]) -> tuple[torch.Tensor, int, torch.Tensor, float]:
         """One optimizer step on a global batch; returns (local metric sums [METRIC_ROWS, K], local tokens, grad
-        norm, lr)."""
+        norm (a device scalar: reading it waits for the step), lr). N_k comes from the global batch `rows`."""
         cfg, ctx = self.cfg, self.ctx
-        den = self.data.step_denominators(rows, cfg.ttt_steps).to(self.device, torch.float32)  # [K] global N_k
+        den = self._denominators(rows)  # [K] global N_k
         mine = shard_rows(rows, ctx.rank, ctx.world)
         dummy = not mine  # fewer rows than ranks: run row 0 with zero weight so the gradient all-reduce happens
         if dummy:
@@ -597,21 +625,19 @@ class _Trainer:
         pad = 8 if self.device.type == "cuda" else 1
         with varying_shape_attention(self.device):  # every batch has its own padded length
             for j, (idx, zero) in enumerate(parts):
-                batch = self.data.collate([mine[i] for i in idx], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
-                if zero:
-                    batch.loss_mask.zero_()
-                else:
+                batch, scored = self._micro_batch([mine[i] for i in idx], pad, zero)
+                if not zero:
                     tokens += batch.num_tokens
                 last = j == len(parts) - 1
                 sync = contextlib.nullcontext() if (last or ctx.world == 1) else self.ddp.no_sync()
                 with sync:
-                    loss, *sums = self._objective(batch, den, self.ddp, cfg.noise)
+                    loss, *sums = self._objective(batch, scored, den, self.ddp, cfg.noise)
                     loss.backward()
                 metrics += torch.stack(sums).detach()  # [METRIC_ROWS, K]
         if cfg.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params])))
+            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params]))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -627,12 +653,10 @@ class _Trainer:
         pad = 8 if self.device.type == "cuda" else 1
         with varying_shape_attention(self.device):
             for rows in self.val_plan:
-                den = self.data.step_denominators(rows, cfg.ttt_steps).to(self.device, torch.float32)
+                den = self._denominators(rows)
                 mine = shard_rows(rows, ctx.rank, ctx.world)
-                batch = self.data.collate(mine or rows[:1], pad_to_multiple=pad, packed=cfg.packing).to(self.device)
-                if not mine:
-                    batch.loss_mask.zero_()
-                _, *sums = self._objective(batch, den, self.model)
+                batch, scored = self._micro_batch(mine or rows[:1], pad, zero=not mine)
+                _, *sums = self._objective(batch, scored, den, self.model)
                 w += torch.stack(sums)
         ctx.all_reduce(w)
         rec = {"step": step, "epoch": round(epoch, 4), "samples": len(self.val_ids), **self._metrics(w.cpu())}
@@ -689,12 +713,14 @@ class _Trainer:
                 epoch, bi = epoch + 1, 0
                 plan = self._plan(epoch)
                 continue
-            metrics, tokens, grad_norm, lr = self._step(plan[bi])  # ends in a host sync (the grad norm)
+            metrics, tokens, grad_norm, lr = self._step(plan[bi])  # queued: the host does not wait here
             step, bi = step + 1, bi + 1
             self.train_seconds = seconds_before + time.perf_counter() - loop_start
             if not self._sized and step - first == BUDGET_SKIP_STEPS:
+                self._wait()
                 timer = time.perf_counter()
             elif timer is not None and step - first in self._calibration_points:
+                self._wait()  # steps are queued: time what the device finished, not what the host handed it
                 n = self._calibration_windows[self.budget_sizings]
                 self._calibrate((time.perf_counter() - timer) / n, step, bar)
                 timer = None if self._sized else time.perf_counter()
@@ -713,7 +739,8 @@ class _Trainer:
                 n_tok = int(stats[-1].item())
                 total_tokens += n_tok
                 elapsed = time.perf_counter() - window_start
-                last_record = self._record(step, epoch + bi / max(1, len(plan)), w, n_tok, elapsed, grad_norm, lr)
+                last_record = self._record(step, epoch + bi / max(1, len(plan)), w, n_tok, elapsed, float(grad_norm),
+                                           lr)
                 if ctx.main:
                     with open(log_path, "a") as f:
                         f.write(json.dumps(last_record) + "\n")
@@ -727,6 +754,7 @@ class _Trainer:
                 window_tokens, window_start = 0, time.perf_counter()
             if (cfg.save_every and step % cfg.save_every == 0) or step == end:
                 if self.val_plan:  # validation time counts neither in the time budget nor in its step timing
+                    self._wait()
                     t_val = time.perf_counter()
                     last_val = self._validate(step, epoch + bi / max(1, len(plan)), bar)
                     spent = time.perf_counter() - t_val

@@ -127,13 +127,45 @@ def step_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int
     return torch.stack([step_supervision(loss_mask, doc_ids, k).sum() for k in range(steps)])
 
 
-def ttt_mask(doc_ids: torch.Tensor) -> TTTMask:
+def one_document_rows(doc_ids: torch.Tensor) -> bool:
+    """True where every row of doc_ids [B, T] is one document from position 0, right-padded (-1 after it)."""
+    return bool((doc_ids[:, 0] == 0).all() & (doc_ids <= 0).all() & (doc_ids[:, 1:] <= doc_ids[:, :-1]).all())
+
+
+def ttt_mask(doc_ids: torch.Tensor, one_doc: bool | None = None) -> TTTMask:
     """The TTT attention pattern of a batch (doc_ids [B, T], -1 on padding). Where every row is one document
     from position 0, right-padded, plain causal attention gives each document row exactly the step-0 keys of
     `base_mask` (padding comes after it), so the mask is left implicit and SDPA may use a causal flash kernel;
-    padding rows then see other keys, but they carry no loss. Packed rows get the block-diagonal `base_mask`."""
-    one_doc = bool((doc_ids[:, 0] == 0).all() & (doc_ids <= 0).all() & (doc_ids[:, 1:] <= doc_ids[:, :-1]).all())
+    padding rows then see other keys, but they carry no loss. Packed rows get the block-diagonal `base_mask`.
+    `one_doc`: `one_document_rows(doc_ids)` where the caller knows it already (a trainer computes it on the host
+    copy of the batch, so a device batch costs no wait)."""
+    if one_doc is None:
+        one_doc = one_document_rows(doc_ids)
     return TTTMask(None if one_doc else base_mask(doc_ids)[:, None])
+
+
+@dataclass
+class ScoredRows:
+    """The rows TTT scores at each step: index [M, 3] long (step k, batch row b, position t) of every supervised
+    row (`step_supervision`), steps in order and rows row-major within a step; per_step [K] their counts (host
+    ints); one_doc as `one_document_rows`. It depends only on the loss mask and document ids, so a trainer builds
+    it from the host copy of a batch and the step never waits for the device to learn its shapes."""
+
+    index: torch.Tensor
+    per_step: list[int]
+    one_doc: bool
+
+    @staticmethod
+    def of(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> ScoredRows:
+        sel = torch.stack([step_supervision(loss_mask, doc_ids, k) > 0 for k in range(steps)])  # [K, B, T]
+        per_step = sel.sum(dim=(1, 2)).tolist()
+        return ScoredRows(sel.nonzero(), per_step, one_document_rows(doc_ids))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ScoredRows:
+        return ScoredRows(self.index.to(device, non_blocking=non_blocking), self.per_step, self.one_doc)
+
+    def pin_memory(self) -> ScoredRows:
+        return ScoredRows(self.index.pin_memory(), self.per_step, self.one_doc)
 
 
 def unroll(
@@ -143,10 +175,11 @@ def unroll(
     position_ids: torch.Tensor,  # [B, T] position of row t inside its document
     doc_ids: torch.Tensor,  # [B, T], -1 on padding
     steps: int,
+    one_doc: bool | None = None,  # see ttt_mask
 ) -> Iterator[torch.Tensor]:
     """Yield the pre-norm drafter output of each TTT step k = 0..steps-1, [B, T, H] (see module docstring)."""
     cache = DrafterKV()
-    mask = ttt_mask(doc_ids)  # the structured form of step_mask(doc_ids, k) for every k
+    mask = ttt_mask(doc_ids, one_doc)  # the structured form of step_mask(doc_ids, k) for every k
     for k in range(steps):
         ids_k = shift_left(input_ids, 1 + k, 0)  # [B, T] x_{t+1+k}, teacher forced
         out = drafter(hidden, ids_k, position_ids + k, mask=mask, cache=cache)  # [B, T, H]
@@ -187,6 +220,7 @@ def ttt_loss(
     step_decay: float = DEFAULT_STEP_DECAY,
     denominators: torch.Tensor | None = None,  # [K] global N_k; None = this batch's own
     denominator_scale: float = 1.0,  # world size under DDP (its gradient average divides by it)
+    scored: ScoredRows | None = None,  # ScoredRows.of(loss_mask, doc_ids, steps) on this device; None = build it
 ) -> TTTOutput:
     """The TTT objective: soft cross-entropy to the renormalised draft-vocab target, per step, summed with
     weights decay^k (see the module docstring for alignment and reduction)."""
@@ -194,32 +228,31 @@ def ttt_loss(
     if denominators is None:
         denominators = step_denominators(loss_mask, doc_ids, steps)
     denominators = denominators.to(aux.device, torch.float32).clamp_min(1.0)
+    if scored is None:
+        scored = ScoredRows.of(loss_mask, doc_ids, steps)  # waits for the device twice (counts, indices)
+    if len(scored.per_step) != steps:
+        raise ValueError(f"scored rows are planned for {len(scored.per_step)} TTT steps, not {steps}")
     hidden = drafter.combine(aux)  # [B, T, H]
-    t = input_ids.shape[1]
     answer_pos = answer_positions(loss_mask, doc_ids)  # [B, T]
     total = aux.new_zeros((), dtype=torch.float32)
     loss_sums, correct, counts, kept, early_correct, early_counts = [], [], [], [], [], []
-    # Score only the rows that carry weight: supervised, target argmax in the draft vocabulary. Selecting them
-    # before the head skips the lm_head and every [*, Vd] op on padding, prompts and other documents (which may
-    # hold anything, NaN included) instead of computing and zeroing them. The rows of every step come from one
-    # nonzero over all steps, so a batch waits for the device twice (counts, indices) instead of at every
-    # boolean-mask selection (four per step); the rows and their order are those of `x[:, :n][sel]`.
-    sups = [step_supervision(loss_mask, doc_ids, k) for k in range(steps)]  # [B, T] each
-    sel = torch.zeros((steps, *input_ids.shape), dtype=torch.bool, device=input_ids.device)  # [K, B, T]
-    for k in range(steps):
-        n = max(t - 1 - k, 0)  # rows whose target z_{t+1+k} is inside the sequence
-        sel[k, :, :n] = (sups[k][:, :n] > 0) & in_vocab[:, 1 + k :]
-    per_step = sel.sum(dim=(1, 2))  # [K] rows scored per step
-    rows = sel.nonzero().split(per_step.tolist())  # per step [M_k, 3]: (step, b, t) in row-major order
-    for k, (out, idx) in enumerate(zip(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps), rows,
-                                       strict=True)):
+    # Score only the supervised rows: gathering them before the head skips the lm_head and every [*, Vd] op on
+    # padding, prompts and other documents (which may hold anything, NaN included) instead of computing and
+    # zeroing them. A row whose target argmax lies outside the draft vocabulary adds no loss (weight 0 on a
+    # finite cross-entropy: its target logits are those of a real position) and counts as a miss. Which rows
+    # are scored depends only on the data, so `scored` can come from the host and nothing here waits for the
+    # device.
+    rows = scored.index.split(scored.per_step)  # per step [M_k, 3]: (step, b, t)
+    for k, (out, idx) in enumerate(zip(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps,
+                                              scored.one_doc), rows, strict=True)):
         b, i = idx[:, 1], idx[:, 2]  # [M] batch row and position of each scored row
         logits = drafter.logits(out[b, i])  # [M, Vd]
+        keep = in_vocab[b, i + 1 + k]  # [M] bool: the target's choice can be drafted
         ce = soft_cross_entropy(logits, target_logits[b, i + 1 + k])  # [M]
-        step_sum = ce.sum()
+        step_sum = torch.where(keep, ce, 0.0).sum()
         total = total + (step_decay**k) * step_sum * denominator_scale / denominators[k]
         with torch.no_grad():
-            sup = sups[k]
+            sup = step_supervision(loss_mask, doc_ids, k)  # [B, T]
             pred = drafter.draft_ids_to_target(logits.argmax(-1))  # [M] target ids
             # supervised rows outside the draft vocabulary are misses: the drafter cannot emit their token
             hit = pred == target_argmax[b, i + 1 + k]  # [M]
@@ -228,7 +261,7 @@ def ttt_loss(
             loss_sums.append(step_sum.detach())
             correct.append(hit.sum().to(torch.float32))
             counts.append(sup.sum())
-            kept.append(per_step[k].to(torch.float32))
+            kept.append(keep.sum().to(torch.float32))
             early_correct.append((hit & early[b, i]).sum().to(torch.float32))
             early_counts.append(early.sum().to(torch.float32))
     return TTTOutput(total, torch.stack(loss_sums), torch.stack(correct), torch.stack(counts), torch.stack(kept),
