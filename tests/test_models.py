@@ -288,3 +288,21 @@ def test_smollm2_hub_id_falls_back_to_the_gguf_offline(smollm2):
     assert isinstance(model, transformers.LlamaForCausalLM)
     assert model.config.num_hidden_layers == 30
     assert tok.convert_tokens_to_ids("<|im_end|>") == smollm2[1].convert_tokens_to_ids("<|im_end|>")
+
+
+def test_select_device_makes_the_chosen_gpu_current(monkeypatch):
+    """A model on cuda:1 must find cuda:1 current, or the streams and CUDA graphs made for it belong to cuda:0
+    (the likely cause of an H200 eval on cuda:1 at tau 1.56, docs/training.md). "cuda" means cuda:0; no device
+    means the first GPU if there is one, else the CPU."""
+    from eagle3.models import select_device
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+    assert select_device("cuda:1") == torch.device("cuda", 1) and current[-1] == torch.device("cuda", 1)
+    assert select_device("cuda") == torch.device("cuda", 0) and current[-1] == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_device(None) == torch.device("cuda", 0)
+    n = len(current)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device(None) == torch.device("cpu") and select_device("cpu") == torch.device("cpu")
+    assert len(current) == n  # the CPU touches no CUDA state

@@ -152,16 +152,13 @@ def run_bench(
     from eagle3.evaluate import load_prompts
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
     from eagle3.fast.overhead import copy_bandwidth
-    from eagle3.models import load_target
+    from eagle3.models import load_target, select_device
     from eagle3.record import run_record
     from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 
     methods = methods or list(METHODS)
     tree = tree or SpecConfig()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        dev = torch.device("cuda", dev.index or 0)  # set_device needs an index: "cuda" means cuda:0
-        torch.cuda.set_device(dev)
+    dev = select_device(device)
     transformers.logging.set_verbosity_error()  # generation-config notices would drown the table
     model, tok = load_target(target, dtype=dtype, device=dev)
     eos = eos_token_ids(model, tok)
@@ -416,7 +413,9 @@ def cmd_bench(args) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not args.tiny:
-            torch.cuda.set_device(torch.device("cuda", torch.device(device).index or 0))
+            from eagle3.models import select_device
+
+            select_device(device)
         res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
                            fuse_pointwise=args.fuse_pointwise, reps=args.reps,
                            compile_drafting=False if args.eager_drafting else None, shape=args.shape)

@@ -71,7 +71,7 @@ def load_target(
     `dtype="auto"` means float32 on CPU and bfloat16 on CUDA. An existing local path always wins over an
     alias or hub id of the same name.
     """
-    dev = torch.device(device)
+    dev = select_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     text = os.fspath(spec)
     path = Path(text).expanduser()
@@ -107,6 +107,18 @@ def load_target(
             f"could not load {text}: no local directory of that name and the hub is unreachable; "
             f"pass a local path or a .gguf file (hub said: {first})"
         ) from e
+
+
+def select_device(device: str | torch.device | None = None) -> torch.device:
+    """The device to run on (None: the first GPU if there is one, else the CPU). A GPU gets its index ("cuda"
+    means cuda:0) and becomes the current CUDA device: streams, CUDA graphs and compiled kernels made later
+    belong to the current device, so a model on cuda:1 while cuda:0 is current gets graphs made for the wrong GPU
+    (the likely cause of an evaluation on cuda:1 that accepted almost nothing, docs/training.md)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", 0 if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") -> torch.dtype:

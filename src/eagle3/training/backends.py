@@ -123,13 +123,14 @@ class LocalBackend:
         **kwargs: Any,
     ) -> LocalBackend:
         """Load model + tokenizer from a local directory (or a GGUF file inside it); kwargs go to __init__."""
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from eagle3.models import select_device
 
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
-        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model.to(select_device(device))
         return cls(model, tokenizer, **kwargs)
 
     def describe(self) -> str:
