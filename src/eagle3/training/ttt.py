@@ -229,7 +229,7 @@ def ttt_loss(
         denominators = step_denominators(loss_mask, doc_ids, steps)
     denominators = denominators.to(aux.device, torch.float32).clamp_min(1.0)
     if scored is None:
-        scored = ScoredRows.of(loss_mask, doc_ids, steps)  # waits for the device twice (counts, indices)
+        scored = ScoredRows.of(loss_mask, doc_ids, steps)  # on a GPU this reads counts, indices and layout back
     if len(scored.per_step) != steps:
         raise ValueError(f"scored rows are planned for {len(scored.per_step)} TTT steps, not {steps}")
     hidden = drafter.combine(aux)  # [B, T, H]
