@@ -472,6 +472,25 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
+    """A model on cuda:1 while cuda:0 is the current device (a library user who never called set_device): the
+    captured cycles still run on cuda:1 and give HF's greedy tokens. torch.cuda.graph's default capture stream
+    belongs to the device current when it was made, so a capture there would leave graphs that replay nothing."""
+    torch.cuda.set_device(0)
+    model = build_tiny_target("llama").to("cuda:1")
+    d = init_drafter(model, draft_vocab_size=200, seed=1).to("cuda:1")
+    prompt = prompt_of(9, seed=13)
+    ref = hf_greedy(model, prompt.to("cuda:1"), NEW)
+    for draft, spec in (("none", None), ("eagle3", CHAIN), ("eagle3", TREE)):
+        engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=FastOptions())
+        for _ in range(2):
+            assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref
+        assert engine.graphed
+    assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):

@@ -291,8 +291,8 @@ def test_smollm2_hub_id_falls_back_to_the_gguf_offline(smollm2):
 
 
 def test_select_device_makes_the_chosen_gpu_current(monkeypatch):
-    """A model on cuda:1 must find cuda:1 current, or the streams and CUDA graphs made for it belong to cuda:0
-    (the likely cause of an H200 eval on cuda:1 at tau 1.56, docs/training.md). "cuda" means cuda:0; no device
+    """A model on cuda:1 finds cuda:1 current, so streams, events and CUDA graphs made without naming a device
+    serve it (an H200 eval on cuda:1 once gave tau 1.56, docs/training.md). "cuda" means cuda:0; no device
     means the first GPU if there is one, else the CPU."""
     from eagle3.models import select_device
 

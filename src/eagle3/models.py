@@ -112,8 +112,8 @@ def load_target(
 def select_device(device: str | torch.device | None = None) -> torch.device:
     """The device to run on (None: the first GPU if there is one, else the CPU). A GPU gets its index ("cuda"
     means cuda:0) and becomes the current CUDA device: streams, CUDA graphs and compiled kernels made later
-    belong to the current device, so a model on cuda:1 while cuda:0 is current gets graphs made for the wrong GPU
-    (the likely cause of an evaluation on cuda:1 that accepted almost nothing, docs/training.md)."""
+    belong to the current device, so code that makes them without naming a device (as a library user's own
+    code may) then serves this GPU (an evaluation on cuda:1 once accepted almost nothing, docs/training.md)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         dev = torch.device("cuda", 0 if dev.index is None else dev.index)

@@ -288,7 +288,7 @@ class FastEngine:
             cycle()
             bufs[i % 2].copy_(core.packet, non_blocking=cuda)
             if cuda:
-                events[i % 2].record()
+                events[i % 2].record(torch.cuda.current_stream(self.device))  # this GPU's, current or not
 
         launch(0)
         i = 0

@@ -80,7 +80,10 @@ class StepRunner:
             gc_enabled = gc.isenabled()
             gc.disable()
             try:
-                with torch.cuda.graph(graph, pool=self.pool):
+                # capture on a stream of this runner's GPU: torch.cuda.graph's default capture stream belongs to
+                # whichever device was current when it was first made, and kernels for tensors on another GPU
+                # would then run outside the capture, leaving a graph that replays nothing
+                with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(self.device)):
                     self.call()
                 torch.cuda.synchronize(self.device)
                 self.graph = graph
