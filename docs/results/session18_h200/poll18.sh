@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bash poll18.sh SECONDS: wait for run18 (at most SECONDS); pack logs, evals and the two drafters into $OUT
 end=$((SECONDS + $1)); W=/tmp/w
+export PYTHONPATH=$PWD/src:/tmp/site  # the first PACK=1 call lacked this (the export failed); the last one set it
 while [ $SECONDS -lt $end ] && ! grep -q "^== .* done" $W/pipe.log 2>/dev/null; do sleep 5; done
 grep -v "it/s\]" $W/pipe.log | cut -c1-250 | tail -n 30
 grep -E "^== |time budget|tau" $W/res/recipeA.log 2>/dev/null | cut -c1-250 | tail -n 12
