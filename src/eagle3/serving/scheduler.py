@@ -30,6 +30,7 @@ kernels differ from bs=1 ones only by float rounding, which could flip an exact 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -292,8 +293,11 @@ class Scheduler:
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        dev = self.target.device
+        # the current CUDA device is per thread, and this thread starts on cuda:0 whatever the model's GPU is
+        on_gpu = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
         try:
-            with torch.inference_mode():
+            with on_gpu, torch.inference_mode():
                 while True:
                     with self._cond:
                         t0 = time.perf_counter()
