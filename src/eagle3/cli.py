@@ -197,6 +197,19 @@ def cmd_regenerate(args) -> int:
     return 0 if not getattr(report, "error", None) else 1
 
 
+def cmd_synthesize(args) -> int:
+    from eagle3.models import load_target
+    from eagle3.training.backends import LocalBackend
+    from eagle3.training.synthesize import synthesize
+
+    model, tok = load_target(args.target, dtype=args.dtype, device=args.device or _default_device())
+    backend = LocalBackend(model, tok, engine=args.engine)
+    report = synthesize(backend, args.count, args.out, system=args.system, temperature=args.temperature,
+                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, min_chars=args.min_chars,
+                        seed=args.seed)
+    return 0 if report.resumed + report.kept >= args.count else 1
+
+
 def cmd_train(args) -> int:
     from eagle3.training.trainer import TrainConfig, train
 
@@ -338,6 +351,22 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--device", default=None)
     rg.add_argument("--dtype", default="auto")
     rg.set_defaults(func=cmd_regenerate)
+
+    sy = sub.add_parser("synthesize", help="let the target write user prompts (for regenerate to answer) from "
+                        "its chat template's user-turn header")
+    sy.add_argument("--target", required=True)
+    sy.add_argument("--count", type=int, required=True, help="unique prompts wanted in --out")
+    sy.add_argument("--out", required=True, help="output JSONL, ShareGPT rows (resumable: rerun to continue)")
+    sy.add_argument("--system", default=None, help="system prompt before the user turn (default: the template's)")
+    sy.add_argument("--temperature", type=float, default=1.0)
+    sy.add_argument("--max-new-tokens", type=int, default=128, help="longest prompt; longer ones are dropped")
+    sy.add_argument("--min-chars", type=int, default=16, help="drop prompts shorter than this")
+    sy.add_argument("--batch-size", type=int, default=64)
+    sy.add_argument("--engine", choices=["auto", "hf", "fast"], default="auto")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--device", default=None)
+    sy.add_argument("--dtype", default="auto")
+    sy.set_defaults(func=cmd_synthesize)
 
     # one set of defaults: the train flags read TrainConfig's
     from eagle3.training.trainer import TrainConfig as tc

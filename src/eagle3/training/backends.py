@@ -223,23 +223,36 @@ class LocalBackend:
                 results[i] = failure
                 continue
             encoded.append((i, ids))
-        if self.engine == "fast":
-            if encoded:
-                self._generate_fast(encoded, results, temperature, max_new_tokens, batch_size)
-        else:
-            # Longest first: similar lengths share a batch (little padding), and an OOM shows up at once.
-            encoded.sort(key=lambda item: -len(item[1]))
-            for start in range(0, len(encoded), batch_size):
-                chunk = encoded[start : start + batch_size]
-                for (i, _), gen in zip(
-                    chunk,
-                    self._generate_batch([ids for _, ids in chunk], temperature, max_new_tokens),
-                    strict=True,
-                ):
-                    results[i] = gen
+        self._run(encoded, results, temperature, max_new_tokens, batch_size)
         return [
             r if r is not None else Generation(finish_reason="error", error="not generated") for r in results
         ]
+
+    def complete(
+        self, prefixes: list[list[int]], temperature: float, max_new_tokens: int, batch_size: int = 32
+    ) -> list[Generation]:
+        """Continue raw token prefixes (no chat template applied) until an end-of-turn token or
+        `max_new_tokens`; one Generation per prefix, in order (`eagle3 synthesize` continues a user-turn header)."""
+        results: list[Generation | None] = [None] * len(prefixes)
+        self._run(list(enumerate(prefixes)), results, temperature, max_new_tokens, batch_size)
+        return [r if r is not None else Generation(finish_reason="error", error="not generated") for r in results]
+
+    def _run(self, encoded: list[tuple[int, list[int]]], results: list[Generation | None], temperature: float,
+             max_new_tokens: int, batch_size: int) -> None:
+        """Generate for (index, token ids) pairs into `results[index]` with this backend's engine."""
+        if not encoded:
+            return
+        if self.engine == "fast":
+            self._generate_fast(encoded, results, temperature, max_new_tokens, batch_size)
+            return
+        # Longest first: similar lengths share a batch (little padding), and an OOM shows up at once.
+        encoded = sorted(encoded, key=lambda item: -len(item[1]))
+        for start in range(0, len(encoded), batch_size):
+            chunk = encoded[start : start + batch_size]
+            for (i, _), gen in zip(
+                chunk, self._generate_batch([ids for _, ids in chunk], temperature, max_new_tokens), strict=True
+            ):
+                results[i] = gen
 
     def _fast_generator(self, longest_prompt: int, max_new_tokens: int, rows: int) -> Any:
         """The continuous-batching generator, kept between calls while it is big enough."""
