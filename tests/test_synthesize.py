@@ -135,3 +135,19 @@ def test_cli_writes_prompts_and_refuses_a_bad_setting(smollm2, tmp_path, capsys)
                  str(tmp_path / "q.jsonl"), "--temperature", "0"]) == 2
     assert "greedy decoding writes one prompt only" in capsys.readouterr().err
     assert not (tmp_path / "q.jsonl").exists()
+
+
+def test_eval_reads_synthesized_prompts(tmp_path):
+    """`eagle3 eval --datasets FILE` (load_prompts) takes ShareGPT rows such as synthesize writes: the first human
+    turn becomes the user message; a row without one is refused with its line number."""
+    from eagle3.evaluate import load_prompts
+
+    path = tmp_path / "synth.jsonl"
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "Plan a three-day trip to Lisbon."}]},
+            {"id": "b", "conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "Explain tides."}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_prompts(str(path)) == ("synth", [[{"role": "user", "content": "Plan a three-day trip to Lisbon."}],
+                                                 [{"role": "user", "content": "Explain tides."}]])
+    path.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "only an answer"}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"synth\.jsonl:1: 'conversations' holds no human turn"):
+        load_prompts(str(path))

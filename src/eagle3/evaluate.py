@@ -43,10 +43,17 @@ def load_prompts(name_or_path: str, limit: int | None = None) -> tuple[str, list
                 raise ConfigError(f"{path}:{lineno}: not JSON ({e.msg})") from None
             if "messages" in row:
                 msgs = [m for m in row["messages"] if m.get("role") != "assistant"][:2]
+            elif "conversations" in row:  # ShareGPT rows (e.g. `eagle3 synthesize` output): the first human turn
+                text = next((t.get("value") for t in row["conversations"] if isinstance(t, dict)
+                             and t.get("from") in ("human", "user")), None)
+                if not isinstance(text, str) or not text.strip():
+                    raise ConfigError(f"{path}:{lineno}: 'conversations' holds no human turn with text")
+                msgs = [{"role": "user", "content": text}]
             else:
                 text = (row.get("turns") or [None])[0] or row.get("prompt") or row.get("question")
                 if not isinstance(text, str) or not text.strip():
-                    raise ConfigError(f"{path}:{lineno}: needs 'turns', 'prompt', 'question' or 'messages'")
+                    raise ConfigError(
+                        f"{path}:{lineno}: needs 'turns', 'prompt', 'question', 'messages' or 'conversations'")
                 msgs = [{"role": "user", "content": text}]
             out.append(msgs)
             if limit and len(out) >= limit:
