@@ -151,3 +151,12 @@ def test_eval_reads_synthesized_prompts(tmp_path):
     path.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "only an answer"}]}) + "\n")
     with pytest.raises(ConfigError, match=r"synth\.jsonl:1: 'conversations' holds no human turn"):
         load_prompts(str(path))
+
+
+def test_fast_engine_writes_prompts_too(smollm2, tmp_path):
+    """The continuous-batching engine (the GPU default) continues the same header; on CPU here, without graphs."""
+    model, tok = smollm2
+    out = tmp_path / "fast.jsonl"
+    report = synthesize(LocalBackend(model, tok, engine="fast"), 2, out, max_new_tokens=48, batch_size=4,
+                        progress=False)
+    assert report.kept == 2 and "engine fast" in report.backend and len(out.read_text().splitlines()) == 2
