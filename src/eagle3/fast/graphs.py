@@ -27,6 +27,21 @@ log = logging.getLogger("eagle3.fast")
 RECOMPILE_LIMIT = 64
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every capture on `device` uses. torch.cuda.graph's default capture stream is made once, on
+    whichever GPU is current at that moment, so a model on another GPU would run its kernels outside the capture
+    and get a graph that replays nothing; one stream per GPU (not one per capture) keeps the shared memory pool
+    reusing blocks across captures as the default stream did."""
+    if device.index is None:  # "cuda": the current GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 class StepRunner:
     """`runner()` runs `fn`; on CUDA with `graphs`, `prepare()` captures it and later calls replay the graph."""
 
@@ -80,10 +95,7 @@ class StepRunner:
             gc_enabled = gc.isenabled()
             gc.disable()
             try:
-                # capture on a stream of this runner's GPU: torch.cuda.graph's default capture stream belongs to
-                # whichever device was current when it was first made, and kernels for tensors on another GPU
-                # would then run outside the capture, leaving a graph that replays nothing
-                with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(self.device)):
+                with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
                     self.call()
                 torch.cuda.synchronize(self.device)
                 self.graph = graph
