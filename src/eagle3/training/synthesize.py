@@ -88,7 +88,7 @@ def _existing(out: Path) -> tuple[int, set[str]]:
     if not out.exists():
         return 0, set()
     keys: set[str] = set()
-    good = 0  # bytes of complete lines
+    rows = good = 0  # complete lines, and their bytes
     with open(out, "rb") as f:
         for line in f:
             if not line.endswith(b"\n"):
@@ -99,11 +99,11 @@ def _existing(out: Path) -> tuple[int, set[str]]:
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
                 raise ConfigError(f"{out} holds a line that is not a synthesized prompt ({exc}); "
                                   "write to a new file") from exc
-            good += len(line)
+            rows, good = rows + 1, good + len(line)
     if good < out.stat().st_size:
         with open(out, "r+b") as f:
             f.truncate(good)
-    return len(keys), keys
+    return rows, keys
 
 
 def synthesize(
