@@ -27,6 +27,7 @@ import torch
 
 from eagle3.config import ConfigError
 from eagle3.training.backends import LocalBackend
+from eagle3.training.prepare import write_json_atomic
 
 SENTINEL = "Zqxjv"  # a string no template contains, marking where the user's message would start
 # rounds in a row that keep nothing new before the run stops (the model keeps repeating prompts it already wrote)
@@ -176,9 +177,7 @@ def synthesize(
         bar.close()
         report.dropped = dict(dropped)
         report.seconds = time.perf_counter() - start
-        tmp = Path(str(out) + ".report.json.tmp")
-        tmp.write_text(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(tmp, str(out) + ".report.json")
+        write_json_atomic(report.to_dict(), str(out) + ".report.json")
         if progress:
             print(report.summary(), flush=True)
     return report
