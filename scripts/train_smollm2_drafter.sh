@@ -35,12 +35,33 @@ REGEN_BATCH=${REGEN_BATCH:-512}
 SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second answer per prompt sampled at this temperature (SAMPLE_T= : greedy only)
 VAL_FRACTION=${VAL_FRACTION-0.01} # hold out this share of the samples, scored at every checkpoint (VAL_FRACTION= : none)
 AUX_LAYERS=${AUX_LAYERS:-}     # the target layers the drafter reads (train --aux-layers; empty: 2,L//2,L-3)
+SYNTH=${SYNTH:-0}              # also train on greedy answers to this many prompts SmolLM2 writes itself (eagle3 synthesize)
+SYNTH_S=${SYNTH_S:-0}          # stop synthesizing, and then answering, after this many seconds each, keeping what is done (0: no limit)
+SYNTH_DEVICE=${SYNTH_DEVICE:-$DEVICE}  # another GPU makes them while DEVICE answers the other prompts
+DEADLINE=${DEADLINE:-}         # Unix time by which training must end (a lease, a job limit): TIME_BUDGET shrinks to fit
+EVAL=${EVAL:-1}                # 0: skip the MT-bench evaluation at the end
 TRAIN_OUT=${TRAIN_OUT:-$W/train}  # not OUT: CI runners and job schedulers often set that for their own use
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
 mkdir -p "$W"
 
 stage() { echo "== $(date -u +%H:%M:%S) $*"; }
 RG=(--target "$TARGET" --device "$DEVICE" --dtype bfloat16 --engine fast --batch-size "$REGEN_BATCH" --temperature 0)
+
+synthesize_and_answer() {  # DEVICE: the GPU to use
+  local limit=()
+  [ "$SYNTH_S" -gt 0 ] && limit=(timeout "$SYNTH_S")
+  "${limit[@]}" $EAGLE3 synthesize --target "$TARGET" --device "$1" --dtype bfloat16 --engine fast \
+    --batch-size "$REGEN_BATCH" --count "$SYNTH" --max-new-tokens 96 --seed 1 --out "$W/synth.jsonl" || [ $? -eq 124 ]
+  "${limit[@]}" $EAGLE3 regenerate --target "$TARGET" --device "$1" --dtype bfloat16 --engine fast \
+    --batch-size "$REGEN_BATCH" --temperature 0 --data "$W/synth.jsonl" --out "$W/regen_synth.jsonl" \
+    --max-new-tokens "$SHAREGPT_TOKENS" --max-prompt-tokens 1280 || [ $? -eq 124 ]
+}
+SYNTH_PID=
+if [ "$SYNTH" -gt 0 ] && [ "$SYNTH_DEVICE" != "$DEVICE" ]; then
+  stage "synthesize $SYNTH prompts and answer them greedily on $SYNTH_DEVICE, meanwhile (log: $W/synth.log)"
+  synthesize_and_answer "$SYNTH_DEVICE" > "$W/synth.log" 2>&1 &
+  SYNTH_PID=$!
+fi
 
 stage "regenerate GSM8K"
 $EAGLE3 regenerate "${RG[@]}" --data "$GSM8K" --out "$W/regen_gsm8k.jsonl" \
@@ -64,13 +85,32 @@ if [ -n "$SAMPLE_T" ]; then
   SAMPLED=("$W/regen_sharegpt_t.jsonl" "$W/regen_gsm8k_t.jsonl")
 fi
 
-stage "prepare (draft vocab $DRAFT_VOCAB)"
-if [ ! -f "$W/data/report.json" ]; then
-  $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" "$W/regen_gsm8k.jsonl" "${SAMPLED[@]}" \
-    --out "$W/data" --max-length 2048 --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" --workers 12 \
-    ${INIT:+--vocab-from "$INIT"}
+SYNTHESIZED=()
+if [ "$SYNTH" -gt 0 ]; then
+  if [ -n "$SYNTH_PID" ]; then
+    stage "wait for the synthesized prompts' answers"
+    wait "$SYNTH_PID" || { echo "synthesize/regenerate on $SYNTH_DEVICE failed: see $W/synth.log" >&2; exit 1; }
+  else
+    stage "synthesize $SYNTH prompts, then answer them greedily"
+    synthesize_and_answer "$DEVICE"
+  fi
+  SYNTHESIZED=("$W/regen_synth.jsonl")
 fi
 
+stage "prepare (draft vocab $DRAFT_VOCAB)"
+if [ ! -f "$W/data/report.json" ]; then
+  # one process, the tokenizer's own threads: 12 spawned workers took 155-175 s on a 16-core H200 host, most
+  # of it before their first result (docs/training.md)
+  TOKENIZERS_PARALLELISM=true $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" \
+    "$W/regen_gsm8k.jsonl" "${SAMPLED[@]}" "${SYNTHESIZED[@]}" --out "$W/data" --max-length 2048 \
+    --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" ${INIT:+--vocab-from "$INIT"}
+fi
+
+if [ -n "$DEADLINE" ]; then
+  LEFT=$((DEADLINE - $(date +%s) - 60))  # loading and the last checkpoint
+  [ "$LEFT" -lt 60 ] && { echo "DEADLINE leaves ${LEFT}s for training: too little" >&2; exit 1; }
+  if [ -z "$TIME_BUDGET" ] || [ "$LEFT" -lt "$TIME_BUDGET" ]; then TIME_BUDGET=$LEFT; fi
+fi
 stage "train ($EPOCHS epochs${MAX_STEPS:+, at most $MAX_STEPS steps}${TIME_BUDGET:+, about $TIME_BUDGET}, lr $LR)"
 RESUME=()
 [ -d "$TRAIN_OUT" ] && RESUME=(--resume)
@@ -79,9 +119,11 @@ $EAGLE3 train --target "$TARGET" --data "$W/data" --out "$TRAIN_OUT" --epochs "$
   --batch-tokens "$BATCH_TOKENS" --save-every 200 --log-every 20 ${VAL_FRACTION:+--val-fraction "$VAL_FRACTION"} \
   ${AUX_LAYERS:+--aux-layers "$AUX_LAYERS"} "${RESUME[@]}"
 
-stage "evaluate on MT-bench (80 first turns, 256 tokens)"
-for shape in "--tree 6,10,60" "--chain 5"; do
-  $EAGLE3 eval --target "$TARGET" --drafter "$TRAIN_OUT/drafter" --device "$DEVICE" --fast --datasets mt_bench \
-    --max-new-tokens 256 $shape --out "$W/eval_${shape##* }"
-done
+if [ "$EVAL" != 0 ]; then
+  stage "evaluate on MT-bench (80 first turns, 256 tokens)"
+  for shape in "--tree 6,10,60" "--chain 5"; do
+    $EAGLE3 eval --target "$TARGET" --drafter "$TRAIN_OUT/drafter" --device "$DEVICE" --fast --datasets mt_bench \
+      --max-new-tokens 256 $shape --out "$W/eval_${shape##* }"
+  done
+fi
 stage "done: drafter in $TRAIN_OUT/drafter"
