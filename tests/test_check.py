@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.check import run_check, write_profile
+from eagle3.check import MIN_TAU, run_check, write_profile
 from eagle3.cli import main
 from eagle3.config import ConfigError
 from eagle3.demo import bundled_drafter
@@ -66,7 +66,7 @@ def test_bundled_drafter_passes_writes_a_profile_and_catches_misconfiguration(tm
     status = {f.check: f.status for f in report3.findings}
     assert status["lossless"] == "pass"  # wrong drafts are rejected, the output stays right
     assert status["acceptance"] == "fail" and status["profile"] == "fail" and not report3.ok
-    assert report3.acceptance["tau"] < 1.1
+    assert report3.acceptance["tau"] < MIN_TAU
     assert main(["check", "--target", "smollm2", "--drafter", str(bad), "--device", "cpu", "--write-profile"]) == 1
     assert "profile not written" in capsys.readouterr().out
     assert json.loads((bad / "config.json").read_text())["eagle3"]["acceptance_profile"] == profile
@@ -74,7 +74,7 @@ def test_bundled_drafter_passes_writes_a_profile_and_catches_misconfiguration(tm
     # aux layers that are not the trained ones (taps of the first layers instead)
     edit_config(bad, norm_before_residual=False, aux_layer_ids=[1, 2, 3])
     report4, _ = run_check("smollm2", bad, device="cpu", print_fn=lambda *_: None)
-    assert not report4.ok and report4.acceptance["tau"] < 1.1
+    assert not report4.ok and report4.acceptance["tau"] < MIN_TAU
 
     # other settings than the profile's: reported, not compared
     report5, _ = run_check("smollm2", good, device="cpu", limit=1, print_fn=lambda *_: None)
