@@ -6,14 +6,17 @@
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter is one fresh run of this recipe (v4) on one H200 (docs/training.md has the numbers): v2's
-# greedy answers plus a second answer per prompt sampled at T=0.8 (SAMPLE_T), 1 % of the samples held out for
-# validation (VAL_FRACTION), LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled trainer (CUDA default)
-# -> 5,306 steps, 17.4 minutes from prepared data to $TRAIN_OUT/drafter (MT-bench tree tau 3.98). The defaults
-# below are those settings; docs/results/drafter_v4_h200/run.sh is the exact script that ran. v3 was the same
-# with TIME_BUDGET=870 and the eager trainer (tau 3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62);
-# v1 used SHAREGPT_TOKENS=768 TIME_BUDGET=18m.
-# Regenerated files already in $W (regen_gsm8k.jsonl, regen_sharegpt.jsonl, and with SAMPLE_T regen_*_t.jsonl)
+# The bundled drafter is one fresh run of this recipe (v5) on one H200 of a two-H200 host (docs/training.md has the
+# numbers): ShareGPT and GSM8K answered greedily and a second time sampled at T=0.8 (SAMPLE_T), plus greedy answers
+# to 20,000 prompts SmolLM2 wrote itself (SYNTH, made on the second GPU: SYNTH_DEVICE=cuda:1), 1 % of the samples
+# held out for validation (VAL_FRACTION), LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled sync-free
+# trainer (CUDA default) -> 5,890 steps, 18.2 minutes from prepared data to $TRAIN_OUT/drafter. The defaults below
+# are those settings; docs/results/session19_h200/run19.sh is the exact script that ran. v4 was the same without
+# SYNTH (SYNTH=0) and with the previous trainer (MT-bench tree tau 3.98 on an H200); v3 also with TIME_BUDGET=870
+# and the eager trainer (3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62); v1 used SHAREGPT_TOKENS=768
+# TIME_BUDGET=18m.
+# Regenerated files already in $W (regen_gsm8k.jsonl, regen_sharegpt.jsonl, with SAMPLE_T regen_*_t.jsonl, with
+# SYNTH synth.jsonl and regen_synth.jsonl)
 # are resumed, not redone: copy them there to spend a machine's time on prepare and training.
 set -euo pipefail
 
@@ -35,7 +38,7 @@ REGEN_BATCH=${REGEN_BATCH:-512}
 SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second answer per prompt sampled at this temperature (SAMPLE_T= : greedy only)
 VAL_FRACTION=${VAL_FRACTION-0.01} # hold out this share of the samples, scored at every checkpoint (VAL_FRACTION= : none)
 AUX_LAYERS=${AUX_LAYERS:-}     # the target layers the drafter reads (train --aux-layers; empty: 2,L//2,L-3)
-SYNTH=${SYNTH:-0}              # also train on greedy answers to this many prompts SmolLM2 writes itself (eagle3 synthesize)
+SYNTH=${SYNTH:-20000}          # also train on greedy answers to this many prompts SmolLM2 writes itself (eagle3 synthesize; 0: none)
 SYNTH_S=${SYNTH_S:-0}          # stop synthesizing, and then answering, after this many seconds each, keeping what is done (0: no limit)
 SYNTH_DEVICE=${SYNTH_DEVICE:-$DEVICE}  # another GPU makes them while DEVICE answers the other prompts
 DEADLINE=${DEADLINE:-}         # Unix time by which training must end (a lease, a job limit): TIME_BUDGET shrinks to fit
