@@ -50,7 +50,7 @@ mkdir -p "$W"
 stage() { echo "== $(date -u +%H:%M:%S) $*"; }
 RG=(--target "$TARGET" --device "$DEVICE" --dtype bfloat16 --engine fast --batch-size "$REGEN_BATCH" --temperature 0)
 
-synthesize_and_answer() {  # DEVICE: the GPU to use
+synthesize_and_answer() {  # $1: the device to make and answer them on
   local limit=()
   [ "$SYNTH_S" -gt 0 ] && limit=(timeout "$SYNTH_S")
   "${limit[@]}" $EAGLE3 synthesize --target "$TARGET" --device "$1" --dtype bfloat16 --engine fast \
@@ -102,8 +102,8 @@ fi
 
 stage "prepare (draft vocab $DRAFT_VOCAB)"
 if [ ! -f "$W/data/report.json" ]; then
-  # one process, the tokenizer's own threads: 12 spawned workers took 155-175 s on a 16-core H200 host, most
-  # of it before their first result (docs/training.md)
+  # one process, the tokenizer's own threads: 12 spawned workers took 155-175 s for 27 M tokens on H200 hosts,
+  # most of it before their first result; one process 45 s for 34 M (docs/training.md)
   TOKENIZERS_PARALLELISM=true $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" \
     "$W/regen_gsm8k.jsonl" "${SAMPLED[@]}" "${SYNTHESIZED[@]}" --out "$W/data" --max-length 2048 \
     --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" ${INIT:+--vocab-from "$INIT"}
