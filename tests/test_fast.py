@@ -150,9 +150,9 @@ def test_sdpa_heads_option_and_stacked_prefill(monkeypatch):
     seen = []
     real = target_mod.grouped_attention
 
-    def spy(q, k_all, v_all, bias, scale, stacked=True):
+    def spy(q, k_all, v_all, bias, scale, stacked=True, exact=False):
         seen.append((q.shape[1], stacked))  # q [nh, T, hd]
-        return real(q, k_all, v_all, bias, scale, stacked)
+        return real(q, k_all, v_all, bias, scale, stacked, exact)
 
     monkeypatch.setattr(target_mod, "grouped_attention", spy)
     model = build_tiny_target("llama")
@@ -186,7 +186,8 @@ def test_device_tree_equals_generic_proposer(models, drafters, arch, ranked):
     core = engine.core
     core.ranked = ranked  # the top-k of compiled drafting on CUDA (`ranked_top_k`)
     flog, faux = core.prefill(prompt)
-    torch.testing.assert_close(faux, aux[0], rtol=1e-4, atol=1e-4)
+    # fp32 rounding only: 1e-4 held on an Intel CPU; an AMD EPYC's GEMMs differed by 1.7e-4 in one of 2,112 values
+    torch.testing.assert_close(faux, aux[0], rtol=1e-3, atol=1e-3)
     core.begin(prompt, faux, flog.argmax().view(1))
     core.draft()
     assert core.tree_tokens.tolist() == tree.tokens.tolist()
@@ -215,12 +216,16 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
     assert torch.equal(apply_rope_heads(x, cos, ssin), apply_rope(qk, cos, ssin).transpose(0, 1))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch):
+@pytest.mark.parametrize("arch,wide", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide):
     """The property that keeps bf16 chains identical to plain decoding on the fast path: a forward of T causal
     tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
-    path uses internally (heads first for T > 1, `FastTarget.rope_qk(heads=True)`). Qwen3 covers the q/k-norm path."""
-    model = build_tiny_target(arch).to(torch.bfloat16)
+    path uses internally (heads first for T > 1, `FastTarget.rope_qk(heads=True)`). Qwen3 covers the q/k-norm path.
+    `wide`: an MLP of 2,048 (SmolLM2's is 1,536), where a CPU without AMX (AMD EPYC, AVX512-BF16) rounds a
+    one-row product differently from a many-row one unless one-row products take the many-row kernel
+    (`FastTarget.linear`)."""
+    over = {"hidden_size": 256, "intermediate_size": 2048} if wide else {}
+    model = build_tiny_target(arch, **over).to(torch.bfloat16)
     ids = prompt_of(24, seed=3)
     logits = {}
     for mode in ("rows", "steps"):

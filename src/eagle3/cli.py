@@ -439,8 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--max-new-tokens", type=int, default=128)
     dm.add_argument("--device", default="cpu")
     dm.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="auto: bf16 on CUDA, and on CPUs with AMX (there on the static-cache fast path with a chain of "
-                         "3); fp32 on other CPUs (the generic engine, a chain of 2)")
+                    help="auto: bf16 on CUDA, and on CPUs with native bf16, AMX or AVX512-BF16 (there on the "
+                         "static-cache fast path with a chain of 3); fp32 on other CPUs (the generic engine, a "
+                         "chain of 2)")
     dm.add_argument("--drafter", default=None, help="another drafter for SmolLM2 (default: the bundled one)")
     shape = dm.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")

@@ -2,8 +2,8 @@
 plain decoding and with EAGLE-3 (the bundled drafter), shows that the answers are identical token for token,
 and prints tau and the measured speedup. Offline; CPU by default.
 
-On a CPU with AMX the demo runs in bf16 on the static-cache fast path with a chain of 3; elsewhere in fp32 on
-the generic engine with a chain of 2 (why: the comments on `CPU_SPEC` and `CPU_BF16_SPEC`)."""
+On a CPU with native bf16 (AMX or AVX512-BF16) the demo runs in bf16 on the static-cache fast path with a chain
+of 3; elsewhere in fp32 on the generic engine with a chain of 2 (why: the comments on `CPU_SPEC` and `CPU_BF16_SPEC`)."""
 
 from __future__ import annotations
 
@@ -26,30 +26,34 @@ from eagle3.target import Target
 # ...`): chain 1 1.28x, chain 2 1.28x, chain 3 0.98x, tree 3,2,4 1.03x (docs/benchmarks.md). So the CPU default
 # is a chain of 2 in fp32.
 CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
-# In bf16 a CPU with AMX verifies a few tokens for about the cost of one, and on the fast path a chain's verification
-# gives each row the bits of a one-token step (its rows see the same cache slots in the same order), so chains stay
-# identical to bf16 plain decoding; trees do not reliably (a node's ancestors sit at scattered slots: 2 of 20
-# random tree rows rounded differently from the same row in a chain). On 2 cores, 3
-# MT-bench prompts x 128 tokens: chain 3 1.64x, chain 4 1.57x, chain 5 1.52x bf16 plain, all identical
-# (docs/benchmarks.md).
+# In bf16 a CPU with native bf16 verifies a few tokens for about the cost of one, and on the fast path a chain's
+# verification gives each row the bits of a one-token step: its rows see the same cache slots in the same order,
+# and on a CPU the fast path picks kernels whose rows do not depend on the row count (`eagle3.fast.target.exact_rows`).
+# So chains stay identical to bf16 plain decoding; trees do not reliably (a node's ancestors sit at scattered slots:
+# 2 of 20 random tree rows rounded differently from the same row in a chain). On 2 cores, 3 MT-bench prompts x 128
+# tokens: with AMX (session 14) chain 3 1.64x, chain 4 1.57x, chain 5 1.52x bf16 plain; with AVX512-BF16 (AMD EPYC,
+# session 20) chain 2 1.81x, chain 3 1.87-1.88x, chain 4 1.76x, chain 5 1.80x; all identical (docs/benchmarks.md).
 CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=3)
 DEMO_DTYPES = ("auto", "float32", "bfloat16")
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (bf16 matrix products at about the cost of fp32 ones for one row, much less
-    for several)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe; absent: assume no AMX
-    return bool(probe is not None and probe())
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD
+    Zen 4 and later, some Intel). There a bf16 product of a few rows costs about what one row does, and on this
+    project's 2-core machines bf16 plain decoding ran 30-50 tok/s against 24-30 in fp32; elsewhere bf16 is
+    emulated and slow."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private probes; absent: assume no
+    return any(bool(getattr(torch.cpu, p, lambda: False)()) for p in probes)
 
 
 def demo_dtype(device: str, dtype: str = "auto") -> str:
-    """The demo's dtype: `dtype` unless "auto"; then bf16 on CUDA and on CPUs with AMX, fp32 on other CPUs."""
+    """The demo's dtype: `dtype` unless "auto"; then bf16 on CUDA and on CPUs with native bf16, fp32 on other
+    CPUs."""
     if dtype not in DEMO_DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {DEMO_DTYPES}")
     if dtype != "auto":
         return dtype
-    return "bfloat16" if not str(device).startswith("cpu") or cpu_has_amx() else "float32"
+    return "bfloat16" if not str(device).startswith("cpu") or cpu_has_bf16() else "float32"
 
 
 def _shape(spec: SpecConfig) -> str:

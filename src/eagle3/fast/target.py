@@ -147,9 +147,10 @@ def grouped_attention(
     bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
     scale: float,
     stacked: bool = True,
+    exact: bool = False,
 ) -> torch.Tensor:
     """GQA attention over a static cache without repeating K/V, the query heads stacked or as SDPA heads
-    (`stack_query_heads`); returns [T, nh·hd]."""
+    (`stack_query_heads`); `exact` (stacked only): by `rows_exact_attention` (`exact_rows`). Returns [T, nh·hd]."""
     nh, t, hd = q.shape
     if not stacked:
         o = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=bias,
@@ -158,8 +159,30 @@ def grouped_attention(
     nkv = k_all.shape[0]
     g = nh // nkv
     qg = q.reshape(nkv, g * t, hd)  # [nkv, g·T, hd] (a view if q is contiguous); row r·T + t: head kv·g + r, token t
-    o = F.scaled_dot_product_attention(qg[None], k_all[None], v_all[None], attn_mask=bias, scale=scale)
-    return o[0].reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
+    if exact:
+        o = rows_exact_attention(qg, k_all, v_all, bias[0], scale)
+    else:
+        o = F.scaled_dot_product_attention(qg[None], k_all[None], v_all[None], attn_mask=bias, scale=scale)[0]
+    return o.reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
+
+
+def rows_exact_attention(
+    q: torch.Tensor,  # [nkv, R, hd]
+    k: torch.Tensor,  # [nkv, S, hd]
+    v: torch.Tensor,  # [nkv, S, hd]
+    bias: torch.Tensor,  # [1, R, S] additive
+    scale: float,
+) -> torch.Tensor:
+    """Attention as HF's eager order writes it (scores and their scale in the model dtype, softmax in fp32, the
+    weights back in the model dtype), with at least two query rows per product, so that a row's bits do not
+    depend on how many rows come with it (`exact_rows`); returns [nkv, R, hd]."""
+    r = q.shape[1]
+    if r == 1:
+        q = q.expand(-1, 2, -1)
+        bias = bias.expand(-1, 2, -1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias  # [nkv, R', S]
+    o = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [nkv, R', hd]
+    return o[:, :r]
 
 
 def row_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -201,6 +224,22 @@ def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: [N, 2·I] (gate, up) -> silu(gate) * up [N, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def exact_rows(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fast path must give a token the same bits in a one-token step as in a many-token verification
+    by its own choice of kernels (`FastTarget.linear`, `rows_exact_attention`), rather than by the vendor's.
+
+    CPUs in bf16/fp16. torch multiplies a single row with a matrix-vector kernel and several rows with oneDNN's
+    GEMM, and its CPU SDPA kernel blocks queries by their count. On a CPU with AMX both happen to agree row for row,
+    but on one without (AMD EPYC with AVX512-BF16, this project's 2-core machine in session 20) the two products
+    rounded SmolLM2's down projection (K = 1,536) differently in 4 of 80 random rows and SDPA 7 of 120 query rows,
+    so a chain's verification drifted from plain decoding: 1 of 8 MT-bench answers stayed identical. GEMMs of 2..8
+    rows agree row for row there, a one-row product fed as two rows costs the same (bf16: 43 us against 45 for
+    1,536 -> 576), and attention written as two GEMMs (HF's eager order) agreed in 120 of 120 rows at +14 us a
+    layer. On CUDA the vendor kernels already agree (80/80 bf16 chains identical on an H200), and in fp32 greedy
+    output stays identical without it (tests/test_fast.py)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
 class Pointwise:
@@ -300,6 +339,7 @@ class FastTarget(nn.Module):
         self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
         self.pointwise = EAGER
         self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
+        self.exact_rows = exact_rows(self.device, self.dtype)
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
@@ -367,9 +407,16 @@ class FastTarget(nn.Module):
         k = rope(pw.norm(lay(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)), lw.k_norm, self.eps), cos, sin)
         return q, k
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear; where `exact_rows` says so, a single row [..., K] goes in as two equal rows, so that it
+        gets the bits a many-row verification gives the same row."""
+        if self.exact_rows and x.numel() == x.shape[-1]:
+            return F.linear(x.reshape(1, -1).expand(2, -1), w, b)[:1].view(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w, b)
+
     def mlp(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """down(silu(gate) * up) of the normed x [N, H] -> [N, H]."""
-        return F.linear(self.pointwise.gate(F.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2)
+        return self.linear(self.pointwise.gate(self.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2)
 
     def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """The post-attention half of a decoder layer: h + the MLP of the normed h, [N, H]."""
@@ -409,25 +456,26 @@ class FastTarget(nn.Module):
         nh, nkv, hd = self.nh, self.nkv, self.hd
         h = F.embedding(ids, self.embed)  # [T, H]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
-        stacked, groups = gqa_layout(self.stacked, nh, nkv)
+        stacked, groups = gqa_layout(self.stacked or self.exact_rows, nh, nkv)
         bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
-            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
+            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
             q, k = self.rope_qk(qkv, lw, cos, sin, heads=True)  # [nh, T, hd], [nkv, T, hd]
             self.k_cache[i].index_copy_(1, slots, k)  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
-            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked)  # [T, nh·hd]
-            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
+            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
+                                  self.exact_rows)  # [T, nh·hd]
+            h, x = self.post_attention(i, h, self.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         if last_only:
             x = x[-1:]
-        logits = F.linear(x, self.lm_head)  # [T', V]
+        logits = self.linear(x, self.lm_head)  # [T', V]
         return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]
 
     def forward_rows(
@@ -456,16 +504,16 @@ class FastTarget(nn.Module):
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
-            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
+            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
             o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale, stacked)  # [B·T, nh·hd]
-            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
+            h, x = self.post_attention(i, h, self.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         x = x.view(b, t, -1)  # the final norm of h
         if logits_at is not None:
             x = x[rows[:, 0], logits_at][:, None]  # [B, 1, H]
-        logits = F.linear(x, self.lm_head)  # [B, T', V]
+        logits = self.linear(x, self.lm_head)  # [B, T', V]
         return logits, (torch.cat(aux, dim=-1).view(b, t, -1) if want_aux else None)  # aux [B, T, 3·H]
