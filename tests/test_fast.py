@@ -222,14 +222,15 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide):
     tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
     path uses internally (heads first for T > 1, `FastTarget.rope_qk(heads=True)`). Qwen3 covers the q/k-norm path.
     `wide`: an MLP of 2,048 (SmolLM2's is 1,536), where a CPU without AMX (AMD EPYC, AVX512-BF16) rounds a
-    one-row product differently from a many-row one unless one-row products take the many-row kernel
-    (`FastTarget.linear`)."""
+    one-row product differently from a many-row one with the vendor's kernels; the fast path's own
+    (`exact_rows`, forced here on any CPU) keep the rows equal."""
     over = {"hidden_size": 256, "intermediate_size": 2048} if wide else {}
     model = build_tiny_target(arch, **over).to(torch.bfloat16)
     ids = prompt_of(24, seed=3)
     logits = {}
     for mode in ("rows", "steps"):
         t = FastTarget(model)
+        t.exact_rows = t.exact_rows or wide
         t.allocate(32)
         ar = torch.arange(32)
         t(ids[:18], ar[:18], ar[:18], ar[None, :] <= ar[:18, None])  # the same prefill for both

@@ -28,11 +28,12 @@ from eagle3.target import Target
 CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
 # In bf16 a CPU with native bf16 verifies a few tokens for about the cost of one, and on the fast path a chain's
 # verification gives each row the bits of a one-token step: its rows see the same cache slots in the same order,
-# and on a CPU the fast path picks kernels whose rows do not depend on the row count (`eagle3.fast.target.exact_rows`).
-# So chains stay identical to bf16 plain decoding; trees do not reliably (a node's ancestors sit at scattered slots:
-# 2 of 20 random tree rows rounded differently from the same row in a chain). On 2 cores, 3 MT-bench prompts x 128
-# tokens: with AMX (session 14) chain 3 1.64x, chain 4 1.57x, chain 5 1.52x bf16 plain; with AVX512-BF16 (AMD EPYC,
-# session 20) chain 2 1.81x, chain 3 1.87-1.88x, chain 4 1.76x, chain 5 1.80x; all identical (docs/benchmarks.md).
+# and on a CPU without AMX the fast path picks kernels whose rows do not depend on the row count
+# (`eagle3.fast.target.exact_rows`). So chains stay identical to bf16 plain decoding; trees do not reliably (a node's
+# ancestors sit at scattered slots: 2 of 20 random tree rows rounded differently from the same row in a chain). On
+# 2 cores, 3 MT-bench prompts x 128 tokens: with AMX (session 14) chain 3 1.64x, chain 4 1.57x, chain 5 1.52x bf16
+# plain; with AVX512-BF16 (AMD EPYC, session 20) chain 2 1.72x, chain 3 1.65-1.80x, chain 4 1.77x, chain 5 1.70x;
+# all identical (docs/benchmarks.md).
 CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=3)
 DEMO_DTYPES = ("auto", "float32", "bfloat16")
 

@@ -173,16 +173,11 @@ def rows_exact_attention(
     bias: torch.Tensor,  # [1, R, S] additive
     scale: float,
 ) -> torch.Tensor:
-    """Attention as HF's eager order writes it (scores and their scale in the model dtype, softmax in fp32, the
-    weights back in the model dtype), with at least two query rows per product, so that a row's bits do not
-    depend on how many rows come with it (`exact_rows`); returns [nkv, R, hd]."""
-    r = q.shape[1]
-    if r == 1:
-        q = q.expand(-1, 2, -1)
-        bias = bias.expand(-1, 2, -1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias  # [nkv, R', S]
-    o = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [nkv, R', hd]
-    return o[:, :r]
+    """Attention in two batched GEMMs (scores scaled and biased in the first, softmax in fp32, the weights back
+    in the model dtype for the second), whose rows do not depend on how many come with them when there are at
+    least two (`exact_rows`; `FastTarget.forward` runs a single token as two rows). Returns [nkv, R, hd]."""
+    scores = torch.baddbmm(bias, q, k.transpose(-1, -2), alpha=scale)  # [nkv, R, S]
+    return torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [nkv, R, hd]
 
 
 def row_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -228,18 +223,26 @@ def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
 
 def exact_rows(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fast path must give a token the same bits in a one-token step as in a many-token verification
-    by its own choice of kernels (`FastTarget.linear`, `rows_exact_attention`), rather than by the vendor's.
+    by its own choice of kernels (`FastTarget.forward` runs one token as two equal rows; `rows_exact_attention`),
+    rather than by the vendor's.
 
-    CPUs in bf16/fp16. torch multiplies a single row with a matrix-vector kernel and several rows with oneDNN's
-    GEMM, and its CPU SDPA kernel blocks queries by their count. On a CPU with AMX both happen to agree row for row,
-    but on one without (AMD EPYC with AVX512-BF16, this project's 2-core machine in session 20) the two products
+    CPUs in bf16/fp16 without AMX. torch multiplies a single row with a matrix-vector kernel and several rows with
+    oneDNN's GEMM, and its CPU SDPA kernel blocks queries by their count. On a CPU with AMX both agreed row for row
+    (bf16 chains identical to plain decoding in every demo run and test of sessions 14-19, so the vendor's kernels
+    stay there), but on one without (AMD EPYC with AVX512-BF16, this project's 2-core machine in session 20) the two products
     rounded SmolLM2's down projection (K = 1,536) differently in 4 of 80 random rows and SDPA 7 of 120 query rows,
     so a chain's verification drifted from plain decoding: 1 of 8 MT-bench answers stayed identical. GEMMs of 2..8
     rows agree row for row there, a one-row product fed as two rows costs the same (bf16: 43 us against 45 for
-    1,536 -> 576), and attention written as two GEMMs (HF's eager order) agreed in 120 of 120 rows at +14 us a
-    layer. On CUDA the vendor kernels already agree (80/80 bf16 chains identical on an H200), and in fp32 greedy
-    output stays identical without it (tests/test_fast.py)."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    1,536 -> 576), and attention as two batched GEMMs agreed in 120 of 120 rows at +16-19 us a layer (SmolLM2's
+    shape, 256 slots). Plain decoding pays for it: SmolLM2 bf16 on that CPU ran 52.6 tok/s against 56.5 with the
+    vendor's kernels (docs/benchmarks.md). On CUDA the vendor kernels already agree (80/80 bf16 chains identical on
+    an H200), and in fp32 greedy output stays identical without it (tests/test_fast.py)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not _cpu_has_amx()
+
+
+def _cpu_has_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe; absent: assume no AMX
+    return bool(probe is not None and probe())
 
 
 class Pointwise:
@@ -407,16 +410,9 @@ class FastTarget(nn.Module):
         k = rope(pw.norm(lay(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)), lw.k_norm, self.eps), cos, sin)
         return q, k
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear; where `exact_rows` says so, a single row [..., K] goes in as two equal rows, so that it
-        gets the bits a many-row verification gives the same row."""
-        if self.exact_rows and x.numel() == x.shape[-1]:
-            return F.linear(x.reshape(1, -1).expand(2, -1), w, b)[:1].view(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w, b)
-
     def mlp(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """down(silu(gate) * up) of the normed x [N, H] -> [N, H]."""
-        return self.linear(self.pointwise.gate(self.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2)
+        return F.linear(self.pointwise.gate(F.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2)
 
     def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """The post-attention half of a decoder layer: h + the MLP of the normed h, [N, H]."""
@@ -453,6 +449,10 @@ class FastTarget(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux)."""
         t = ids.shape[0]
+        if t == 1 and self.exact_rows:  # one token as two equal rows: the many-row kernels' bits (`exact_rows`)
+            logits, aux = self.forward(ids.repeat(2), pos.repeat(2), slots.repeat(2), mask.expand(2, -1),
+                                       want_aux=want_aux)
+            return logits[:1], (None if aux is None else aux[:1])
         nh, nkv, hd = self.nh, self.nkv, self.hd
         h = F.embedding(ids, self.embed)  # [T, H]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
@@ -463,19 +463,19 @@ class FastTarget(nn.Module):
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
-            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
+            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
             q, k = self.rope_qk(qkv, lw, cos, sin, heads=True)  # [nh, T, hd], [nkv, T, hd]
             self.k_cache[i].index_copy_(1, slots, k)  # [nkv, S, hd] written at `slots`
             self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
                                   self.exact_rows)  # [T, nh·hd]
-            h, x = self.post_attention(i, h, self.linear(o, lw.wo, lw.bo))
+            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         if last_only:
             x = x[-1:]
-        logits = self.linear(x, self.lm_head)  # [T', V]
+        logits = F.linear(x, self.lm_head)  # [T', V]
         return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]
 
     def forward_rows(
@@ -504,16 +504,16 @@ class FastTarget(nn.Module):
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
-            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
+            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
             o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale, stacked)  # [B·T, nh·hd]
-            h, x = self.post_attention(i, h, self.linear(o, lw.wo, lw.bo))
+            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         x = x.view(b, t, -1)  # the final norm of h
         if logits_at is not None:
             x = x[rows[:, 0], logits_at][:, None]  # [B, 1, H]
-        logits = self.linear(x, self.lm_head)  # [B, T', V]
+        logits = F.linear(x, self.lm_head)  # [B, T', V]
         return logits, (torch.cat(aux, dim=-1).view(b, t, -1) if want_aux else None)  # aux [B, T, 3·H]
