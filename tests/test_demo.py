@@ -1,5 +1,6 @@
 """`eagle3 demo`: the dtype it picks, and its bf16 path (the static-cache fast path, a chain of 3) on a CPU with
-native bf16 (AMX or AVX512-BF16), where the answers must equal bf16 plain decoding token for token. The fp32 path runs in CI as the README's command.
+native bf16 (AMX or AVX512-BF16), where the answers must equal bf16 plain decoding token for token. The README's
+command runs the demo in CI too, in whichever dtype that CPU gets.
 Run: pytest tests/test_demo.py
 """
 

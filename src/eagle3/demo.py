@@ -3,7 +3,8 @@ plain decoding and with EAGLE-3 (the bundled drafter), shows that the answers ar
 and prints tau and the measured speedup. Offline; CPU by default.
 
 On a CPU with native bf16 (AMX or AVX512-BF16) the demo runs in bf16 on the static-cache fast path with a chain
-of 3; elsewhere in fp32 on the generic engine with a chain of 2 (why: the comments on `CPU_SPEC` and `CPU_BF16_SPEC`)."""
+of 3; elsewhere in fp32 on the generic engine with a chain of 2 (why: the comments on `CPU_SPEC` and
+`CPU_BF16_SPEC`)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ DEMO_DTYPES = ("auto", "float32", "bfloat16")
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD
     Zen 4 and later, some Intel). There a bf16 product of a few rows costs about what one row does, and on this
-    project's 2-core machines bf16 plain decoding ran 30-50 tok/s against 24-30 in fp32; elsewhere bf16 is
+    project's 2-core machines bf16 plain decoding ran 31-55 tok/s against 23-30 in fp32; elsewhere bf16 is
     emulated and slow."""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private probes; absent: assume no
     return any(bool(getattr(torch.cpu, p, lambda: False)()) for p in probes)

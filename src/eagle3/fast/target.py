@@ -229,12 +229,12 @@ def exact_rows(device: torch.device, dtype: torch.dtype) -> bool:
     CPUs in bf16/fp16 without AMX. torch multiplies a single row with a matrix-vector kernel and several rows with
     oneDNN's GEMM, and its CPU SDPA kernel blocks queries by their count. On a CPU with AMX both agreed row for row
     (bf16 chains identical to plain decoding in every demo run and test of sessions 14-19, so the vendor's kernels
-    stay there), but on one without (AMD EPYC with AVX512-BF16, this project's 2-core machine in session 20) the two products
-    rounded SmolLM2's down projection (K = 1,536) differently in 4 of 80 random rows and SDPA 7 of 120 query rows,
+    stay there), but on one without (AMD EPYC with AVX512-BF16, this project's 2-core machine in session 20) the
+    two products rounded SmolLM2's down projection (K = 1,536) differently in 4 of 80 random rows and SDPA 7 of 120 query rows,
     so a chain's verification drifted from plain decoding: 1 of 8 MT-bench answers stayed identical. GEMMs of 2..8
     rows agree row for row there, a one-row product fed as two rows costs the same (bf16: 43 us against 45 for
     1,536 -> 576), and attention as two batched GEMMs agreed in 120 of 120 rows at +16-19 us a layer (SmolLM2's
-    shape, 256 slots). Plain decoding pays for it: SmolLM2 bf16 on that CPU ran 52.6 tok/s against 56.5 with the
+    shape, 256 slots). Plain decoding pays for it: SmolLM2 bf16 on that CPU ran 7-9 % slower than with the
     vendor's kernels (docs/benchmarks.md). On CUDA the vendor kernels already agree (80/80 bf16 chains identical on
     an H200), and in fp32 greedy output stays identical without it (tests/test_fast.py)."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not _cpu_has_amx()
