@@ -243,25 +243,6 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide):
     assert torch.equal(logits["rows"], logits["steps"])
 
 
-@pytest.mark.parametrize("spec", [CHAIN, SpecConfig(depth=5, top_k=1, total_tokens=3)], ids=["chain", "tree-k1"])
-def test_chain_drafting_equals_the_tree_expansion_with_top_k_1(models, drafters, spec):
-    """`FastCore.draft_chain` (what a chain drafts with) picks the nodes `draft_tree` keeps with top_k 1."""
-    engine = FastEngine(models["llama"], draft="eagle3", spec=spec, drafter=drafters["llama"])
-    prompt = prompt_of(11, seed=4)
-    engine.prepare(prompt.numel(), 8)
-    core = engine.core
-    logits, aux = core.prefill(prompt)
-    core.begin(prompt, aux, logits.argmax().view(1))
-    got = {}
-    for how in ("draft_tree", "draft_chain"):
-        getattr(core, how)()
-        # the drafter's K/V of the chain's rows depend on every earlier step's output (mask, position, input)
-        got[how] = (core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.drafter.k_cache.clone())
-    assert got["draft_chain"][:2] == got["draft_tree"][:2]
-    torch.testing.assert_close(got["draft_chain"][2], got["draft_tree"][2], rtol=0, atol=0)
-    assert got["draft_chain"][1] == [0, *range(core.n_nodes)]  # node i's parent is node i-1 (N+1 indexing)
-
-
 def _random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:
     parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)]
     tokens = torch.randint(0, vocab, (n,), generator=g)

@@ -193,28 +193,6 @@ class FastCore(nn.Module):
 
     # -- step functions (fixed shapes, no host sync) ------------------------------------------
     def draft(self) -> None:
-        """The draft tree into the tree buffers: `draft_chain` for a chain (top_k 1) off CUDA, else `draft_tree`
-        (on CUDA, where drafting is compiled and captured, the chain has been timed only with `draft_tree`)."""
-        if self.top_k == 1 and self.device.type != "cuda":
-            self.draft_chain()
-        else:
-            self.draft_tree()
-
-    def draft_chain(self) -> None:
-        """A chain: each step's most likely draft token feeds the next step. The tokens `draft_tree` picks with
-        top_k 1 (up to ties), without its top-k, score and rerank bookkeeping: on a 2-core CPU (SmolLM2 bf16,
-        chain 3) a cycle took 25.5 ms instead of 26.2 (docs/benchmarks.md)."""
-        d, length, n = self.drafter, self.length, self.n_nodes  # n <= depth: the chain's first n nodes
-        out, tokens = self.last_out, []
-        for step in range(n):
-            if step:  # row length + step - 1 sees the committed rows and the chain's earlier rows
-                mask = (self.ar_sd < length + step)[None]  # [1, Sd]
-                out = d(d.feedback(out), tokens[-1], length - 1 + step, length + step - 1, mask)  # [1, H]
-            tokens.append(d.to_target_ids(d.logits(out).argmax(dim=-1)))  # [1]
-        self.tree_tokens.copy_(torch.cat(tokens))
-        self.tree_parents1.copy_(torch.cat([self.ar[:1], self.ar[:n]]))  # node i's parent: node i-1
-
-    def draft_tree(self) -> None:
         """EAGLE-2 dynamic tree expansion and rerank (as `Eagle3Proposer.propose`) into the tree buffers."""
         d, k, dev = self.drafter, self.top_k, self.device
         length = self.length  # [1]

@@ -265,13 +265,9 @@ class FastDrafter(nn.Module):
         gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [T, Vd] (model dtype) of pre-norm outputs [T, H]."""
-        return F.linear(rms_norm(out, self.norm, self.eps), self.lm_head)
-
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probabilities [T, Vd] (fp32) of pre-norm outputs [T, H]."""
-        return torch.log_softmax(self.logits(out).float(), dim=-1)
+        return torch.log_softmax(F.linear(rms_norm(out, self.norm, self.eps), self.lm_head).float(), dim=-1)
 
     def feedback(self, out: torch.Tensor) -> torch.Tensor:
         """The hidden state fed to the next draft step (pre-norm, or post-norm with `norm_output`)."""
