@@ -326,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="use this drafter's draft vocabulary (to continue training it with `train --init`)")
     pr.add_argument("--system-prompt", default=None, help="added to conversations that have none")
     pr.add_argument("--workers", type=int, default=1,
-                    help="render in this many spawned processes (1: one process, whose tokenizer already uses all cores; on H200 hosts 12 workers took 155-175 s for 27 M tokens, mostly before their first result, and one process 45 s for 34 M)")
+                    help="render in this many spawned processes (1: one process, whose tokenizer already uses all "
+                         "cores; on H200 hosts 12 workers took 155-175 s for 27 M tokens, mostly before their first "
+                         "result, and one process 45 s for 34 M)")
     pr.add_argument("--max-rows", type=int, default=None)
     pr.set_defaults(func=cmd_prepare)
 

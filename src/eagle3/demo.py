@@ -18,6 +18,7 @@ from eagle3.config import ConfigError, SamplingConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.evaluate import load_prompts
+from eagle3.fast.target import cpu_has_amx
 from eagle3.record import run_record, write_json
 from eagle3.runtime import encode_prompt, eos_token_ids
 from eagle3.target import Target
@@ -44,8 +45,8 @@ def cpu_has_bf16() -> bool:
     Zen 4 and later, some Intel). There a bf16 product of a few rows costs about what one row does, and on this
     project's 2-core machines bf16 plain decoding ran 31-55 tok/s against 23-30 in fp32; elsewhere bf16 is
     emulated and slow."""
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private probes; absent: assume no
-    return any(bool(getattr(torch.cpu, p, lambda: False)()) for p in probes)
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # a private probe; absent: assume no
+    return cpu_has_amx() or bool(probe is not None and probe())
 
 
 def demo_dtype(device: str, dtype: str = "auto") -> str:

@@ -237,10 +237,11 @@ def exact_rows(device: torch.device, dtype: torch.dtype) -> bool:
     shape, 256 slots). Plain decoding pays for it: SmolLM2 bf16 on that CPU ran 7-9 % slower than with the
     vendor's kernels (docs/benchmarks.md). On CUDA the vendor kernels already agree (80/80 bf16 chains identical on
     an H200), and in fp32 greedy output stays identical without it (tests/test_fast.py)."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not _cpu_has_amx()
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not cpu_has_amx()
 
 
-def _cpu_has_amx() -> bool:
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe; absent: assume no AMX
     return bool(probe is not None and probe())
 
