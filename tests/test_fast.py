@@ -27,7 +27,7 @@ from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept_greedy
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
 from eagle3.fast.drafter import top_k_last, top_n_in_order
-from eagle3.fast.target import apply_rope, apply_rope_heads, heads_first, rope_tables
+from eagle3.fast.target import apply_rope, apply_rope_heads, argmax_ids, heads_first, rope_tables
 from eagle3.runtime import init_drafter
 from eagle3.target import Target
 
@@ -214,6 +214,17 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
     x = heads_first(qk)
     assert x.is_contiguous() and (tokens > 1 or x.data_ptr() == qk.data_ptr())  # no copy for one token
     assert torch.equal(apply_rope_heads(x, cos, ssin), apply_rope(qk, cos, ssin).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_ids_equals_argmax_first_maximum_included(dtype):
+    """The CPU upcast (`argmax_ids`) picks what torch's argmax picks in the logits' own dtype, ties included."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(4, 5000, generator=g) * 4).to(dtype)  # coarse bf16 steps: many equal values
+    logits[1, 7] = logits[1, 4000] = logits[1].max() + 1  # an exact tie: the first index wins
+    ids = argmax_ids(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1)) and int(ids[1]) == 7
+    assert torch.equal(argmax_ids(logits[2]), logits[2].argmax())  # one row [V] -> a scalar id
 
 
 @pytest.mark.parametrize("arch,wide", [("llama", False), ("qwen3", False), ("llama", True)])

@@ -25,7 +25,7 @@ from torch import nn
 from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, rms_norm
+from eagle3.fast.target import FastTarget, argmax_ids, rms_norm
 
 
 @dataclass
@@ -146,7 +146,7 @@ class BatchedGenerator:
         """Next tokens [N] from logits [N, V]: argmax, or a softmax sample at 1/inv_temp (exponential race,
         which needs no host sync and is capturable)."""
         if greedy:
-            return logits.argmax(dim=-1)
+            return argmax_ids(logits)
         probs = torch.softmax(logits.float() * self.inv_temp, dim=-1)
         return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 

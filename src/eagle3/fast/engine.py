@@ -35,7 +35,7 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, fast_support
+from eagle3.fast.target import FastTarget, argmax_ids, fast_support
 
 log = logging.getLogger("eagle3.fast")
 
@@ -228,7 +228,7 @@ class FastEngine:
         with varying_shape_attention(self.device):  # the prompt length is new per request; the cycles are fixed
             logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
             if sampling.greedy:
-                first_t = logits.argmax().view(1)
+                first_t = argmax_ids(logits).view(1)
             else:
                 first_t = sample(process_logits(logits.float(), sampling.temperature, sampling.top_p,
                                                 sampling.top_k), gen).view(1)

@@ -45,7 +45,7 @@ from eagle3.config import ConfigError, SamplingConfig
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter, top_k_last, top_n_in_order
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget
+from eagle3.fast.target import FastTarget, argmax_ids
 from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
 
 __all__ = ["FastRows", "RowShape", "buckets"]
@@ -91,7 +91,7 @@ class _SamplingRows:
         rows, the position-keyed draw for sampled ones (`mode` FILTERED applies their top-p / top-k; `fused`
         compiles the draw into one kernel). [nb, M]."""
         if mode == GREEDY:
-            return logits.argmax(dim=-1)
+            return argmax_ids(logits)
         nb = logits.shape[0]
         return race_sample_rows(logits, positions, self.seed_h[:nb], self.temp[:nb], self.top_p[:nb],
                                 self.top_k[:nb], vocab_h, filters=mode == FILTERED, fused=fused)

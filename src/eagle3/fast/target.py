@@ -240,6 +240,17 @@ def exact_rows(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not cpu_has_amx()
 
 
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy token ids: argmax over the last dimension of logits [..., V] -> [...].
+
+    On a CPU torch's bf16/fp16 argmax is several times slower than its fp32 one (SmolLM2's 4 x 49,152 logits on
+    this project's 2-core AMD CPU: 319 us against 65 us with the upcast, 0.25 ms of a 25 ms cycle); the upcast is
+    exact and both return the first maximum, so the ids are the same. Elsewhere the logits are used as they are."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe; absent: assume no AMX
