@@ -394,6 +394,28 @@ def test_packed_training_runs_and_plans_cover_each_sample(data_dir, tmp_path):
     assert res.steps == 3 and np.isfinite(res.final_loss) and len(res.step_accuracy) == 7
 
 
+def test_wider_sort_windows_pad_less_and_cover_each_sample_once(tmp_path):
+    rng = np.random.default_rng(4)
+    rows = [(np.r_[1, rng.integers(3, V, size=n - 1)], np.r_[np.zeros(2, np.uint8), np.ones(n - 2, np.uint8)])
+            for n in rng.integers(8, 60, size=300)]
+    data = TrainData(str(write_prepared(tmp_path / "d", rows)), max_length=64)
+
+    def fill(plan):  # real tokens / padded tokens
+        lengths = [[int(data.lengths[r[0]]) for r in batch] for batch in plan]
+        return sum(map(sum, lengths)) / sum(len(n) * max(n) for n in lengths)
+
+    fills = []
+    for window in (8, 64, 300):
+        plan = data.plan_epoch(0, seed=1, batch_tokens=256, sort_window=window)
+        assert sorted(s for batch in plan for row in batch for s in row) == sorted(data.trainable_ids.tolist())
+        fills.append(fill(plan))
+    assert fills[0] < fills[1] < fills[2] and fills[2] > 0.95, fills
+    with pytest.raises(ConfigError, match="sort_window=0"):
+        data.plan_epoch(0, seed=1, batch_tokens=256, sort_window=0)
+    with pytest.raises(ConfigError, match="sort_window=0"):
+        base_cfg(tmp_path, tmp_path / "out", sort_window=0).validate()
+
+
 def test_packed_online_features_equal_separate_documents(data_dir):
     data = TrainData(str(data_dir), max_length=64)
     model, _ = load_target("stories260k")
@@ -510,10 +532,14 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
     state = torch.load(state_file, weights_only=True)
     del state["config"]["intermediate_size"]  # an older run's config did not have these
     del state["config"]["val_fraction"]
+    del state["config"]["sort_window"]
     torch.save(state, state_file)
-    assert train(base_cfg(data_dir, out, resume=True, max_steps=2)).steps == 2
-    with pytest.raises(ConfigError, match=r"val_fraction=0\.0"):  # a missing field means its default
-        train(base_cfg(data_dir, out, resume=True, max_steps=3, val_fraction=0.25))
+    # a missing sort_window means the window runs had before it existed, which the default no longer is
+    with pytest.raises(ConfigError, match=r"sort_window=1024 differ"):
+        train(base_cfg(data_dir, out, resume=True, max_steps=2))
+    assert train(base_cfg(data_dir, out, resume=True, max_steps=2, sort_window=1024)).steps == 2
+    with pytest.raises(ConfigError, match=r"val_fraction=0\.0"):  # a missing field otherwise means its default
+        train(base_cfg(data_dir, out, resume=True, max_steps=3, val_fraction=0.25, sort_window=1024))
 
 
 def test_budget_steps_fills_the_time_left_within_the_limits():

@@ -61,7 +61,7 @@ from eagle3.training.checkpoints import (
     truncate_log,
 )
 from eagle3.training.compiled import compile_drafter_pieces, compile_target_layers
-from eagle3.training.dataset import Batch, TrainData, shard_rows
+from eagle3.training.dataset import LEGACY_SORT_WINDOW_ROWS, SORT_WINDOW_ROWS, Batch, TrainData, shard_rows
 from eagle3.training.distributed import Dist, init_dist
 from eagle3.training.features import FeatureCache, Features, OnlineFeatures, human_bytes
 from eagle3.training.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, EARLY_TOKENS, ScoredRows, ttt_loss
@@ -77,8 +77,10 @@ LOG_FILE = "train_log.jsonl"
 VAL_LOG_FILE = "val_log.jsonl"
 CONFIG_FILE = "train_config.json"
 # fields that fix the data order and the objective; a resumed run must keep them
-_RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "max_length", "ttt_steps", "epochs",
-                 "val_fraction")
+_RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "sort_window", "max_length", "ttt_steps",
+                 "epochs", "val_fraction")
+# what runs used before a field of _RESUME_FIXED existed (their checkpoints do not name it)
+_RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS}
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
 # then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
@@ -131,6 +133,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per rank and step (memory only; the result does not change)
     max_length: int = 2048
     packing: bool = False
+    sort_window: int = SORT_WINDOW_ROWS  # rows sorted by length together before batches are cut (dataset.py)
     dtype: str = "auto"  # target dtype: bf16 on CUDA, fp32 on CPU
     autocast: bool | None = None  # bf16 autocast for the drafter; default on for CUDA, off on CPU
     compile: bool | None = None  # inductor-compile the target's layers and the drafter's norms and MLP
@@ -170,6 +173,7 @@ class TrainConfig:
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         need(self.warmup_steps is None or self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
         need(self.epochs >= 1, f"epochs={self.epochs} must be >= 1")
+        need(self.sort_window >= 1, f"sort_window={self.sort_window} must be >= 1 rows")
         need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
         need(self.stop_after is None or self.stop_after >= 1, f"stop_after={self.stop_after} must be >= 1")
         need(self.time_budget is None or self.time_budget > 0,
@@ -435,7 +439,7 @@ class _Trainer:
         self.plan_sizes = [len(self._plan(e)) for e in range(cfg.epochs)]
         self.val_plan = [] if self.val_ids is None else self.data.plan_epoch(
             0, cfg.seed, batch_rows=cfg.batch_size, batch_tokens=cfg.batch_tokens, packing=cfg.packing,
-            ids=self.val_ids)
+            ids=self.val_ids, sort_window=cfg.sort_window)
         self.total = sum(self.plan_sizes) if cfg.max_steps is None else min(cfg.max_steps, sum(self.plan_sizes))
         if cfg.max_steps is not None and cfg.max_steps > sum(self.plan_sizes):
             log.warning("max_steps=%d exceeds %d epochs (%d steps); training stops after the epochs",
@@ -452,7 +456,7 @@ class _Trainer:
     def _plan(self, epoch: int) -> list[list[list[int]]]:
         cfg = self.cfg
         return self.data.plan_epoch(epoch, cfg.seed, batch_rows=cfg.batch_size, batch_tokens=cfg.batch_tokens,
-                                    packing=cfg.packing)
+                                    packing=cfg.packing, sort_window=cfg.sort_window)
 
     def _build_cache(self, t2d: torch.Tensor) -> FeatureCache:
         cfg, ctx = self.cfg, self.ctx
@@ -504,7 +508,7 @@ class _Trainer:
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         saved = state["config"]
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # for fields newer than `saved`
-        was = {k: saved.get(k, defaults[k]) for k in _RESUME_FIXED}
+        was = {k: saved.get(k, _RESUME_LEGACY.get(k, defaults[k])) for k in _RESUME_FIXED}
         now = self.cfg.to_dict()
         changed = [k for k in _RESUME_FIXED if was[k] != now.get(k)]
         if changed:
