@@ -20,7 +20,7 @@ import torch
 
 from conftest import build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import SamplingConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.decoding.tree import DraftTree
@@ -110,42 +110,6 @@ def test_always_right_drafter(models, self_kind):
     res = FastEngine(model, draft=prop, max_nodes=8).generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
     assert res.token_ids == ref
     assert res.stats.tau > 4.0
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("min_prob", [0.0, 1e-5, 0.5])
-def test_chain_drafted_until_unlikely_matches_hf_generate(models, drafters, arch, min_prob):
-    """`chain_min_prob`: the same answer as HF greedy; drafts 1..K tokens a cycle and verifies only those; with
-    0 it drafts the full chain and accepts exactly what the fixed chain accepts."""
-    model = models[arch]
-    prompt = prompt_of(11, seed=6)
-    ref = hf_greedy(model, prompt, NEW)
-    fixed = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=drafters[arch])
-    until = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=drafters[arch],
-                       options=FastOptions(chain_min_prob=min_prob))
-    a = fixed.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
-    b = until.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
-    assert a.token_ids == b.token_ids == ref
-    depths = b.stats.drafted_depth_per_cycle
-    assert b.stats.drafted_tokens == sum(depths) and all(1 <= m <= CHAIN.chain_length for m in depths)
-    if min_prob == 0.0:
-        assert depths == [CHAIN.chain_length] * b.stats.cycles
-        assert b.stats.accepted_per_cycle == a.stats.accepted_per_cycle
-    elif min_prob == 0.5:  # a random drafter is never that sure: one token a cycle, two verified rows
-        assert depths == [1] * b.stats.cycles
-    else:
-        assert len(set(depths)) > 1, depths
-    assert bool(until.core.tree_valid.all())  # left as the fixed chain's cycles expect
-
-
-def test_chain_min_prob_needs_a_chain_and_a_probability(models, drafters):
-    model, d = models["llama"], drafters["llama"]
-    with pytest.raises(ConfigError, match="needs an EAGLE-3 drafter and a chain"):
-        FastEngine(model, draft="eagle3", spec=TREE, drafter=d, options=FastOptions(chain_min_prob=0.2))
-    with pytest.raises(ConfigError, match="needs an EAGLE-3 drafter and a chain"):
-        FastEngine(model, draft="ngram", spec=CHAIN, options=FastOptions(chain_min_prob=0.2))
-    with pytest.raises(ConfigError, match=r"chain_min_prob=1\.0 must be in \[0, 1\)"):
-        FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(chain_min_prob=1.0))
 
 
 def test_stops_at_eos_and_max_new_tokens_inside_a_cycle(models):

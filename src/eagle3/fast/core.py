@@ -31,7 +31,6 @@ what is proposed (its roundings change which tokens are drafted, never which are
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -239,39 +238,6 @@ class FastCore(nn.Module):
         self.tree_parents1[1:].copy_(parents + 1)
         self.tree_parents1[:1].zero_()
 
-    def draft_chain_until(self, min_prob: float) -> int:
-        """Chain drafting that stops where the chain gets unlikely (a chain engine, eager: each step reads a
-        probability on the host). Token 1 comes from the last feed as in `draft`; token j+1 is drafted while
-        the chain's probability so far (the product of each step's top-1 draft probability) is at least
-        `min_prob`, and kept if its own inclusion keeps it there, up to `depth` tokens. Writes the first m nodes
-        of the tree buffers as `draft` would for a chain of m (the same tokens), the rest as invalid root
-        children; returns m (1..depth). The verification then needs only m + 1 rows (`verify(rows=m + 1)`)."""
-        d, dev = self.drafter, self.device
-        length = self.length  # [1]
-        floor = math.log(min_prob) if min_prob > 0 else -math.inf
-        lp, idx = d.log_probs(self.last_out)[0].max(dim=-1)  # [] each
-        tokens = [d.to_target_ids(idx.view(1))]  # target ids [1] each
-        cum = float(lp)  # log-probability of the chain so far
-        hidden = d.feedback(self.last_out)  # [1, H]
-        while len(tokens) < self.depth and cum >= floor:
-            step = len(tokens)  # 1-based index of the drafter row this step writes
-            slot = length + (step - 1)  # [1] its scratch slot, as `draft`'s with top_k = 1
-            mask = (self.ar_sd < length + step)[None]  # [1, Sd]: committed rows and the chain's scratch rows
-            out = d(hidden, tokens[-1], length - 1 + step, slot, mask)  # [1, H]
-            lp, idx = d.log_probs(out)[0].max(dim=-1)
-            if cum + float(lp) < floor:
-                break
-            cum += float(lp)
-            tokens.append(d.to_target_ids(idx.view(1)))
-            hidden = d.feedback(out)
-        m, n = len(tokens), self.n_nodes
-        self.tree_tokens.zero_()
-        self.tree_tokens[:m].copy_(torch.cat(tokens))
-        self.tree_parents1.zero_()  # invalid nodes: children of the root
-        self.tree_parents1[2 : m + 1].copy_(self.ar[1:m])  # node j's parent is node j - 1 (node 1's the root)
-        self.tree_valid.copy_(self.ar[:n] < m)
-        return m
-
     def _ancestors(self) -> torch.Tensor:
         """Bool [N+1, N+1]: [i, j] iff j is i or an ancestor of i, by walking parent pointers max_depth times."""
         n1 = self.n_nodes + 1
@@ -297,19 +263,16 @@ class FastCore(nn.Module):
         mask.scatter_(1, slots[None].expand(n1, -1), anc)  # plus each node's ancestors and itself
         return ids, pos, slots, mask, anc
 
-    def verify(self, greedy: bool = True, rows: int | None = None) -> None:
-        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]; with
-        `rows` (eager only) over the first `rows` of them, the rest being invalid (`draft_chain_until`)."""
+    def verify(self, greedy: bool = True) -> None:
+        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]."""
         ids, pos, slots, mask, anc = self.piece("tree_inputs")
-        r = ids.shape[0] if rows is None else rows
-        logits, aux = self.target(ids[:r], pos[:r], slots[:r], mask[:r],
-                                  want_aux=self.drafter is not None)  # [r, V]
+        logits, aux = self.target(ids, pos, slots, mask, want_aux=self.drafter is not None)  # [N+1, V]
         if greedy:
-            self.top[:r].copy_(argmax_ids(logits))
+            self.top.copy_(argmax_ids(logits))
         else:
-            self.logits[:r].copy_(logits.float())
+            self.logits.copy_(logits.float())
         if aux is not None:
-            self.aux[:r].copy_(aux)
+            self.aux.copy_(aux)
         self.anc.copy_(anc)
 
     def accept(self) -> None:
@@ -374,14 +337,6 @@ class FastCore(nn.Module):
         self.verify(greedy=True)
         self.piece("accept")
         self.commit()
-
-    def cycle_chain_until(self, min_prob: float) -> int:
-        """A greedy cycle with `draft_chain_until` (eager): returns the number of drafted tokens."""
-        m = self.draft_chain_until(min_prob)
-        self.verify(greedy=True, rows=m + 1)
-        self.piece("accept")
-        self.commit()
-        return m
 
     def cycle_logits(self) -> None:
         """Draft (EAGLE-3) and verify, leaving fp32 logits for host-side sampling acceptance."""

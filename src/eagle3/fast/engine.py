@@ -56,10 +56,6 @@ class FastOptions:
     compile_drafting: bool | None = None
     sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
-    # Greedy EAGLE-3 chains without CUDA graphs (CPUs): draft token by token while the chain's probability stays
-    # at least this, up to the chain length, and verify only what was drafted (`FastCore.draft_chain_until`).
-    # None: every cycle drafts and verifies the full chain.
-    chain_min_prob: float | None = None
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
 
@@ -134,14 +130,6 @@ class FastEngine:
             self.core.compile_drafting(o.compile_backend)
         self.mode = mode
         self.device = self.target.device
-        if o.chain_min_prob is not None:
-            if mode != "eagle3" or self.spec.mode != "chain":
-                raise ConfigError("chain_min_prob needs an EAGLE-3 drafter and a chain (--chain K)")
-            if not 0 <= o.chain_min_prob < 1:
-                raise ConfigError(f"chain_min_prob={o.chain_min_prob} must be in [0, 1)")
-            if self.device.type == "cuda" and o.graphs:
-                raise ConfigError("chain_min_prob runs cycles eagerly (a host decision per draft step); on CUDA "
-                                  "the fixed chain replays as one graph: leave it unset there")
         self._pool = None
         self._alloc: tuple[int, int] | None = None  # cache allocation the runners were captured against
         self._runners: dict[str, StepRunner] = {}
@@ -261,8 +249,6 @@ class FastEngine:
                 finish = self._loop_sampling(out, stats, sampling, gen, eos, max_new_tokens, stream, stop_strings)
             elif self.mode == "host":
                 finish = self._loop_host(out, stats, eos, max_new_tokens, stream, stop_strings)
-            elif self.options.chain_min_prob is not None:
-                finish = self._loop_chain_until(out, stats, eos, max_new_tokens, stream, stop_strings)
             else:
                 finish = self._loop_device(out, stats, eos, max_new_tokens, stream, stop_strings)
         self._sync()
@@ -323,24 +309,6 @@ class FastEngine:
             if not pipeline:
                 launch(i + 1)
             i += 1
-
-    def _loop_chain_until(self, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
-        """Greedy, a chain drafted until it gets unlikely (`FastOptions.chain_min_prob`), eager cycles."""
-        core, min_prob = self.core, self.options.chain_min_prob
-        try:
-            while True:
-                m = core.cycle_chain_until(min_prob)
-                pkt = core.packet.tolist()  # [n_acc, drafted depth, emitted...]
-                n_acc = pkt[0]
-                stats.cycles += 1
-                stats.accepted_per_cycle.append(n_acc)
-                stats.drafted_depth_per_cycle.append(m)
-                stats.drafted_tokens += m
-                finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
-                if finish is not None:
-                    return finish
-        finally:
-            core.tree_valid.fill_(True)  # the fixed chain's cycles take every node
 
     def _loop_host(self, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
         """Greedy with a host proposer: write its tree, run the cycle graph, read the packet."""
