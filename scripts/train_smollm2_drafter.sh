@@ -12,8 +12,9 @@
 # held out for validation (VAL_FRACTION), LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled sync-free
 # trainer (CUDA default) -> 5,890 steps, 18.2 minutes from prepared data to $TRAIN_OUT/drafter. The defaults below
 # are those settings (except the trainer's length-sort window: 1,024 rows then, 16,384 since session 21);
-# docs/results/session19_h200/run19.sh is the exact script that ran. v4 was the same without SYNTH (SYNTH=0) and with the previous trainer (MT-bench tree tau 3.98 on an H200); v3 also with TIME_BUDGET=870
-# and the eager trainer (3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62); v1 used SHAREGPT_TOKENS=768
+# docs/results/session19_h200/run19.sh is the exact script that ran. v4 was the same without SYNTH (SYNTH=0) and
+# with the previous trainer (MT-bench tree tau 3.98 on an H200); v3 also with TIME_BUDGET=870 and the eager trainer
+# (3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62); v1 used SHAREGPT_TOKENS=768
 # TIME_BUDGET=18m.
 # Regenerated files already in $W (regen_gsm8k.jsonl, regen_sharegpt.jsonl, with SAMPLE_T regen_*_t.jsonl, with
 # SYNTH synth.jsonl and regen_synth.jsonl)
