@@ -218,7 +218,8 @@ def cmd_train(args) -> int:
         lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, stop_after=args.stop_after,
         time_budget=args.time_budget,
         batch_size=args.batch_size, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
-        max_length=args.max_length, packing=args.packing, sort_window=args.sort_window, dtype=args.dtype, device=args.device, seed=args.seed,
+        max_length=args.max_length, packing=args.packing, sort_window=args.sort_window, dtype=args.dtype,
+        device=args.device, seed=args.seed,
         save_every=args.save_every, log_every=args.log_every, features=args.features,
         feature_cache=args.feature_cache, resume=args.resume, noise=args.noise, tensorboard=args.tensorboard,
         warmup_ratio=args.warmup_ratio, intermediate_size=args.intermediate_size, aux_layer_ids=args.aux_layers,
@@ -400,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--packing", action="store_true")
     t.add_argument("--sort-window", type=int, default=tc.sort_window, metavar="ROWS",
                    help="rows sorted by length together before batches are cut: wider pads less (default "
-                        f"{tc.sort_window}; checkpoints from before this option used 1024: pass that to --resume them)")
+                        f"{tc.sort_window}; checkpoints from before this option used 1024: pass that to "
+                        "--resume them)")
     t.add_argument("--seed", type=int, default=tc.seed)
     t.add_argument("--save-every", type=int, default=tc.save_every)
     t.add_argument("--log-every", type=int, default=tc.log_every)
