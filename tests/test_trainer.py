@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -377,6 +378,13 @@ def test_offline_cache_trains_like_online(data_dir, straight_run, tmp_path, monk
         train(base_cfg(data_dir, tmp_path / "y", features="offline", feature_cache=str(cache)))
 
 
+def test_train_says_how_much_of_its_batches_is_padding(data_dir, tmp_path, capsys):
+    train(base_cfg(data_dir, tmp_path / "run", batch_size=None, batch_tokens=256, max_steps=1, save_every=0))
+    err = capsys.readouterr().err
+    assert re.search(r"eagle3 train: \d+ batches an epoch; \d+\.\d % of their padded tokens are real \(rows "
+                     r"length-sorted in windows of --sort-window 16384\)", err), err
+
+
 def test_packed_training_runs_and_plans_cover_each_sample(data_dir, tmp_path):
     data = TrainData(str(data_dir), max_length=64)
     for packing in (False, True):
@@ -409,6 +417,8 @@ def test_wider_sort_windows_pad_less_and_cover_each_sample_once(tmp_path):
         plan = data.plan_epoch(0, seed=1, batch_tokens=256, sort_window=window)
         assert sorted(s for batch in plan for row in batch for s in row) == sorted(data.trainable_ids.tolist())
         fills.append(fill(plan))
+        assert data.real_share(plan) == pytest.approx(fills[-1])
+        assert data.real_share(plan, pad_to_multiple=8) <= fills[-1]
     assert fills[0] < fills[1] < fills[2] and fills[2] > 0.95, fills
     with pytest.raises(ConfigError, match="sort_window=0"):
         data.plan_epoch(0, seed=1, batch_tokens=256, sort_window=0)

@@ -180,6 +180,15 @@ class TrainData:
             rows.append(cur)
         return rows
 
+    def real_share(self, plan: list[list[list[int]]], pad_to_multiple: int = 1) -> float:
+        """Real tokens / padded tokens of `plan`'s batches, padded as `collate` pads them."""
+        real = padded = 0
+        for batch in plan:
+            lens = [int(sum(self.lengths[s] for s in row)) for row in batch]
+            real += sum(lens)
+            padded += len(lens) * (-(-max(lens) // pad_to_multiple) * pad_to_multiple)
+        return real / max(padded, 1)
+
     # -- collation ----------------------------------------------------------------------------------
     def collate(self, rows: list[list[int]], pad_to_multiple: int = 1, packed: bool = False) -> Batch:
         """Right-padded tensors for `rows` (lists of sample ids)."""

@@ -437,6 +437,11 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         self.plan_sizes = [len(self._plan(e)) for e in range(cfg.epochs)]
+        if self.ctx.main:
+            _say(f"eagle3 train: {self.plan_sizes[0]} batches an epoch; "
+                 f"{100 * self.data.real_share(self._plan(0), self.pad_multiple):.1f} % of their padded tokens are "
+                 + ("real (packed rows)" if cfg.packing else
+                    f"real (rows length-sorted in windows of --sort-window {cfg.sort_window})"))
         self.val_plan = [] if self.val_ids is None else self.data.plan_epoch(
             0, cfg.seed, batch_rows=cfg.batch_size, batch_tokens=cfg.batch_tokens, packing=cfg.packing,
             ids=self.val_ids, sort_window=cfg.sort_window)
@@ -452,6 +457,11 @@ class _Trainer:
 
     def _set_total(self, total: int) -> None:
         self.total = self.schedule_total[0] = total
+
+    @property
+    def pad_multiple(self) -> int:
+        """Batches are padded to a multiple of this many tokens (`TrainData.collate`)."""
+        return 8 if self.device.type == "cuda" else 1
 
     def _plan(self, epoch: int) -> list[list[list[int]]]:
         cfg = self.cfg
@@ -626,7 +636,7 @@ class _Trainer:
         metrics = torch.zeros(METRIC_ROWS, cfg.ttt_steps, device=self.device)
         tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
-        pad = 8 if self.device.type == "cuda" else 1
+        pad = self.pad_multiple
         with varying_shape_attention(self.device):  # every batch has its own padded length
             for j, (idx, zero) in enumerate(parts):
                 batch, scored = self._micro_batch([mine[i] for i in idx], pad, zero)
@@ -654,7 +664,7 @@ class _Trainer:
         sharded target needs."""
         cfg, ctx = self.cfg, self.ctx
         w = torch.zeros(METRIC_ROWS, cfg.ttt_steps, device=self.device)
-        pad = 8 if self.device.type == "cuda" else 1
+        pad = self.pad_multiple
         with varying_shape_attention(self.device):
             for rows in self.val_plan:
                 den = self._denominators(rows)
