@@ -18,7 +18,7 @@ from eagle3.config import ConfigError, SamplingConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.evaluate import load_prompts
-from eagle3.fast.target import cpu_has_amx
+from eagle3.fast.target import cpu_has_bf16
 from eagle3.record import run_record, write_json
 from eagle3.runtime import encode_prompt, eos_token_ids
 from eagle3.target import Target
@@ -38,15 +38,6 @@ CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
 # all identical (docs/benchmarks.md).
 CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=3)
 DEMO_DTYPES = ("auto", "float32", "bfloat16")
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD
-    Zen 4 and later, some Intel). There a bf16 product of a few rows costs about what one row does, and on this
-    project's 2-core machines bf16 plain decoding ran 31-55 tok/s against 23-30 in fp32; elsewhere bf16 is
-    emulated and slow."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # a private probe; absent: assume no
-    return cpu_has_amx() or bool(probe is not None and probe())
 
 
 def demo_dtype(device: str, dtype: str = "auto") -> str:

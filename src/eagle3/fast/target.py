@@ -230,8 +230,8 @@ def exact_rows(device: torch.device, dtype: torch.dtype) -> bool:
     oneDNN's GEMM, and its CPU SDPA kernel blocks queries by their count. On a CPU with AMX both agreed row for row
     (bf16 chains identical to plain decoding in every demo run and test of sessions 14-19, so the vendor's kernels
     stay there), but on one without (AMD EPYC with AVX512-BF16, this project's 2-core machine in session 20) the
-    two products rounded SmolLM2's down projection (K = 1,536) differently in 4 of 80 random rows and SDPA 7 of 120 query rows,
-    so a chain's verification drifted from plain decoding: 1 of 8 MT-bench answers stayed identical. GEMMs of 2..8
+    two products rounded SmolLM2's down projection (K = 1,536) differently in 4 of 80 random rows and SDPA 7 of 120
+    query rows, so a chain's verification drifted from plain decoding: 1 of 8 MT-bench answers stayed identical. GEMMs of 2..8
     rows agree row for row there, a one-row product fed as two rows costs the same (bf16: 43 us against 45 for
     1,536 -> 576), and attention as two batched GEMMs agreed in 120 of 120 rows at +16-19 us a layer (SmolLM2's
     shape, 256 slots). Plain decoding pays for it: SmolLM2 bf16 on that CPU ran 7-9 % slower than with the
@@ -251,10 +251,23 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _cpu_probe(name: str) -> bool:
+    """torch's private CPU feature probe `torch.cpu.<name>`; False where this torch lacks it."""
+    probe = getattr(torch.cpu, name, None)
+    return bool(probe is not None and probe())
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe; absent: assume no AMX
-    return bool(probe is not None and probe())
+    return _cpu_probe("_is_amx_tile_supported")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD
+    Zen 4 and later, some Intel). There a bf16 product of a few rows costs about what one row does, and on this
+    project's 2-core machines bf16 plain decoding ran 31-55 tok/s against 23-30 in fp32; elsewhere bf16 is
+    emulated and slow."""
+    return cpu_has_amx() or _cpu_probe("_is_avx512_bf16_supported")
 
 
 class Pointwise:

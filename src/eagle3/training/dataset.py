@@ -180,13 +180,22 @@ class TrainData:
             rows.append(cur)
         return rows
 
+    def row_lengths(self, rows: list[list[int]]) -> list[int]:
+        """Tokens in each row (its samples' lengths summed)."""
+        return [int(sum(self.lengths[s] for s in r)) for r in rows]
+
+    @staticmethod
+    def padded_length(row_lengths: list[int], pad_to_multiple: int = 1) -> int:
+        """The length `collate` pads rows of these lengths to."""
+        return -(-max(row_lengths) // pad_to_multiple) * pad_to_multiple
+
     def real_share(self, plan: list[list[list[int]]], pad_to_multiple: int = 1) -> float:
         """Real tokens / padded tokens of `plan`'s batches, padded as `collate` pads them."""
         real = padded = 0
         for batch in plan:
-            lens = [int(sum(self.lengths[s] for s in row)) for row in batch]
+            lens = self.row_lengths(batch)
             real += sum(lens)
-            padded += len(lens) * (-(-max(lens) // pad_to_multiple) * pad_to_multiple)
+            padded += len(lens) * self.padded_length(lens, pad_to_multiple)
         return real / max(padded, 1)
 
     # -- collation ----------------------------------------------------------------------------------
@@ -194,9 +203,7 @@ class TrainData:
         """Right-padded tensors for `rows` (lists of sample ids)."""
         if not rows:
             raise ValueError("collate needs at least one row")
-        row_len = [int(sum(self.lengths[s] for s in r)) for r in rows]
-        t = max(row_len)
-        t = -(-t // pad_to_multiple) * pad_to_multiple
+        t = self.padded_length(self.row_lengths(rows), pad_to_multiple)
         b = len(rows)
         ids = np.zeros((b, t), dtype=np.int64)
         lm = np.zeros((b, t), dtype=np.float32)

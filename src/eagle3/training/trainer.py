@@ -436,10 +436,11 @@ class _Trainer:
             self.ddp = self.model
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
-        self.plan_sizes = [len(self._plan(e)) for e in range(cfg.epochs)]
+        first = self._plan(0)
+        self.plan_sizes = [len(first)] + [len(self._plan(e)) for e in range(1, cfg.epochs)]
         if self.ctx.main:
-            _say(f"eagle3 train: {self.plan_sizes[0]} batches an epoch; "
-                 f"{100 * self.data.real_share(self._plan(0), self.pad_multiple):.1f} % of their padded tokens are "
+            _say(f"eagle3 train: {len(first)} batches an epoch; "
+                 f"{100 * self.data.real_share(first, self.pad_multiple):.1f} % of their padded tokens are "
                  + ("real (packed rows)" if cfg.packing else
                     f"real (rows length-sorted in windows of --sort-window {cfg.sort_window})"))
         self.val_plan = [] if self.val_ids is None else self.data.plan_epoch(
