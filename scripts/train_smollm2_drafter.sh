@@ -6,15 +6,18 @@
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter is one fresh run of this recipe (v5) on one H200 of a two-H200 host (docs/training.md has the
-# numbers): ShareGPT and GSM8K answered greedily and a second time sampled at T=0.8 (SAMPLE_T), plus greedy answers
-# to 20,000 prompts SmolLM2 wrote itself (SYNTH, made on the second GPU: SYNTH_DEVICE=cuda:1), 1 % of the samples
-# held out for validation (VAL_FRACTION), LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled sync-free
-# trainer (CUDA default) -> 5,890 steps, 18.2 minutes from prepared data to $TRAIN_OUT/drafter. The defaults below
-# are those settings (except the trainer's length-sort window: 1,024 rows then, 16,384 since session 21);
-# docs/results/session19_h200/run19.sh is the exact script that ran. v4 was the same without SYNTH (SYNTH=0) and
-# with the previous trainer (MT-bench tree tau 3.98 on an H200); v3 also with TIME_BUDGET=870 and the eager trainer
-# (3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62); v1 used SHAREGPT_TOKENS=768
+# The bundled drafter (v7, session 22) is this recipe's data made on two H200s of one host (session 21:
+# docs/results/session21_h200/run21.sh, 480 s) and trained on one H200 (session 22: docs/results/session22_h200/
+# run22.sh): ShareGPT answered greedily, GSM8K greedily and a second time sampled at T=0.8 (SAMPLE_T; the sampled
+# ShareGPT answers of v5 are off: SAMPLE_SHAREGPT=0), greedy answers of at most 256 tokens (SYNTH_TOKENS) to 66,000
+# prompts SmolLM2 wrote itself (SYNTH, made and answered on the second GPU: SYNTH_DEVICE=cuda:1; session 21 made
+# 80,000 and answered the first 66,000 before its deadline), 1 % of the samples held out (VAL_FRACTION),
+# LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled sync-free trainer with 16,384-row length-sort windows
+# -> 6,757 steps. The defaults below are those settings. docs/training.md has the numbers of every version:
+# v6 was the same data with 65,536-token batches, 1,024-row windows and an 847 s budget (MT-bench tree tau 3.95);
+# v5 used SAMPLE_SHAREGPT=1 SYNTH=20000 SYNTH_TOKENS=384 and 1,024-row windows (4.16; its exact script:
+# docs/results/session19_h200/run19.sh); v4 also SYNTH=0 and the previous trainer (3.98); v3 also TIME_BUDGET=870
+# and the eager trainer (3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62); v1 used SHAREGPT_TOKENS=768
 # TIME_BUDGET=18m.
 # Regenerated files already in $W (regen_gsm8k.jsonl, regen_sharegpt.jsonl, with SAMPLE_T regen_*_t.jsonl, with
 # SYNTH synth.jsonl and regen_synth.jsonl)
@@ -36,10 +39,12 @@ BATCH_TOKENS=${BATCH_TOKENS:-32768}
 TIME_BUDGET=${TIME_BUDGET-1080}  # train for about this long (TIME_BUDGET= : no budget); EPOCHS, MAX_STEPS cap it
 SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-384}  # new tokens per ShareGPT answer (eval decodes 256; longer answers loop)
 REGEN_BATCH=${REGEN_BATCH:-512}
-SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second answer per prompt sampled at this temperature (SAMPLE_T= : greedy only)
+SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second GSM8K answer sampled at this temperature (SAMPLE_T= : greedy only)
+SAMPLE_SHAREGPT=${SAMPLE_SHAREGPT:-0}  # 1: sample a second answer to the ShareGPT prompts too (v5 did)
 VAL_FRACTION=${VAL_FRACTION-0.01} # hold out this share of the samples, scored at every checkpoint (VAL_FRACTION= : none)
 AUX_LAYERS=${AUX_LAYERS:-}     # the target layers the drafter reads (train --aux-layers; empty: 2,L//2,L-3)
-SYNTH=${SYNTH:-20000}          # also train on greedy answers to this many prompts SmolLM2 writes itself (eagle3 synthesize; 0: none)
+SYNTH=${SYNTH:-66000}          # also train on greedy answers to this many prompts SmolLM2 writes itself (eagle3 synthesize; 0: none)
+SYNTH_TOKENS=${SYNTH_TOKENS:-256}  # new tokens per answer to them
 SYNTH_S=${SYNTH_S:-0}          # stop synthesizing, and then answering, after this many seconds each, keeping what is done (0: no limit)
 SYNTH_DEVICE=${SYNTH_DEVICE:-$DEVICE}  # another GPU makes them while DEVICE answers the other prompts
 DEADLINE=${DEADLINE:-}         # Unix time by which training must end (a lease, a job limit): TIME_BUDGET shrinks to fit
@@ -58,7 +63,7 @@ synthesize_and_answer() {  # $1: the device to make and answer them on
     --batch-size "$REGEN_BATCH" --count "$SYNTH" --max-new-tokens 96 --seed 1 --out "$W/synth.jsonl" || [ $? -eq 124 ]
   "${limit[@]}" $EAGLE3 regenerate --target "$TARGET" --device "$1" --dtype bfloat16 --engine fast \
     --batch-size "$REGEN_BATCH" --temperature 0 --data "$W/synth.jsonl" --out "$W/regen_synth.jsonl" \
-    --max-new-tokens "$SHAREGPT_TOKENS" --max-prompt-tokens 1280 || [ $? -eq 124 ]
+    --max-new-tokens "$SYNTH_TOKENS" --max-prompt-tokens 1280 || [ $? -eq 124 ]
 }
 SYNTH_PID=
 if [ "$SYNTH" -gt 0 ] && [ "$SYNTH_DEVICE" != "$DEVICE" ]; then
@@ -82,11 +87,14 @@ if [ -n "$SAMPLE_T" ]; then
   # one process after the other: two regenerations sharing one H200 each ran at about half the speed of one alone
   RS=(--target "$TARGET" --device "$DEVICE" --dtype bfloat16 --engine fast --batch-size "$REGEN_BATCH"
       --temperature "$SAMPLE_T" --seed 1)
-  stage "regenerate GSM8K and ShareGPT, sampled at T=$SAMPLE_T"
+  stage "regenerate GSM8K$([ "$SAMPLE_SHAREGPT" = 1 ] && echo " and ShareGPT"), sampled at T=$SAMPLE_T"
   $EAGLE3 regenerate "${RS[@]}" --data "$GSM8K" --out "$W/regen_gsm8k_t.jsonl" --max-new-tokens 512 --max-prompt-tokens 512
-  "${LIMIT[@]}" $EAGLE3 regenerate "${RS[@]}" --data "$SHAREGPT" --out "$W/regen_sharegpt_t.jsonl" \
-    --max-new-tokens "$SHAREGPT_TOKENS" --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
-  SAMPLED=("$W/regen_sharegpt_t.jsonl" "$W/regen_gsm8k_t.jsonl")
+  SAMPLED=("$W/regen_gsm8k_t.jsonl")
+  if [ "$SAMPLE_SHAREGPT" = 1 ]; then
+    "${LIMIT[@]}" $EAGLE3 regenerate "${RS[@]}" --data "$SHAREGPT" --out "$W/regen_sharegpt_t.jsonl" \
+      --max-new-tokens "$SHAREGPT_TOKENS" --max-prompt-tokens 1280 --max-turns 2 || [ $? -eq 124 ]
+    SAMPLED+=("$W/regen_sharegpt_t.jsonl")
+  fi
 fi
 
 SYNTHESIZED=()
