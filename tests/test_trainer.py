@@ -543,6 +543,7 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
     del state["config"]["intermediate_size"]  # an older run's config did not have these
     del state["config"]["val_fraction"]
     del state["config"]["sort_window"]
+    del state["config"]["align_top_k"]
     torch.save(state, state_file)
     # a missing sort_window means the window runs had before it existed, which the default no longer is
     with pytest.raises(ConfigError, match=r"sort_window=1024 differ"):
@@ -550,6 +551,12 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
     assert train(base_cfg(data_dir, out, resume=True, max_steps=2, sort_window=1024)).steps == 2
     with pytest.raises(ConfigError, match=r"val_fraction=0\.0"):  # a missing field otherwise means its default
         train(base_cfg(data_dir, out, resume=True, max_steps=3, val_fraction=0.25, sort_window=1024))
+    with pytest.raises(ConfigError, match=r"align_top_k=0 differ"):  # the objective may not change on resume
+        train(base_cfg(data_dir, out, resume=True, max_steps=3, sort_window=1024, align_top_k=1))
+    with pytest.raises(ConfigError, match=r"align_top_k=-1 must be >= 0"):
+        base_cfg(data_dir, out, align_top_k=-1).validate()
+    res = train(base_cfg(data_dir, tmp_path / "aligned", max_steps=2, align_top_k=1))  # it trains
+    assert res.steps == 2 and json.loads((tmp_path / "aligned" / "train_config.json").read_text())["config"]["align_top_k"] == 1
 
 
 def test_budget_steps_fills_the_time_left_within_the_limits():

@@ -381,3 +381,75 @@ def test_scored_rows_planned_on_the_host_give_the_same_objective():
     assert ScoredRows.of(torch.zeros_like(lm), doc, 3).per_step == [0, 0, 0]
     with pytest.raises(ValueError, match="planned for 3 TTT steps, not 2"):
         ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=2, scored=plan)
+
+
+def _aligned_reference(d, aux, ids, pos, doc, lm, tl, ta, steps, decay, k_top):
+    """Dense TTT loss where step k's row t counts only if, at every earlier step j whose row t was scored, the
+    data token x_{t+2+j} was among that step's k_top best draft tokens (the module docstring)."""
+    den = step_denominators(lm, doc, steps).clamp_min(1.0)
+    reach = torch.ones(ids.shape, dtype=torch.bool)
+    loss, alive = torch.zeros(()), []
+    with torch.no_grad():
+        for k, out in enumerate(unroll(d, d.combine(aux), ids, pos, doc, steps)):
+            sup = step_supervision(lm, doc, k) > 0  # [B, T]
+            w = sup & shift_left(d.t2d[ta], 1 + k, False) & reach
+            logits = d.logits(out).float()  # [B, T, Vd]
+            ce = -(torch.softmax(shift_left(tl, 1 + k), -1) * torch.log_softmax(logits, -1)).sum(-1)
+            loss = loss + decay**k * (torch.nan_to_num(ce) * w).sum() / den[k]
+            alive.append(int((sup & reach).sum()))
+            top = d.draft_ids_to_target(logits.topk(k_top, dim=-1).indices)  # [B, T, K]
+            proposed = (top == shift_left(ids, 2 + k)[..., None]).any(-1)
+            reach = reach & (proposed | ~sup)
+    return loss, alive
+
+
+@pytest.mark.parametrize("k_top", [1, 3])
+def test_align_top_k_scores_only_the_rows_drafting_can_reach(k_top):
+    """With align_top_k = K a row of step k adds loss only where its earlier steps each had the next data token
+    among their K best draft tokens: the loss equals a dense reference, gradients reach only through those rows,
+    the counts and accuracies still cover every supervised row, and fewer rows count at later steps."""
+    d = make_drafter(seed=3)
+    ids, pos, doc = packed_batch()
+    doc[0] = 0  # row 0: one document of 11 tokens, long enough for every step; row 1 as packed_batch
+    pos[0] = torch.arange(11)
+    b, t = ids.shape
+    ids = d.draft_ids_to_target(torch.randint(0, VD, (b, t), generator=torch.Generator().manual_seed(2)))
+    steps, decay = 4, 0.8
+    g = torch.Generator().manual_seed(5)
+    lm = (torch.rand(b, t, generator=g) > 0.2).float() * (doc >= 0)
+    lm[0] = 1.0
+    aux = torch.randn(b, t, 3 * HT, generator=g)
+    tl, ta = _loss_inputs(d, _targets(b, t))
+    with torch.no_grad():  # let row 0 of document 0 be drafted right at every step: x_{2+j} = its step-j guess
+        for j in range(steps - 1):  # row 0's step j reads x_1 .. x_{1+j} only, so earlier guesses stay
+            out = list(unroll(d, d.combine(aux), ids, pos, doc, j + 1))[j]
+            ids[0, 2 + j] = d.draft_ids_to_target(d.logits(out[0, 0]).argmax(-1))
+    o = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=steps, step_decay=decay, align_top_k=k_top)
+    expect, alive = _aligned_reference(d, aux, ids, pos, doc, lm, tl, ta, steps, decay, k_top)
+    torch.testing.assert_close(o.loss.detach(), expect, rtol=1e-5, atol=1e-6)
+    plain = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=steps, step_decay=decay)
+    assert o.step_count.tolist() == plain.step_count.tolist() and o.step_correct.tolist() == plain.step_correct.tolist()
+    assert alive[0] == o.step_count[0] and 0 < alive[-1] < o.step_count[-1]  # step 0 is always reachable
+    assert o.step_loss_sum[0] == plain.step_loss_sum[0] and o.step_loss_sum[-1] < plain.step_loss_sum[-1]
+
+
+def test_align_top_k_over_the_whole_draft_vocabulary_changes_nothing():
+    """Every data token in the draft vocabulary is among all Vd draft tokens: K = Vd scores every row, with the
+    same loss and gradients as K = 0; a negative K is refused."""
+    d = make_drafter(seed=1)
+    ids, pos, doc = packed_batch()
+    b, t = ids.shape
+    ids = d.draft_ids_to_target(torch.randint(0, VD, (b, t), generator=torch.Generator().manual_seed(4)))
+    lm = (doc >= 0).float()
+    aux = torch.randn(b, t, 3 * HT)
+    tl, ta = _loss_inputs(d, _targets(b, t))
+    grads = []
+    for k_top in (0, VD):
+        d.zero_grad()
+        o = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=3, align_top_k=k_top)
+        o.loss.backward()
+        grads.append((o.loss.detach(), d.fc.weight.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+    with pytest.raises(ValueError, match="align_top_k=-1 must be >= 0"):
+        ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=3, align_top_k=-1)

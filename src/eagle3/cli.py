@@ -215,8 +215,8 @@ def cmd_train(args) -> int:
 
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, init=args.init, ttt_steps=args.ttt_steps,
-        lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, stop_after=args.stop_after,
-        time_budget=args.time_budget,
+        align_top_k=args.align_top_k, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
+        stop_after=args.stop_after, time_budget=args.time_budget,
         batch_size=args.batch_size, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
         max_length=args.max_length, packing=args.packing, sort_window=args.sort_window, dtype=args.dtype,
         device=args.device, seed=args.seed,
@@ -386,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the three target layers whose input residual stream feeds a fresh drafter, in HF "
                         "hidden_states / vLLM numbering (L = the last layer's output); default 2,L//2,L-3")
     t.add_argument("--ttt-steps", type=int, default=tc.ttt_steps)
+    t.add_argument("--align-top-k", type=int, default=tc.align_top_k, metavar="K",
+                   help="score a TTT step's row only where every earlier step of that row had its next token among "
+                        "its K best draft tokens, as drafting needs to reach it (1: chains; the tree's top_k); "
+                        "0 (default) scores every row")
     t.add_argument("--lr", type=float, default=tc.lr)
     t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio)
     t.add_argument("--epochs", type=int, default=tc.epochs, help="epochs (with --time-budget: the most it may run)")

@@ -78,9 +78,9 @@ VAL_LOG_FILE = "val_log.jsonl"
 CONFIG_FILE = "train_config.json"
 # fields that fix the data order and the objective; a resumed run must keep them
 _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "sort_window", "max_length", "ttt_steps",
-                 "epochs", "val_fraction")
+                 "align_top_k", "epochs", "val_fraction")
 # what runs used before a field of _RESUME_FIXED existed (their checkpoints do not name it)
-_RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS}
+_RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS, "align_top_k": 0}
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
 # then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
@@ -116,6 +116,7 @@ class TrainConfig:
     intermediate_size: int | None = None  # MLP width of a fresh drafter; default the target's
     ttt_steps: int = DEFAULT_TTT_STEPS
     step_decay: float = DEFAULT_STEP_DECAY
+    align_top_k: int = 0  # > 0: score only the TTT rows drafting can reach with this top-k (training/ttt.py)
     lr: float = 3e-4
     min_lr_ratio: float = 0.0  # cosine ends at lr * min_lr_ratio
     warmup_steps: int | None = None  # default: warmup_ratio of the total steps
@@ -168,6 +169,8 @@ class TrainConfig:
              f"batch_size={self.batch_size} and batch_tokens={self.batch_tokens}: give only one")
         need(self.ttt_steps >= 1, f"ttt_steps={self.ttt_steps} must be >= 1 (official EAGLE-3 uses 7)")
         need(0 < self.step_decay <= 1, f"step_decay={self.step_decay} must be in (0, 1]")
+        need(self.align_top_k >= 0, f"align_top_k={self.align_top_k} must be >= 0 (0 scores every TTT row; K > 0 "
+                                    "only the rows a drafting that keeps each step's top K can reach: 1 for chains)")
         need(self.lr > 0, f"lr={self.lr} must be positive")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
@@ -223,15 +226,15 @@ class TrainResult:
 class TTTModel(nn.Module):
     """The drafter plus its TTT objective in one `forward`, so DistributedDataParallel can wrap it."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, align_top_k: int = 0):
         super().__init__()
         self.drafter = drafter
-        self.steps, self.decay = steps, decay
+        self.steps, self.decay, self.align_top_k = steps, decay, align_top_k
 
     def forward(self, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits, target_argmax,
                 denominators, scale: float, scored: ScoredRows | None = None):
         out = ttt_loss(self.drafter, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits,
-                       target_argmax, self.steps, self.decay, denominators, scale, scored)
+                       target_argmax, self.steps, self.decay, denominators, scale, scored, self.align_top_k)
         return (out.loss, out.step_loss_sum, out.step_correct, out.step_count, out.step_kept, out.step_early_correct,
                 out.step_early_count)
 
@@ -426,7 +429,7 @@ class _Trainer:
             del model
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.model = TTTModel(drafter, cfg.ttt_steps, cfg.step_decay)
+        self.model = TTTModel(drafter, cfg.ttt_steps, cfg.step_decay, cfg.align_top_k)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         if self.ctx.world > 1:
             self.ddp = nn.parallel.DistributedDataParallel(

@@ -41,6 +41,15 @@ gradient clipping and loss-based comparisons do); ours is a per-token mean over 
 (pitfall 12). N_k depends only on the data, so a trainer can compute it for the
 *global* batch before any forward pass and pass it as `denominators`: data-parallel ranks and
 gradient-accumulation micro-batches then add up exactly to one big batch.
+
+Reachable steps only (`align_top_k` = K > 0). At inference, row t's step k drafts only if every earlier step of
+that row put the next token among the candidates the drafting keeps: the top-1 for a chain, the top-K of each
+node for a tree (EAGLE-2 branches by the top_k of each expanded node). With K > 0, a scored row of step k adds
+loss only if the data token each of its earlier steps was teacher-forced with (x_{t+2+j}, j < k) was among that
+step's K highest draft logits; other rows still count in N_k and in the accuracies, so a step's loss weight
+shrinks with the share of its rows that inference can reach, and training spends the drafter's one layer on the
+states it will meet. Rows whose earlier labels are not supervised (prompt tokens) stay reachable. K = 0 (the
+default) scores every row, as EAGLE-3 does.
 """
 
 from __future__ import annotations
@@ -221,9 +230,12 @@ def ttt_loss(
     denominators: torch.Tensor | None = None,  # [K] global N_k; None = this batch's own
     denominator_scale: float = 1.0,  # world size under DDP (its gradient average divides by it)
     scored: ScoredRows | None = None,  # ScoredRows.of(loss_mask, doc_ids, steps) on this device; None = build it
+    align_top_k: int = 0,  # > 0: score only rows inference can reach (module docstring, "Reachable steps only")
 ) -> TTTOutput:
     """The TTT objective: soft cross-entropy to the renormalised draft-vocab target, per step, summed with
     weights decay^k (see the module docstring for alignment and reduction)."""
+    if align_top_k < 0:
+        raise ValueError(f"align_top_k={align_top_k} must be >= 0 (0 scores every row)")
     in_vocab = drafter.t2d[target_argmax]  # [B, T] bool
     if denominators is None:
         denominators = step_denominators(loss_mask, doc_ids, steps)
@@ -243,11 +255,15 @@ def ttt_loss(
     # are scored depends only on the data, so `scored` can come from the host and nothing here waits for the
     # device.
     rows = scored.index.split(scored.per_step)  # per step [M_k, 3]: (step, b, t)
+    # with align_top_k: whether each row's earlier steps all kept their next data token among their top K
+    reachable = torch.ones(input_ids.shape, dtype=torch.bool, device=aux.device) if align_top_k else None  # [B, T]
     for k, (out, idx) in enumerate(zip(unroll(drafter, hidden, input_ids, position_ids, doc_ids, steps,
                                               scored.one_doc), rows, strict=True)):
         b, i = idx[:, 1], idx[:, 2]  # [M] batch row and position of each scored row
         logits = drafter.logits(out[b, i])  # [M, Vd]
         keep = in_vocab[b, i + 1 + k]  # [M] bool: the target's choice can be drafted
+        if reachable is not None:
+            keep = keep & reachable[b, i]
         ce = soft_cross_entropy(logits, target_logits[b, i + 1 + k])  # [M]
         step_sum = torch.where(keep, ce, 0.0).sum()
         total = total + (step_decay**k) * step_sum * denominator_scale / denominators[k]
@@ -264,5 +280,13 @@ def ttt_loss(
             kept.append(keep.sum().to(torch.float32))
             early_correct.append((hit & early[b, i]).sum().to(torch.float32))
             early_counts.append(early.sum().to(torch.float32))
+            if reachable is not None and k + 1 < steps:
+                nxt = input_ids[b, i + 2 + k]  # [M] the token the next step is fed
+                if align_top_k == 1:
+                    proposed = pred == nxt  # [M]
+                else:
+                    top = logits.topk(min(align_top_k, logits.shape[-1]), dim=-1).indices  # [M, K] draft ids
+                    proposed = (drafter.draft_ids_to_target(top) == nxt[:, None]).any(dim=-1)  # [M]
+                reachable[b, i] = reachable[b, i] & proposed
     return TTTOutput(total, torch.stack(loss_sums), torch.stack(correct), torch.stack(counts), torch.stack(kept),
                      torch.stack(early_correct), torch.stack(early_counts))
