@@ -847,6 +847,8 @@ class _Trainer:
             "acc_early_per_step": [round(x, 6) for x in (early_correct / early_count.clamp_min(1)).tolist()],
             "early_tokens": EARLY_TOKENS,
             "in_draft_vocab": round(float(kept[0] / count[0]), 6),
+            # share of each step's rows that add loss (in the draft vocabulary and, with --align-top-k, reachable)
+            "scored_per_step": [round(x, 6) for x in (kept / count).tolist()],
             "supervised_tokens": int(w[2, 0].item()),
         }
 

@@ -204,7 +204,8 @@ class TTTOutput:
     step_loss_sum: torch.Tensor  # [K] sum of weighted soft cross-entropies
     step_correct: torch.Tensor  # [K] supervised positions where the drafter's argmax equals the target's
     step_count: torch.Tensor  # [K] supervised positions (N_k of this batch)
-    step_kept: torch.Tensor  # [K] supervised positions whose target argmax is in the draft vocabulary
+    step_kept: torch.Tensor  # [K] supervised positions that add loss: target argmax in the draft vocabulary (and,
+    # with align_top_k, reachable)
     step_early_correct: torch.Tensor  # [K] as step_correct, for labels among their answer's first EARLY_TOKENS
     step_early_count: torch.Tensor  # [K] supervised positions whose label is among the first EARLY_TOKENS
 
