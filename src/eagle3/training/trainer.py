@@ -226,7 +226,7 @@ class TrainResult:
 class TTTModel(nn.Module):
     """The drafter plus its TTT objective in one `forward`, so DistributedDataParallel can wrap it."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, align_top_k: int = 0):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, align_top_k: int):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay, self.align_top_k = steps, decay, align_top_k
