@@ -343,6 +343,16 @@ def test_shard_target_without_torchrun_has_no_effect_and_refuses_offline(data_di
                        shard_target=True))
 
 
+def test_cuda_training_caps_its_host_threads_unless_omp_num_threads_says():
+    from eagle3.training.distributed import CUDA_HOST_THREADS, cuda_host_threads
+
+    assert cuda_host_threads({}, 32) == CUDA_HOST_THREADS == 8
+    assert cuda_host_threads({}, CUDA_HOST_THREADS) is None  # already few enough
+    assert cuda_host_threads({}, 2) is None
+    assert cuda_host_threads({"OMP_NUM_THREADS": "16"}, 32) is None  # the user's choice
+    assert cuda_host_threads({"OMP_NUM_THREADS": "1"}, 1) is None  # torchrun's
+
+
 def test_offline_cache_trains_like_online(data_dir, straight_run, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     out = tmp_path / "offline"

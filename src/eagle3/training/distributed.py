@@ -7,6 +7,7 @@ the gradients; the frozen target is either replicated (default) or sharded with 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,21 @@ class Dist:
         if err is not None:
             raise err
         return result
+
+
+# A CUDA training step leaves the host little to do (collating the batch, launching kernels), yet torch's intra-op
+# pool keeps a spinning thread per core; two trainings side by side on one host then starve each other's launch
+# loop. Measured on a 2 x H200 host with 32 cores (docs/results/session23_h200/): two `eagle3 train` processes at
+# the default 32 threads trained 70-105k tokens/s each, at 8 threads 206-213k each, as fast as one alone (205k).
+CUDA_HOST_THREADS = 8
+
+
+def cuda_host_threads(env: Mapping[str, str], current: int) -> int | None:
+    """How many intra-op threads a CUDA training should keep (None: leave torch's count): at most
+    CUDA_HOST_THREADS, unless OMP_NUM_THREADS chooses (torchrun sets it to 1 for each of its processes)."""
+    if "OMP_NUM_THREADS" in env or current <= CUDA_HOST_THREADS:
+        return None
+    return CUDA_HOST_THREADS
 
 
 def init_dist(device_hint: str | None) -> Dist:

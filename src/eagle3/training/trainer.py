@@ -353,6 +353,11 @@ class _Trainer:
             self.device = torch.device("cuda", ctx.local_rank)
         else:
             self.device = torch.device("cpu")
+        if self.device.type == "cuda" and (threads := distributed.cuda_host_threads(os.environ,
+                                                                                   torch.get_num_threads())):
+            log.info("train: %d CPU threads instead of %d (OMP_NUM_THREADS sets another count)", threads,
+                     torch.get_num_threads())
+            torch.set_num_threads(threads)
         self.out = Path(cfg.out)
         self.use_autocast = cfg.autocast if cfg.autocast is not None else self.device.type == "cuda"
         if self.use_autocast and self.device.type != "cuda":
