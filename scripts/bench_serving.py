@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="inductor-compile the fast lane's steps (as serve --compile)")
     p.add_argument("--fuse-pointwise", action="store_true", help="as serve --fuse-pointwise")
     p.add_argument("--eager-drafting", action="store_true", help="as serve --eager-drafting (the fast lane)")
+    p.add_argument("--graph-prefill", action="store_true", help="as serve --graph-prefill (the fast lane)")
+    p.add_argument("--sdpa-heads", action="store_true", help="as serve --sdpa-heads (fast lane and fast rows)")
     p.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-rows` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size)
@@ -119,10 +121,11 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                          admit_wait=args.admit_wait, stream_interval=args.stream_interval)
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
                             drafter if batch_drafter else None, device, config, compile=args.compile,
-                            fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting)
+                            fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
+                            sdpa_heads=args.sdpa_heads, graph_prefill=args.graph_prefill)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
                    target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                   fuse_pointwise=args.fuse_pointwise)
+                   fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
     sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast,
                             rows=fr)
     rows = []

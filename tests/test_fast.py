@@ -463,6 +463,39 @@ def test_sampling_matches_generic_engine_with_same_seed(models, drafters, kind):
     assert engine.generate(prompt, max_new_tokens=NEW, sampling=sampling).token_ids == ref
 
 
+@pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
+def test_fixed_width_prefill_matches_hf_generate(models, drafters, kind):
+    """`graph_prefill`: prompts padded to a power of two (the padding's K/V sits in slots no step sees before
+    overwriting them) give HF's greedy tokens, across widths, leftovers of a longer prompt in the padding, and
+    a cache regrown by a long prompt; sampling still matches the generic engine."""
+    model, d = models["qwen2"], drafters["qwen2"]
+    draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
+                   "ngram": ("ngram", CHAIN)}[kind]
+    engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=FastOptions(graph_prefill=True))
+    for n, seed in [(35, 20), (5, 21), (16, 22), (17, 23), (150, 24), (9, 25)]:
+        prompt = prompt_of(n, seed)
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == \
+            hf_greedy(model, prompt, NEW), n
+    assert {name for name in engine._runners if name.startswith("prefill_")} >= {"prefill_16", "prefill_256"}
+    if kind == "tree":
+        prompt, sampling = prompt_of(8, seed=9), SamplingConfig(temperature=0.8, top_p=0.95, seed=123)
+        target = Target(model, d.config.aux_layer_ids)
+        try:
+            ref = SpeculativeEngine(target, Eagle3Proposer(d, TREE)).generate(
+                prompt, max_new_tokens=NEW, sampling=sampling).token_ids
+        finally:
+            target.close()
+        assert engine.generate(prompt, max_new_tokens=NEW, sampling=sampling).token_ids == ref
+
+
+def test_prefill_widths():
+    from eagle3.fast.engine import PREFILL_MIN_WIDTH, prefill_width
+
+    assert PREFILL_MIN_WIDTH == 16
+    assert [prefill_width(t, 1024) for t in (1, 16, 17, 32, 33, 1000, 1024)] == [16, 16, 32, 32, 64, 1024, 1024]
+    assert prefill_width(600, 640) is None  # 1,024 slots would not fit: that prompt prefills eagerly
+
+
 def test_shared_target_and_cache_growth(models, drafters):
     """Engines sharing one FastTarget stay correct when another engine (or a longer request) regrows it."""
     model, d = models["qwen3"], drafters["qwen3"]
@@ -512,7 +545,8 @@ def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
-    the elementwise work compiled (`fuse_pointwise`) inside the captured graphs."""
+    the elementwise work compiled (`fuse_pointwise`) inside the captured graphs, and with captured prefills
+    (`graph_prefill`)."""
     model = build_tiny_target("llama").cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
     prompt = prompt_of(9, seed=13)
@@ -520,7 +554,7 @@ def test_cuda_graphs_match_hf_generate(kind):
     draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
                    "ngram": ("ngram", CHAIN)}[kind]
     for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
-                 FastOptions(fuse_pointwise=True)):
+                 FastOptions(fuse_pointwise=True), FastOptions(graph_prefill=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first
             assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref

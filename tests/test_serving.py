@@ -42,11 +42,12 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
 
 
 def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, lane_compile: bool = False,
-                sdpa_heads: bool = False, **config) -> ServerThread:
+                sdpa_heads: bool = False, graph_prefill: bool = False, **config) -> ServerThread:
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
     `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`;
     `lane_compile`: the lane's steps traced by torch.compile (the "aot_eager" backend: no C++ codegen on CPU);
-    `sdpa_heads`: lane and rows attend with the query heads as SDPA heads (`serve --sdpa-heads`)."""
+    `sdpa_heads`: lane and rows attend with the query heads as SDPA heads (`serve --sdpa-heads`);
+    `graph_prefill`: the lane prefills at fixed widths (`serve --graph-prefill`)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
     shape = SpecConfig(depth=3, top_k=2, total_tokens=6)
@@ -63,7 +64,7 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
         fast.prepare(16, 16)
     elif lane:
         fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d,
-                          options=FastOptions(sdpa_heads=sdpa_heads))
+                          options=FastOptions(sdpa_heads=sdpa_heads, graph_prefill=graph_prefill))
     fr = fast_rows("on", model, d, policy or SpecPolicy(enabled=False), cfg, "cpu",
                    target=fast.target if fast is not None else None, sdpa_heads=sdpa_heads) if rows else None
     sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast,
@@ -140,10 +141,12 @@ def test_completion_matches_single_request_greedy(client, ref):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
 
 
-def test_fast_lane_server_answers_like_the_batch(stories260k, ref):
+@pytest.mark.parametrize("graph_prefill", [False, True])
+def test_fast_lane_server_answers_like_the_batch(stories260k, ref, graph_prefill):
     """Through HTTP with the real client: lone requests (fast lane), streamed and not, then a concurrent burst
-    (the lane hands over to the batch); every greedy answer equals the bs=1 reference."""
-    srv = make_server(*stories260k, lane=True)
+    (the lane hands over to the batch); every greedy answer equals the bs=1 reference. Also with the lane's
+    prefills at fixed widths (`serve --graph-prefill`)."""
+    srv = make_server(*stories260k, lane=True, graph_prefill=graph_prefill)
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for p in PROMPTS[:3]:
@@ -554,7 +557,10 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
                                 (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None),
                                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--sdpa-heads"],
                                  "eagle3"),
+                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--graph-prefill"],
+                                 "eagle3"),
                                 (["--no-spec", "--compile"], None),  # no lane on a CPU: a warning says so
+                                (["--no-spec", "--graph-prefill"], None),
                                 (["--no-spec", "--sdpa-heads"], None)):  # nothing to apply it to: a warning
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
@@ -562,6 +568,8 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
         caplog.clear()
         sched, app = load_server(args)
         assert ("--compile has no effect" in caplog.text) == ("--compile" in extra)
+        assert ("--graph-prefill has no effect" in caplog.text) == ("--graph-prefill" in extra and
+                                                                     "--fast-lane" not in extra)
         assert ("--sdpa-heads has no effect" in caplog.text) == ("--sdpa-heads" in extra and "--fast-lane" not in extra)
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
@@ -576,6 +584,7 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
             assert sched.fast.target.stacked == ("--sdpa-heads" not in extra)
+            assert sched.fast.options.graph_prefill == ("--graph-prefill" in extra)
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,

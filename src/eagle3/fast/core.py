@@ -105,6 +105,8 @@ class FastCore(nn.Module):
                                  persistent=False)
         self.register_buffer("ar_s", None, persistent=False)
         self.register_buffer("ar_sd", None, persistent=False)
+        for name in ("pre_ids", "pre_len", "pre_first", "pre_logits", "pre_aux"):  # `allocate_prefill`
+            self.register_buffer(name, None, persistent=False)
         self.pieces = CompiledPieces(self)  # `compile_drafting`
         self.ranked = False  # how drafting picks its top-k: ranked where it is compiled on CUDA (`ranked_top_k`)
 
@@ -178,6 +180,41 @@ class FastCore(nn.Module):
         mask = self.ar_s[None, :] <= pos[:, None]  # [T, S] causal
         logits, aux = self.target(prompt, pos, pos, mask, last_only=True, want_aux=self.drafter is not None)
         return logits[0], aux
+
+    # -- prefill in fixed widths (what the engine captures with `FastOptions.graph_prefill`) ----------
+    def allocate_prefill(self) -> None:
+        """Input and output buffers of `prefill_fixed`/`begin_fixed` for prompts of up to `seq_len` tokens."""
+        s, dev = self.seq_len, self.device
+        self.pre_ids = torch.zeros(s, dtype=torch.long, device=dev)  # [S] the prompt, then leftovers (padding)
+        self.pre_len = torch.ones(1, dtype=torch.long, device=dev)  # [1] the prompt's length T
+        self.pre_first = torch.zeros(1, dtype=torch.long, device=dev)  # [1] in for begin_fixed: the first new token
+        self.pre_logits = torch.zeros(self.target.vocab_size, dtype=self.target.dtype, device=dev)  # [V] out
+        self.pre_aux = (torch.zeros(s, 3 * self.target.hidden_size, dtype=self.target.dtype, device=dev)
+                        if self.drafter is not None else None)  # [S, 3·Ht] out
+
+    def prefill_fixed(self, width: int) -> None:
+        """`prefill` of the T = pre_len tokens in pre_ids, run over `width` >= T tokens so that its shapes stay
+        fixed: next-token logits at T-1 into pre_logits, aux into pre_aux. The padding writes K/V into slots
+        T..width-1, which every later step masks out until it has written them itself (as `FastRows` padding)."""
+        ids, pos = self.pre_ids[:width], self.ar_s[:width]  # [W], [W]
+        mask = self.ar_s[None, :] <= pos[:, None]  # [W, S] causal
+        logits, aux = self.target(ids, pos, pos, mask, want_aux=self.drafter is not None,
+                                  logits_at=self.pre_len - 1)  # [1, V], [W, 3·Ht]
+        self.pre_logits.copy_(logits[0])
+        if aux is not None:
+            self.pre_aux[:width].copy_(aux)
+
+    def begin_fixed(self, width: int) -> None:
+        """`begin` after `prefill_fixed(width)`, with the first new token in pre_first."""
+        n = self.pre_len  # [1]
+        if self.drafter is not None:
+            ids, pos = self.pre_ids[:width], self.ar_s[:width]  # [W], [W]
+            mask = self.ar_sd[None, :] <= pos[:, None]  # [W, Sd]
+            nxt = torch.cat([ids[1:], ids[:1]]).scatter(0, n - 1, self.pre_first)  # [W]: x_{t+1}, first at T-1
+            out = self.drafter(self.drafter.combine(self.pre_aux[:width]), nxt, pos, pos, mask)  # [W, H]
+            self.last_out.copy_(out.index_select(0, n - 1))
+        self.root.copy_(self.pre_first)
+        self.length.copy_(n)
 
     def begin(self, prompt: torch.Tensor, aux: torch.Tensor | None, first: torch.Tensor) -> None:
         """After prefill: drafter rows for the prompt (row t pairs features g_t with token x_{t+1}), state."""

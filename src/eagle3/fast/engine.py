@@ -56,12 +56,26 @@ class FastOptions:
     compile_drafting: bool | None = None
     sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
+    # run each prompt's prefill (target, then drafter) padded to a power of two of at least PREFILL_MIN_WIDTH
+    # tokens, a fixed-shape function captured per width like the cycles: an eager prefill launches every kernel
+    # from Python (about 550 for SmolLM2) while the request waits for its first token. Off until measured on a GPU.
+    graph_prefill: bool = False
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
 
 
+PREFILL_MIN_WIDTH = 16  # the narrowest fixed prefill (`FastOptions.graph_prefill`)
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def prefill_width(prompt_len: int, seq_len: int) -> int | None:
+    """The fixed width a prompt's prefill runs at with `graph_prefill`: the next power of two, at least
+    PREFILL_MIN_WIDTH; None where that exceeds the cache (that prompt prefills eagerly at its own length)."""
+    w = max(PREFILL_MIN_WIDTH, 1 << (max(1, prompt_len) - 1).bit_length())
+    return w if w <= seq_len else None
 
 
 class FastEngine:
@@ -154,15 +168,20 @@ class FastEngine:
             log.info("fast path: caches resized or shared target reallocated (%d slots); capturing again", size)
         self._runners.clear()
         self.core.allocate(size)
+        if self.options.graph_prefill:
+            self.core.allocate_prefill()
         self._alloc = self.core.alloc_ids()
         self._pool = graph_pool(self.device)
 
     def _runner(self, name: str) -> StepRunner:
         if name not in self._runners:
-            fn = {"cycle": self.core.cycle_greedy, "logits": self.core.cycle_logits,
-                  "commit": self.core.commit}[name]
+            kind, _, width = name.partition("_")  # "prefill_64": `prefill_fixed(64)`
+            fn = {"cycle": self.core.cycle_greedy, "logits": self.core.cycle_logits, "commit": self.core.commit,
+                  "prefill": lambda: self.core.prefill_fixed(int(width)),
+                  "begin": lambda: self.core.begin_fixed(int(width))}[kind]
             o = self.options
-            r = StepRunner(fn, self.device, graphs=o.graphs, compile=o.compile, pool=self._pool, name=name,
+            r = StepRunner(fn, self.device, graphs=o.graphs, pool=self._pool, name=name,
+                           compile=o.compile and kind not in ("prefill", "begin"),  # one compile per width: no
                            compile_backend=o.compile_backend)
             if name == "logits":
                 self.core.enable_sampling()
@@ -178,7 +197,16 @@ class FastEngine:
         self.reserve(prompt_len, max_new_tokens)
         for name in (("cycle",) if greedy else ("logits", "commit")):
             self._runner(name)
+        if self.options.graph_prefill:  # every width up to this prompt's
+            top = prefill_width(prompt_len, self.seq_len) or 0
+            w = PREFILL_MIN_WIDTH
+            while w <= top:
+                self._prefill_runners(w)
+                w *= 2
         return time.perf_counter() - t0
+
+    def _prefill_runners(self, width: int) -> tuple[StepRunner, StepRunner]:
+        return self._runner(f"prefill_{width}"), self._runner(f"begin_{width}")
 
     @property
     def graphed(self) -> bool:
@@ -215,6 +243,14 @@ class FastEngine:
         finally:
             self._on_tokens = None
 
+    @staticmethod
+    def _first_token(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:
+        """The first new token [1] from the prefill's logits [V]: argmax, or a draw with `sampling`."""
+        if sampling.greedy:
+            return argmax_ids(logits).view(1)
+        return sample(process_logits(logits.float(), sampling.temperature, sampling.top_p, sampling.top_k),
+                      gen).view(1)
+
     def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer, self.device)
@@ -225,14 +261,20 @@ class FastEngine:
 
         core = self.core
         dev_prompt = prompt.to(self.device)
-        with varying_shape_attention(self.device):  # the prompt length is new per request; the cycles are fixed
-            logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
-            if sampling.greedy:
-                first_t = argmax_ids(logits).view(1)
-            else:
-                first_t = sample(process_logits(logits.float(), sampling.temperature, sampling.top_p,
-                                                sampling.top_k), gen).view(1)
-            core.begin(dev_prompt, aux, first_t)
+        width = prefill_width(prompt.numel(), self.seq_len) if self.options.graph_prefill else None
+        if width is not None:  # fixed shapes: replayed graphs on CUDA
+            run_prefill, run_begin = self._prefill_runners(width)
+            core.pre_ids[: prompt.numel()].copy_(dev_prompt)
+            core.pre_len.fill_(prompt.numel())
+            run_prefill()
+            core.pre_first.copy_(self._first_token(core.pre_logits, sampling, gen))
+            run_begin()
+            first_t = core.pre_first
+        else:
+            with varying_shape_attention(self.device):  # the prompt length is new per request; cycles are fixed
+                logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
+                first_t = self._first_token(logits, sampling, gen)
+                core.begin(dev_prompt, aux, first_t)
         out = [int(first_t)]
         if self._on_tokens is not None and self._on_tokens(list(out)):
             finish = "interrupted"

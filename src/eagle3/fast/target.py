@@ -471,6 +471,7 @@ class FastTarget(nn.Module):
         mask: torch.Tensor,  # bool [T, S]: which slots each token sees (its own slot included)
         last_only: bool = False,  # logits for the last token only (prefill)
         want_aux: bool = False,
+        logits_at: torch.Tensor | None = None,  # [1] long: logits for this token only (a padded prefill's last)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux)."""
         t = ids.shape[0]
@@ -500,6 +501,8 @@ class FastTarget(nn.Module):
             aux.append(h)
         if last_only:
             x = x[-1:]
+        elif logits_at is not None:
+            x = x.index_select(0, logits_at)  # [1, H]
         logits = F.linear(x, self.lm_head)  # [T', V]
         return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]
 

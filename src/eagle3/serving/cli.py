@@ -87,6 +87,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
     s.add_argument("--sdpa-heads", action="store_true", help="fast lane and fast rows: " + SDPA_HEADS_HELP)
     s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
+    s.add_argument("--graph-prefill", action="store_true",
+                   help="fast lane: prefill each prompt padded to a power of two (at least 16 tokens), one CUDA "
+                        "graph per width captured at start-up, instead of launching an eager prefill's kernels one "
+                        "by one before the first token (an experiment: not yet measured on a GPU)")
     s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
                         "batch-size bucket, plain or speculative cycles) instead of the generic batch. auto: on for "
@@ -155,10 +159,11 @@ def load_server(args):
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config, compile=args.compile,
                             fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
-                            sdpa_heads=args.sdpa_heads)
-    if args.compile and fast is None:
-        log.warning("--compile has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
-                    "outside the fast-path families); only the lane's steps are compiled")
+                            sdpa_heads=args.sdpa_heads, graph_prefill=args.graph_prefill)
+    for flag, on in (("--compile", args.compile), ("--graph-prefill", args.graph_prefill)):
+        if on and fast is None:
+            log.warning("%s has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
+                        "outside the fast-path families); it applies to the lane only", flag)
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget,
                      fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
@@ -174,10 +179,11 @@ def load_server(args):
 
 def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
                      compile: bool = False, fuse_pointwise: bool = False, eager_drafting: bool = False,
-                     sdpa_heads: bool = False):
+                     sdpa_heads: bool = False, graph_prefill: bool = False):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
     inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`;
-    `eager_drafting`: `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`."""
+    `eager_drafting`: `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`;
+    `graph_prefill`: `FastOptions.graph_prefill`."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
@@ -193,7 +199,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
     engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
                         options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
-                                            sdpa_heads=sdpa_heads))
+                                            sdpa_heads=sdpa_heads, graph_prefill=graph_prefill))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 
