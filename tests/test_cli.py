@@ -103,3 +103,30 @@ def test_train_flags_take_their_defaults_from_train_config():
     for name in ("ttt_steps", "lr", "warmup_ratio", "epochs", "grad_accum", "max_length", "seed", "save_every",
                  "log_every", "features", "noise", "max_steps", "time_budget", "intermediate_size"):
         assert getattr(args, name) == getattr(cfg, name), name
+
+
+def test_eval_reports_each_prompt_and_tau_by_category(capsys, random_drafter, tmp_path):
+    """`eagle3 eval` on a JSONL with MT-bench-style categories: a JSON report whose run keeps one row per prompt
+    (tokens, cycles, tau) and tau per category, consistent with the run's own counts; the same file without
+    categories gets rows but no categories."""
+    rows = [("Once upon a time", "story"), ("Lily went to", "story"), ("The cat", "animal")]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"turns": [p], "category": c}) + "\n" for p, c in rows))
+    out = tmp_path / "eval"
+    assert main(["eval", "--target", "stories260k", "--drafter", str(random_drafter), "--datasets", str(data),
+                 "--max-new-tokens", "12", "--chain", "3", "--temperatures", "0", "--out", str(out)]) == 0
+    assert "by category: story" in capsys.readouterr().out
+    run = json.loads((out / "eval.json").read_text())["runs"][0]
+    per = run["per_prompt"]
+    assert [r["category"] for r in per] == ["story", "story", "animal"] and run["prompts"] == 3
+    assert sum(r["cycles"] for r in per) == run["cycles"] and sum(r["new_tokens"] for r in per) == run["new_tokens"]
+    assert run["tau"] == round(sum(r["cycle_tokens"] for r in per) / run["cycles"], 4)
+    story = per[:2]
+    assert run["tau_by_category"] == {
+        "story": round(sum(r["cycle_tokens"] for r in story) / sum(r["cycles"] for r in story), 4),
+        "animal": round(per[2]["cycle_tokens"] / per[2]["cycles"], 4)}
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p, _ in rows))
+    assert main(["eval", "--target", "stories260k", "--drafter", str(random_drafter), "--datasets", str(data),
+                 "--max-new-tokens", "12", "--chain", "3", "--temperatures", "0", "--limit", "2", "--out", str(out)]) == 0
+    run = json.loads((out / "eval.json").read_text())["runs"][0]
+    assert "tau_by_category" not in run and len(run["per_prompt"]) == 2 and "category" not in run["per_prompt"][0]

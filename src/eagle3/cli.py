@@ -231,7 +231,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from eagle3.evaluate import BENCH_SETS, load_prompts, plot_report, run_dataset
+    from eagle3.evaluate import BENCH_SETS, load_prompt_rows, plot_report, run_dataset
     from eagle3.record import run_record, write_json
     from eagle3.runtime import load_runtime
 
@@ -245,12 +245,15 @@ def cmd_eval(args) -> int:
     for temp in args.temperatures:
         sampling = SamplingConfig(temperature=temp, seed=args.seed)
         for ds in datasets:
-            name, prompts = load_prompts(ds, limit=args.limit)
-            r = run_dataset(rt, name, prompts, sampling, args.max_new_tokens)
+            name, prompts, categories = load_prompt_rows(ds, limit=args.limit)
+            r = run_dataset(rt, name, prompts, sampling, args.max_new_tokens, categories=categories)
             runs.append(r.to_dict())
             print(f"{name:10s} {r.method:22s} T={temp:<4} tau {r.tau:.3f}  "
                   f"accept/pos {[round(x, 2) for x in r.acceptance_per_position]}  "
                   f"{r.to_dict()['tokens_per_s']} tok/s", flush=True)
+            if r.tau_by_category:
+                print("           by category: " + ", ".join(f"{c} {t:.2f}" for c, t in r.tau_by_category.items()),
+                      flush=True)
     report = run_record("eval", target=args.target, drafter=str(args.drafter), draft=rt.draft,
                         spec=rt.spec.__dict__, max_new_tokens=args.max_new_tokens, limit=args.limit, runs=runs)
     write_json(report, out / "eval.json")

@@ -5,7 +5,9 @@ Apache-2.0): mt_bench, humaneval, gsm8k, alpaca, sum (CNN/DM), qa (Natural Quest
 have `turns` (first turn used), `prompt`, `question` or OpenAI `messages` works too.
 
 tau is aggregated over all cycles of a run (tokens emitted / target verification forwards, bonus included);
-per-position acceptance is aggregated the same way (see eagle3.decoding.engine).
+per-position acceptance is aggregated the same way (see eagle3.decoding.engine). Each run also keeps one row per
+prompt (tokens, cycles, tau) and, where the rows name a `category` (MT-bench's writing, roleplay, reasoning, math,
+coding, extraction, stem, humanities), tau per category: where a drafter is weak, and what data it lacks.
 """
 
 from __future__ import annotations
@@ -29,10 +31,17 @@ def bench_path(name: str) -> Path:
 
 def load_prompts(name_or_path: str, limit: int | None = None) -> tuple[str, list[list[dict]]]:
     """(dataset name, list of chat message lists) from a bundled set name or a JSONL path."""
+    name, prompts, _ = load_prompt_rows(name_or_path, limit)
+    return name, prompts
+
+
+def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, list[list[dict]], list[str | None]]:
+    """`load_prompts` and each row's `category` (None where it has none)."""
     path = bench_path(name_or_path) if name_or_path in BENCH_SETS else Path(name_or_path)
     if not path.is_file():
         raise ConfigError(f"no benchmark set or file {name_or_path!r}; bundled sets: {', '.join(BENCH_SETS)}")
     out: list[list[dict]] = []
+    categories: list[str | None] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -56,10 +65,12 @@ def load_prompts(name_or_path: str, limit: int | None = None) -> tuple[str, list
                         f"{path}:{lineno}: needs 'turns', 'prompt', 'question', 'messages' or 'conversations'")
                 msgs = [{"role": "user", "content": text}]
             out.append(msgs)
+            category = row.get("category")
+            categories.append(str(category) if category is not None else None)
             if limit and len(out) >= limit:
                 break
     name = name_or_path if name_or_path in BENCH_SETS else path.stem
-    return name, out
+    return name, out, categories
 
 
 @dataclass
@@ -74,6 +85,8 @@ class RunResult:
     tried: list[int] = field(default_factory=list)  # per position: cycles that drafted depth >= i+1
     seconds: float = 0.0
     new_tokens_in_cycles: int = 0  # tokens emitted by verification cycles (the prefill token excluded)
+    per_prompt: list[dict] = field(default_factory=list)  # {"new_tokens", "cycles", "cycle_tokens", "tau"[,
+    # "category"]} per prompt; cycle_tokens: emitted by its cycles (tau = cycle_tokens / cycles)
 
     @property
     def tau(self) -> float:
@@ -83,12 +96,16 @@ class RunResult:
     def acceptance_per_position(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tried, strict=True)]
 
-    def add(self, st) -> None:
+    def add(self, st, category: str | None = None) -> None:
         """Count one generation's `GenerationStats`: its tokens, cycles and per-position acceptance."""
         self.prompts += 1
         self.new_tokens += st.new_tokens
         self.cycles += st.cycles
-        self.new_tokens_in_cycles += sum(st.accepted_per_cycle) + st.cycles
+        in_cycles = sum(st.accepted_per_cycle) + st.cycles
+        self.new_tokens_in_cycles += in_cycles
+        row = {"new_tokens": st.new_tokens, "cycles": st.cycles, "cycle_tokens": in_cycles,
+               "tau": round(in_cycles / st.cycles, 4) if st.cycles else 0.0}
+        self.per_prompt.append(row if category is None else {**row, "category": category})
         depth = max(st.drafted_depth_per_cycle, default=0)
         if len(self.accepted) < depth:
             self.accepted += [0] * (depth - len(self.accepted))
@@ -103,7 +120,20 @@ class RunResult:
                 "prompts": self.prompts, "new_tokens": self.new_tokens, "cycles": self.cycles,
                 "tau": round(self.tau, 4), "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
                 "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0,
-                "seconds": round(self.seconds, 2)}
+                "seconds": round(self.seconds, 2), **({"tau_by_category": self.tau_by_category}
+                                                      if self.tau_by_category else {}),
+                "per_prompt": self.per_prompt}
+
+    @property
+    def tau_by_category(self) -> dict[str, float]:
+        """tau over each category's cycles (as the run's tau over all of them), in first-seen order."""
+        sums: dict[str, list[int]] = {}
+        for row in self.per_prompt:
+            if "category" in row:
+                s = sums.setdefault(row["category"], [0, 0])
+                s[0] += row["cycle_tokens"]
+                s[1] += row["cycles"]
+        return {c: round(t / n, 4) if n else 0.0 for c, (t, n) in sums.items()}
 
 
 def method_name(draft: str, spec: SpecConfig) -> str:
@@ -115,7 +145,7 @@ def method_name(draft: str, spec: SpecConfig) -> str:
 
 
 def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingConfig, max_new_tokens: int,
-                progress: bool = True) -> RunResult:
+                progress: bool = True, categories: list[str | None] | None = None) -> RunResult:
     from eagle3.runtime import encode_messages
 
     res = RunResult(dataset=dataset, method=method_name(rt.draft, rt.spec), temperature=sampling.temperature)
@@ -127,7 +157,7 @@ def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingC
                            seed=None if sampling.seed is None else sampling.seed + i)
         st = rt.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=s,
                                 eos_token_ids=rt.eos_token_ids).stats
-        res.add(st)
+        res.add(st, categories[i] if categories else None)
     res.seconds = time.perf_counter() - t0
     return res
 
