@@ -197,10 +197,9 @@ class FastEngine:
         self.reserve(prompt_len, max_new_tokens)
         for name in (("cycle",) if greedy else ("logits", "commit")):
             self._runner(name)
-        if self.options.graph_prefill:  # every width up to this prompt's
-            top = prefill_width(prompt_len, self.seq_len) or 0
+        if self.options.graph_prefill:  # every width that fits and a prompt of up to prompt_len tokens can need
             w = PREFILL_MIN_WIDTH
-            while w <= top:
+            while w <= self.seq_len and (w == PREFILL_MIN_WIDTH or w // 2 < prompt_len):
                 self._prefill_runners(w)
                 w *= 2
         return time.perf_counter() - t0

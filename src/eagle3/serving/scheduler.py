@@ -207,7 +207,9 @@ class Scheduler:
         self.config = config or ServeConfig()
         if self._lane_plain is not None and fast.seq_len:
             # capture (and compile) it now, on the caches the lane already holds, not inside its first request
-            self._lane_plain.prepare(1, 0)
+            # (with `graph_prefill`, its prefills too, for every prompt those caches hold)
+            plain = self._lane_plain
+            plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0)
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
         # window decoding is exact unless the tokenizer rewrites spaces around punctuation after decoding
