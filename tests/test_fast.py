@@ -324,7 +324,10 @@ def test_step_functions_are_capture_safe(arch):
         core.enable_sampling()
         core.cycle_logits()
         core.commit()
-        assert core.packet.device.type == "meta"
+        core.allocate_prefill()  # `graph_prefill`'s two captured functions
+        core.prefill_fixed(64)
+        core.begin_fixed(64)
+        assert core.packet.device.type == "meta" and core.pre_logits.device.type == "meta"
 
 
 def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
