@@ -157,6 +157,8 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref, graph_prefill
         assert metric(srv, "eagle3_spec_row_steps_total") > 0
         trace = srv.app.state.scheduler.cycle_trace()  # lone requests: every traced cycle ran in the lane
         assert set(trace["path"]) == {"lane"} and set(trace["rows"]) == {1} and any(trace["spec"])
+        lane = srv.app.state.scheduler.fast
+        assert any(name.startswith("prefill_") for name in lane._runners) == graph_prefill
         assert len(trace["ms"]) == metric(srv, "eagle3_verify_steps_total")
         want = ref(24, prompt=PROMPTS[0], stop=("girl",))  # a stop string, streamed with a held-back prefix
         chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
