@@ -62,7 +62,7 @@ class Dist:
 # pool has a thread per core; two trainings side by side on one host ran at half speed (one process showed 2,400 %
 # CPU: most likely their pools' threads competing with the kernel-launching ones). Measured on a 2 x H200 host with 32 cores (docs/results/session23_h200/): two `eagle3 train` processes at
 # the default 32 threads trained a median 81-86k tokens/s each, at 8 threads 205-213k each, as fast as one
-# alone (198-212k).
+# alone (a median 204k).
 CUDA_HOST_THREADS = 8
 
 
