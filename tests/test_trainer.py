@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -239,10 +240,28 @@ dist.destroy_process_group()
 '''
 
 
+# gloo's C++ side aborted a worker once in a full CI run (session 23: "terminate called without an active
+# exception", SIGABRT, no Python traceback; the same test passed alone 6 of 6 times): such a crash is run once more
+ABORTED = "terminate called without an active exception"
+
+
 def torchrun2(tmp_path: Path, worker: str, *args: str, timeout: int = 240) -> None:
     """Run `worker` (Python source) in 2 gloo processes under torchrun, like test_ddp_two_processes_match_one.
     On a timeout (ranks stuck in a collective) torchrun gets SIGTERM, on which it stops its workers (they run in
-    sessions of their own, so killing torchrun's process group would leave them hanging)."""
+    sessions of their own, so killing torchrun's process group would leave them hanging). A worker that gloo
+    aborts (ABORTED) gets one more run; any other failure, or a second abort, fails the test."""
+    for attempt in (1, 2):
+        log = _torchrun2_once(tmp_path, worker, args, timeout)
+        if log is None:
+            return
+        if attempt == 1 and ABORTED in log:
+            warnings.warn(f"a torchrun worker aborted in gloo; running it again\n{log[-1500:]}", stacklevel=2)
+            continue
+        pytest.fail(f"torchrun failed (attempt {attempt})\n{log[-3000:]}")
+
+
+def _torchrun2_once(tmp_path: Path, worker: str, args: tuple[str, ...], timeout: int) -> str | None:
+    """One torchrun of `worker`: None if it succeeded, else its log."""
     script = tmp_path / f"worker_{abs(hash(worker))}.py"
     script.write_text(worker)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -262,7 +281,7 @@ def torchrun2(tmp_path: Path, worker: str, *args: str, timeout: int = 240) -> No
                 proc.wait()
             pytest.fail(f"torchrun did not finish in {timeout} s (ranks stuck in a collective?)\n"
                         f"{log_file.read_text()[-3000:]}")
-    assert proc.returncode == 0, log_file.read_text()[-3000:]
+    return None if proc.returncode == 0 else log_file.read_text()
 
 
 def test_sharded_target_features_equal_unsharded(data_dir, tmp_path):
