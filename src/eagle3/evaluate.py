@@ -116,12 +116,12 @@ class RunResult:
                 self.accepted[j] += a > j
 
     def to_dict(self) -> dict:
+        by_category = self.tau_by_category
         return {"dataset": self.dataset, "method": self.method, "temperature": self.temperature,
                 "prompts": self.prompts, "new_tokens": self.new_tokens, "cycles": self.cycles,
                 "tau": round(self.tau, 4), "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
                 "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0,
-                "seconds": round(self.seconds, 2), **({"tau_by_category": self.tau_by_category}
-                                                      if self.tau_by_category else {}),
+                "seconds": round(self.seconds, 2), **({"tau_by_category": by_category} if by_category else {}),
                 "per_prompt": self.per_prompt}
 
     @property
