@@ -7,6 +7,7 @@ Run: pytest tests/test_trainer.py -q     (about 30 s on 2 cores; the DDP and FSD
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -491,6 +492,19 @@ def test_training_lowers_the_loss(data_dir, tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "learn" / LOG_FILE).read_text().splitlines()]
     assert recs[-1]["loss"] < 0.8 * recs[0]["loss"]
     assert res.step_accuracy[0] > recs[0]["acc_per_step"][0]
+
+
+def test_max_steps_decides_unless_epochs_is_given(data_dir, tmp_path, caplog):
+    """--max-steps alone runs that many steps over as many epochs as it needs (HF Trainer's rule: session 24's
+    continuation stopped after one epoch, 1,578 of its 2,767 steps); an explicit --epochs still caps it, with a
+    warning."""
+    one_epoch = train(base_cfg(data_dir, tmp_path / "e1", max_steps=None, save_every=0)).steps  # epochs=None: 1
+    many = 2 * one_epoch + 1
+    assert train(base_cfg(data_dir, tmp_path / "n", max_steps=many, save_every=0)).steps == many
+    assert "exceeds" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        res = train(base_cfg(data_dir, tmp_path / "c", epochs=1, max_steps=many, save_every=0))
+    assert res.steps == one_epoch and f"max_steps={many} exceeds 1 epochs" in caplog.text
 
 
 def test_tokenizer_mismatch_is_refused(tmp_path):

@@ -395,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 (default) scores every row")
     t.add_argument("--lr", type=float, default=tc.lr)
     t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio)
-    t.add_argument("--epochs", type=int, default=tc.epochs, help="epochs (with --time-budget: the most it may run)")
+    t.add_argument("--epochs", type=int, default=tc.epochs,
+                   help="epochs (default: 1, or as many as --max-steps needs; with --time-budget: the most it may run)")
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps (resume later)")
     t.add_argument("--time-budget", type=duration_seconds, default=None, metavar="DURATION",

@@ -125,7 +125,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8
     grad_clip: float = 0.5  # 0 disables
-    epochs: int = 1
+    epochs: int | None = None  # None: 1, or as many as max_steps needs (max_steps then decides, as in HF Trainer)
     max_steps: int | None = None  # caps the run (and sets the schedule length) when given
     time_budget: float | None = None  # seconds of training (after loading): the schedule is sized to end then
     stop_after: int | None = None  # end this invocation (with a checkpoint) after this many steps; resume later
@@ -175,7 +175,7 @@ class TrainConfig:
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         need(self.warmup_steps is None or self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
-        need(self.epochs >= 1, f"epochs={self.epochs} must be >= 1")
+        need(self.epochs is None or self.epochs >= 1, f"epochs={self.epochs} must be >= 1")
         need(self.sort_window >= 1, f"sort_window={self.sort_window} must be >= 1 rows")
         need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
         need(self.stop_after is None or self.stop_after >= 1, f"stop_after={self.stop_after} must be >= 1")
@@ -445,7 +445,12 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         first = self._plan(0)
-        self.plan_sizes = [len(first)] + [len(self._plan(e)) for e in range(1, cfg.epochs)]
+        self.plan_sizes = [len(first)]
+        # epochs=None: one epoch, or as many as max_steps needs (epochs vary by a batch or two in length)
+        while len(self.plan_sizes) < (cfg.epochs or 1) or (
+                cfg.epochs is None and cfg.max_steps and sum(self.plan_sizes) < cfg.max_steps and self.plan_sizes[-1]):
+            self.plan_sizes.append(len(self._plan(len(self.plan_sizes))))
+        epochs = len(self.plan_sizes)
         if self.ctx.main:
             _say(f"eagle3 train: {len(first)} batches an epoch; "
                  f"{100 * self.data.real_share(first, self.pad_multiple):.1f} % of their padded tokens are "
@@ -457,7 +462,7 @@ class _Trainer:
         self.total = sum(self.plan_sizes) if cfg.max_steps is None else min(cfg.max_steps, sum(self.plan_sizes))
         if cfg.max_steps is not None and cfg.max_steps > sum(self.plan_sizes):
             log.warning("max_steps=%d exceeds %d epochs (%d steps); training stops after the epochs",
-                        cfg.max_steps, cfg.epochs, sum(self.plan_sizes))
+                        cfg.max_steps, epochs, sum(self.plan_sizes))
         self.upper = self.total  # a time budget can only shorten the run
         self.budget_sizings = 0  # how often a time-budgeted run has sized its schedule so far
         self.train_seconds = 0.0  # training-loop time over all invocations (a resume adds to it)
