@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="inductor-compile the fast lane's steps (as serve --compile)")
     p.add_argument("--fuse-pointwise", action="store_true", help="as serve --fuse-pointwise")
     p.add_argument("--eager-drafting", action="store_true", help="as serve --eager-drafting (the fast lane)")
-    p.add_argument("--graph-prefill", action="store_true", help="as serve --graph-prefill (the fast lane)")
+    p.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
+                   help="as serve --graph-prefill (the fast lane; auto: on for CUDA)")
     p.add_argument("--sdpa-heads", action="store_true", help="as serve --sdpa-heads (fast lane and fast rows)")
     p.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-rows` (auto: on for CUDA targets of the fast-path families)")
@@ -188,6 +189,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     for r in rows:
         r["policy"] = rows_policy
         r["fast_lane"], r["fast_rows"] = fast is not None, fr is not None
+        r["graph_prefill"] = fast is not None and fast.options.graph_prefill  # what --graph-prefill auto became
         r["admit_wait"], r["stream_interval"] = config.admit_wait, config.stream_interval
     return rows
 

@@ -149,6 +149,7 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
         assert len(cyc["ms"]) == r["verify_steps"] and all(ms > 0 for ms in cyc["ms"])
         assert sum(cyc["tokens"]) == r["output_tokens"] - r["requests"]
         assert set(cyc["path"]) == {"batch"}
+        assert r["fast_lane"] is False and r["graph_prefill"] is False  # what ran, beside the argv that asked
         spec_rates = [g["spec"] for g in r["gates"]["batch"].values()]
         assert (r["mode"] == "spec") == (any(cyc["spec"]) or any(x is not None for x in spec_rates))
         assert r["mode"] == "spec" or not any(cyc["spec"])

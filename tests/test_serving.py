@@ -538,6 +538,24 @@ def test_smollm2_chat(smollm2):
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.text
 
 
+def test_graph_prefill_choice():
+    """`--graph-prefill`: auto is on for a CUDA lane only; a bare flag means on; anything else is refused."""
+    import argparse
+
+    from eagle3.config import ConfigError, graph_prefill_on
+    from eagle3.serving.cli import add_serve_parser
+
+    assert [graph_prefill_on(c, d) for c, d in (("auto", "cuda:1"), ("auto", "cpu"), ("on", "cpu"),
+                                                ("off", "cuda"))] == [True, False, True, False]
+    with pytest.raises(ConfigError, match="auto, on or off"):
+        graph_prefill_on(True, "cuda")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    base = ["serve", "--target", MODEL]
+    assert [parser.parse_args(base + extra).graph_prefill
+            for extra in ([], ["--graph-prefill"], ["--graph-prefill", "off"])] == ["auto", "on", "off"]
+
+
 def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
     """`eagle3 serve` flags -> a working server: drafter from disk, chat template file, ngram and plain modes."""
     import argparse
@@ -561,6 +579,8 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
                                  "eagle3"),
                                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--graph-prefill"],
                                  "eagle3"),
+                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--graph-prefill",
+                                  "off"], "eagle3"),
                                 (["--no-spec", "--compile"], None),  # no lane on a CPU: a warning says so
                                 (["--no-spec", "--graph-prefill"], None),
                                 (["--no-spec", "--sdpa-heads"], None)):  # nothing to apply it to: a warning
@@ -586,7 +606,9 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
             assert sched.fast.target.stacked == ("--sdpa-heads" not in extra)
-            assert sched.fast.options.graph_prefill == ("--graph-prefill" in extra)
+            # a bare --graph-prefill means on; auto (the default) is off on a CPU
+            gp = "--graph-prefill" in extra and extra[extra.index("--graph-prefill") + 1:][:1] != ["off"]
+            assert sched.fast.options.graph_prefill == gp and ("captured prefills" in line) == gp
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,

@@ -14,9 +14,11 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
     SpecConfig,
+    graph_prefill_on,
 )
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
@@ -87,10 +89,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
     s.add_argument("--sdpa-heads", action="store_true", help="fast lane and fast rows: " + SDPA_HEADS_HELP)
     s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
-    s.add_argument("--graph-prefill", action="store_true",
-                   help="fast lane: prefill each prompt padded to a power of two (at least 16 tokens), one CUDA "
-                        "graph per width captured at start-up, instead of launching an eager prefill's kernels one "
-                        "by one before the first token (an experiment: not yet measured on a GPU)")
+    s.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
+                   help="fast lane: " + GRAPH_PREFILL_HELP)
     s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
                         "batch-size bucket, plain or speculative cycles) instead of the generic batch. auto: on for "
@@ -160,7 +160,7 @@ def load_server(args):
                             d if draft == "eagle3" else None, device, config, compile=args.compile,
                             fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
                             sdpa_heads=args.sdpa_heads, graph_prefill=args.graph_prefill)
-    for flag, on in (("--compile", args.compile), ("--graph-prefill", args.graph_prefill)):
+    for flag, on in (("--compile", args.compile), ("--graph-prefill", args.graph_prefill == "on")):
         if on and fast is None:
             log.warning("%s has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
                         "outside the fast-path families); it applies to the lane only", flag)
@@ -179,11 +179,12 @@ def load_server(args):
 
 def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
                      compile: bool = False, fuse_pointwise: bool = False, eager_drafting: bool = False,
-                     sdpa_heads: bool = False, graph_prefill: bool = False):
+                     sdpa_heads: bool = False, graph_prefill: str = "auto"):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
     inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`;
     `eager_drafting`: `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`;
-    `graph_prefill`: `FastOptions.graph_prefill`."""
+    `graph_prefill`: "on"/"off" set `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device (see
+    `GRAPH_PREFILL_HELP`)."""
     if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
@@ -199,7 +200,8 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
     engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
                         options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
-                                            sdpa_heads=sdpa_heads, graph_prefill=graph_prefill))
+                                            sdpa_heads=sdpa_heads,
+                                            graph_prefill=graph_prefill_on(graph_prefill, device)))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 
@@ -266,7 +268,8 @@ def describe(sched) -> str:
         shape = f"chain {p.max_depth}" if p.max_top_k == 1 else f"tree {p.max_depth},{p.max_top_k},{p.max_total}"
         spec = (f"drafter {sched.drafter.name}, up to a {shape}, token budget {p.token_budget}, "
                 f"speed gate {'on' if p.measure else 'off'}")
-    lane = "off" if sched.fast is None else f"on ({sched.fast.draft})"
+    lane = "off" if sched.fast is None else (
+        f"on ({sched.fast.draft}{', captured prefills' if sched.fast.options.graph_prefill else ''})")
     rows = "off" if sched.fast_rows is None else f"on ({sched.fast_rows.seq_len} slots each)"
     return (f"eagle3 serve: {sched.config.model_name} on {sched.target.device}; {spec}; "
             f"max batch {sched.config.max_batch_size}; fast lane {lane}; fast rows {rows}")
