@@ -537,6 +537,10 @@ def test_bad_config_values_are_refused(data_dir, tmp_path):
     train(base_cfg(data_dir, out, stop_after=1))
     with pytest.raises(ConfigError, match="cannot resume"):
         train(base_cfg(data_dir, out, resume=True, seed=4))
+    with pytest.raises(ConfigError, match="epochs=1 differ"):  # default epochs=None resolved to 1 epoch here
+        train(base_cfg(data_dir, out, resume=True, epochs=3))
+    train(base_cfg(data_dir, out, resume=True, epochs=1, stop_after=1))  # the same count, given explicitly
+    train(base_cfg(data_dir, out, resume=True, stop_after=1))  # and a checkpoint of --epochs 1 without the flag
     with pytest.raises(ConfigError, match="earlier run"):  # would mix two runs' checkpoints
         train(base_cfg(data_dir, out))
 

@@ -445,12 +445,10 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         first = self._plan(0)
-        self.plan_sizes = [len(first)]
-        # epochs=None: one epoch, or as many as max_steps needs (epochs vary by a batch or two in length)
-        while len(self.plan_sizes) < (cfg.epochs or 1) or (
-                cfg.epochs is None and cfg.max_steps and sum(self.plan_sizes) < cfg.max_steps and self.plan_sizes[-1]):
-            self.plan_sizes.append(len(self._plan(len(self.plan_sizes))))
-        epochs = len(self.plan_sizes)
+        self._epoch_sizes = [len(first)]  # batches per epoch, planned as far as needed so far
+        epochs = self._epochs_for(cfg.epochs, cfg.max_steps)
+        self._epoch_sizes += [len(self._plan(e)) for e in range(len(self._epoch_sizes), epochs)]
+        self.plan_sizes = self._epoch_sizes[:epochs]
         if self.ctx.main:
             _say(f"eagle3 train: {len(first)} batches an epoch; "
                  f"{100 * self.data.real_share(first, self.pad_multiple):.1f} % of their padded tokens are "
@@ -476,6 +474,17 @@ class _Trainer:
     def pad_multiple(self) -> int:
         """Batches are padded to a multiple of this many tokens (`TrainData.collate`)."""
         return 8 if self.device.type == "cuda" else 1
+
+    def _epochs_for(self, epochs: int | None, max_steps: int | None) -> int:
+        """`epochs`, or for None one epoch or as many as `max_steps` needs (epochs differ by a batch or two)."""
+        if epochs is not None:
+            return epochs
+        n = 1
+        while max_steps and sum(self._epoch_sizes[:n]) < max_steps and self._epoch_sizes[n - 1]:
+            n += 1
+            if len(self._epoch_sizes) < n:
+                self._epoch_sizes.append(len(self._plan(n - 1)))
+        return n
 
     def _plan(self, epoch: int) -> list[list[list[int]]]:
         cfg = self.cfg
@@ -534,6 +543,10 @@ class _Trainer:
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # for fields newer than `saved`
         was = {k: saved.get(k, _RESUME_LEGACY.get(k, defaults[k])) for k in _RESUME_FIXED}
         now = self.cfg.to_dict()
+        # epochs=None counts as what it resolves to: a checkpoint of --epochs 1 resumes without the flag, and one
+        # written without it resumes with --epochs N only where N is what it ran to
+        was["epochs"] = self._epochs_for(was["epochs"], saved.get("max_steps"))
+        now["epochs"] = len(self.plan_sizes)
         changed = [k for k in _RESUME_FIXED if was[k] != now.get(k)]
         if changed:
             raise ConfigError(
