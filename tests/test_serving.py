@@ -542,13 +542,13 @@ def test_graph_prefill_choice():
     """`--graph-prefill`: auto is on for a CUDA lane only; a bare flag means on; anything else is refused."""
     import argparse
 
-    from eagle3.config import ConfigError, graph_prefill_on
+    from eagle3.config import ConfigError, on_for_device
     from eagle3.serving.cli import add_serve_parser
 
-    assert [graph_prefill_on(c, d) for c, d in (("auto", "cuda:1"), ("auto", "cpu"), ("on", "cpu"),
+    assert [on_for_device(c, d) for c, d in (("auto", "cuda:1"), ("auto", "cpu"), ("on", "cpu"),
                                                 ("off", "cuda"))] == [True, False, True, False]
     with pytest.raises(ConfigError, match="auto, on or off"):
-        graph_prefill_on(True, "cuda")
+        on_for_device(True, "cuda")
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     base = ["serve", "--target", MODEL]

@@ -42,10 +42,11 @@ GRAPH_PREFILL_HELP = ("prefill each prompt padded to a power of two (at least 16
                       "CUDA, off on a CPU, where the padding costs compute and there are no launches to save")
 
 
-def graph_prefill_on(choice: str, device) -> bool:
-    """`--graph-prefill` auto/on/off for a fast lane on `device`: auto means on for CUDA only."""
+def on_for_device(choice: str, device) -> bool:
+    """An auto/on/off option (`--fast-lane`, `--fast-rows`, `--graph-prefill`) for `device`: auto means on for
+    CUDA only."""
     if choice not in ("auto", "on", "off"):
-        raise ConfigError(f"graph prefill must be auto, on or off, not {choice!r}")
+        raise ConfigError(f"an auto/on/off option must be auto, on or off, not {choice!r}")
     return choice == "on" or (choice == "auto" and str(device).startswith("cuda"))
 
 

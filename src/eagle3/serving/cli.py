@@ -18,7 +18,7 @@ from eagle3.config import (
     SDPA_HEADS_HELP,
     ConfigError,
     SpecConfig,
-    graph_prefill_on,
+    on_for_device,
 )
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
@@ -185,7 +185,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
     `eager_drafting`: `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`;
     `graph_prefill`: "on"/"off" set `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device (see
     `GRAPH_PREFILL_HELP`)."""
-    if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
+    if not on_for_device(choice, device):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
     from eagle3.fast.target import fast_support
@@ -201,7 +201,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
                         options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
                                             sdpa_heads=sdpa_heads,
-                                            graph_prefill=graph_prefill_on(graph_prefill, device)))
+                                            graph_prefill=on_for_device(graph_prefill, device)))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 
@@ -211,7 +211,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
     shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`)."""
-    if choice == "off" or (choice == "auto" and not str(device).startswith("cuda")):
+    if not on_for_device(choice, device):
         return None
     from dataclasses import replace
 
