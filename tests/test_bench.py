@@ -62,6 +62,25 @@ def test_bench_methods_subset_and_no_drafter(tmp_path):
     assert rec["options"]["compile_drafting"] is False
 
 
+def test_bench_times_several_trees_against_one_plain_run(tmp_path, capsys):
+    """`--tree A B`: one row per shape, named by its shape, in the same run as plain decoding; each equals plain."""
+    rc = bench(["--target", "stories260k", "--drafter", "random", "--limit", "2", "--max-new-tokens", "12",
+                "--device", "cpu", "--methods", "plain,tree", "--tree", "4,3,8", "2,2,3", "--out", str(tmp_path)])
+    assert rc == 0
+    rec = json.loads((tmp_path / "bench.json").read_text())
+    assert [s["method"] for s in rec["summary"]] == ["plain", "tree-4,3,8", "tree-2,2,3"]
+    assert rec["methods"] == ["plain", "tree-4,3,8", "tree-2,2,3"]
+    assert rec["spec"]["trees"] == [[4, 3, 8], [2, 2, 3]] and rec["spec"]["tree"] == [4, 3, 8]
+    for s in rec["summary"][1:]:
+        assert s["identical"] == 2 and s["letter"] == "g" and "speedup_vs_plain" in s
+    assert {r["method"] for r in rec["rows"]} == {"plain", "tree-4,3,8", "tree-2,2,3"}
+    table = capsys.readouterr().out
+    assert "(g) EAGLE-3 tree 4,3,8 (fast path)" in table and "(g) EAGLE-3 tree 2,2,3 (fast path)" in table
+    with pytest.raises(ConfigError, match="given twice"):
+        bench(["--target", "stories260k", "--drafter", "random", "--device", "cpu", "--methods", "tree",
+               "--tree", "4,3,8", "4,3,8", "--out", str(tmp_path)])
+
+
 def test_overhead_tiny(tmp_path, capsys):
     assert bench(["--overhead", "--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "overhead.json").read_text())

@@ -72,6 +72,14 @@ def parse_methods(text: str | list[str] | None) -> list[str]:
     return sorted(out, key=list(METHODS).index)
 
 
+def _dims(tree: SpecConfig) -> list[int]:
+    return [tree.depth, tree.top_k, tree.total_tokens]
+
+
+def _shape(tree: SpecConfig) -> str:
+    return ",".join(map(str, _dims(tree)))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -133,7 +141,7 @@ def run_bench(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     methods: list[str] | None = None,
     chain: int = DEFAULT_CHAIN_LENGTH,
-    tree: SpecConfig | None = None,
+    tree: SpecConfig | list[SpecConfig] | None = None,
     ngram_tokens: int = HF_LOOKUP_TOKENS,
     device: str | None = None,
     dtype: str = "auto",
@@ -146,7 +154,11 @@ def run_bench(
     echo: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
 ) -> dict:
-    """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it."""
+    """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it.
+
+    Several tree shapes (`tree` a list) each get their own method, `tree-DEPTH,TOPK,TOTAL`, timed in the same run
+    against the same plain decoding: how to find the tree that pays best on a device.
+    """
     import transformers
 
     from eagle3.evaluate import load_prompts
@@ -157,7 +169,7 @@ def run_bench(
     from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 
     methods = methods or list(METHODS)
-    tree = tree or SpecConfig()
+    trees = [tree] if isinstance(tree, SpecConfig) else list(tree or [SpecConfig()])
     dev = select_device(device)
     transformers.logging.set_verbosity_error()  # generation-config notices would drown the table
     model, tok = load_target(target, dtype=dtype, device=dev)
@@ -181,17 +193,26 @@ def run_bench(
         echo(f"fast path unavailable ({reason}): methods d-g use the generic engine")
     chain_spec = SpecConfig(mode="chain", chain_length=chain)
     ngram_spec = SpecConfig(mode="chain", chain_length=ngram_tokens)
-    max_nodes = max(tree.total_tokens, chain, ngram_tokens)
-    cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max(tree.depth, chain, ngram_tokens) + 2
+    max_nodes = max(*(t.total_tokens for t in trees), chain, ngram_tokens)
+    max_depth = max(*(t.depth for t in trees), chain, ngram_tokens)
+    cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
                           max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads)
     shared = None
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
 
-    def engine_for(kind: str):
-        draft, spec = {"plain": ("none", SpecConfig(mode="none")), "ngram": ("ngram", ngram_spec),
-                       "chain": ("eagle3", chain_spec), "tree": ("eagle3", tree)}[kind]
+    # (method name in the record, kind, spec): one "tree" entry per shape when several are given
+    runs = []
+    for m in methods:
+        if m == "tree" and len(trees) > 1:
+            runs += [(f"tree-{_shape(t)}", m, t) for t in trees]
+        else:
+            runs.append((m, m, {"plain": SpecConfig(mode="none"), "ngram": ngram_spec, "chain": chain_spec,
+                                "tree": trees[0]}.get(m)))
+
+    def engine_for(kind: str, spec: SpecConfig):
+        draft = {"plain": "none", "ngram": "ngram", "chain": "eagle3", "tree": "eagle3"}[kind]
         if shared is not None:
             return FastEngine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options, target=shared)
         return build_engine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options)
@@ -199,13 +220,15 @@ def run_bench(
     rows: list[dict] = []
     summary: list[dict] = []
     results: dict[str, list[dict]] = {}
-    for m in methods:
-        letter, label = METHODS[m]
-        if m.startswith("hf"):
-            run = _hf_runner(model, m, max_new_tokens, eos, pad, cache_len)
+    for m, kind, spec in runs:
+        letter, label = METHODS[kind]
+        if m != kind:
+            label = label.replace("tree", f"tree {_shape(spec)}")
+        if kind.startswith("hf"):
+            run = _hf_runner(model, kind, max_new_tokens, eos, pad, cache_len)
             engine = None
         else:
-            engine = engine_for(m)
+            engine = engine_for(kind, spec)
             run = _engine_runner(engine, max_new_tokens, eos)
         t0 = time.perf_counter()
         for _ in range(warmup):
@@ -213,14 +236,14 @@ def run_bench(
         warm_s = time.perf_counter() - t0
         results[m] = [run(ids) for ids in prompts]
         fast = isinstance(engine, FastEngine)
-        compiled = (m == "hf_static" and dev.type == "cuda") or (fast and engine.compiled)
+        compiled = (kind == "hf_static" and dev.type == "cuda") or (fast and engine.compiled)
         summary.append({"method": m, "letter": letter, "label": label, "warmup_s": round(warm_s, 3),
                         "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed,
                         "drafting_compiled": fast and engine.core.drafting_compiled})
         echo(f"({letter}) {label}: done ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
         del engine
 
-    ref_method = "plain" if "plain" in results else methods[0]
+    ref_method = "plain" if "plain" in results else runs[0][0]
     ref = results[ref_method]
     for s in summary:
         res = results[s["method"]]
@@ -251,8 +274,8 @@ def run_bench(
     bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, by.get("plain"), copy_bandwidth)
     return run_record(
         "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=bool(getattr(tok, "chat_template", None)),
-        max_new_tokens=max_new_tokens, methods=methods, reference=ref_method,
-        spec={"chain": chain, "tree": [tree.depth, tree.top_k, tree.total_tokens], "ngram_tokens": ngram_tokens,
+        max_new_tokens=max_new_tokens, methods=[r[0] for r in runs], reference=ref_method,
+        spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees], "ngram_tokens": ngram_tokens,
               "hf_lookup_tokens": HF_LOOKUP_TOKENS},
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
@@ -381,7 +404,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--methods", default="all",
                    help="comma list of hf,hf_static,hf_lookup,plain,ngram,chain,tree (or letters a-g); default all")
     b.add_argument("--chain", type=int, default=DEFAULT_CHAIN_LENGTH, metavar="K", help="EAGLE-3 chain length")
-    b.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-3 tree (default 6,10,60)")
+    b.add_argument("--tree", nargs="+", default=None, metavar="DEPTH,TOPK,TOTAL",
+                   help="EAGLE-3 tree (default 6,10,60); several shapes are each timed in the same run, "
+                        "against the same plain decoding")
     b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, help="n-gram draft length (e)")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     b.add_argument("--dtype", default="auto")
@@ -428,10 +453,12 @@ def cmd_bench(args) -> int:
         raise ConfigError("eagle3 bench needs --target (or --overhead for the random 8B-shape measurement)")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    tree = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
+    trees = [SpecConfig.parse_tree(t) for t in args.tree] if args.tree else [SpecConfig()]
+    if len({_shape(t) for t in trees}) < len(trees):
+        raise ConfigError(f"--tree {' '.join(args.tree)}: a shape is given twice")
     record = run_bench(
         args.target, drafter=args.drafter, dataset=args.dataset, limit=args.limit,
-        max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=tree,
+        max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=trees,
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
         compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
