@@ -592,6 +592,7 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
     del state["config"]["val_fraction"]
     del state["config"]["sort_window"]
     del state["config"]["align_top_k"]
+    del state["config"]["label_temperature"]
     torch.save(state, state_file)
     # a missing sort_window means the window runs had before it existed, which the default no longer is
     with pytest.raises(ConfigError, match=r"sort_window=1024 differ"):
@@ -603,11 +604,18 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
         train(base_cfg(data_dir, out, resume=True, max_steps=3, sort_window=1024, align_top_k=1))
     with pytest.raises(ConfigError, match=r"align_top_k=-1 must be >= 0"):
         base_cfg(data_dir, out, align_top_k=-1).validate()
+    with pytest.raises(ConfigError, match=r"label_temperature=1\.0 differ"):  # nor the labels
+        train(base_cfg(data_dir, out, resume=True, max_steps=3, sort_window=1024, label_temperature=0.5))
+    with pytest.raises(ConfigError, match=r"label_temperature=-1\.0 must be >= 0"):
+        base_cfg(data_dir, out, label_temperature=-1.0).validate()
     res = train(base_cfg(data_dir, tmp_path / "aligned", max_steps=2, align_top_k=1))  # it trains
     aligned = tmp_path / "aligned"
     assert res.steps == 2 and json.loads((aligned / "train_config.json").read_text())["config"]["align_top_k"] == 1
     scored = json.loads((aligned / LOG_FILE).read_text().splitlines()[-1])["scored_per_step"]
     assert scored[-1] < scored[0]  # an untrained drafter rarely guesses right: few rows stay reachable
+    hard = tmp_path / "hard"
+    assert train(base_cfg(data_dir, hard, max_steps=2, label_temperature=0.0)).steps == 2  # one-hot labels train
+    assert json.loads((hard / "train_config.json").read_text())["config"]["label_temperature"] == 0.0
 
 
 def test_budget_steps_fills_the_time_left_within_the_limits():

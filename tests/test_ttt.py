@@ -17,6 +17,7 @@ from eagle3.training.ttt import (
     answer_positions,
     base_mask,
     shift_left,
+    soft_cross_entropy,
     step_denominators,
     step_mask,
     step_supervision,
@@ -226,6 +227,37 @@ def test_one_step_loss_matches_soft_cross_entropy():
     torch.testing.assert_close(out.loss, expect, rtol=1e-5, atol=1e-6)
     assert out.step_count.tolist() == [sup.sum().item()]
     assert out.step_kept.tolist() == [w.sum().item()]
+
+
+def test_label_temperature_sharpens_the_labels_towards_the_targets_argmax():
+    """soft_cross_entropy at temperature tau uses softmax(z / tau) as labels: 1 is the unchanged EAGLE-3 objective,
+    0 the cross-entropy to the argmax, small tau approaches that; ttt_loss passes it through and refuses tau < 0."""
+    g = torch.Generator().manual_seed(7)
+    logits, z = torch.randn(5, VD, generator=g), torch.randn(5, VD, generator=g) * 3
+    torch.testing.assert_close(soft_cross_entropy(logits, z), F.cross_entropy(logits, torch.softmax(z, -1),
+                                                                              reduction="none"))
+    torch.testing.assert_close(soft_cross_entropy(logits, z, 0.5), F.cross_entropy(logits, torch.softmax(z / 0.5, -1),
+                                                                                   reduction="none"))
+    hard = F.cross_entropy(logits, z.argmax(-1), reduction="none")
+    torch.testing.assert_close(soft_cross_entropy(logits, z, 0.0), hard)
+    torch.testing.assert_close(soft_cross_entropy(logits, z, 1e-3), hard, rtol=1e-4, atol=1e-4)
+
+    d = make_drafter(seed=2)
+    ids, pos, doc = packed_batch()
+    b, t = ids.shape
+    lm = (doc >= 0).float()
+    aux = torch.randn(b, t, 3 * HT, generator=g)
+    tl, ta = _loss_inputs(d, _targets(b, t))
+    base = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=3)
+    same = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=3, label_temperature=1.0)
+    sharp = ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=3, label_temperature=0.0)
+    assert torch.equal(base.loss, same.loss)
+    assert not torch.isclose(base.loss, sharp.loss)
+    # what a row is pulled towards changes, not which rows count or how they score
+    assert torch.equal(base.step_count, sharp.step_count) and torch.equal(base.step_correct, sharp.step_correct)
+    assert torch.equal(base.step_kept, sharp.step_kept)
+    with pytest.raises(ValueError, match=r"label_temperature=-0\.5 must be >= 0"):
+        ttt_loss(d, aux, ids, pos, doc, lm, tl, ta, steps=3, label_temperature=-0.5)
 
 
 def test_split_batch_with_global_denominators_equals_full_batch():

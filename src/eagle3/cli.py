@@ -215,7 +215,7 @@ def cmd_train(args) -> int:
 
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, init=args.init, ttt_steps=args.ttt_steps,
-        align_top_k=args.align_top_k, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
+        align_top_k=args.align_top_k, label_temperature=args.label_temperature, lr=args.lr, epochs=args.epochs, max_steps=args.max_steps,
         stop_after=args.stop_after, time_budget=args.time_budget,
         batch_size=args.batch_size, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
         max_length=args.max_length, packing=args.packing, sort_window=args.sort_window, dtype=args.dtype,
@@ -393,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score a TTT step's row only where every earlier step of that row had its next token among "
                         "its K best draft tokens, as drafting needs to reach it (1: chains; the tree's top_k); "
                         "0 (default) scores every row")
+    t.add_argument("--label-temperature", type=float, default=tc.label_temperature, metavar="T",
+                   help="soft labels softmax(target logits / T): 1 (default) the target's distribution as EAGLE-3 "
+                        "trains; below 1 sharper, towards the greedy choice; 0 the target's argmax as a hard label")
     t.add_argument("--lr", type=float, default=tc.lr)
     t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio)
     t.add_argument("--epochs", type=int, default=tc.epochs,

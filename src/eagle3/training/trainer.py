@@ -78,9 +78,9 @@ VAL_LOG_FILE = "val_log.jsonl"
 CONFIG_FILE = "train_config.json"
 # fields that fix the data order and the objective; a resumed run must keep them
 _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "sort_window", "max_length", "ttt_steps",
-                 "align_top_k", "epochs", "val_fraction")
+                 "align_top_k", "label_temperature", "epochs", "val_fraction")
 # what runs used before a field of _RESUME_FIXED existed (their checkpoints do not name it)
-_RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS, "align_top_k": 0}
+_RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS, "align_top_k": 0, "label_temperature": 1.0}
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
 # then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
@@ -117,6 +117,7 @@ class TrainConfig:
     ttt_steps: int = DEFAULT_TTT_STEPS
     step_decay: float = DEFAULT_STEP_DECAY
     align_top_k: int = 0  # > 0: score only the TTT rows drafting can reach with this top-k (training/ttt.py)
+    label_temperature: float = 1.0  # soft labels softmax(target logits / this); 0: one-hot (training/ttt.py)
     lr: float = 3e-4
     min_lr_ratio: float = 0.0  # cosine ends at lr * min_lr_ratio
     warmup_steps: int | None = None  # default: warmup_ratio of the total steps
@@ -171,6 +172,8 @@ class TrainConfig:
         need(0 < self.step_decay <= 1, f"step_decay={self.step_decay} must be in (0, 1]")
         need(self.align_top_k >= 0, f"align_top_k={self.align_top_k} must be >= 0 (0 scores every TTT row; K > 0 "
                                     "only the rows a drafting that keeps each step's top K can reach: 1 for chains)")
+        need(self.label_temperature >= 0, f"label_temperature={self.label_temperature} must be >= 0 (1, the default: "
+                                          "the target's distribution; below 1 sharper; 0: its argmax as a one-hot)")
         need(self.lr > 0, f"lr={self.lr} must be positive")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
@@ -226,15 +229,18 @@ class TrainResult:
 class TTTModel(nn.Module):
     """The drafter plus its TTT objective in one `forward`, so DistributedDataParallel can wrap it."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, align_top_k: int):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, align_top_k: int,
+                 label_temperature: float = 1.0):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay, self.align_top_k = steps, decay, align_top_k
+        self.label_temperature = label_temperature
 
     def forward(self, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits, target_argmax,
                 denominators, scale: float, scored: ScoredRows | None = None):
         out = ttt_loss(self.drafter, aux, input_ids, position_ids, doc_ids, loss_mask, target_logits,
-                       target_argmax, self.steps, self.decay, denominators, scale, scored, self.align_top_k)
+                       target_argmax, self.steps, self.decay, denominators, scale, scored, self.align_top_k,
+                       self.label_temperature)
         return (out.loss, out.step_loss_sum, out.step_correct, out.step_count, out.step_kept, out.step_early_correct,
                 out.step_early_count)
 
@@ -434,7 +440,7 @@ class _Trainer:
             del model
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.model = TTTModel(drafter, cfg.ttt_steps, cfg.step_decay, cfg.align_top_k)
+        self.model = TTTModel(drafter, cfg.ttt_steps, cfg.step_decay, cfg.align_top_k, cfg.label_temperature)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         if self.ctx.world > 1:
             self.ddp = nn.parallel.DistributedDataParallel(

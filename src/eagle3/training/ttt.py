@@ -50,6 +50,12 @@ step's K highest draft logits; other rows still count in N_k and in the accuraci
 shrinks with the share of its rows that inference can reach, and training spends the drafter's one layer on the
 states it will meet. Rows whose earlier labels are not supervised (prompt tokens) stay reachable. K = 0 (the
 default) scores every row, as EAGLE-3 does.
+
+Label temperature (`label_temperature` = tau). The soft labels are softmax(z / tau) over the draft vocabulary:
+tau = 1 (the default) is EAGLE-3's distillation to the target's distribution; tau < 1 sharpens it towards the
+target's greedy choice, which is all that greedy verification accepts; tau = 0 is the hard limit, a one-hot label
+on the target's argmax within the draft vocabulary (plain cross-entropy). The rows scored and the accuracies do
+not change with tau, only what a scored row is pulled towards.
 """
 
 from __future__ import annotations
@@ -210,10 +216,14 @@ class TTTOutput:
     step_early_count: torch.Tensor  # [K] supervised positions whose label is among the first EARLY_TOKENS
 
 
-def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """-sum_v softmax(target)_v * log_softmax(logits)_v in fp32, [...] (both inputs [..., Vd])."""
-    p = torch.softmax(target_logits.float(), dim=-1)  # [..., Vd], renormalised over the draft vocab
+def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """-sum_v softmax(target / temperature)_v * log_softmax(logits)_v in fp32, [...] (both inputs [..., Vd]);
+    temperature 0: the cross-entropy to the target's argmax (one-hot labels)."""
     logq = torch.log_softmax(logits.float(), dim=-1)  # [..., Vd]
+    if temperature == 0:
+        return -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    z = target_logits.float()
+    p = torch.softmax(z if temperature == 1 else z / temperature, dim=-1)  # [..., Vd], renormalised over the draft vocab
     return -(p * logq).sum(-1)
 
 
@@ -232,11 +242,14 @@ def ttt_loss(
     denominator_scale: float = 1.0,  # world size under DDP (its gradient average divides by it)
     scored: ScoredRows | None = None,  # ScoredRows.of(loss_mask, doc_ids, steps) on this device; None = build it
     align_top_k: int = 0,  # > 0: score only rows inference can reach (module docstring, "Reachable steps only")
+    label_temperature: float = 1.0,  # soft labels softmax(z / tau); 0: one-hot (module docstring, "Label temperature")
 ) -> TTTOutput:
     """The TTT objective: soft cross-entropy to the renormalised draft-vocab target, per step, summed with
     weights decay^k (see the module docstring for alignment and reduction)."""
     if align_top_k < 0:
         raise ValueError(f"align_top_k={align_top_k} must be >= 0 (0 scores every row)")
+    if label_temperature < 0:
+        raise ValueError(f"label_temperature={label_temperature} must be >= 0 (1: the target's distribution)")
     in_vocab = drafter.t2d[target_argmax]  # [B, T] bool
     if denominators is None:
         denominators = step_denominators(loss_mask, doc_ids, steps)
@@ -265,7 +278,7 @@ def ttt_loss(
         keep = in_vocab[b, i + 1 + k]  # [M] bool: the target's choice can be drafted
         if reachable is not None:
             keep = keep & reachable[b, i]
-        ce = soft_cross_entropy(logits, target_logits[b, i + 1 + k])  # [M]
+        ce = soft_cross_entropy(logits, target_logits[b, i + 1 + k], label_temperature)  # [M]
         step_sum = torch.where(keep, ce, 0.0).sum()
         total = total + (step_decay**k) * step_sum * denominator_scale / denominators[k]
         with torch.no_grad():
