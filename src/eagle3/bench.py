@@ -275,8 +275,8 @@ def run_bench(
     return run_record(
         "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=bool(getattr(tok, "chat_template", None)),
         max_new_tokens=max_new_tokens, methods=[r[0] for r in runs], reference=ref_method,
-        spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees], "ngram_tokens": ngram_tokens,
-              "hf_lookup_tokens": HF_LOOKUP_TOKENS},
+        spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
+              "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
                  "warmup": warmup, "device": str(dev),

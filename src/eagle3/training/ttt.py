@@ -223,7 +223,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, temper
     if temperature == 0:
         return -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
     z = target_logits.float()
-    p = torch.softmax(z if temperature == 1 else z / temperature, dim=-1)  # [..., Vd], renormalised over the draft vocab
+    p = torch.softmax(z if temperature == 1 else z / temperature, dim=-1)  # [..., Vd], over the draft vocab
     return -(p * logq).sum(-1)
 
 
