@@ -216,8 +216,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, init=args.init, ttt_steps=args.ttt_steps,
         align_top_k=args.align_top_k, label_temperature=args.label_temperature, lr=args.lr, epochs=args.epochs,
-        max_steps=args.max_steps,
-        stop_after=args.stop_after, time_budget=args.time_budget,
+        max_steps=args.max_steps, stop_after=args.stop_after, time_budget=args.time_budget,
         batch_size=args.batch_size, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
         max_length=args.max_length, packing=args.packing, sort_window=args.sort_window, dtype=args.dtype,
         device=args.device, seed=args.seed,
