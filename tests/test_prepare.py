@@ -550,6 +550,15 @@ def test_prepare_writes_a_consistent_folder(tiny_tok, tmp_path) -> None:
         ds.check_tokenizer(tiny_tok, chat_template=LLAMA3)
 
 
+def test_summary_lists_the_coverage_of_each_draft_vocab_size() -> None:
+    """The trade-off behind --draft-vocab-size in the CLI's summary, sizes in numeric order (one size: no line)."""
+    report = PrepareReport(vocab_size=49152, draft_vocab_size=8192, draft_vocab_coverage=0.9595,
+                           coverage_by_draft_vocab_size={"8192": 0.9595, "16384": 0.98768, "1024": 0.71})
+    assert "coverage by draft vocab size: 1024 71.0%, 8192 96.0%, 16384 98.8%" in report.summary()
+    report.coverage_by_draft_vocab_size = {"8192": 0.9595}
+    assert "coverage by draft vocab size" not in report.summary()
+
+
 def test_drop_versus_truncate(tiny_tok, tmp_path) -> None:
     data = _dataset_file(tmp_path)
     lengths = [

@@ -127,6 +127,10 @@ class PrepareReport:
             f"draft vocab: {self.draft_vocab_size} of {self.vocab_size} ids cover "
             f"{100 * self.draft_vocab_coverage:.2f}% of trainable tokens",
         ]
+        if len(self.coverage_by_draft_vocab_size) > 1:  # the trade-off behind --draft-vocab-size (docs/training.md)
+            lines.append("coverage by draft vocab size: " + ", ".join(
+                f"{k} {100 * v:.1f}%" for k, v in sorted(self.coverage_by_draft_vocab_size.items(),
+                                                        key=lambda kv: int(kv[0]))))
         if self.read_errors:
             lines.append(f"read errors: {self.read_errors}")
         skipped = {k: v for k, v in self.turns.items() if k.startswith("skipped_")}
