@@ -76,10 +76,6 @@ def _dims(tree: SpecConfig) -> list[int]:
     return [tree.depth, tree.top_k, tree.total_tokens]
 
 
-def _shape(tree: SpecConfig) -> str:
-    return ",".join(map(str, _dims(tree)))
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -206,7 +202,7 @@ def run_bench(
     runs = []
     for m in methods:
         if m == "tree" and len(trees) > 1:
-            runs += [(f"tree-{_shape(t)}", m, t) for t in trees]
+            runs += [(f"tree-{t.tree_text}", m, t) for t in trees]
         else:
             runs.append((m, m, {"plain": SpecConfig(mode="none"), "ngram": ngram_spec, "chain": chain_spec,
                                 "tree": trees[0]}.get(m)))
@@ -223,7 +219,7 @@ def run_bench(
     for m, kind, spec in runs:
         letter, label = METHODS[kind]
         if m != kind:
-            label = label.replace("tree", f"tree {_shape(spec)}")
+            label = label.replace("tree", f"tree {spec.tree_text}")
         if kind.startswith("hf"):
             run = _hf_runner(model, kind, max_new_tokens, eos, pad, cache_len)
             engine = None
@@ -454,7 +450,7 @@ def cmd_bench(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     trees = [SpecConfig.parse_tree(t) for t in args.tree] if args.tree else [SpecConfig()]
-    if len({_shape(t) for t in trees}) < len(trees):
+    if len({t.tree_text for t in trees}) < len(trees):
         raise ConfigError(f"--tree {' '.join(args.tree)}: a shape is given twice")
     record = run_bench(
         args.target, drafter=args.drafter, dataset=args.dataset, limit=args.limit,

@@ -269,6 +269,11 @@ class SpecConfig:
         return cls(mode="tree", depth=depth, top_k=top_k, total_tokens=total)
 
     @property
+    def tree_text(self) -> str:
+        """The tree's shape as `--tree` takes it ('6,10,60'; the inverse of `parse_tree`)."""
+        return f"{self.depth},{self.top_k},{self.total_tokens}"
+
+    @property
     def max_depth(self) -> int:
         return {"tree": self.depth, "chain": self.chain_length, "none": 0}[self.mode]
 

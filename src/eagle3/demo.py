@@ -65,7 +65,7 @@ def slowdown_hint(speedup: float, device: str, dtype: str) -> str | None:
 def _shape(spec: SpecConfig) -> str:
     if spec.mode == "chain":
         return f"chain {spec.chain_length}"
-    return f"tree {spec.depth},{spec.top_k},{spec.total_tokens}"
+    return f"tree {spec.tree_text}"
 
 
 def bundled_drafter() -> Path:

@@ -141,7 +141,7 @@ def method_name(draft: str, spec: SpecConfig) -> str:
         return "none"
     if spec.mode == "chain":
         return f"{draft}-chain-{spec.chain_length}"
-    return f"{draft}-tree-{spec.depth},{spec.top_k},{spec.total_tokens}"
+    return f"{draft}-tree-{spec.tree_text}"
 
 
 def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingConfig, max_new_tokens: int,
