@@ -4,8 +4,9 @@ For plain decoding's step (one-token forward + argmax) and, with a drafter, one 
 verify, accept, commit) on the fast path (`eagle3.fast.core`): the step runs eagerly under `torch.profiler`
 (kernel durations do not depend on how they were launched), and its CUDA-graph replay is timed as the engines
 run it. Kernels are grouped by name into matmul, attention, top-k/sort/reduce, index/copy, elementwise and other;
-"idle" is the graph's wall time minus the sum of its kernels (gaps between small kernels). Writes
-`profile_step.json` (run record) and prints a table.
+"idle" is the graph's wall time minus the sum of its kernels (gaps between small kernels). `--by-source N` also
+lists the N (eagle3 function, operator) pairs that took the most kernel time, with the operator's calls: which code
+to change. Writes `profile_step.json` (run record) and prints a table.
 
     python scripts/profile_step.py --device cuda:0 --shape llama8b --out runs/profile-8b
     python scripts/profile_step.py --device cuda:0 --target smollm2 --drafter src/eagle3/assets/smollm2-drafter \\
@@ -57,26 +58,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-pointwise", action="store_true", help="the target's elementwise work compiled (Pointwise)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
+    p.add_argument("--by-source", type=int, default=0, metavar="N",
+                   help="also list the N (eagle3 function, operator) pairs with the most kernel time")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
 
-def kernel_table(fn, dev: torch.device, reps: int) -> tuple[dict[str, dict], int]:
-    """Profile `reps` eager calls of fn: per kind, microseconds and kernels per call; kernel launches per call.
+def _eagle3_frame(event) -> str:
+    """The innermost Python function inside the eagle3 package that led to a profiled operator ("fast/target.py(466):
+    forward", the line where the function starts), or "(outside eagle3)". With stacks on, the profiler records Python calls as parent events named
+    "path(line): function" (older releases: a `stack` list on the operator)."""
+    while event is not None:
+        for frame in [event.name, *(event.stack or [])]:
+            frame = frame.replace("\\", "/")
+            at = frame.rfind("eagle3/")
+            if at >= 0 and "(" in frame and (at == 0 or frame[at - 1] == "/"):
+                return frame[at + len("eagle3/"):]
+        event = event.cpu_parent
+    return "(outside eagle3)"
+
+
+def source_table(prof, cuda: bool, reps: int, n: int) -> list[dict]:
+    """The n (eagle3 function, operator) pairs with the most kernel time per call (on a CPU: operators' self time),
+    from a profile taken with stacks."""
+    acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            a = acc[(_eagle3_frame(e), e.name)]
+            a[0] += us / reps
+            a[1] += 1 / reps
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"where": where, "op": op, "us": round(us, 1), "calls": round(calls, 1)}
+            for (where, op), (us, calls) in rows]
+
+
+def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0) -> tuple[dict[str, dict], int, list[dict]]:
+    """Profile `reps` eager calls of fn: per kind, microseconds and kernels per call; kernel launches per call;
+    with `by_source`, that many (function, operator) pairs by kernel time (`source_table`).
     (On a CPU, for smoke tests: operators' self time instead of kernels.)"""
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
     sync()
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities, with_stack=by_source > 0) as prof:
         for _ in range(reps):
             fn()
         sync()
     table: dict[str, dict] = defaultdict(lambda: {"us": 0.0, "kernels": 0.0, "top": defaultdict(float)})
     launches = 0
     for e in prof.key_averages():
-        us = (getattr(e, "self_device_time_total", None) or 0) if cuda else e.self_cpu_time_total
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # the CPU side of the profile only serves the source lines
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
         if us <= 0 or (not cuda and not e.key.startswith("aten::")):
             continue
         t = table[kind_of(e.key)]
@@ -89,11 +126,12 @@ def kernel_table(fn, dev: torch.device, reps: int) -> tuple[dict[str, dict], int
         top = sorted(t["top"].items(), key=lambda kv: -kv[1])[:3]
         out[k] = {"us": round(t["us"], 1), "kernels": round(t["kernels"], 1),
                   "top": [{"name": n, "us": round(u, 1)} for n, u in top]}
-    return out, round(launches / reps)
+    sources = source_table(prof, cuda, reps, by_source) if by_source else []
+    return out, round(launches / reps), sources
 
 
-def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list) -> dict:
-    table, launches = kernel_table(fn, dev, reps)
+def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list, by_source: int = 0) -> dict:
+    table, launches, sources = kernel_table(fn, dev, reps, by_source)
     r = StepRunner(fn, dev, graphs=True, pool=pool, name=name)
     r.prepare()
     runners.append(r)  # keep every graph alive until the end (see eagle3.fast.overhead)
@@ -104,7 +142,12 @@ def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list) ->
     for k, t in table.items():
         top = "; ".join(f"{x['name'][:60]} {x['us']:.1f}" for x in t["top"])
         print(f"  {k:18s} {t['us']:9.1f} us {100 * t['us'] / wall_us:5.1f} %  {t['kernels']:6.1f} kernels  [{top}]")
-    return {"wall_us": round(wall_us, 1), "kernel_us": round(busy, 1), "launches": launches, "kinds": table}
+    if sources:
+        print("  by eagle3 function (eager, per call):")
+        for r in sources:
+            print(f"    {r['us']:8.1f} us  {r['calls']:5.1f} calls  {r['op']:28s} {r['where']}")
+    out = {"wall_us": round(wall_us, 1), "kernel_us": round(busy, 1), "launches": launches, "kinds": table}
+    return out | ({"sources": sources} if sources else {})
 
 
 @torch.no_grad()
@@ -132,7 +175,8 @@ def main(argv=None) -> int:
         return core
 
     plain = ready(FastCore(target, "none"))
-    results["plain_step"] = profile("plain step", partial(plain.verify, greedy=True), dev, pool, args.reps, runners)
+    results["plain_step"] = profile("plain step", partial(plain.verify, greedy=True), dev, pool, args.reps, runners,
+                                    args.by_source)
     wbytes, bw = target.weight_bytes(), copy_bandwidth(dev)
     step_s = results["plain_step"]["wall_us"] / 1e6
     print(f"\nweights {wbytes / 1e9:.3f} GB: {wbytes / step_s / 1e9:.0f} GB/s, {100 * wbytes / step_s / bw:.1f} % of "
@@ -148,7 +192,8 @@ def main(argv=None) -> int:
             core.cycle_greedy()
             core.length.copy_(saved)  # the same state every repetition
 
-        results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners)
+        results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners,
+                                        args.by_source)
         print(f"tree cycle = {results['tree_cycle']['wall_us'] / results['plain_step']['wall_us']:.2f} plain steps")
     out = Path(args.out)
     write_json(run_record("profile_step", target=args.target or args.shape,

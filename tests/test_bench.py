@@ -228,17 +228,25 @@ def test_bench_rows_samples_at_a_temperature(tmp_path):
 
 def test_profile_step_script_groups_kernels(tmp_path, capsys):
     """`scripts/profile_step.py` on stories260K with a random drafter, on the CPU (operators stand in for
-    kernels): a record with the plain step and the tree cycle, matmuls among the kinds."""
+    kernels): a record with the plain step and the tree cycle, matmuls among the kinds, and `--by-source`'s
+    (function, operator) pairs."""
     mod = script("profile_step")
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--context", "16",
-                     "--tree", "3,2,4", "--reps", "2", "--out", str(out)]) == 0
+                     "--tree", "3,2,4", "--reps", "2", "--by-source", "6", "--out", str(out)]) == 0
     rec = json.loads((out / "profile_step.json").read_text())
     assert rec["kind"] == "profile_step" and set(rec["results"]) == {"plain_step", "tree_cycle"}
     assert rec["drafting_compiled"] is False
     for r in rec["results"].values():
         assert r["wall_us"] > 0 and r["launches"] > 0 and "matmul" in r["kinds"]
-    assert "tree cycle = " in capsys.readouterr().out
+        assert len(r["sources"]) == 6 and r["sources"] == sorted(r["sources"], key=lambda x: -x["us"])
+    # the target's and the drafter's functions are named, each operator under the function that called it
+    plain_where = {x["where"].split("(")[0] for x in rec["results"]["plain_step"]["sources"]}
+    cycle_where = {x["where"].split("(")[0] for x in rec["results"]["tree_cycle"]["sources"]}
+    assert "fast/target.py" in plain_where and "fast/drafter.py" not in plain_where
+    assert "fast/drafter.py" in cycle_where
+    text = capsys.readouterr().out
+    assert "tree cycle = " in text and "by eagle3 function" in text
 
 
 def test_position_accuracy_script_buckets_every_answer_token(tmp_path, capsys):
