@@ -83,7 +83,10 @@ def source_table(prof, cuda: bool, reps: int, n: int) -> list[dict]:
     from a profile taken with stacks."""
     acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
-        if not e.name.startswith("aten::"):
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            continue  # kernels: their time counts for the host event that launched them (an operator, or a
+            # compiled region's launcher, whose name is kept as it is)
+        if not cuda and not e.name.startswith("aten::"):
             continue
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
         if us > 0:
