@@ -6,16 +6,18 @@
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter (v7, session 22) is this recipe's data made on two H200s of one host (session 21:
-# docs/results/session21_h200/run21.sh, 480 s) and trained on one H200 (session 22: docs/results/session22_h200/
-# run22.sh): ShareGPT answered greedily, GSM8K greedily and a second time sampled at T=0.8 (SAMPLE_T; the sampled
-# ShareGPT answers of v5 are off: SAMPLE_SHAREGPT=0), greedy answers of at most 256 tokens (SYNTH_TOKENS) to 66,000
-# prompts SmolLM2 wrote itself (SYNTH, made and answered on the second GPU: SYNTH_DEVICE=cuda:1; session 21 made
-# 80,000 and answered the first 66,000 before its deadline), 1 % of the samples held out (VAL_FRACTION),
-# LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled sync-free trainer with 16,384-row length-sort windows
-# -> 6,757 steps. The defaults below are those settings. docs/training.md has the numbers of every version:
-# v6 was the same data with 65,536-token batches, 1,024-row windows and an 847 s budget (MT-bench tree tau 3.95);
-# v5 used SAMPLE_SHAREGPT=1 SYNTH=20000 SYNTH_TOKENS=384 and 1,024-row windows (4.16; its exact script:
+# The bundled drafter (v8, session 26) is this recipe's data made on two H200s of one host (session 21:
+# docs/results/session21_h200/run21.sh, 480 s) and trained on one H200 of a four-GPU host (session 26:
+# docs/results/session26_h200/run26.sh, three trainings side by side): ShareGPT answered greedily, GSM8K greedily and
+# a second time sampled at T=0.8 (SAMPLE_T; the sampled ShareGPT answers of v5 are off: SAMPLE_SHAREGPT=0), greedy
+# answers of at most 256 tokens (SYNTH_TOKENS) to 66,000 prompts SmolLM2 wrote itself (SYNTH, made and answered on
+# the second GPU: SYNTH_DEVICE=cuda:1; session 21 made 80,000 and answered the first 66,000 before its deadline), 1 %
+# of the samples held out (VAL_FRACTION), a 12,288-entry draft vocabulary (DRAFT_VOCAB) and labels sharpened at
+# temperature 0.5 (LABEL_T), LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled sync-free trainer with
+# 16,384-row length-sort windows -> 5,801 steps. The defaults below are those settings. docs/training.md has the
+# numbers of every version: v7 was the same with DRAFT_VOCAB=8192 LABEL_T=1 (MT-bench tree tau 4.204 against v8's
+# 4.266; its exact script: docs/results/session22_h200/run22.sh); v6 also 65,536-token batches, 1,024-row windows
+# and an 847 s budget (3.95); v5 used SAMPLE_SHAREGPT=1 SYNTH=20000 SYNTH_TOKENS=384 and 1,024-row windows (4.16;
 # docs/results/session19_h200/run19.sh); v4 also SYNTH=0 and the previous trainer (3.98); v3 also TIME_BUDGET=870
 # and the eager trainer (3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62); v1 used SHAREGPT_TOKENS=768
 # TIME_BUDGET=18m.
@@ -29,7 +31,8 @@ TARGET=${TARGET:-smollm2}
 SHAREGPT=${SHAREGPT:?path to ShareGPT-style conversations (JSON/JSONL)}
 GSM8K=${GSM8K:?path to GSM8K questions as conversations (JSONL)}
 DEVICE=${DEVICE:-cuda:0}
-DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
+DRAFT_VOCAB=${DRAFT_VOCAB:-12288}
+LABEL_T=${LABEL_T:-0.5}         # train --label-temperature: 1 is EAGLE-3's soft labels, 0 the target's argmax
 REGEN_S=${REGEN_S:-0}          # stop the ShareGPT regeneration after this many seconds, keeping the finished conversations (0: run to the end)
 EPOCHS=${EPOCHS:-30}
 MAX_STEPS=${MAX_STEPS:-}       # caps training (and sets the schedule length)
@@ -129,7 +132,7 @@ RESUME=()
 $EAGLE3 train --target "$TARGET" --data "$W/data" --out "$TRAIN_OUT" --epochs "$EPOCHS" --lr "$LR" \
   ${MAX_STEPS:+--max-steps "$MAX_STEPS"} ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} ${INIT:+--init "$INIT"} \
   --batch-tokens "$BATCH_TOKENS" --save-every 200 --log-every 20 ${VAL_FRACTION:+--val-fraction "$VAL_FRACTION"} \
-  ${AUX_LAYERS:+--aux-layers "$AUX_LAYERS"} "${RESUME[@]}"
+  --label-temperature "$LABEL_T" ${AUX_LAYERS:+--aux-layers "$AUX_LAYERS"} "${RESUME[@]}"
 
 if [ "$EVAL" != 0 ]; then
   stage "evaluate on MT-bench (80 first turns, 256 tokens)"

@@ -100,7 +100,7 @@ def test_overhead_shapes():
 
     dims, draft_vocab = SHAPES["smollm2-135m"]
     assert (dims["hidden_size"], dims["num_hidden_layers"], dims["num_attention_heads"],
-            dims["num_key_value_heads"], dims["vocab_size"], draft_vocab) == (576, 30, 9, 3, 49152, 8192)
+            dims["num_key_value_heads"], dims["vocab_size"], draft_vocab) == (576, 30, 9, 3, 49152, 12288)
     with pytest.raises(ValueError, match="unknown shape 'gpt-5'"):
         run_overhead("cpu", shape="gpt-5")
     with pytest.raises(SystemExit):

@@ -748,7 +748,7 @@ def test_prepare_can_reuse_a_drafters_vocabulary(tiny_tok, tmp_path) -> None:
                 progress=False)
     bundled = Path(__file__).resolve().parents[1] / "src/eagle3/assets/smollm2-drafter"
     d2t, t2d = read_vocab_mapping(bundled)
-    assert d2t.shape == (8192,) and t2d.shape == (49152,) and int(t2d.sum()) == 8192
+    assert d2t.shape == (12288,) and t2d.shape == (49152,) and int(t2d.sum()) == 12288
     with pytest.raises(ConfigError, match=r"has no model\.safetensors"):
         read_vocab_mapping(tmp_path / "out")  # a prepared-data folder is not a drafter
     from safetensors.torch import save_file

@@ -2,8 +2,9 @@
 
 Random weights at the Llama-3.1-8B shape in bf16 (32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads,
 vocabulary 128256) and a random EAGLE-3 drafter at H = 4096 with a 32000-token draft vocabulary, or (`shape=
-"smollm2-135m"`) at SmolLM2-135M's shape with an 8,192-token draft vocabulary, where every step is launch-bound. Timings come
-from the fast path (`eagle3.fast.core`), each piece captured in its own CUDA graph and replayed `reps` times:
+"smollm2-135m"`) at SmolLM2-135M's shape with the bundled drafter's 12,288-token draft vocabulary, where every
+step is launch-bound. Timings come from the fast path (`eagle3.fast.core`), each piece captured in its own CUDA
+graph and replayed `reps` times:
 
     target step   one-token verification (forward + argmax): the unit everything is divided by
     draft         the d draft steps of a chain (K) or tree (depth, top_k, N nodes), rerank included
@@ -37,7 +38,8 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)
 # SmolLM2-135M-Instruct's shape (the bundled drafter's target): launch-bound on a GPU, where the ratio of a cycle to
-# a plain step decides the speedup; its drafter has the bundled one's 8,192-token draft vocabulary.
+# a plain step decides the speedup; its drafter has the bundled one's 12,288-token draft vocabulary (8,192 until
+# session 26).
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True)
@@ -211,7 +213,7 @@ def measure_overhead(
 
 
 # name -> (shape, draft vocabulary size); `eagle3 bench --overhead --shape NAME`
-SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 8192)}
+SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 12288)}
 
 
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
