@@ -65,9 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _eagle3_frame(event) -> str:
-    """The innermost Python function inside the eagle3 package that led to a profiled operator ("fast/target.py(466):
-    forward", the line where the function starts), or "(outside eagle3)". With stacks on, the profiler records Python calls as parent events named
-    "path(line): function" (older releases: a `stack` list on the operator)."""
+    """The innermost Python function inside the eagle3 package that led to a profiled operator
+    ("fast/target.py(466): forward", the line where the function starts), or "(outside eagle3)". With stacks on,
+    the profiler records Python calls as parent events named "path(line): function" (older releases: a `stack`
+    list on the operator)."""
     while event is not None:
         for frame in [event.name, *(event.stack or [])]:
             frame = frame.replace("\\", "/")
