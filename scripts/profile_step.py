@@ -26,7 +26,7 @@ import torch
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.overhead import LLAMA_8B, begin_random, build_random, copy_bandwidth, time_step
+from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
 from eagle3.fast.target import FastTarget
 from eagle3.record import run_record, write_json
 
@@ -47,7 +47,8 @@ def kind_of(name: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--shape", choices=("llama8b",), help="random weights at this shape (bf16)")
+    src.add_argument("--shape", choices=("llama8b", *SHAPES), help="random weights at this shape (bf16; llama8b is "
+                     "llama-3.1-8b), with a random drafter: a cycle's cost does not depend on what it accepts")
     src.add_argument("--target", help="a real target (path, hub id or alias)")
     p.add_argument("--drafter", help="EAGLE-3 drafter for --target (without it: plain decoding only)")
     p.add_argument("--random-drafter", action="store_true", help="a random drafter for --target (smoke tests)")
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dev = torch.device(args.device)
     if args.shape:
-        model, drafter = build_random(LLAMA_8B, dev, torch.bfloat16, draft_vocab_size=32000)
+        dims, draft_vocab = SHAPES["llama-3.1-8b" if args.shape == "llama8b" else args.shape]
+        model, drafter = build_random(dims, dev, torch.bfloat16, draft_vocab_size=draft_vocab)
     else:
         from eagle3.models import load_target
         from eagle3.runtime import drafter_for

@@ -26,6 +26,7 @@ from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProp
 from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept_greedy
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
+from eagle3.fast.core import prefix_and_window
 from eagle3.fast.drafter import top_k_last, top_n_in_order
 from eagle3.fast.target import apply_rope, apply_rope_heads, argmax_ids, heads_first, rope_tables
 from eagle3.runtime import init_drafter
@@ -231,7 +232,7 @@ def test_argmax_ids_equals_argmax_first_maximum_included(dtype):
 def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide):
     """The property that keeps bf16 chains identical to plain decoding on the fast path: a forward of T causal
     tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
-    path uses internally (heads first for T > 1, `FastTarget.rope_qk(heads=True)`). Qwen3 covers the q/k-norm path.
+    path uses internally (heads first for T > 1, `FastTarget.qkv_heads_first`). Qwen3 covers the q/k-norm path.
     `wide`: an MLP of 2,048 (SmolLM2's is 1,536), where a CPU without AMX (AMD EPYC, AVX512-BF16) rounds a
     one-row product differently from a many-row one with the vendor's kernels; the fast path's own
     (`exact_rows`, forced here on any CPU) keep the rows equal."""
@@ -370,6 +371,18 @@ def test_top_n_in_order_equals_the_two_sorts(ranked):
         for n in (1, 5, scores.shape[-1] // 2, scores.shape[-1]):
             ref = torch.sort(torch.sort(-scores, dim=-1, stable=True).indices[..., :n], dim=-1).values
             assert torch.equal(top_n_in_order(scores, n, ranked), ref), (scores.shape, n)
+
+
+def test_prefix_and_window_equals_the_scatter_it_replaces():
+    """The masks of drafting and verification (committed prefix plus a window of ancestry bits after it), built
+    by a gather so that compiled pieces fuse them, equal the scatter into the prefix mask they replaced."""
+    g = torch.Generator().manual_seed(6)
+    for s, length, rows, w in ((64, 10, 10, 30), (64, 0, 3, 5), (40, 35, 4, 5), (160, 70, 61, 61)):
+        window = torch.rand(rows, w, generator=g) < 0.5
+        ar = torch.arange(s)
+        ref = (ar < length)[None].repeat(rows, 1)
+        ref.scatter_(1, (length + torch.arange(w))[None].expand(rows, -1), window)
+        assert torch.equal(prefix_and_window(ar, torch.tensor([length]), window), ref), (s, length, rows, w)
 
 
 def test_compiled_drafting_keeps_trees_and_output(models, drafters):

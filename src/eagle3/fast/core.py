@@ -45,6 +45,16 @@ MODES = ("none", "eagle3", "host")
 DRAFTING_PIECES = ("draft", "tree_inputs", "accept", "feed")
 
 
+def prefix_and_window(ar: torch.Tensor, length: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """Bool mask [R, S]: slots below `length` (the committed prefix), and slots length + j for j < W where
+    window[r, j] (ar = arange(S); length [1]; window bool [R, W]). A scatter of `window` into the prefix mask,
+    written as a gather so that compiled pieces fuse it (see `eagle3.fast.drafter._place`)."""
+    rel = ar - length  # [S] slot relative to the first uncommitted one
+    w = window.shape[-1]
+    inside = window.gather(1, rel.clamp(0, w - 1)[None].expand(window.shape[0], -1))  # [R, S]
+    return torch.where((rel >= 0) & (rel < w), inside, rel < 0)
+
+
 class FastCore(nn.Module):
     """Static buffers and step functions of one decoding setup (mode, tree shape); see the module docstring.
 
@@ -243,12 +253,11 @@ class FastCore(nn.Module):
         f_hidden = d.feedback(self.last_out).expand(k, -1)  # [k, H]
         f_scores = scores
         anc = eye  # [k, rows so far]: frontier ancestry over the scratch rows
-        base = (self.ar_sd < length)[None].repeat(k, 1)  # [k, Sd]: committed rows
         all_tokens = rec_tokens[0]
         n_rec = k
         for step in range(1, self.depth):
             cols = length + torch.arange(step * k, device=dev)  # [step·k] scratch slots so far
-            mask = base.clone().scatter_(1, cols[None].expand(k, -1), anc)  # [k, Sd]
+            mask = prefix_and_window(self.ar_sd, length, anc)  # [k, Sd]: committed rows + ancestry in scratch
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
             out = d(f_hidden, all_tokens[frontier], pos, cols[-k:], mask)  # [k, H]
             top_lp, top_ids = top_k_last(d.log_probs(out), k, self.ranked)  # [k, k]
@@ -268,9 +277,9 @@ class FastCore(nn.Module):
         all_parents = torch.cat(rec_parents)  # [R]
         n = self.n_nodes
         keep = top_n_in_order(all_scores, n, self.ranked)  # [N] the best N in record order: parents precede children
-        remap = torch.full_like(all_parents, -1).scatter_(0, keep, self.ar[:n])  # [R] record -> node index
         parents = all_parents[keep]  # [N] record indices (-1: root)
-        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
+        hit = keep[None, :] == parents[:, None]  # [N, N]: node j is node i's parent (no scatter: see `_place`)
+        parents = torch.where(hit.any(dim=-1), (hit * self.ar[:n]).sum(dim=-1), -1)  # [N] node index, -1: root
         self.tree_tokens.copy_(all_tokens[keep])
         self.tree_parents1[1:].copy_(parents + 1)
         self.tree_parents1[:1].zero_()
@@ -296,8 +305,7 @@ class FastCore(nn.Module):
         anc = self._ancestors()  # [N+1, N+1]
         pos = length + anc.sum(dim=-1) - 1  # [N+1]
         slots = length + self.ar[:n1]  # [N+1]
-        mask = (self.ar_s < length)[None].repeat(n1, 1)  # [N+1, S] the committed prefix
-        mask.scatter_(1, slots[None].expand(n1, -1), anc)  # plus each node's ancestors and itself
+        mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors and itself
         return ids, pos, slots, mask, anc
 
     def verify(self, greedy: bool = True) -> None:
@@ -336,7 +344,7 @@ class FastCore(nn.Module):
         keep = torch.cat([self.ar[:1], path])  # [D+1]
         bonus = top[keep.gather(0, n_acc)]  # [1] target choice after the deepest accepted node
         tok1 = torch.cat([self.root, tok])  # [N+1]
-        emitted = torch.cat([tok1[path], bonus]).scatter_(0, n_acc, bonus)  # [D+1]
+        emitted = torch.where(self.ar[: d + 1] == n_acc, bonus, torch.cat([tok1[path], bonus]))  # [D+1]
         drafted = (depth * self.tree_valid).max().view(1)  # [1] deepest valid node
         self.keep.copy_(keep)
         self.n_acc.copy_(n_acc)

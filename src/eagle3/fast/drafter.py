@@ -52,10 +52,14 @@ def _ranks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _place(slot: torch.Tensor, n: int) -> torch.Tensor:
-    """Indices [..., n]: out[..., slot[i]] = i for every slot[i] < n (each slot below n taken once)."""
-    ar = torch.arange(slot.shape[-1], device=slot.device)
-    out = torch.zeros(*slot.shape[:-1], n + 1, dtype=torch.long, device=slot.device)
-    return out.scatter_(-1, torch.where(slot < n, slot, n), ar.expand_as(slot))[..., :n]  # slot n: the rest
+    """Indices [..., n]: out[..., slot[i]] = i for every slot[i] < n (each slot below n taken once; 0 where none).
+
+    By comparisons ([..., n, R], summed) rather than a scatter: inductor leaves an int64 or bool scatter on CUDA
+    to a separate aten kernel (about 2.7 us, 25 of them in a SmolLM2 tree cycle on an H200,
+    docs/results/session27_h200/), while comparisons and sums fuse with the ranking around them."""
+    ar_r = torch.arange(slot.shape[-1], device=slot.device)
+    ar_n = torch.arange(n, device=slot.device)
+    return ((slot[..., None, :] == ar_n[:, None]) * ar_r).sum(dim=-1)  # [..., n]
 
 
 def _ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,7 +141,7 @@ def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
 
 
 def grouped_attention(
-    q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.rope_qk(heads=True)`: no copy here)
+    q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.qkv_heads_first`: no copy here)
     k_all: torch.Tensor,  # [nkv, S, hd]
     v_all: torch.Tensor,  # [nkv, S, hd]
     bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
@@ -416,24 +416,51 @@ class FastTarget(nn.Module):
         cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd] each
         return rope_tables(cos[0].to(dt), sin[0].to(dt))
 
-    def rope_qk(self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor, heads: bool = False):
+    def rope_qk(self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor):
         """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [N, nh, hd] and k [N, nkv, hd] (Qwen3: RMSNorm
-        over head_dim first); cos/sin [N, hd]. `heads`: heads first, q [nh, N, hd] and k [nkv, N, hd] contiguous,
-        the same values bit for bit (the same elementwise operations on the same operands).
-
-        Heads first, stacked attention views q as [nkv, g·N, hd] and the cache write reads k as it lies: for N > 1
-        the one copy that brings the heads in front replaces the copy `torch.roll` makes of a strided input and
-        saves the transposing copy of q per layer; for N = 1 nothing changes. (On one H200 at SmolLM2's shape a
-        2-token verification ran 90 such copies more than a plain step, docs/results/session17_h200/.)"""
+        over head_dim first), tokens first; cos/sin [N, hd]."""
         n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
         pw = self.pointwise
-        lay, rope = (heads_first, pw.rope_heads) if heads else ((lambda x: x), pw.rope)
         if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
-            qk = rope(lay(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)), cos, sin)
-            return (qk[:nh], qk[nh:]) if heads else (qk[:, :nh], qk[:, nh:])
-        q = rope(pw.norm(lay(qkv[:, : nh * hd].view(n, nh, hd)), lw.q_norm, self.eps), cos, sin)
-        k = rope(pw.norm(lay(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)), lw.k_norm, self.eps), cos, sin)
+            qk = pw.rope(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd), cos, sin)
+            return qk[:, :nh], qk[:, nh:]
+        q = pw.rope(pw.norm(qkv[:, : nh * hd].view(n, nh, hd), lw.q_norm, self.eps), cos, sin)
+        k = pw.rope(pw.norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, self.eps), cos, sin)
         return q, k
+
+    def rope_tables_heads(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) at positions pos [N], laid out as `qkv_heads_first` reads them: [nh + nkv, N, hd]
+        contiguous, the rows of each token repeated per head (slice [:heads] for fewer heads).
+
+        Once per forward, so that RoPE's products and sum in every layer run on operands of one shape and layout
+        (vectorized kernels) instead of broadcasting [N, hd] over the heads, which the generic elementwise kernel
+        does at about twice the time for a 61-token verification on an H200 (docs/results/session27_h200/)."""
+        heads = self.nh + self.nkv
+        return tuple(t[pos].expand(heads, -1, -1).contiguous() for t in (self.cos, self.sin))
+
+    def qkv_heads_first(
+        self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [nh, N, hd], k [nkv, N, hd] and v [nkv, N, hd],
+        heads first and contiguous (Qwen3: RMSNorm over head_dim first); cos/sin [nh + nkv, N, hd] from
+        `rope_tables_heads`. The values are `rope_qk`'s bit for bit (the same elementwise operations on the same
+        operands).
+
+        One copy brings all heads of q, k and v in front (none for N = 1: a single row already lies that way).
+        Stacked attention then views q as [nkv, g·N, hd] and both cache writes read contiguous sources; the copy
+        replaces the one `torch.roll` makes of a strided input and the transposing copy of q per layer. (On one
+        H200 at SmolLM2's shape a 2-token verification ran 90 such copies more than a plain step,
+        docs/results/session17_h200/; v joined the copy in session 27.)"""
+        n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
+        pw = self.pointwise
+        x = heads_first(qkv.view(n, nh + 2 * nkv, hd))  # [nh + 2·nkv, N, hd]
+        v = x[nh + nkv :]
+        if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
+            qk = pw.rope_heads(x[: nh + nkv], cos, sin)
+            return qk[:nh], qk[nh:], v
+        q = pw.rope_heads(pw.norm(x[:nh], lw.q_norm, self.eps), cos[:nh], sin[:nh])
+        k = pw.rope_heads(pw.norm(x[nh : nh + nkv], lw.k_norm, self.eps), cos[:nkv], sin[:nkv])
+        return q, k, v
 
     def mlp(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """down(silu(gate) * up) of the normed x [N, H] -> [N, H]."""
@@ -479,9 +506,9 @@ class FastTarget(nn.Module):
             logits, aux = self.forward(ids.repeat(2), pos.repeat(2), slots.repeat(2), mask.expand(2, -1),
                                        want_aux=want_aux)
             return logits[:1], (None if aux is None else aux[:1])
-        nh, nkv, hd = self.nh, self.nkv, self.hd
+        nh, nkv = self.nh, self.nkv
         h = F.embedding(ids, self.embed)  # [T, H]
-        cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
+        cos, sin = self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         stacked, groups = gqa_layout(self.stacked or self.exact_rows, nh, nkv)
         bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
@@ -490,10 +517,9 @@ class FastTarget(nn.Module):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
-            v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-            q, k = self.rope_qk(qkv, lw, cos, sin, heads=True)  # [nh, T, hd], [nkv, T, hd]
+            q, k, v = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [nkv, T, hd], [nkv, T, hd]
             self.k_cache[i].index_copy_(1, slots, k)  # [nkv, S, hd] written at `slots`
-            self.v_cache[i].index_copy_(1, slots, v.transpose(0, 1))
+            self.v_cache[i].index_copy_(1, slots, v)
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
                                   self.exact_rows)  # [T, nh·hd]
             h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
