@@ -512,6 +512,21 @@ def test_prefill_widths():
     assert prefill_width(600, 640) is None  # 1,024 slots would not fit: that prompt prefills eagerly
 
 
+def test_graph_prefill_is_on_by_default_only_on_cuda(models):
+    """`FastOptions.graph_prefill=None` (the default of the library, `generate` and `bench`) resolves per device:
+    captured prefills on CUDA, the eager prefill on a CPU (where padding to a power of two costs compute); an
+    explicit choice stays, and the caller's options object is not changed."""
+    from eagle3.fast.engine import graph_prefill_by_default
+
+    assert graph_prefill_by_default("cuda:0") and graph_prefill_by_default(torch.device("cuda"))
+    assert not graph_prefill_by_default("cpu")
+    model = models["llama"]
+    shared = FastOptions()
+    assert FastEngine(model, draft="none", options=shared).options.graph_prefill is False
+    assert shared.graph_prefill is None
+    assert FastEngine(model, draft="none", options=FastOptions(graph_prefill=True)).options.graph_prefill is True
+
+
 def test_shared_target_and_cache_growth(models, drafters):
     """Engines sharing one FastTarget stay correct when another engine (or a longer request) regrows it."""
     model, d = models["qwen3"], drafters["qwen3"]

@@ -32,10 +32,12 @@ from pathlib import Path
 import torch
 
 from eagle3.config import (
+    AUTO_ON_OFF,
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
     SpecConfig,
@@ -149,6 +151,7 @@ def run_bench(
     warmup: int = 1,
     echo: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
+    graph_prefill: bool | None = None,
 ) -> dict:
     """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it.
 
@@ -159,6 +162,7 @@ def run_bench(
 
     from eagle3.evaluate import load_prompts
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
+    from eagle3.fast.engine import graph_prefill_by_default
     from eagle3.fast.overhead import copy_bandwidth
     from eagle3.models import load_target, select_device
     from eagle3.record import run_record
@@ -193,7 +197,8 @@ def run_bench(
     max_depth = max(*(t.depth for t in trees), chain, ngram_tokens)
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
-                          max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads)
+                          max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads,
+                          graph_prefill=graph_prefill)
     shared = None
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
@@ -275,6 +280,7 @@ def run_bench(
               "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
+                 "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                  "warmup": warmup, "device": str(dev),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                  "cache_slots": cache_len},
@@ -412,6 +418,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
     b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
+    b.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help="fast path: " + GRAPH_PREFILL_HELP)
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", help="folder for bench.json / bench.png (overhead.json)")
     b.add_argument("--overhead", action="store_true", help="per-cycle cost with random weights (--shape)")
@@ -458,6 +465,7 @@ def cmd_bench(args) -> int:
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
         compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
+        graph_prefill=AUTO_ON_OFF[args.graph_prefill],
     )
     path = write_json(record, out / "bench.json")
     png = plot_bench(record, out / "bench.png")

@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 from eagle3.config import (
+    AUTO_ON_OFF,
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
     SamplingConfig,
@@ -93,6 +95,7 @@ def _engine(rt, args):
         fast_only = [flag for flag, attr in (("--no-graphs", "no_graphs"), ("--compile", "compile"),
                                              ("--fuse-pointwise", "fuse_pointwise"), ("--sdpa-heads", "sdpa_heads"),
                                              ("--eager-drafting", "eager_drafting")) if getattr(args, attr, False)]
+        fast_only += ["--graph-prefill on"] if getattr(args, "graph_prefill", "auto") == "on" else []
         if fast_only:
             logging.getLogger("eagle3").warning(
                 "%s %s no effect: decoding runs on the generic engine (they apply to the static-cache fast path: "
@@ -102,7 +105,8 @@ def _engine(rt, args):
     options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
                           fuse_pointwise=getattr(args, "fuse_pointwise", False),
                           sdpa_heads=getattr(args, "sdpa_heads", False),
-                          compile_drafting=False if getattr(args, "eager_drafting", False) else None)
+                          compile_drafting=False if getattr(args, "eager_drafting", False) else None,
+                          graph_prefill=AUTO_ON_OFF[getattr(args, "graph_prefill", "auto")])
     return fast_engine_for(rt, options)
 
 
@@ -302,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fuse-pointwise", action="store_true", help="fast engine: " + FUSE_POINTWISE_HELP)
     g.add_argument("--sdpa-heads", action="store_true", help="fast engine: " + SDPA_HEADS_HELP)
     g.add_argument("--eager-drafting", action="store_true", help="fast engine: " + EAGER_DRAFTING_HELP)
+    g.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto",
+                   help="fast engine: " + GRAPH_PREFILL_HELP)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")

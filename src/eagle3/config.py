@@ -35,11 +35,15 @@ SDPA_HEADS_HELP = ("attend with the query heads as SDPA heads (enable_gqa) inste
 EAGER_DRAFTING_HELP = ("do not inductor-compile the cycle's drafting and bookkeeping (compiled by default on CUDA; "
                        "the target's forward is never compiled by it, so emitted tokens are the same either way)")
 
-# One help text for `--graph-prefill` (serve, scripts/bench_serving.py): `eagle3.fast.engine.FastOptions.graph_prefill`.
+# One help text for `--graph-prefill` (generate, bench, serve, scripts/bench_serving.py):
+# `eagle3.fast.engine.FastOptions.graph_prefill`.
 GRAPH_PREFILL_HELP = ("prefill each prompt padded to a power of two (at least 16 tokens), one CUDA graph per width "
                       "captured at start-up, instead of launching an eager prefill's kernels one by one before the "
                       "first token (H200, SmolLM2, one client: first token 6 ms instead of 15-23 ms). auto: on for "
                       "CUDA, off on a CPU, where the padding costs compute and there are no launches to save")
+
+
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as an optional bool (None: auto)
 
 
 def on_for_device(choice: str, device) -> bool:

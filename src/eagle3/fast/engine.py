@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,14 +58,22 @@ class FastOptions:
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     # run each prompt's prefill (target, then drafter) padded to a power of two of at least PREFILL_MIN_WIDTH
     # tokens, a fixed-shape function captured per width like the cycles: an eager prefill launches every kernel
-    # from Python (about 550 for SmolLM2) while the request waits for its first token. Off here; `eagle3 serve`
-    # turns it on for CUDA lanes (H200, session 24: first token 6 ms instead of 15-23 ms).
-    graph_prefill: bool = False
+    # from Python (about 550 for SmolLM2) while the request waits for its first token (H200, session 24: first
+    # token 6 ms instead of 15-23 ms in `eagle3 serve`). None: on CUDA (`graph_prefill_by_default`), as in the
+    # server since session 24 and in `eagle3 generate` / `bench` since session 27 (an eager prefill was about
+    # 24 ms of each 256-token MT-bench request's 195-500 ms there, docs/results/session27_h200/).
+    graph_prefill: bool | None = None
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
 
 
 PREFILL_MIN_WIDTH = 16  # the narrowest fixed prefill (`FastOptions.graph_prefill`)
+
+
+def graph_prefill_by_default(device: torch.device | str) -> bool:
+    """`FastOptions.graph_prefill`'s default: on CUDA, where the prefill's graphs replay instead of launching each
+    kernel; not on a CPU, where the padding to a power of two costs compute and there are no launches to save."""
+    return torch.device(device).type == "cuda"
 
 
 def _round_up(x: int, m: int) -> int:
@@ -138,6 +146,8 @@ class FastEngine:
             self.core = FastCore(self.target, "host", max_nodes=int(max_nodes))
         else:
             self.core = FastCore(self.target, "none")
+        if self.options.graph_prefill is None:
+            self.options = replace(self.options, graph_prefill=graph_prefill_by_default(self.target.device))
         o = self.options
         cd = FastCore.drafting_compiled_by_default(self.target.device) if o.compile_drafting is None \
             else o.compile_drafting
