@@ -455,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", required=True, help="folder for eval.json and eval.png")
     ev.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     ev.add_argument("--fast", action="store_true", help="same as --engine fast")
+    ev.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto",
+                    help="fast engine: " + GRAPH_PREFILL_HELP + " (the first token can then differ from an eager "
+                    "prefill's after a near-tie, so compare taus measured the same way)")
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "

@@ -35,7 +35,7 @@ SDPA_HEADS_HELP = ("attend with the query heads as SDPA heads (enable_gqa) inste
 EAGER_DRAFTING_HELP = ("do not inductor-compile the cycle's drafting and bookkeeping (compiled by default on CUDA; "
                        "the target's forward is never compiled by it, so emitted tokens are the same either way)")
 
-# One help text for `--graph-prefill` (generate, bench, serve, scripts/bench_serving.py):
+# One help text for `--graph-prefill` (generate, eval, bench, serve, scripts/bench_serving.py):
 # `eagle3.fast.engine.FastOptions.graph_prefill`.
 GRAPH_PREFILL_HELP = ("prefill each prompt padded to a power of two (at least 16 tokens), one CUDA graph per width "
                       "captured at start-up, instead of launching an eager prefill's kernels one by one before the "
