@@ -4,7 +4,8 @@ For plain decoding's step (one-token forward + argmax) and, with a drafter, one 
 verify, accept, commit) on the fast path (`eagle3.fast.core`): the step runs eagerly under `torch.profiler`
 (kernel durations do not depend on how they were launched), and its CUDA-graph replay is timed as the engines
 run it. Kernels are grouped by name into matmul, attention, top-k/sort/reduce, index/copy, elementwise and other;
-"idle" is the graph's wall time minus the sum of its kernels (gaps between small kernels). `--by-source N` also
+"idle" is the graph's wall time minus the sum of its kernels (gaps between small kernels). `--pieces` does the
+same for each piece of the cycle (draft, verify, accept, commit). `--by-source N` also
 lists the N (eagle3 function, operator) pairs that took the most kernel time, with the operator's calls: which code
 to change. Writes `profile_step.json` (run record) and prints a table.
 
@@ -59,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-pointwise", action="store_true", help="the target's elementwise work compiled (Pointwise)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
+    p.add_argument("--pieces", action="store_true",
+                   help="also profile the cycle's pieces one by one (draft, verify, accept, commit with the drafter's "
+                        "feed), each timed as its own graph: which piece holds the kernels a cycle adds")
     p.add_argument("--by-source", type=int, default=0, metavar="N",
                    help="also list the N (eagle3 function, operator) pairs with the most kernel time")
     p.add_argument("--out", required=True)
@@ -155,6 +159,21 @@ def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list, by
     return out | ({"sources": sources} if sources else {})
 
 
+def profile_pieces(core: FastCore, saved: torch.Tensor, dev: torch.device, pool, reps: int, runners: list,
+                   plain_us: float) -> dict:
+    """Each piece of a greedy cycle on its own, from the same state every repetition (the pieces read the buffers
+    the previous piece wrote; commit's advance of `length` is undone): kernels by kind and graph replay time."""
+    def commit():
+        core.commit()
+        core.length.copy_(saved)
+
+    pieces = {"draft": partial(core.piece, "draft"), "verify": partial(core.verify, greedy=True),
+              "accept": partial(core.piece, "accept"), "commit": commit}
+    out = {name: profile(f"piece {name}", fn, dev, pool, reps, runners) for name, fn in pieces.items()}
+    print("pieces in plain steps: " + ", ".join(f"{n} {r['wall_us'] / plain_us:.3f}" for n, r in out.items()))
+    return out
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -201,6 +220,9 @@ def main(argv=None) -> int:
         results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners,
                                         args.by_source)
         print(f"tree cycle = {results['tree_cycle']['wall_us'] / results['plain_step']['wall_us']:.2f} plain steps")
+        if args.pieces:
+            results["pieces"] = profile_pieces(core, saved, dev, pool, args.reps, runners,
+                                               results["plain_step"]["wall_us"])
     out = Path(args.out)
     write_json(run_record("profile_step", target=args.target or args.shape,
                           drafter=args.drafter or ("random" if drafter is not None else None),
