@@ -357,10 +357,7 @@ class FastCore(nn.Module):
             length, t = self.length, self.target
             dst = length + self.ar[: self.max_depth + 1]  # [D+1]
             src = length + self.keep  # [D+1], src >= dst elementwise: gather first, then write
-            k_sel = t.k_cache.index_select(2, src)  # [L, nkv, D+1, hd]
-            v_sel = t.v_cache.index_select(2, src)
-            t.k_cache.index_copy_(2, dst, k_sel)
-            t.v_cache.index_copy_(2, dst, v_sel)
+            t.kv_cache.index_copy_(2, dst, t.kv_cache.index_select(2, src))  # [L, 2·nkv, D+1, hd] K and V
         self.piece("feed")
 
     def feed(self) -> None:

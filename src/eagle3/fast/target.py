@@ -99,11 +99,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return apply_rope_heads(x, cos[:, None], signed_sin[:, None])
 
 
-def apply_rope_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def apply_rope_heads(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`apply_rope` with the heads in front: x [heads, T, hd], cos/signed_sin [T, hd] (or anything that broadcasts
     against x). The same elementwise operations on the same operands, so the same values bit for bit in either
-    layout."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+    layout. `out` (x itself allowed: both products are taken before the sum is written) receives the result."""
+    return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin, out=out)
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -294,6 +296,15 @@ class Pointwise:
     def compiled(self) -> bool:
         return self.backend is not None
 
+    def rope_heads_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        out: torch.Tensor | None = None) -> None:
+        """`apply_rope_heads` written into `out` (default: x, in place); compiled, the result is copied there."""
+        out = x if out is None else out
+        if self.compiled:
+            out.copy_(self.rope_heads(x, cos, sin))
+        else:
+            apply_rope_heads(x, cos, sin, out=out)
+
 
 EAGER = Pointwise()
 
@@ -361,8 +372,8 @@ class FastTarget(nn.Module):
         self.vocab_size = self.lm_head.shape[0]
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
-        self.register_buffer("k_cache", None, persistent=False)
-        self.register_buffer("v_cache", None, persistent=False)
+        self.register_buffer("kv_cache", None, persistent=False)  # [L, 2·n_kv, S, hd]: K heads, then V heads
+        self.k_cache = self.v_cache = None  # [L, n_kv, S, hd] views of kv_cache (`allocate`)
         self.seq_len = 0
         self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
         self.pointwise = EAGER
@@ -391,8 +402,11 @@ class FastTarget(nn.Module):
     # -- static buffers ------------------------------------------------------------------------
     @torch.no_grad()
     def allocate(self, seq_len: int) -> None:
-        """(Re)allocate the KV cache [L, n_kv, S, hd] and the RoPE table for S = seq_len slots (a no-op when
-        the size is unchanged, so engines sharing this target keep their captured graphs)."""
+        """(Re)allocate the KV cache and the RoPE table for S = seq_len slots (a no-op when the size is unchanged,
+        so engines sharing this target keep their captured graphs). K and V share one tensor [L, 2·n_kv, S, hd]
+        (`kv_cache`; `k_cache` and `v_cache` are its [L, n_kv, S, hd] halves, each layer's half contiguous as
+        attention reads it), so that a forward writes a layer's new K and V with one index copy and a commit
+        moves the accepted path's K and V with one gather and one copy."""
         if seq_len == self.seq_len:
             return
         if self.max_window and seq_len > self.max_window:
@@ -402,9 +416,8 @@ class FastTarget(nn.Module):
             )
         dev, dt = self.device, self.dtype
         self.cos, self.sin = self.rope_table(seq_len)
-        shape = (self.num_layers, self.nkv, seq_len, self.hd)
-        self.k_cache = torch.zeros(shape, dtype=dt, device=dev)
-        self.v_cache = torch.zeros(shape, dtype=dt, device=dev)
+        self.kv_cache = torch.zeros(self.num_layers, 2 * self.nkv, seq_len, self.hd, dtype=dt, device=dev)
+        self.k_cache, self.v_cache = self.kv_cache[:, : self.nkv], self.kv_cache[:, self.nkv :]
         self.seq_len = seq_len
         self.alloc_id += 1
 
@@ -440,27 +453,28 @@ class FastTarget(nn.Module):
 
     def qkv_heads_first(
         self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [nh, N, hd], k [nkv, N, hd] and v [nkv, N, hd],
-        heads first and contiguous (Qwen3: RMSNorm over head_dim first); cos/sin [nh + nkv, N, hd] from
-        `rope_tables_heads`. The values are `rope_qk`'s bit for bit (the same elementwise operations on the same
-        operands).
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [nh, N, hd] and the layer's new cache entries
+        kv [2·nkv, N, hd] (RoPE'd K heads, then V heads; `kv_cache`'s layout), heads first and contiguous (Qwen3:
+        RMSNorm over head_dim first); cos/sin [nh + nkv, N, hd] from `rope_tables_heads`. The values are
+        `rope_qk`'s bit for bit (the same elementwise operations on the same operands).
 
-        One copy brings all heads of q, k and v in front (none for N = 1: a single row already lies that way).
-        Stacked attention then views q as [nkv, g·N, hd] and both cache writes read contiguous sources; the copy
-        replaces the one `torch.roll` makes of a strided input and the transposing copy of q per layer. (On one
-        H200 at SmolLM2's shape a 2-token verification ran 90 such copies more than a plain step,
-        docs/results/session17_h200/; v joined the copy in session 27.)"""
+        One copy brings all heads of q, k and v in front (none for N = 1: a single row already lies that way), and
+        RoPE writes its results back into that copy, so q is a view and K and V sit next to each other for one
+        cache write. Stacked attention views q as [nkv, g·N, hd]; the copy replaces the one `torch.roll` makes of a
+        strided input and the transposing copy of q per layer. (On one H200 at SmolLM2's shape a 2-token
+        verification ran 90 such copies more than a plain step, docs/results/session17_h200/; v joined the copy
+        in session 27.)"""
         n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
         pw = self.pointwise
-        x = heads_first(qkv.view(n, nh + 2 * nkv, hd))  # [nh + 2·nkv, N, hd]
-        v = x[nh + nkv :]
+        x = heads_first(qkv.view(n, nh + 2 * nkv, hd))  # [nh + 2·nkv, N, hd]: q, k, v heads
         if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
-            qk = pw.rope_heads(x[: nh + nkv], cos, sin)
-            return qk[:nh], qk[nh:], v
-        q = pw.rope_heads(pw.norm(x[:nh], lw.q_norm, self.eps), cos[:nh], sin[:nh])
-        k = pw.rope_heads(pw.norm(x[nh : nh + nkv], lw.k_norm, self.eps), cos[:nkv], sin[:nkv])
-        return q, k, v
+            pw.rope_heads_into(x[: nh + nkv], cos, sin)
+        else:
+            pw.rope_heads_into(pw.norm(x[:nh], lw.q_norm, self.eps), cos[:nh], sin[:nh], out=x[:nh])
+            pw.rope_heads_into(pw.norm(x[nh : nh + nkv], lw.k_norm, self.eps), cos[:nkv], sin[:nkv],
+                               out=x[nh : nh + nkv])
+        return x[:nh], x[nh:]
 
     def mlp(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """down(silu(gate) * up) of the normed x [N, H] -> [N, H]."""
@@ -517,9 +531,8 @@ class FastTarget(nn.Module):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h)
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
-            q, k, v = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [nkv, T, hd], [nkv, T, hd]
-            self.k_cache[i].index_copy_(1, slots, k)  # [nkv, S, hd] written at `slots`
-            self.v_cache[i].index_copy_(1, slots, v)
+            q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
+            self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
                                   self.exact_rows)  # [T, nh·hd]
             h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
