@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-pointwise", action="store_true", help="the target's elementwise work compiled (Pointwise)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
+    p.add_argument("--drafting-mode", default=None, metavar="MODE",
+                   help="torch.compile mode for the compiled drafting pieces (e.g. max-autotune-no-cudagraphs: "
+                        "Triton templates for the drafter's small matrix products where they time faster)")
     p.add_argument("--pieces", action="store_true",
                    help="also profile the cycle's pieces one by one (draft, verify, accept, commit with the drafter's "
                         "feed), each timed as its own graph: which piece holds the kernels a cycle adds")
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     if drafter is not None:
         core = FastCore(target, "eagle3", FastDrafter(drafter), depth=depth, top_k=top_k, total_tokens=total)
         if dev.type == "cuda" and not args.eager_drafting:
-            core.compile_drafting()
+            core.compile_drafting(mode=args.drafting_mode)
         ready(core).piece("draft")
         saved = core.length.clone()
 
@@ -228,6 +231,7 @@ def main(argv=None) -> int:
                           drafter=args.drafter or ("random" if drafter is not None else None),
                           device_name=str(dev), context=args.context, tree=args.tree, weight_bytes=wbytes,
                           drafting_compiled=drafter is not None and core.drafting_compiled,
+                          drafting_mode=args.drafting_mode,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

@@ -161,12 +161,13 @@ class FastCore(nn.Module):
         if self.drafter is not None:
             self.last_out.zero_()
 
-    def compile_drafting(self, backend: str | Callable = "inductor") -> None:
+    def compile_drafting(self, backend: str | Callable = "inductor", mode: str | None = None) -> None:
         """Compile the cycle's pieces that do not run the target (`DRAFTING_PIECES`) with inductor from now on;
         they compile on first use (call before capturing graphs). A piece that fails to compile logs a warning
-        and runs eagerly (`CompiledPieces`). Emitted tokens are unchanged (module docstring)."""
+        and runs eagerly (`CompiledPieces`). Emitted tokens are unchanged (module docstring). `mode`: see
+        `CompiledPieces.compile` (an experiment of `scripts/profile_step.py --drafting-mode`)."""
         names = [n for n in DRAFTING_PIECES if self.drafter is not None or n in ("tree_inputs", "accept")]
-        self.pieces.compile(names, backend)
+        self.pieces.compile(names, backend, mode=mode)
         self.ranked = ranked_top_k(self.device)
 
     @staticmethod

@@ -139,10 +139,12 @@ class CompiledPieces:
         self.tried: set[str] = set()  # pieces that have run compiled
 
     def compile(self, names: list[str], backend: str | Callable = "inductor", dynamic: bool = False,
-                fullgraph: bool = True) -> None:
+                fullgraph: bool = True, mode: str | None = None) -> None:
+        """`mode`: torch.compile's mode for the inductor backend (e.g. "max-autotune-no-cudagraphs": Triton
+        templates for the matrix products where they time faster, with their elementwise epilogues fused)."""
         raise_recompile_limit()
         self.eager = {n: getattr(self.owner, n) for n in names}
-        self.fns = {n: torch.compile(f, fullgraph=fullgraph, dynamic=dynamic, backend=backend)
+        self.fns = {n: torch.compile(f, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode)
                     for n, f in self.eager.items()}
         self.tried = set()
 
