@@ -49,9 +49,10 @@ AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as
 def on_for_device(choice: str, device) -> bool:
     """An auto/on/off option (`--fast-lane`, `--fast-rows`, `--graph-prefill`) for `device`: auto means on for
     CUDA only."""
-    if choice not in ("auto", "on", "off"):
+    if choice not in AUTO_ON_OFF:
         raise ConfigError(f"an auto/on/off option must be auto, on or off, not {choice!r}")
-    return choice == "on" or (choice == "auto" and str(device).startswith("cuda"))
+    on = AUTO_ON_OFF[choice]
+    return str(device).startswith("cuda") if on is None else on
 
 
 class ConfigError(ValueError):

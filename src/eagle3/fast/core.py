@@ -257,10 +257,10 @@ class FastCore(nn.Module):
         all_tokens = rec_tokens[0]
         n_rec = k
         for step in range(1, self.depth):
-            cols = length + torch.arange(step * k, device=dev)  # [step·k] scratch slots so far
+            slots = length + (step - 1) * k + ar_k  # [k] this step's scratch slots
             mask = prefix_and_window(self.ar_sd, length, anc)  # [k, Sd]: committed rows + ancestry in scratch
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
-            out = d(f_hidden, all_tokens[frontier], pos, cols[-k:], mask)  # [k, H]
+            out = d(f_hidden, all_tokens[frontier], pos, slots, mask)  # [k, H]
             top_lp, top_ids = top_k_last(d.log_probs(out), k, self.ranked)  # [k, k]
             cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
             rec_scores.append(cum)
