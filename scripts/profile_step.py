@@ -107,6 +107,14 @@ def source_table(prof, cuda: bool, reps: int, n: int) -> list[dict]:
             for (where, op), (us, calls) in rows]
 
 
+def _stack_config(by_source: int) -> dict:
+    """Profiler settings that keep Python frames: on CUDA builds of torch 2.11 `with_stack` alone recorded no
+    frames for operators (session 28, docs/results/session28_h200/stackprobe.log); the experimental config's
+    `verbose` brings them back. Empty where stacks are off or the config does not exist."""
+    config = getattr(torch._C._profiler, "_ExperimentalConfig", None)
+    return {"experimental_config": config(verbose=True)} if by_source and config is not None else {}
+
+
 def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0) -> tuple[dict[str, dict], int, list[dict]]:
     """Profile `reps` eager calls of fn: per kind, microseconds and kernels per call; kernel launches per call;
     with `by_source`, that many (function, operator) pairs by kernel time (`source_table`).
@@ -116,7 +124,7 @@ def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0) -> tuple[
     fn()
     sync()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities, with_stack=by_source > 0) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=by_source > 0, **_stack_config(by_source)) as prof:
         for _ in range(reps):
             fn()
         sync()
