@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import SpecConfig
+from eagle3.config import FUSE_POINTWISE_LEVELS, SpecConfig
 from eagle3.evaluate import load_prompts
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--compile", action="store_true", help="inductor-compile the fast lane's steps (as serve --compile)")
-    p.add_argument("--fuse-pointwise", action="store_true", help="as serve --fuse-pointwise")
+    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+                   help="as serve --fuse-pointwise")
     p.add_argument("--eager-drafting", action="store_true", help="as serve --eager-drafting (the fast lane)")
     p.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
                    help="as serve --graph-prefill (the fast lane; auto: on for CUDA)")

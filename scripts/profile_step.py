@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from eagle3.config import FUSE_POINTWISE_LEVELS
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
-from eagle3.fast.target import FastTarget
+from eagle3.fast.target import FastTarget, cpu_has_bf16
 from eagle3.record import run_record, write_json
 
 KINDS = [  # first match wins
@@ -54,10 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", help="EAGLE-3 drafter for --target (without it: plain decoding only)")
     p.add_argument("--random-drafter", action="store_true", help="a random drafter for --target (smoke tests)")
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="--target's dtype (auto: bf16 on CUDA and on CPUs with native bf16, as `eagle3 demo`)")
     p.add_argument("--context", type=int, default=512, help="cached tokens before the profiled step")
     p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--fuse-pointwise", action="store_true", help="the target's elementwise work compiled (Pointwise)")
+    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+                   help="the target's elementwise work compiled (Pointwise): all, or elementwise (no norms)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",
@@ -196,12 +200,15 @@ def main(argv=None) -> int:
         from eagle3.models import load_target
         from eagle3.runtime import drafter_for
 
-        model, _ = load_target(args.target, dtype="bfloat16" if dev.type == "cuda" else "float32", device=str(dev))
+        dtype = args.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if dev.type == "cuda" or cpu_has_bf16() else "float32"
+        model, _ = load_target(args.target, dtype=dtype, device=str(dev))
         drafter = drafter_for(model, args.drafter) if args.drafter or args.random_drafter else None
     depth, top_k, total = (int(x) for x in args.tree.split(","))
     target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
     if args.fuse_pointwise:
-        target.fuse_pointwise()
+        target.fuse_pointwise(level=args.fuse_pointwise)
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
@@ -237,7 +244,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     write_json(run_record("profile_step", target=args.target or args.shape,
                           drafter=args.drafter or ("random" if drafter is not None else None),
-                          device_name=str(dev), context=args.context, tree=args.tree, weight_bytes=wbytes,
+                          device_name=str(dev), dtype=str(target.dtype), context=args.context, tree=args.tree, weight_bytes=wbytes,
                           drafting_compiled=drafter is not None and core.drafting_compiled,
                           drafting_mode=args.drafting_mode,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")

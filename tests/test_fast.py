@@ -28,7 +28,14 @@ from eagle3.decoding.verify import accept_greedy
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
 from eagle3.fast.core import prefix_and_window
 from eagle3.fast.drafter import top_k_last, top_n_in_order
-from eagle3.fast.target import apply_rope, apply_rope_heads, argmax_ids, heads_first, rope_tables
+from eagle3.fast.target import (
+    apply_rope,
+    apply_rope_heads,
+    argmax_ids,
+    heads_first,
+    heads_first_rope,
+    rope_tables,
+)
 from eagle3.runtime import init_drafter
 from eagle3.target import Target
 
@@ -215,6 +222,12 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
     x = heads_first(qk)
     assert x.is_contiguous() and (tokens > 1 or x.data_ptr() == qk.data_ptr())  # no copy for one token
     assert torch.equal(apply_rope_heads(x, cos, ssin), apply_rope(qk, cos, ssin).transpose(0, 1))
+    # the compiled path's function, run eagerly: the copy and RoPE of q and k, v copied as it is
+    heads_cos, heads_sin = (t[None].expand(4, -1, -1) for t in (cos, ssin))  # [4, T, hd]
+    fused = heads_first_rope(qkv.view(tokens, 5, 16), heads_cos, heads_sin, 4)
+    assert fused.is_contiguous() and fused.shape == (5, tokens, 16)
+    assert torch.equal(fused[:4], apply_rope(qk, cos, ssin).transpose(0, 1))
+    assert torch.equal(fused[4], qkv[:, 4 * 16 :])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -228,14 +241,17 @@ def test_argmax_ids_equals_argmax_first_maximum_included(dtype):
     assert torch.equal(argmax_ids(logits[2]), logits[2].argmax())  # one row [V] -> a scalar id
 
 
-@pytest.mark.parametrize("arch,wide", [("llama", False), ("qwen3", False), ("llama", True)])
-def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide):
+@pytest.mark.parametrize("arch,wide,fuse", [("llama", False, None), ("qwen3", False, None), ("llama", True, None),
+                                             ("llama", False, "elementwise"), ("qwen3", False, "elementwise")])
+def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse):
     """The property that keeps bf16 chains identical to plain decoding on the fast path: a forward of T causal
     tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
     path uses internally (heads first for T > 1, `FastTarget.qkv_heads_first`). Qwen3 covers the q/k-norm path.
     `wide`: an MLP of 2,048 (SmolLM2's is 1,536), where a CPU without AMX (AMD EPYC, AVX512-BF16) rounds a
     one-row product differently from a many-row one with the vendor's kernels; the fast path's own
-    (`exact_rows`, forced here on any CPU) keep the rows equal."""
+    (`exact_rows`, forced here on any CPU) keep the rows equal. `fuse`: with RoPE (and the heads-first copy) and
+    SwiGLU compiled by inductor (`--fuse-pointwise elementwise`), whose one-token and many-token kernels must
+    round alike."""
     over = {"hidden_size": 256, "intermediate_size": 2048} if wide else {}
     model = build_tiny_target(arch, **over).to(torch.bfloat16)
     ids = prompt_of(24, seed=3)
@@ -243,6 +259,8 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide):
     for mode in ("rows", "steps"):
         t = FastTarget(model)
         t.exact_rows = t.exact_rows or wide
+        if fuse:
+            t.fuse_pointwise(level=fuse)
         t.allocate(32)
         ar = torch.arange(32)
         t(ids[:18], ar[:18], ar[:18], ar[None, :] <= ar[:18, None])  # the same prefill for both
@@ -576,7 +594,7 @@ def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
-    the elementwise work compiled (`fuse_pointwise`) inside the captured graphs, and with captured prefills
+    the elementwise work compiled (`fuse_pointwise`, all or elementwise) inside the captured graphs, and with captured prefills
     (`graph_prefill`)."""
     model = build_tiny_target("llama").cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
@@ -585,7 +603,8 @@ def test_cuda_graphs_match_hf_generate(kind):
     draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
                    "ngram": ("ngram", CHAIN)}[kind]
     for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
-                 FastOptions(fuse_pointwise=True), FastOptions(graph_prefill=True)):
+                 FastOptions(fuse_pointwise=True), FastOptions(fuse_pointwise="elementwise"),
+                 FastOptions(graph_prefill=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first
             assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref

@@ -37,6 +37,7 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    FUSE_POINTWISE_LEVELS,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
@@ -145,7 +146,7 @@ def run_bench(
     dtype: str = "auto",
     graphs: bool = True,
     compile: bool = False,
-    fuse_pointwise: bool = False,
+    fuse_pointwise: bool | str | None = None,
     pipeline: bool = True,
     sdpa_heads: bool = False,
     warmup: int = 1,
@@ -414,7 +415,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="auto")
     b.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
     b.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
-    b.add_argument("--fuse-pointwise", action="store_true", help="fast path: " + FUSE_POINTWISE_HELP)
+    b.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+                   help="fast path: " + FUSE_POINTWISE_HELP)
     b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
     b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)

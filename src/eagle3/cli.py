@@ -16,6 +16,7 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    FUSE_POINTWISE_LEVELS,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
@@ -103,7 +104,7 @@ def _engine(rt, args):
                 "has" if len(fast_only) == 1 else "have")
         return rt.engine
     options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
-                          fuse_pointwise=getattr(args, "fuse_pointwise", False),
+                          fuse_pointwise=getattr(args, "fuse_pointwise", None),
                           sdpa_heads=getattr(args, "sdpa_heads", False),
                           compile_drafting=False if getattr(args, "eager_drafting", False) else None,
                           graph_prefill=AUTO_ON_OFF[getattr(args, "graph_prefill", "auto")])
@@ -303,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fast", action="store_true", help="same as --engine fast")
     g.add_argument("--no-graphs", action="store_true", help="fast engine: no CUDA graphs")
     g.add_argument("--compile", action="store_true", help="fast engine: torch.compile the captured steps")
-    g.add_argument("--fuse-pointwise", action="store_true", help="fast engine: " + FUSE_POINTWISE_HELP)
+    g.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+                   help="fast engine: " + FUSE_POINTWISE_HELP)
     g.add_argument("--sdpa-heads", action="store_true", help="fast engine: " + SDPA_HEADS_HELP)
     g.add_argument("--eager-drafting", action="store_true", help="fast engine: " + EAGER_DRAFTING_HELP)
     g.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto",

@@ -24,9 +24,12 @@ DEFAULT_DRAFT_VOCAB_SIZE = 32000
 DEFAULT_NGRAM_MAX = 4
 DEFAULT_NGRAM_MIN = 1
 
-# One help text for `--fuse-pointwise` (generate, bench, serve): `eagle3.fast.target.Pointwise`.
-FUSE_POINTWISE_HELP = ("compile only the target's elementwise work (norms, residual adds, RoPE, SwiGLU) with "
-                       "inductor; matrix products and attention stay with the vendor libraries")
+# One flag `--fuse-pointwise [elementwise|all]` (generate, bench, serve; `eagle3.fast.target.Pointwise`).
+FUSE_POINTWISE_LEVELS = ("elementwise", "all")  # their pieces: `eagle3.fast.target.FUSE_LEVELS`
+FUSE_POINTWISE_HELP = ("compile only the target's elementwise work with inductor: all (the flag alone) = norms, "
+                       "residual adds, RoPE, SwiGLU; elementwise = RoPE (with the heads-first copy) and SwiGLU, "
+                       "whose rounding does not depend on how many tokens a forward runs, so bf16 chains stay "
+                       "identical to plain decoding; matrix products and attention stay with the vendor libraries")
 # One help text for `--sdpa-heads` (generate, bench): `eagle3.fast.target.stack_query_heads`.
 SDPA_HEADS_HELP = ("attend with the query heads as SDPA heads (enable_gqa) instead of stacked per KV head: faster plain "
                    "decoding on CUDA (+18 %% on SmolLM2, H200), but bf16 chains then round differently from plain "

@@ -35,7 +35,7 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, argmax_ids, fast_support
+from eagle3.fast.target import FastTarget, argmax_ids, fast_support, fuse_level
 
 log = logging.getLogger("eagle3.fast")
 
@@ -49,7 +49,9 @@ class FastOptions:
     graphs: bool = True  # capture each cycle in a CUDA graph (False: eager kernels, same code)
     compile: bool = False  # inductor-compile the step functions before capture (slower start, fewer kernels)
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
-    fuse_pointwise: bool = False  # compile only the target's elementwise work (`Pointwise`); a shared target stays so
+    # compile only the target's elementwise work (`Pointwise`): None (off), "elementwise" (no norms: bf16 rounding
+    # alike at every row count) or "all" (True); a shared target stays so
+    fuse_pointwise: bool | str | None = None
     # compile the cycle's pieces that do not run the target (`FastCore.compile_drafting`; emitted tokens unchanged).
     # None: on CUDA, where the compiled kernels are captured in the cycle's graph (a tree cycle went from 1.98 to
     # 1.64 plain steps on an H200); not on a CPU, where compiling takes 10-20 s and the target dominates a cycle.
@@ -128,8 +130,9 @@ class FastEngine:
         elif mode == "eagle3" and target.aux_layer_ids != aux_ids:
             raise ConfigError(f"the shared FastTarget taps layers {target.aux_layer_ids}; the drafter needs "
                               f"{aux_ids}: build the FastTarget with the drafter's aux_layer_ids")
-        if self.options.fuse_pointwise and not target.pointwise.compiled:
-            target.fuse_pointwise(self.options.compile_backend)
+        level = fuse_level(self.options.fuse_pointwise)
+        if level and not target.pointwise.compiled:
+            target.fuse_pointwise(self.options.compile_backend, level)
         if self.options.sdpa_heads:
             target.use_sdpa_heads()
         self.target = target

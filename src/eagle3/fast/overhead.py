@@ -124,7 +124,7 @@ def measure_overhead(
     tree_top_k: int = 10,
     graphs: bool = True,
     compile: bool = False,
-    fuse_pointwise: bool = False,
+    fuse_pointwise: bool | str | None = None,
     reps: int = 20,
     log: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
@@ -134,7 +134,7 @@ def measure_overhead(
     inductor-compiled (`FastCore.compile_drafting`)."""
     target = FastTarget(model, drafter.config.aux_layer_ids)
     if fuse_pointwise:
-        target.fuse_pointwise()
+        target.fuse_pointwise(level=fuse_pointwise)
     fdrafter = FastDrafter(drafter)
     dev = target.device
     if compile_drafting is None:
@@ -220,7 +220,7 @@ SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 12288)}
 
 
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
-                 compile: bool = False, fuse_pointwise: bool = False, reps: int | None = None,
+                 compile: bool = False, fuse_pointwise: bool | str | None = None, reps: int | None = None,
                  log: Callable[[str], None] = print, compile_drafting: bool | None = None,
                  shape: str = "llama-3.1-8b") -> dict:
     """Build the random model (`SHAPES[shape]` in bf16, or tiny in fp32) and measure; returns the result dict."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.attention import shapes_vary
-from eagle3.config import ConfigError
+from eagle3.config import FUSE_POINTWISE_LEVELS, ConfigError
 
 log = logging.getLogger("eagle3.fast")
 
@@ -106,6 +106,16 @@ def apply_rope_heads(
     against x). The same elementwise operations on the same operands, so the same values bit for bit in either
     layout. `out` (x itself allowed: both products are taken before the sum is written) receives the result."""
     return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin, out=out)
+
+
+def heads_first_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """x [N, heads, hd] (a strided view of the fused q/k/v projections) -> [heads, N, hd] contiguous, RoPE on the
+    first n_rot heads (q and k) and the rest (v) as they are; cos/signed_sin [n_rot, N, hd] (`FastTarget.
+    rope_tables_heads`). Written for inductor (`Pointwise`, piece "qkv_rope"), which makes the copy and RoPE one
+    kernel reading the projections where they lie; eagerly `FastTarget.qkv_heads_first` copies, then rotates in
+    place."""
+    x = x.transpose(0, 1)  # [heads, N, hd], a view
+    return torch.cat([apply_rope_heads(x[:n_rot], cos, signed_sin), x[n_rot:]])
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -272,35 +282,62 @@ def cpu_has_bf16() -> bool:
     return cpu_has_amx() or _cpu_probe("_is_avx512_bf16_supported")
 
 
+# The pieces `Pointwise` can compile. ELEMENTWISE are those without reductions: a token's values do not depend
+# on how many tokens share the forward whichever kernel inductor generates for that count (a specialised one for
+# one token, a dynamic one for many), so a one-token step and a many-token verification round alike. The norms
+# reduce over the hidden size, and inductor may split a one-row reduction where it does not split 61 rows: with
+# them compiled, bf16 chains parted from plain decoding (20/80 identical, session 13, docs/benchmarks.md).
+POINTWISE_PIECES = ("norm", "add_norm", "rope", "rope_heads", "gate", "qkv_rope")
+ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
+# `--fuse-pointwise` levels (`FastOptions.fuse_pointwise`; None is off): the pieces each compiles.
+FUSE_LEVELS = dict(zip(FUSE_POINTWISE_LEVELS, (ELEMENTWISE_PIECES, POINTWISE_PIECES), strict=True))
+
+
+def fuse_level(value: bool | str | None) -> str | None:
+    """`FastOptions.fuse_pointwise` as a `FUSE_LEVELS` key: None or False (off), True ("all", the flag's meaning
+    before it took a level), or the level itself."""
+    if value is None or value is False:
+        return None
+    level = "all" if value is True else value
+    if level not in FUSE_LEVELS:
+        raise ConfigError(f"--fuse-pointwise {value!r}: expected one of {tuple(FUSE_LEVELS)}")
+    return level
+
+
 class Pointwise:
     """The elementwise work of a decoder layer (norms, residual adds, RoPE, SwiGLU), eager or compiled.
 
-    Compiled (`backend` given), each piece becomes one or two inductor kernels, while the matrix products and the
-    attention stay with the vendor libraries (cuBLAS, cuDNN): on one H200 the Llama-3.1-8B-shaped plain step then
-    took 5,133 us instead of 5,784 us, where compiling the whole step lost to eager (docs/benchmarks.md). The
-    pieces are compiled with dynamic shapes, so prefills of any length reuse them. Inductor may round a one-row
-    step (a specialised kernel) differently from a many-row verification; in fp32 greedy output stays identical
+    Compiled (`backend` given; `pieces`, default all of them), each piece becomes one or two inductor kernels, while
+    the matrix products and the attention stay with the vendor libraries (cuBLAS, cuDNN): on one H200 the
+    Llama-3.1-8B-shaped plain step then took 5,133 us instead of 5,784 us, where compiling the whole step lost to
+    eager (docs/benchmarks.md). The pieces are compiled with dynamic shapes, so prefills of any length reuse them.
+    Inductor may round a one-row step (a specialised kernel) differently from a many-row verification where a
+    piece reduces (the norms; `ELEMENTWISE_PIECES` do not); in fp32 greedy output stays identical
     (tests/test_fast.py), and in bf16 the share of identical answers is what `eagle3 bench` reports.
     """
 
-    def __init__(self, backend: str | None = None):
+    def __init__(self, backend: str | None = None, pieces: tuple[str, ...] = POINTWISE_PIECES):
         self.backend = backend
-        pieces = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "rope_heads": apply_rope_heads,
-                  "gate": silu_gate}
-        if backend is not None:
-            pieces = {k: torch.compile(f, dynamic=True, fullgraph=True, backend=backend) for k, f in pieces.items()}
-        self.norm, self.add_norm, self.rope, self.rope_heads, self.gate = (
-            pieces[k] for k in ("norm", "add_norm", "rope", "rope_heads", "gate"))
+        unknown = set(pieces) - set(POINTWISE_PIECES)
+        if unknown:
+            raise ValueError(f"unknown pointwise pieces {sorted(unknown)}; expected some of {POINTWISE_PIECES}")
+        self.fused = frozenset(pieces if backend is not None else ())
+        fns = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "rope_heads": apply_rope_heads,
+               "gate": silu_gate, "qkv_rope": heads_first_rope}
+        for name, f in fns.items():
+            if name in self.fused:
+                f = torch.compile(f, dynamic=True, fullgraph=True, backend=backend)
+            setattr(self, name, f)
 
     @property
     def compiled(self) -> bool:
-        return self.backend is not None
+        return bool(self.fused)
 
     def rope_heads_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         out: torch.Tensor | None = None) -> None:
         """`apply_rope_heads` written into `out` (default: x, in place); compiled, the result is copied there."""
         out = x if out is None else out
-        if self.compiled:
+        if "rope_heads" in self.fused:
             out.copy_(self.rope_heads(x, cos, sin))
         else:
             apply_rope_heads(x, cos, sin, out=out)
@@ -385,15 +422,16 @@ class FastTarget(nn.Module):
         costs); call before capturing graphs."""
         self.stacked = False
 
-    def fuse_pointwise(self, backend: str = "inductor") -> None:
-        """Run the elementwise work as compiled kernels from now on (`Pointwise`); compiles on first use, so call
-        it before capturing graphs."""
+    def fuse_pointwise(self, backend: str = "inductor", level: bool | str | None = "all") -> None:
+        """Run the elementwise work as compiled kernels from now on (`Pointwise`; `level` as `fuse_level`:
+        "elementwise" leaves the norms eager); compiles on first use, so call it before capturing graphs."""
+        level = fuse_level(level) or "all"
         if self.device.type != "cuda":
             # Without CUDA graphs every compiled call pays its guard checks in Python, about 120 per step: on a
             # 2-core CPU SmolLM2's plain decoding fell from 25.5 to 19.9 tok/s (docs/benchmarks.md).
             log.warning("--fuse-pointwise on %s: compiled pieces are not captured in graphs here, and their call "
                         "overhead makes decoding slower; it is meant for CUDA", self.device)
-        self.pointwise = Pointwise(backend)
+        self.pointwise = Pointwise(backend, FUSE_LEVELS[level])
 
     @property
     def device(self) -> torch.device:
@@ -467,6 +505,9 @@ class FastTarget(nn.Module):
         in session 27.)"""
         n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
         pw = self.pointwise
+        if lw.q_norm is None and "qkv_rope" in pw.fused:  # the copy and RoPE in one compiled kernel
+            x = pw.qkv_rope(qkv.view(n, nh + 2 * nkv, hd), cos, sin, nh + nkv)  # [nh + 2·nkv, N, hd]
+            return x[:nh], x[nh:]
         x = heads_first(qkv.view(n, nh + 2 * nkv, hd))  # [nh + 2·nkv, N, hd]: q, k, v heads
         if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
             pw.rope_heads_into(x[: nh + nkv], cos, sin)

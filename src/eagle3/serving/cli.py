@@ -14,6 +14,7 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_HELP,
+    FUSE_POINTWISE_LEVELS,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
@@ -85,7 +86,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--compile", action="store_true",
                    help="inductor-compile the fast lane's steps before capturing them (fewer, fused kernels: faster "
                         "batch-1 decoding, about a minute more at start-up); the fast rows stay uncompiled")
-    s.add_argument("--fuse-pointwise", action="store_true",
+    s.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
                    help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
     s.add_argument("--sdpa-heads", action="store_true", help="fast lane and fast rows: " + SDPA_HEADS_HELP)
     s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
@@ -178,7 +179,7 @@ def load_server(args):
 
 
 def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
-                     compile: bool = False, fuse_pointwise: bool = False, eager_drafting: bool = False,
+                     compile: bool = False, fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
                      sdpa_heads: bool = False, graph_prefill: str = "auto"):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
     inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`;
@@ -207,7 +208,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, 
 
 
 def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
-              token_budget: int | None = None, fuse_pointwise: bool = False, sdpa_heads: bool = False):
+              token_budget: int | None = None, fuse_pointwise: bool | str | None = None, sdpa_heads: bool = False):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
     shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`)."""
@@ -232,7 +233,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     if target is None or target.aux_layer_ids != aux:
         target = FastTarget(model, aux)
     if fuse_pointwise and not target.pointwise.compiled:
-        target.fuse_pointwise()
+        target.fuse_pointwise(level=fuse_pointwise)
     if sdpa_heads:
         target.use_sdpa_heads()  # shared with the lane, which set it already when both have the option
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
