@@ -101,7 +101,8 @@ def test_train_flags_take_their_defaults_from_train_config():
     args = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o"])
     cfg = TrainConfig(target="t", data="d", out="o")
     for name in ("ttt_steps", "lr", "warmup_ratio", "epochs", "grad_accum", "max_length", "seed", "save_every",
-                 "log_every", "features", "noise", "max_steps", "time_budget", "intermediate_size"):
+                 "log_every", "features", "noise", "max_steps", "time_budget", "intermediate_size", "label_temperature",
+                 "step_decay", "align_top_k"):
         assert getattr(args, name) == getattr(cfg, name), name
 
 

@@ -593,6 +593,7 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
     del state["config"]["sort_window"]
     del state["config"]["align_top_k"]
     del state["config"]["label_temperature"]
+    del state["config"]["step_decay"]
     torch.save(state, state_file)
     # a missing sort_window means the window runs had before it existed, which the default no longer is
     with pytest.raises(ConfigError, match=r"sort_window=1024 differ"):
@@ -608,6 +609,10 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
         train(base_cfg(data_dir, out, resume=True, max_steps=3, sort_window=1024, label_temperature=0.5))
     with pytest.raises(ConfigError, match=r"label_temperature=-1\.0 must be >= 0"):
         base_cfg(data_dir, out, label_temperature=-1.0).validate()
+    with pytest.raises(ConfigError, match=r"step_decay=0\.8 differ"):  # nor the steps' weights
+        train(base_cfg(data_dir, out, resume=True, max_steps=3, sort_window=1024, step_decay=1.0))
+    with pytest.raises(ConfigError, match=r"step_decay=1\.5 must be in \(0, 1\]"):
+        base_cfg(data_dir, out, step_decay=1.5).validate()
     res = train(base_cfg(data_dir, tmp_path / "aligned", max_steps=2, align_top_k=1))  # it trains
     aligned = tmp_path / "aligned"
     assert res.steps == 2 and json.loads((aligned / "train_config.json").read_text())["config"]["align_top_k"] == 1

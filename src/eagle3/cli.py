@@ -220,7 +220,8 @@ def cmd_train(args) -> int:
 
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, init=args.init, ttt_steps=args.ttt_steps,
-        align_top_k=args.align_top_k, label_temperature=args.label_temperature, lr=args.lr, epochs=args.epochs,
+        align_top_k=args.align_top_k, label_temperature=args.label_temperature, step_decay=args.step_decay,
+        lr=args.lr, epochs=args.epochs,
         max_steps=args.max_steps, stop_after=args.stop_after, time_budget=args.time_budget,
         batch_size=args.batch_size, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
         max_length=args.max_length, packing=args.packing, sort_window=args.sort_window, dtype=args.dtype,
@@ -404,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--label-temperature", type=float, default=tc.label_temperature, metavar="T",
                    help="soft labels softmax(target logits / T): 1 (default) the target's distribution as EAGLE-3 "
                         "trains; below 1 sharper, towards the greedy choice; 0 the target's argmax as a hard label")
+    t.add_argument("--step-decay", type=float, default=tc.step_decay, metavar="G",
+                   help="TTT step k's loss weighs G^k (default 0.8, EAGLE-3's); 1 weighs every step alike, so the "
+                        "deep draft positions a tree reaches count as much as the first")
     t.add_argument("--lr", type=float, default=tc.lr)
     t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio)
     t.add_argument("--epochs", type=int, default=tc.epochs,

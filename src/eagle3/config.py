@@ -28,8 +28,9 @@ DEFAULT_NGRAM_MIN = 1
 FUSE_POINTWISE_LEVELS = ("elementwise", "all")  # their pieces: `eagle3.fast.target.FUSE_LEVELS`
 FUSE_POINTWISE_HELP = ("compile only the target's elementwise work with inductor: all (the flag alone) = norms, "
                        "residual adds, RoPE, SwiGLU; elementwise = RoPE (with the heads-first copy) and SwiGLU, "
-                       "whose rounding does not depend on how many tokens a forward runs, so bf16 chains stay "
-                       "identical to plain decoding; matrix products and attention stay with the vendor libraries")
+                       "whose rounding does not depend on how many tokens a forward runs (made so that bf16 chains "
+                       "keep their identity with plain decoding, which all loses); matrix products and attention "
+                       "stay with the vendor libraries")
 # One help text for `--sdpa-heads` (generate, bench): `eagle3.fast.target.stack_query_heads`.
 SDPA_HEADS_HELP = ("attend with the query heads as SDPA heads (enable_gqa) instead of stacked per KV head: faster plain "
                    "decoding on CUDA (+18 %% on SmolLM2, H200), but bf16 chains then round differently from plain "

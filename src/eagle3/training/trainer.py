@@ -78,9 +78,10 @@ VAL_LOG_FILE = "val_log.jsonl"
 CONFIG_FILE = "train_config.json"
 # fields that fix the data order and the objective; a resumed run must keep them
 _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "sort_window", "max_length", "ttt_steps",
-                 "align_top_k", "label_temperature", "epochs", "val_fraction")
+                 "align_top_k", "label_temperature", "step_decay", "epochs", "val_fraction")
 # what runs used before a field of _RESUME_FIXED existed (their checkpoints do not name it)
-_RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS, "align_top_k": 0, "label_temperature": 1.0}
+_RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS, "align_top_k": 0, "label_temperature": 1.0,
+                  "step_decay": DEFAULT_STEP_DECAY}
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
 # then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
