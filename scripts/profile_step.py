@@ -244,7 +244,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     write_json(run_record("profile_step", target=args.target or args.shape,
                           drafter=args.drafter or ("random" if drafter is not None else None),
-                          device_name=str(dev), dtype=str(target.dtype), context=args.context, tree=args.tree, weight_bytes=wbytes,
+                          device_name=str(dev), dtype=str(target.dtype), context=args.context, tree=args.tree,
+                          weight_bytes=wbytes,
                           drafting_compiled=drafter is not None and core.drafting_compiled,
                           drafting_mode=args.drafting_mode,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")

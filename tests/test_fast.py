@@ -594,8 +594,8 @@ def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
-    the elementwise work compiled (`fuse_pointwise`, all or elementwise) inside the captured graphs, and with captured prefills
-    (`graph_prefill`)."""
+    the elementwise work compiled (`fuse_pointwise`, all or elementwise) inside the captured graphs, and with
+    captured prefills (`graph_prefill`)."""
     model = build_tiny_target("llama").cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
     prompt = prompt_of(9, seed=13)
