@@ -20,7 +20,7 @@ import torch
 
 from conftest import build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, SamplingConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.decoding.tree import DraftTree
@@ -29,9 +29,11 @@ from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarg
 from eagle3.fast.core import prefix_and_window
 from eagle3.fast.drafter import top_k_last, top_n_in_order
 from eagle3.fast.target import (
+    FUSE_LEVELS,
     apply_rope,
     apply_rope_heads,
     argmax_ids,
+    fuse_level,
     heads_first,
     heads_first_rope,
     rope_tables,
@@ -228,6 +230,19 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
     assert fused.is_contiguous() and fused.shape == (5, tokens, 16)
     assert torch.equal(fused[:4], apply_rope(qk, cos, ssin).transpose(0, 1))
     assert torch.equal(fused[4], qkv[:, 4 * 16 :])
+
+
+def test_fuse_levels_and_bad_levels():
+    """`FastOptions.fuse_pointwise` reads None/False as off and True as "all" (the flag before it took a level);
+    "elementwise" leaves the norms eager; anything else stops with the flag's choices."""
+    assert [fuse_level(v) for v in (None, False, True, "elementwise", "all")] == [
+        None, None, "all", "elementwise", "all"]
+    assert "norm" not in FUSE_LEVELS["elementwise"] and "add_norm" not in FUSE_LEVELS["elementwise"]
+    assert set(FUSE_LEVELS["elementwise"]) < set(FUSE_LEVELS["all"])
+    with pytest.raises(ConfigError, match=r"expected one of \('elementwise', 'all'\)"):
+        fuse_level("norms")
+    with pytest.raises(ConfigError, match="--fuse-pointwise"):
+        FastEngine(build_tiny_target("llama"), draft="none", options=FastOptions(fuse_pointwise="fast"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
