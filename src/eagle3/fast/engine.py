@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from eagle3.attention import varying_shape_attention
-from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SamplingConfig, SpecConfig, on_for_device
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import process_logits, sample
@@ -74,8 +74,9 @@ PREFILL_MIN_WIDTH = 16  # the narrowest fixed prefill (`FastOptions.graph_prefil
 
 def graph_prefill_by_default(device: torch.device | str) -> bool:
     """`FastOptions.graph_prefill`'s default: on CUDA, where the prefill's graphs replay instead of launching each
-    kernel; not on a CPU, where the padding to a power of two costs compute and there are no launches to save."""
-    return torch.device(device).type == "cuda"
+    kernel; not on a CPU, where the padding to a power of two costs compute and there are no launches to save
+    (the auto of every auto/on/off option)."""
+    return on_for_device("auto", device)
 
 
 def _round_up(x: int, m: int) -> int:

@@ -317,7 +317,6 @@ class Pointwise:
     """
 
     def __init__(self, backend: str | None = None, pieces: tuple[str, ...] = POINTWISE_PIECES):
-        self.backend = backend
         unknown = set(pieces) - set(POINTWISE_PIECES)
         if unknown:
             raise ValueError(f"unknown pointwise pieces {sorted(unknown)}; expected some of {POINTWISE_PIECES}")
