@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import FUSE_POINTWISE_LEVELS, SpecConfig
+from eagle3.config import FUSE_POINTWISE_CHOICES, SpecConfig
 from eagle3.evaluate import load_prompts
+from eagle3.fast.target import fuse_level
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import drafter_for, eos_token_ids
@@ -69,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--compile", action="store_true", help="inductor-compile the fast lane's steps (as serve --compile)")
-    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="as serve --fuse-pointwise")
     p.add_argument("--eager-drafting", action="store_true", help="as serve --eager-drafting (the fast lane)")
     p.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
@@ -262,7 +263,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     record = run_record("bench_serving", target=args.target, drafter=args.drafter or "random", device_name=device,
                         dtype=str(dtype), prompts=name, endpoint="chat" if chat else "completions",
-                        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, results=results,
+                        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        fuse_pointwise=fuse_level(args.fuse_pointwise, device) or "off", results=results,
                         speedup_spec_over_plain=speedup)
     write_json(record, out / "bench_serving.json")
     png = plot(results, out / "bench_serving.png")

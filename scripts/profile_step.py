@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import FUSE_POINTWISE_LEVELS
+from eagle3.config import FUSE_POINTWISE_CHOICES
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
-from eagle3.fast.target import FastTarget, cpu_has_bf16
+from eagle3.fast.target import FastTarget, cpu_has_bf16, fuse_level
 from eagle3.record import run_record, write_json
 
 KINDS = [  # first match wins
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="cached tokens before the profiled step")
     p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="the target's elementwise work compiled (Pointwise): all, or elementwise (no norms)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
@@ -207,8 +207,7 @@ def main(argv=None) -> int:
         drafter = drafter_for(model, args.drafter) if args.drafter or args.random_drafter else None
     depth, top_k, total = (int(x) for x in args.tree.split(","))
     target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
-    if args.fuse_pointwise:
-        target.fuse_pointwise(level=args.fuse_pointwise)
+    target.fuse_pointwise(level=args.fuse_pointwise)  # auto: elementwise on CUDA, as the engines
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
@@ -248,6 +247,7 @@ def main(argv=None) -> int:
                           weight_bytes=wbytes,
                           drafting_compiled=drafter is not None and core.drafting_compiled,
                           drafting_mode=args.drafting_mode,
+                          fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

@@ -44,11 +44,13 @@ def test_generate_every_draft_kind_gives_the_same_text(capsys, random_drafter):
 def test_fast_path_flags_on_the_generic_engine_warn(capsys, caplog, random_drafter):
     """Flags of the static-cache fast path say so when the generic engine runs (auto on a CPU), and change nothing;
     on the fast engine they apply without that warning."""
-    plain = run_json(capsys, "--drafter", str(random_drafter), "--engine", "generic")
     caplog.clear()
-    out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--eager-drafting")
+    plain = run_json(capsys, "--drafter", str(random_drafter), "--engine", "generic")
+    assert "no effect" not in caplog.text  # --fuse-pointwise auto, the default, asks nothing of the generic engine
+    out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--eager-drafting",
+                   "--fuse-pointwise", "elementwise")
     assert out["token_ids"] == plain["token_ids"]
-    assert "--sdpa-heads and --eager-drafting have no effect" in caplog.text
+    assert "--sdpa-heads and --eager-drafting and --fuse-pointwise elementwise have no effect" in caplog.text
     caplog.clear()
     out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--engine", "fast")
     assert out["token_ids"] == plain["token_ids"] and "no effect" not in caplog.text

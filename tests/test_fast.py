@@ -233,16 +233,29 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
 
 
 def test_fuse_levels_and_bad_levels():
-    """`FastOptions.fuse_pointwise` reads None/False as off and True as "all" (the flag before it took a level);
-    "elementwise" leaves the norms eager; anything else stops with the flag's choices."""
-    assert [fuse_level(v) for v in (None, False, True, "elementwise", "all")] == [
-        None, None, "all", "elementwise", "all"]
+    """`FastOptions.fuse_pointwise` and `--fuse-pointwise`: None or "auto" is elementwise on CUDA and off on a CPU;
+    False or "off" is off; True is "all" (the flag alone); "elementwise" leaves the norms eager; anything else stops
+    with the flag's choices. A default engine on a CPU leaves the target eager, and every command's flag defaults
+    to auto."""
+    values = (None, "auto", False, "off", True, "elementwise", "all")
+    assert [fuse_level(v, "cuda:1") for v in values] == [
+        "elementwise", "elementwise", None, None, "all", "elementwise", "all"]
+    assert [fuse_level(v, torch.device("cpu")) for v in values] == [None, None, None, None, "all", "elementwise", "all"]
     assert "norm" not in FUSE_LEVELS["elementwise"] and "add_norm" not in FUSE_LEVELS["elementwise"]
     assert set(FUSE_LEVELS["elementwise"]) < set(FUSE_LEVELS["all"])
-    with pytest.raises(ConfigError, match=r"expected one of \('elementwise', 'all'\)"):
-        fuse_level("norms")
+    with pytest.raises(ConfigError, match=r"expected one of \('auto', 'off', 'elementwise', 'all'\)"):
+        fuse_level("norms", "cpu")
     with pytest.raises(ConfigError, match="--fuse-pointwise"):
         FastEngine(build_tiny_target("llama"), draft="none", options=FastOptions(fuse_pointwise="fast"))
+    assert not FastEngine(build_tiny_target("llama"), draft="none").target.pointwise.compiled
+    from eagle3.cli import build_parser
+
+    cli = build_parser()
+    for argv in (["generate", "--target", "t", "--prompt", "p"], ["eval", "--target", "t", "--out", "o"]):
+        assert cli.parse_args(argv).fuse_pointwise == "auto"
+        assert cli.parse_args([*argv, "--fuse-pointwise"]).fuse_pointwise == "all"
+    for argv in (["serve", "--target", "t"], ["bench", "--target", "t"]):
+        assert cli.parse_args(argv).fuse_pointwise == "auto"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -583,7 +583,8 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
                                   "off"], "eagle3"),
                                 (["--no-spec", "--compile"], None),  # no lane on a CPU: a warning says so
                                 (["--no-spec", "--graph-prefill"], None),
-                                (["--no-spec", "--sdpa-heads"], None)):  # nothing to apply it to: a warning
+                                (["--no-spec", "--sdpa-heads"], None),  # nothing to apply it to: a warning
+                                (["--no-spec", "--fuse-pointwise", "elementwise"], None)):
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
         assert args.func.__name__ == "cmd_serve"
@@ -593,6 +594,7 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
         assert ("--graph-prefill has no effect" in caplog.text) == ("--graph-prefill" in extra and
                                                                      "--fast-lane" not in extra)
         assert ("--sdpa-heads has no effect" in caplog.text) == ("--sdpa-heads" in extra and "--fast-lane" not in extra)
+        assert ("--fuse-pointwise has no effect" in caplog.text) == ("--fuse-pointwise" in extra)  # auto: no word
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
         lane, rows = "--fast-lane" in extra, "--fast-rows" in extra  # auto (the default) is off on a CPU

@@ -36,8 +36,8 @@ from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
+    FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
-    FUSE_POINTWISE_LEVELS,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
@@ -165,6 +165,7 @@ def run_bench(
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
     from eagle3.fast.engine import graph_prefill_by_default
     from eagle3.fast.overhead import copy_bandwidth
+    from eagle3.fast.target import fuse_level
     from eagle3.models import load_target, select_device
     from eagle3.record import run_record
     from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
@@ -279,7 +280,8 @@ def run_bench(
         max_new_tokens=max_new_tokens, methods=[r[0] for r in runs], reference=ref_method,
         spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
               "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
-        options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_pointwise, "pipeline": pipeline,
+        options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
+                 "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
                  "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                  "warmup": warmup, "device": str(dev),
@@ -415,7 +417,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="auto")
     b.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
     b.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
-    b.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+    b.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="fast path: " + FUSE_POINTWISE_HELP)
     b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")

@@ -15,8 +15,8 @@ from eagle3.config import (
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
+    FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
-    FUSE_POINTWISE_LEVELS,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
@@ -94,8 +94,10 @@ def _engine(rt, args):
         choice = "fast" if on_cuda and rt.draft in FAST_DRAFT_KINDS and fast_support(rt.model) is None else "generic"
     if choice == "generic":
         fast_only = [flag for flag, attr in (("--no-graphs", "no_graphs"), ("--compile", "compile"),
-                                             ("--fuse-pointwise", "fuse_pointwise"), ("--sdpa-heads", "sdpa_heads"),
-                                             ("--eager-drafting", "eager_drafting")) if getattr(args, attr, False)]
+                                             ("--sdpa-heads", "sdpa_heads"), ("--eager-drafting", "eager_drafting"))
+                     if getattr(args, attr, False)]
+        fuse = getattr(args, "fuse_pointwise", "auto")
+        fast_only += [f"--fuse-pointwise {fuse}"] if fuse not in ("auto", "off") else []
         fast_only += ["--graph-prefill on"] if getattr(args, "graph_prefill", "auto") == "on" else []
         if fast_only:
             logging.getLogger("eagle3").warning(
@@ -104,7 +106,7 @@ def _engine(rt, args):
                 "has" if len(fast_only) == 1 else "have")
         return rt.engine
     options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
-                          fuse_pointwise=getattr(args, "fuse_pointwise", None),
+                          fuse_pointwise=getattr(args, "fuse_pointwise", "auto"),
                           sdpa_heads=getattr(args, "sdpa_heads", False),
                           compile_drafting=False if getattr(args, "eager_drafting", False) else None,
                           graph_prefill=AUTO_ON_OFF[getattr(args, "graph_prefill", "auto")])
@@ -305,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fast", action="store_true", help="same as --engine fast")
     g.add_argument("--no-graphs", action="store_true", help="fast engine: no CUDA graphs")
     g.add_argument("--compile", action="store_true", help="fast engine: torch.compile the captured steps")
-    g.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+    g.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="fast engine: " + FUSE_POINTWISE_HELP)
     g.add_argument("--sdpa-heads", action="store_true", help="fast engine: " + SDPA_HEADS_HELP)
     g.add_argument("--eager-drafting", action="store_true", help="fast engine: " + EAGER_DRAFTING_HELP)
@@ -464,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto",
                     help="fast engine: " + GRAPH_PREFILL_HELP + " (the first token can then differ from an eager "
                     "prefill's after a near-tie, so compare taus measured the same way)")
+    ev.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
+                    help="fast engine: " + FUSE_POINTWISE_HELP + " (any level changes a few bf16 roundings and so "
+                    "can change answers after a near-tie: compare taus measured the same way)")
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "

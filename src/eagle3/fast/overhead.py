@@ -32,7 +32,7 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget
+from eagle3.fast.target import FastTarget, fuse_level
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -133,8 +133,7 @@ def measure_overhead(
     `compile_drafting` (None: on CUDA, as `FastOptions`): the cycle's pieces that do not run the target are
     inductor-compiled (`FastCore.compile_drafting`)."""
     target = FastTarget(model, drafter.config.aux_layer_ids)
-    if fuse_pointwise:
-        target.fuse_pointwise(level=fuse_pointwise)
+    target.fuse_pointwise(level=fuse_pointwise)  # None: auto, as `FastOptions`
     fdrafter = FastDrafter(drafter)
     dev = target.device
     if compile_drafting is None:
@@ -163,7 +162,8 @@ def measure_overhead(
     bw = copy_bandwidth(dev)
     out: dict = {
         "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
-        "graphs": graphs and dev.type == "cuda", "compile": compile, "fuse_pointwise": fuse_pointwise,
+        "graphs": graphs and dev.type == "cuda", "compile": compile,
+        "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
         "compile_drafting": compile_drafting, "reps": reps,
         "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
         "kv_bytes_static": target.kv_bytes(seq_len),

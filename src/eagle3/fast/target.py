@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.attention import shapes_vary
-from eagle3.config import FUSE_POINTWISE_LEVELS, ConfigError
+from eagle3.config import FUSE_POINTWISE_CHOICES, FUSE_POINTWISE_LEVELS, ConfigError, on_for_device
 
 log = logging.getLogger("eagle3.fast")
 
@@ -133,7 +133,7 @@ def stack_query_heads() -> bool:
     with `enable_gqa`. On one H200 it made SmolLM2's plain decoding 18 % faster (518 -> 613 tok/s, MT-bench x 80)
     but the speculative cycles only 1-4 %, and cuDNN then runs one query row with other kernels than several, so
     bf16 chains were no longer identical to plain decoding (15/80 answers instead of 80/80;
-    docs/results/session16_h200/). Stacked it stays by default, as `--fuse-pointwise` stays off.
+    docs/results/session16_h200/). Stacked it stays by default.
     """
     return True
 
@@ -293,14 +293,20 @@ ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
 FUSE_LEVELS = dict(zip(FUSE_POINTWISE_LEVELS, (ELEMENTWISE_PIECES, POINTWISE_PIECES), strict=True))
 
 
-def fuse_level(value: bool | str | None) -> str | None:
-    """`FastOptions.fuse_pointwise` as a `FUSE_LEVELS` key: None or False (off), True ("all", the flag's meaning
-    before it took a level), or the level itself."""
-    if value is None or value is False:
+def fuse_level(value: bool | str | None, device: torch.device | str) -> str | None:
+    """`FastOptions.fuse_pointwise` (or `--fuse-pointwise`) for a target on `device`, as a `FUSE_LEVELS` key or
+    None (off). None or "auto": "elementwise" on CUDA (measured on an H200: plain decoding +12 %, the tree +15 %,
+    bf16 chains still 80/80 identical to plain decoding, docs/results/session29_h200/), off elsewhere (the auto of
+    every auto/on/off option, `eagle3.config.on_for_device`: on a CPU compiled pieces run outside CUDA graphs and
+    their call overhead costs more than they save); False or "off": off; True: "all" (the flag alone, as before
+    it took a level); a level: itself."""
+    if value is None or value == "auto":
+        return "elementwise" if on_for_device("auto", device) else None
+    if value is False or value == "off":
         return None
     level = "all" if value is True else value
     if level not in FUSE_LEVELS:
-        raise ConfigError(f"--fuse-pointwise {value!r}: expected one of {tuple(FUSE_LEVELS)}")
+        raise ConfigError(f"--fuse-pointwise {value!r}: expected one of {FUSE_POINTWISE_CHOICES}")
     return level
 
 
@@ -423,8 +429,11 @@ class FastTarget(nn.Module):
 
     def fuse_pointwise(self, backend: str = "inductor", level: bool | str | None = "all") -> None:
         """Run the elementwise work as compiled kernels from now on (`Pointwise`; `level` as `fuse_level`:
-        "elementwise" leaves the norms eager); compiles on first use, so call it before capturing graphs."""
-        level = fuse_level(level) or "all"
+        "elementwise" leaves the norms eager; "off", or "auto" off CUDA, leaves everything as it is); compiles on
+        first use, so call it before capturing graphs."""
+        level = fuse_level(level, self.device)
+        if level is None:
+            return
         if self.device.type != "cuda":
             # Without CUDA graphs every compiled call pays its guard checks in Python, about 120 per step: on a
             # 2-core CPU SmolLM2's plain decoding fell from 25.5 to 19.9 tok/s (docs/benchmarks.md).

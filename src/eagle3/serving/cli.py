@@ -13,8 +13,8 @@ from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
     EAGER_DRAFTING_HELP,
+    FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
-    FUSE_POINTWISE_LEVELS,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
     ConfigError,
@@ -86,7 +86,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--compile", action="store_true",
                    help="inductor-compile the fast lane's steps before capturing them (fewer, fused kernels: faster "
                         "batch-1 decoding, about a minute more at start-up); the fast rows stay uncompiled")
-    s.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_LEVELS, nargs="?", const="all", default=None,
+    s.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
     s.add_argument("--sdpa-heads", action="store_true", help="fast lane and fast rows: " + SDPA_HEADS_HELP)
     s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
@@ -168,7 +168,8 @@ def load_server(args):
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget,
                      fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
-    unused = [flag for flag, on in (("--fuse-pointwise", args.fuse_pointwise), ("--sdpa-heads", args.sdpa_heads)) if on]
+    fuse_named = args.fuse_pointwise not in ("auto", "off")
+    unused = [flag for flag, on in (("--fuse-pointwise", fuse_named), ("--sdpa-heads", args.sdpa_heads)) if on]
     if unused and fast is None and rows is None:
         log.warning("%s %s no effect: there is neither a fast lane nor fast rows (--fast-lane/--fast-rows off, a CPU "
                     "device with them on auto, or a target outside the fast-path families)", " and ".join(unused),
@@ -232,8 +233,8 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     aux = sorted(drafter.config.aux_layer_ids) if drafter is not None else []
     if target is None or target.aux_layer_ids != aux:
         target = FastTarget(model, aux)
-    if fuse_pointwise and not target.pointwise.compiled:
-        target.fuse_pointwise(level=fuse_pointwise)
+    if not target.pointwise.compiled:
+        target.fuse_pointwise(level=fuse_pointwise)  # None or "auto": elementwise on CUDA (`fuse_level`)
     if sdpa_heads:
         target.use_sdpa_heads()  # shared with the lane, which set it already when both have the option
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
