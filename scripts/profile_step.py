@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                   help="the target's elementwise work compiled (Pointwise): all, or elementwise (no norms)")
+                   help="the target's elementwise work compiled (Pointwise): as eagle3 bench --fuse-pointwise "
+                        "(auto: elementwise on CUDA, off on a CPU)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",

@@ -289,7 +289,7 @@ def cpu_has_bf16() -> bool:
 # them compiled, bf16 chains parted from plain decoding (20/80 identical, session 13, docs/benchmarks.md).
 POINTWISE_PIECES = ("norm", "add_norm", "rope", "rope_heads", "gate", "qkv_rope")
 ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
-# `--fuse-pointwise` levels (`FastOptions.fuse_pointwise`; None is off): the pieces each compiles.
+# `--fuse-pointwise` levels (`FastOptions.fuse_pointwise`, read by `fuse_level`): the pieces each compiles.
 FUSE_LEVELS = dict(zip(FUSE_POINTWISE_LEVELS, (ELEMENTWISE_PIECES, POINTWISE_PIECES), strict=True))
 
 
