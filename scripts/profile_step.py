@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import FUSE_POINTWISE_CHOICES
+from eagle3.config import DRAFTER_ATTENTION, FUSE_POINTWISE_CHOICES
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="the target's elementwise work compiled (Pointwise): as eagle3 bench --fuse-pointwise "
                         "(auto: elementwise on CUDA, off on a CPU)")
+    p.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="sdpa",
+                   help="the drafter's attention (FastOptions.drafter_attention): sdpa, or matmul (two batched "
+                        "products around a softmax, which compiled drafting can fuse)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",
@@ -225,7 +228,10 @@ def main(argv=None) -> int:
     print(f"\nweights {wbytes / 1e9:.3f} GB: {wbytes / step_s / 1e9:.0f} GB/s, {100 * wbytes / step_s / bw:.1f} % of "
           f"measured copy bandwidth ({bw / 1e9:.0f} GB/s)")
     if drafter is not None:
-        core = FastCore(target, "eagle3", FastDrafter(drafter), depth=depth, top_k=top_k, total_tokens=total)
+        fd = FastDrafter(drafter)
+        if args.drafter_attention == "matmul":
+            fd.use_matmul_attention()
+        core = FastCore(target, "eagle3", fd, depth=depth, top_k=top_k, total_tokens=total)
         if dev.type == "cuda" and not args.eager_drafting:
             core.compile_drafting(mode=args.drafting_mode)
         ready(core).piece("draft")
@@ -247,7 +253,7 @@ def main(argv=None) -> int:
                           device_name=str(dev), dtype=str(target.dtype), context=args.context, tree=args.tree,
                           weight_bytes=wbytes,
                           drafting_compiled=drafter is not None and core.drafting_compiled,
-                          drafting_mode=args.drafting_mode,
+                          drafting_mode=args.drafting_mode, drafter_attention=args.drafter_attention,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")

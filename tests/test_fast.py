@@ -392,7 +392,8 @@ def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
 
 @pytest.mark.parametrize("ranked", [False, True])
 def test_top_k_last_equals_topk(ranked):
-    """Two-stage, ranked (chunk maxima, then ranks) and k = 1 (a max) give torch.topk's values and indices."""
+    """Two-stage, ranked (chunk maxima, then ranks within the chosen chunks, then across them) and k = 1 (a max)
+    give torch.topk's values and indices, also where the k largest crowd into one chunk."""
     g = torch.Generator().manual_seed(4)
     for shape, k in (((8192,), 10), ((10, 8192), 10), ((3, 4, 1024), 7), ((5, 300), 4), ((2, 512), 300),
                      ((10, 8192), 1), ((100,), 10), ((7, 640), 10)):
@@ -400,6 +401,11 @@ def test_top_k_last_equals_topk(ranked):
         vals, idx = top_k_last(x, k, ranked=ranked)
         ref_vals, ref_idx = x.topk(k, dim=-1)
         assert torch.equal(vals, ref_vals) and torch.equal(idx, ref_idx), (shape, k)
+    clustered = torch.randn(3, 4096, generator=g)
+    clustered[0, 640:650] += 10  # the 10 largest in one chunk
+    clustered[1, 640:645] += 10  # five there, the rest spread
+    vals, idx = top_k_last(clustered, 10, ranked=ranked)
+    assert torch.equal(vals, clustered.topk(10).values) and torch.equal(idx, clustered.topk(10).indices)
     ties = torch.tensor([[0.0, 1.0, 1.0, -2.0, 1.0, 0.5] * 64])  # [1, 384]: many equal values
     vals, idx = top_k_last(ties, 5, ranked=ranked)
     assert torch.equal(vals, ties.topk(5).values) and torch.equal(ties.gather(-1, idx), vals)
@@ -459,6 +465,55 @@ def test_compiled_drafting_keeps_trees_and_output(models, drafters):
     engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(compile_drafting=True))
     assert engine.core.drafting_compiled
     assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compiled):
+    """`FastOptions(drafter_attention="matmul")`: the drafter attends by two batched products around a softmax
+    (`FastDrafter.use_matmul_attention`), eagerly or in compiled drafting as on CUDA: in fp32 the same trees as
+    with SDPA cycle after cycle, and HF's greedy tokens; an unknown choice stops with the choices."""
+    model, d = models["llama"], drafters["llama"]
+    prompt = prompt_of(20, seed=41)
+    runs = []
+    for matmul in (False, True):
+        fd = FastDrafter(d)
+        if matmul:
+            fd.use_matmul_attention()
+        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, depth=4, top_k=3,
+                        total_tokens=12)
+        if matmul and compiled:
+            core.compile_drafting()
+            core.ranked = True
+        core.allocate(256)
+        logits, aux = core.prefill(prompt)
+        core.begin(prompt, aux, logits.argmax().view(1))
+        trees = []
+        for _ in range(5):
+            core.cycle_greedy()
+            trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
+        runs.append(trees)
+        if matmul and compiled:
+            assert set(core.pieces.fns) == core.pieces.tried == {"draft", "tree_inputs", "accept", "feed"}
+    assert runs[0] == runs[1]
+    if compiled:
+        return
+    fd = FastDrafter(d)  # one forward under a tree-like mask: the same outputs up to fp32 rounding
+    fd.allocate(64)
+    g = torch.Generator().manual_seed(42)
+    t = 7
+    hidden, tokens = torch.randn(t, fd.hidden_size, generator=g), torch.randint(3, 200, (t,), generator=g)
+    pos = torch.arange(t)
+    mask = (torch.rand(t, 64, generator=g) < 0.5) & (torch.arange(64)[None, :] <= pos[:, None] + 20)
+    mask[pos, pos] = True
+    ref = fd(hidden, tokens, pos, pos, mask)
+    fd.use_matmul_attention()
+    torch.testing.assert_close(fd(hidden, tokens, pos, pos, mask), ref, rtol=1e-5, atol=1e-5)
+    for spec in (CHAIN, TREE):
+        engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d, options=FastOptions(drafter_attention="matmul"))
+        assert engine.core.drafter.matmul_attention
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
+    with pytest.raises(ConfigError, match=r"drafter attention 'flash': expected one of \('sdpa', 'matmul'\)"):
+        FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
 
 
 def test_compiled_drafting_falls_back_to_eager_with_a_warning(models, drafters, caplog):
@@ -622,8 +677,8 @@ def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
-    the elementwise work compiled (`fuse_pointwise`, all or elementwise) inside the captured graphs, and with
-    captured prefills (`graph_prefill`)."""
+    the elementwise work compiled (`fuse_pointwise`: elementwise by default on CUDA, all) inside the captured
+    graphs or eager (off), with the drafter's matmul attention, and with captured prefills (`graph_prefill`)."""
     model = build_tiny_target("llama").cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
     prompt = prompt_of(9, seed=13)
@@ -631,7 +686,8 @@ def test_cuda_graphs_match_hf_generate(kind):
     draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
                    "ngram": ("ngram", CHAIN)}[kind]
     for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
-                 FastOptions(fuse_pointwise=True), FastOptions(fuse_pointwise="elementwise"),
+                 FastOptions(fuse_pointwise=True), FastOptions(fuse_pointwise="off"),
+                 FastOptions(drafter_attention="matmul"),
                  FastOptions(graph_prefill=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first

@@ -35,6 +35,7 @@ from eagle3.config import (
     AUTO_ON_OFF,
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
+    DRAFTER_ATTENTION,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
@@ -149,6 +150,7 @@ def run_bench(
     fuse_pointwise: bool | str | None = None,
     pipeline: bool = True,
     sdpa_heads: bool = False,
+    drafter_attention: str = "sdpa",
     warmup: int = 1,
     echo: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
@@ -200,6 +202,7 @@ def run_bench(
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
                           max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads,
+                          drafter_attention=drafter_attention,
                           graph_prefill=graph_prefill)
     shared = None
     if reason is None:
@@ -283,6 +286,7 @@ def run_bench(
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
                  "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
+                 "drafter_attention": drafter_attention,
                  "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                  "warmup": warmup, "device": str(dev),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -420,6 +424,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="fast path: " + FUSE_POINTWISE_HELP)
     b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
+    b.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="sdpa",
+                   help="fast path: the drafter's attention, SDPA or two batched products around a softmax "
+                        "(an experiment for CUDA, `FastDrafter.use_matmul_attention`)")
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
     b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
     b.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help="fast path: " + GRAPH_PREFILL_HELP)
@@ -469,6 +476,7 @@ def cmd_bench(args) -> int:
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
         compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
+        drafter_attention=args.drafter_attention,
         graph_prefill=AUTO_ON_OFF[args.graph_prefill],
     )
     path = write_json(record, out / "bench.json")

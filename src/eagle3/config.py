@@ -35,6 +35,9 @@ FUSE_POINTWISE_HELP = ("compile the target's elementwise work with inductor: ele
                        "loses that identity; auto (default) = elementwise on CUDA, off on a CPU, where compiled "
                        "pieces outside CUDA graphs cost more than they save; matrix products and attention stay "
                        "with the vendor libraries")
+# `FastOptions.drafter_attention` (bench, scripts/profile_step.py): `eagle3.fast.drafter.FastDrafter.
+# use_matmul_attention`.
+DRAFTER_ATTENTION = ("sdpa", "matmul")
 # One help text for `--sdpa-heads` (generate, bench): `eagle3.fast.target.stack_query_heads`.
 SDPA_HEADS_HELP = ("attend with the query heads as SDPA heads (enable_gqa) instead of stacked per KV head: faster plain "
                    "decoding on CUDA (+18 %% on SmolLM2, H200), but bf16 chains then round differently from plain "

@@ -25,7 +25,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from eagle3.attention import varying_shape_attention
-from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SamplingConfig, SpecConfig, on_for_device
+from eagle3.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DRAFTER_ATTENTION,
+    ConfigError,
+    SamplingConfig,
+    SpecConfig,
+    on_for_device,
+)
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import process_logits, sample
@@ -58,6 +65,8 @@ class FastOptions:
     # 1.64 plain steps on an H200); not on a CPU, where compiling takes 10-20 s and the target dominates a cycle.
     compile_drafting: bool | None = None
     sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
+    # the drafter's attention: "sdpa" or "matmul" (`FastDrafter.use_matmul_attention`, an experiment for CUDA)
+    drafter_attention: str = "sdpa"
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     # run each prompt's prefill (target, then drafter) padded to a power of two of at least PREFILL_MIN_WIDTH
     # tokens, a fixed-shape function captured per width like the cycles: an eager prefill launches every kernel
@@ -141,6 +150,11 @@ class FastEngine:
         fd = FastDrafter(drafter) if mode == "eagle3" else None
         if fd is not None and self.options.sdpa_heads:
             fd.use_sdpa_heads()
+        if self.options.drafter_attention not in DRAFTER_ATTENTION:
+            raise ConfigError(f"drafter attention {self.options.drafter_attention!r}: expected one of "
+                              f"{DRAFTER_ATTENTION}")
+        if fd is not None and self.options.drafter_attention == "matmul":
+            fd.use_matmul_attention()
         if mode == "eagle3":
             chain = self.spec.mode == "chain"
             depth = self.spec.chain_length if chain else self.spec.depth
