@@ -234,13 +234,14 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
 
 def test_fuse_levels_and_bad_levels():
     """`FastOptions.fuse_pointwise` and `--fuse-pointwise`: None or "auto" is elementwise on CUDA and off on a CPU;
-    False or "off" is off; True is "all" (the flag alone); "elementwise" leaves the norms eager; anything else stops
-    with the flag's choices. A default engine on a CPU leaves the target eager, and every command's flag defaults
-    to auto."""
+    False or "off" is off; True is "all" (the flag alone); "elementwise" leaves the norms eager; anything else
+    stops with the flag's choices. A default engine on a CPU leaves the target eager, and every command's flag
+    defaults to auto."""
     values = (None, "auto", False, "off", True, "elementwise", "all")
     assert [fuse_level(v, "cuda:1") for v in values] == [
         "elementwise", "elementwise", None, None, "all", "elementwise", "all"]
-    assert [fuse_level(v, torch.device("cpu")) for v in values] == [None, None, None, None, "all", "elementwise", "all"]
+    assert [fuse_level(v, torch.device("cpu")) for v in values] == [
+        None, None, None, None, "all", "elementwise", "all"]
     assert "norm" not in FUSE_LEVELS["elementwise"] and "add_norm" not in FUSE_LEVELS["elementwise"]
     assert set(FUSE_LEVELS["elementwise"]) < set(FUSE_LEVELS["all"])
     with pytest.raises(ConfigError, match=r"expected one of \('auto', 'off', 'elementwise', 'all'\)"):
@@ -509,9 +510,11 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
     fd.use_matmul_attention()
     torch.testing.assert_close(fd(hidden, tokens, pos, pos, mask), ref, rtol=1e-5, atol=1e-5)
     for spec in (CHAIN, TREE):
-        engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d, options=FastOptions(drafter_attention="matmul"))
+        engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d,
+                            options=FastOptions(drafter_attention="matmul"))
         assert engine.core.drafter.matmul_attention
-        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
+        out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
+        assert out.token_ids == hf_greedy(model, prompt, NEW)
     with pytest.raises(ConfigError, match=r"drafter attention 'flash': expected one of \('sdpa', 'matmul'\)"):
         FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
 

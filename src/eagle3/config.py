@@ -31,10 +31,10 @@ FUSE_POINTWISE_CHOICES = ("auto", "off", *FUSE_POINTWISE_LEVELS)
 FUSE_POINTWISE_HELP = ("compile the target's elementwise work with inductor: elementwise = RoPE (with the heads-first "
                        "copy) and SwiGLU, whose rounding does not depend on how many tokens a forward runs, so bf16 "
                        "chains stay identical to plain decoding (H200, SmolLM2, 80 MT-bench prompts: 80/80; plain "
-                       "+12 %%, tree +15 %% tok/s; 8-20 s more warm-up for the compiling); all (the flag alone) = also the norms and residual adds, which "
-                       "loses that identity; auto (default) = elementwise on CUDA, off on a CPU, where compiled "
-                       "pieces outside CUDA graphs cost more than they save; matrix products and attention stay "
-                       "with the vendor libraries")
+                       "+12 %%, tree +15 %% tok/s; 8-20 s more warm-up for the compiling); all (the flag alone) = "
+                       "also the norms and residual adds, which loses that identity; auto (default) = elementwise "
+                       "on CUDA, off on a CPU, where compiled pieces outside CUDA graphs cost more than they save; "
+                       "matrix products and attention stay with the vendor libraries")
 # `FastOptions.drafter_attention` (bench, scripts/profile_step.py): `eagle3.fast.drafter.FastDrafter.
 # use_matmul_attention`.
 DRAFTER_ATTENTION = ("sdpa", "matmul")
