@@ -438,6 +438,18 @@ def test_prefix_and_window_equals_the_scatter_it_replaces():
         assert torch.equal(prefix_and_window(ar, torch.tensor([length]), window), ref), (s, length, rows, w)
 
 
+def cycle_trees(core: FastCore, prompt: torch.Tensor, cycles: int = 5) -> list[tuple]:
+    """Tokens, parents and packet of each of `cycles` greedy cycles after `prompt`'s prefill."""
+    core.allocate(256)
+    logits, aux = core.prefill(prompt)
+    core.begin(prompt, aux, logits.argmax().view(1))
+    trees = []
+    for _ in range(cycles):
+        core.cycle_greedy()
+        trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
+    return trees
+
+
 def test_compiled_drafting_keeps_trees_and_output(models, drafters):
     """`compile_drafting`: drafting, the verification's inputs, acceptance and feeding the drafter compiled by
     inductor, the target eager: the same trees as eager drafting cycle after cycle (fp32), the same emitted
@@ -451,14 +463,7 @@ def test_compiled_drafting_keeps_trees_and_output(models, drafters):
         if compiled:
             core.compile_drafting()
             core.ranked = True  # as on CUDA (`ranked_top_k`): the ranked top-k compiles and keeps the trees
-        core.allocate(256)
-        logits, aux = core.prefill(prompt)
-        core.begin(prompt, aux, logits.argmax().view(1))
-        trees = []
-        for _ in range(5):
-            core.cycle_greedy()
-            trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
-        runs.append(trees)
+        runs.append(cycle_trees(core, prompt))
         if compiled:
             assert core.pieces.tried == {"draft", "tree_inputs", "accept", "feed"}
     assert runs[0] == runs[1]
@@ -485,14 +490,7 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
         if matmul and compiled:
             core.compile_drafting()
             core.ranked = True
-        core.allocate(256)
-        logits, aux = core.prefill(prompt)
-        core.begin(prompt, aux, logits.argmax().view(1))
-        trees = []
-        for _ in range(5):
-            core.cycle_greedy()
-            trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
-        runs.append(trees)
+        runs.append(cycle_trees(core, prompt))
         if matmul and compiled:
             assert set(core.pieces.fns) == core.pieces.tried == {"draft", "tree_inputs", "accept", "feed"}
     assert runs[0] == runs[1]
