@@ -247,7 +247,7 @@ class FastDrafter(nn.Module):
         stacked, groups = gqa_layout(self.stacked, nh, nkv)
         bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, stacked,
-                              exact=self.matmul_attention and stacked)  # [T, nh·hd]
+                              exact=self.matmul_attention)  # [T, nh·hd]
         r1 = residual + F.linear(o, self.wo, self.bo)
         gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]

@@ -42,7 +42,7 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, argmax_ids, fast_support, fuse_level
+from eagle3.fast.target import FastTarget, argmax_ids, fast_support
 
 log = logging.getLogger("eagle3.fast")
 
@@ -141,9 +141,8 @@ class FastEngine:
         elif mode == "eagle3" and target.aux_layer_ids != aux_ids:
             raise ConfigError(f"the shared FastTarget taps layers {target.aux_layer_ids}; the drafter needs "
                               f"{aux_ids}: build the FastTarget with the drafter's aux_layer_ids")
-        level = fuse_level(self.options.fuse_pointwise, target.device)
-        if level and not target.pointwise.compiled:
-            target.fuse_pointwise(self.options.compile_backend, level)
+        if not target.pointwise.compiled:  # `fuse_pointwise` resolves auto/off for the target's device
+            target.fuse_pointwise(self.options.compile_backend, self.options.fuse_pointwise)
         if self.options.sdpa_heads:
             target.use_sdpa_heads()
         self.target = target
