@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import DRAFTER_ATTENTION, FUSE_POINTWISE_CHOICES
+from eagle3.config import DRAFTER_ATTENTION, DRAFTER_ATTENTION_HELP, FUSE_POINTWISE_CHOICES
 from eagle3.fast.core import FastCore
-from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.drafter import FastDrafter, drafter_attention_for
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
 from eagle3.fast.target import FastTarget, cpu_has_bf16, fuse_level
@@ -63,9 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="the target's elementwise work compiled (Pointwise): as eagle3 bench --fuse-pointwise "
                         "(auto: elementwise on CUDA, off on a CPU)")
-    p.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="sdpa",
-                   help="the drafter's attention (FastOptions.drafter_attention): sdpa, or matmul (two batched "
-                        "products around a softmax, which compiled drafting can fuse)")
+    p.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
+                   help=DRAFTER_ATTENTION_HELP.removeprefix("fast path: "))
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",
@@ -229,7 +228,7 @@ def main(argv=None) -> int:
           f"measured copy bandwidth ({bw / 1e9:.0f} GB/s)")
     if drafter is not None:
         fd = FastDrafter(drafter)
-        if args.drafter_attention == "matmul":
+        if drafter_attention_for(args.drafter_attention, dev) == "matmul":
             fd.use_matmul_attention()
         core = FastCore(target, "eagle3", fd, depth=depth, top_k=top_k, total_tokens=total)
         if dev.type == "cuda" and not args.eager_drafting:
@@ -253,7 +252,8 @@ def main(argv=None) -> int:
                           device_name=str(dev), dtype=str(target.dtype), context=args.context, tree=args.tree,
                           weight_bytes=wbytes,
                           drafting_compiled=drafter is not None and core.drafting_compiled,
-                          drafting_mode=args.drafting_mode, drafter_attention=args.drafter_attention,
+                          drafting_mode=args.drafting_mode,
+                          drafter_attention=drafter_attention_for(args.drafter_attention, dev),
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")

@@ -48,11 +48,14 @@ def test_fast_path_flags_on_the_generic_engine_warn(capsys, caplog, random_draft
     plain = run_json(capsys, "--drafter", str(random_drafter), "--engine", "generic")
     assert "no effect" not in caplog.text  # --fuse-pointwise auto, the default, asks nothing of the generic engine
     out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--eager-drafting",
-                   "--fuse-pointwise", "elementwise")
+                   "--fuse-pointwise", "elementwise", "--drafter-attention", "matmul")
     assert out["token_ids"] == plain["token_ids"]
-    assert "--sdpa-heads and --eager-drafting and --fuse-pointwise elementwise have no effect" in caplog.text
+    assert ("--sdpa-heads and --eager-drafting and --fuse-pointwise elementwise and --drafter-attention matmul "
+            "have no effect") in caplog.text
     caplog.clear()
     out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--engine", "fast")
+    assert out["token_ids"] == plain["token_ids"] and "no effect" not in caplog.text
+    out = run_json(capsys, "--drafter", str(random_drafter), "--drafter-attention", "matmul", "--engine", "fast")
     assert out["token_ids"] == plain["token_ids"] and "no effect" not in caplog.text
 
 
@@ -119,7 +122,9 @@ def test_eval_reports_each_prompt_and_tau_by_category(capsys, random_drafter, tm
     assert main(["eval", "--target", "stories260k", "--drafter", str(random_drafter), "--datasets", str(data),
                  "--max-new-tokens", "12", "--chain", "3", "--temperatures", "0", "--out", str(out)]) == 0
     assert "by category: story" in capsys.readouterr().out
-    run = json.loads((out / "eval.json").read_text())["runs"][0]
+    report = json.loads((out / "eval.json").read_text())
+    assert report["engine"] == {"engine": "generic"}  # what ran is in the record (auto on a CPU: generic)
+    run = report["runs"][0]
     per = run["per_prompt"]
     assert [r["category"] for r in per] == ["story", "story", "animal"] and run["prompts"] == 3
     assert sum(r["cycles"] for r in per) == run["cycles"] and sum(r["new_tokens"] for r in per) == run["new_tokens"]

@@ -27,7 +27,7 @@ from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept_greedy
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
 from eagle3.fast.core import prefix_and_window
-from eagle3.fast.drafter import top_k_last, top_n_in_order
+from eagle3.fast.drafter import drafter_attention_for, top_k_last, top_n_in_order
 from eagle3.fast.target import (
     FUSE_LEVELS,
     apply_rope,
@@ -513,8 +513,33 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
         assert engine.core.drafter.matmul_attention
         out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
         assert out.token_ids == hf_greedy(model, prompt, NEW)
-    with pytest.raises(ConfigError, match=r"drafter attention 'flash': expected one of \('sdpa', 'matmul'\)"):
+    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'sdpa', 'matmul'\)"):
         FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
+
+
+def test_drafter_attention_auto_is_matmul_on_cuda_only(models, drafters):
+    """`--drafter-attention auto` (the default of `FastOptions`, generate, eval, bench, profile_step): matmul
+    on CUDA (measured faster on an H200, session 30), sdpa on a CPU and wherever --sdpa-heads asks for SDPA
+    heads; a named choice is kept on any device, and the engine and `settings()` say which one runs."""
+    resolve = drafter_attention_for
+    assert resolve("auto", "cuda:0") == resolve(None, torch.device("cuda")) == "matmul"
+    assert resolve("auto", "cpu") == resolve(None, "cpu") == "sdpa"
+    assert resolve("auto", "cuda:0", sdpa_heads=True) == "sdpa"
+    assert resolve("matmul", "cpu") == "matmul" and resolve("sdpa", "cuda") == "sdpa"
+    model, d = models["llama"], drafters["llama"]
+    engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d)
+    assert engine.drafter_attention == "sdpa" and not engine.core.drafter.matmul_attention
+    assert engine.settings()["drafter_attention"] == "sdpa"
+    engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d,
+                        options=FastOptions(drafter_attention="matmul"))
+    assert engine.settings()["drafter_attention"] == "matmul" and engine.core.drafter.matmul_attention
+    from eagle3.cli import build_parser
+
+    cli = build_parser()
+    for argv in (["generate", "--target", "t", "--prompt", "p"], ["eval", "--target", "t", "--out", "o"],
+                 ["bench", "--target", "t"]):
+        assert cli.parse_args(argv).drafter_attention == "auto"
+        assert cli.parse_args([*argv, "--drafter-attention", "sdpa"]).drafter_attention == "sdpa"
 
 
 def test_compiled_drafting_falls_back_to_eager_with_a_warning(models, drafters, caplog):
@@ -679,7 +704,8 @@ def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
     the elementwise work compiled (`fuse_pointwise`: elementwise by default on CUDA, all) inside the captured
-    graphs or eager (off), with the drafter's matmul attention, and with captured prefills (`graph_prefill`)."""
+    graphs or eager (off), with the drafter's SDPA attention (matmul by default on CUDA), and with captured
+    prefills (`graph_prefill`)."""
     model = build_tiny_target("llama").cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
     prompt = prompt_of(9, seed=13)
@@ -688,7 +714,7 @@ def test_cuda_graphs_match_hf_generate(kind):
                    "ngram": ("ngram", CHAIN)}[kind]
     for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
                  FastOptions(fuse_pointwise=True), FastOptions(fuse_pointwise="off"),
-                 FastOptions(drafter_attention="matmul"),
+                 FastOptions(drafter_attention="sdpa"),
                  FastOptions(graph_prefill=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first

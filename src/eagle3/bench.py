@@ -36,6 +36,7 @@ from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
     DRAFTER_ATTENTION,
+    DRAFTER_ATTENTION_HELP,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
@@ -150,7 +151,7 @@ def run_bench(
     fuse_pointwise: bool | str | None = None,
     pipeline: bool = True,
     sdpa_heads: bool = False,
-    drafter_attention: str = "sdpa",
+    drafter_attention: str | None = None,
     warmup: int = 1,
     echo: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
@@ -165,6 +166,7 @@ def run_bench(
 
     from eagle3.evaluate import load_prompts
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
+    from eagle3.fast.drafter import drafter_attention_for
     from eagle3.fast.engine import graph_prefill_by_default
     from eagle3.fast.overhead import copy_bandwidth
     from eagle3.fast.target import fuse_level
@@ -286,7 +288,7 @@ def run_bench(
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
                  "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
-                 "drafter_attention": drafter_attention,
+                 "drafter_attention": drafter_attention_for(drafter_attention, dev, sdpa_heads),
                  "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                  "warmup": warmup, "device": str(dev),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -424,9 +426,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="fast path: " + FUSE_POINTWISE_HELP)
     b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
-    b.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="sdpa",
-                   help="fast path: the drafter's attention, SDPA or two batched products around a softmax "
-                        "(an experiment for CUDA, `FastDrafter.use_matmul_attention`)")
+    b.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
+                   help=DRAFTER_ATTENTION_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
     b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
     b.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help="fast path: " + GRAPH_PREFILL_HELP)
@@ -457,7 +458,8 @@ def cmd_bench(args) -> int:
             select_device(device)
         res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
                            fuse_pointwise=args.fuse_pointwise, reps=args.reps,
-                           compile_drafting=False if args.eager_drafting else None, shape=args.shape)
+                           compile_drafting=False if args.eager_drafting else None, shape=args.shape,
+                           drafter_attention=args.drafter_attention)
         record = run_record("bench-overhead", **res)
         path = write_json(record, out / "overhead.json")
         print(format_overhead(res))

@@ -14,6 +14,8 @@ from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
+    DRAFTER_ATTENTION,
+    DRAFTER_ATTENTION_HELP,
     EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
@@ -99,6 +101,8 @@ def _engine(rt, args):
         fuse = getattr(args, "fuse_pointwise", "auto")
         fast_only += [f"--fuse-pointwise {fuse}"] if fuse not in ("auto", "off") else []
         fast_only += ["--graph-prefill on"] if getattr(args, "graph_prefill", "auto") == "on" else []
+        attention = getattr(args, "drafter_attention", "auto")
+        fast_only += [f"--drafter-attention {attention}"] if attention != "auto" else []
         if fast_only:
             logging.getLogger("eagle3").warning(
                 "%s %s no effect: decoding runs on the generic engine (they apply to the static-cache fast path: "
@@ -108,6 +112,7 @@ def _engine(rt, args):
     options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
                           fuse_pointwise=getattr(args, "fuse_pointwise", "auto"),
                           sdpa_heads=getattr(args, "sdpa_heads", False),
+                          drafter_attention=getattr(args, "drafter_attention", "auto"),
                           compile_drafting=False if getattr(args, "eager_drafting", False) else None,
                           graph_prefill=AUTO_ON_OFF[getattr(args, "graph_prefill", "auto")])
     return fast_engine_for(rt, options)
@@ -262,8 +267,10 @@ def cmd_eval(args) -> int:
             if r.tau_by_category:
                 print("           by category: " + ", ".join(f"{c} {t:.2f}" for c, t in r.tau_by_category.items()),
                       flush=True)
+    settings = getattr(rt.engine, "settings", None)
     report = run_record("eval", target=args.target, drafter=str(args.drafter), draft=rt.draft,
-                        spec=rt.spec.__dict__, max_new_tokens=args.max_new_tokens, limit=args.limit, runs=runs)
+                        spec=rt.spec.__dict__, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                        engine=settings() if settings is not None else {"engine": "generic"}, runs=runs)
     write_json(report, out / "eval.json")
     png = plot_report(report, out / "eval.png")
     print(f"report: {out / 'eval.json'}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
@@ -313,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eager-drafting", action="store_true", help="fast engine: " + EAGER_DRAFTING_HELP)
     g.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto",
                    help="fast engine: " + GRAPH_PREFILL_HELP)
+    g.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
+                   help=DRAFTER_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1))
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
@@ -469,6 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                     help="fast engine: " + FUSE_POINTWISE_HELP + " (any level changes a few bf16 roundings and so "
                     "can change answers after a near-tie: compare taus measured the same way)")
+    ev.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
+                    help=DRAFTER_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1) + " (matmul "
+                    "rounds the drafter otherwise than sdpa, so a near-tie in its proposals can change tau a "
+                    "little: compare taus measured the same way)")
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "

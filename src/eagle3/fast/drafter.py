@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.target import (
     apply_rope,
@@ -41,6 +42,20 @@ def ranked_top_k(device: torch.device | str) -> bool:
     tree's 565 -> 529 us). Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more kernels, not
     fewer."""
     return torch.device(device).type == "cuda"
+
+
+def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False) -> str:
+    """`FastOptions.drafter_attention` (`--drafter-attention`) for a drafter on `device`: "sdpa" or "matmul"
+    (`FastDrafter.use_matmul_attention`). None or "auto": matmul on CUDA, where compiled drafting fuses the
+    mask and the softmax between two small GEMMs (one H200, SmolLM2's shape: a 6,10,60 tree cycle 2,285 ->
+    2,225 us, drafting 457 -> 404 us; all 80 MT-bench prompts: tree 2.87x -> 2.96x plain decoding, chain 5
+    2.10x -> 2.16x, docs/results/session30_h200/); sdpa elsewhere (on a CPU drafting runs eagerly and nothing
+    fuses; untimed), and with `sdpa_heads` (`--sdpa-heads`: the drafter's query heads as SDPA heads too)."""
+    if choice is None or choice == "auto":
+        return "matmul" if on_for_device("auto", device) and not sdpa_heads else "sdpa"
+    if choice not in DRAFTER_ATTENTION:
+        raise ConfigError(f"drafter attention {choice!r}: expected one of {DRAFTER_ATTENTION}")
+    return choice
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -177,11 +192,12 @@ class FastDrafter(nn.Module):
 
     def use_matmul_attention(self) -> None:
         """Attend by two batched matrix products around an fp32 softmax (`rows_exact_attention`) instead of SDPA,
-        with the query heads stacked; call before capturing graphs. An experiment for CUDA (`FastOptions.
-        drafter_attention`): on an H200 each of a tree cycle's six drafter forwards spent about 16 us in cuDNN's
-        attention and 2 us building its bias (docs/results/session29_h200/), where compiled drafting could fuse
-        the bias and softmax into one kernel between two small GEMMs. The drafter's rounding only changes which
-        tokens are proposed, never what the target emits."""
+        with the query heads stacked; call before capturing graphs. The default on CUDA (`FastOptions.
+        drafter_attention`, `drafter_attention_for`): on an H200 each of a tree cycle's six drafter forwards
+        spent about 16 us in cuDNN's attention and 2 us building its bias (docs/results/session29_h200/),
+        where compiled drafting fuses the bias and softmax into one kernel between two small GEMMs (the cycle
+        60 us shorter, session 30). The drafter's rounding only changes which tokens are proposed, never what
+        the target emits."""
         self.stacked = True
         self.matmul_attention = True
 

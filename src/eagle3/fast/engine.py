@@ -27,7 +27,6 @@ import torch
 from eagle3.attention import varying_shape_attention
 from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
-    DRAFTER_ATTENTION,
     ConfigError,
     SamplingConfig,
     SpecConfig,
@@ -40,7 +39,7 @@ from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
-from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.drafter import FastDrafter, drafter_attention_for
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, argmax_ids, fast_support
 
@@ -65,8 +64,9 @@ class FastOptions:
     # 1.64 plain steps on an H200); not on a CPU, where compiling takes 10-20 s and the target dominates a cycle.
     compile_drafting: bool | None = None
     sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
-    # the drafter's attention: "sdpa" or "matmul" (`FastDrafter.use_matmul_attention`, an experiment for CUDA)
-    drafter_attention: str = "sdpa"
+    # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`)
+    # or None / "auto": matmul on CUDA (H200, session 30: tree 2.87x -> 2.96x plain decoding), sdpa elsewhere
+    drafter_attention: str | None = None
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     # run each prompt's prefill (target, then drafter) padded to a power of two of at least PREFILL_MIN_WIDTH
     # tokens, a fixed-shape function captured per width like the cycles: an eager prefill launches every kernel
@@ -149,10 +149,9 @@ class FastEngine:
         fd = FastDrafter(drafter) if mode == "eagle3" else None
         if fd is not None and self.options.sdpa_heads:
             fd.use_sdpa_heads()
-        if self.options.drafter_attention not in DRAFTER_ATTENTION:
-            raise ConfigError(f"drafter attention {self.options.drafter_attention!r}: expected one of "
-                              f"{DRAFTER_ATTENTION}")
-        if fd is not None and self.options.drafter_attention == "matmul":
+        self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device,
+                                                       self.options.sdpa_heads)  # "sdpa" | "matmul"
+        if fd is not None and self.drafter_attention == "matmul":
             fd.use_matmul_attention()
         if mode == "eagle3":
             chain = self.spec.mode == "chain"
@@ -245,6 +244,13 @@ class FastEngine:
     @property
     def compiled(self) -> bool:
         return bool(self._runners) and all(r.compiled for r in self._runners.values())
+
+    def settings(self) -> dict:
+        """What this engine runs with, resolved for its device (for run records: `eagle3 eval`)."""
+        o = self.options
+        return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda", "compile": o.compile,
+                "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
+                "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -30,7 +30,7 @@ import transformers
 from eagle3.config import DrafterConfig
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
-from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.drafter import FastDrafter, drafter_attention_for
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, fuse_level
 
@@ -128,14 +128,18 @@ def measure_overhead(
     reps: int = 20,
     log: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
+    drafter_attention: str | None = None,
 ) -> dict:
     """Per-cycle costs for each chain length and tree size, in seconds and in target-step units.
     `compile_drafting` (None: on CUDA, as `FastOptions`): the cycle's pieces that do not run the target are
-    inductor-compiled (`FastCore.compile_drafting`)."""
+    inductor-compiled (`FastCore.compile_drafting`); `drafter_attention`: as `FastOptions` (None: auto)."""
     target = FastTarget(model, drafter.config.aux_layer_ids)
     target.fuse_pointwise(level=fuse_pointwise)  # None: auto, as `FastOptions`
     fdrafter = FastDrafter(drafter)
     dev = target.device
+    attention = drafter_attention_for(drafter_attention, dev)
+    if attention == "matmul":
+        fdrafter.use_matmul_attention()
     if compile_drafting is None:
         compile_drafting = FastCore.drafting_compiled_by_default(dev, compile)
     vocab = target.vocab_size
@@ -164,7 +168,7 @@ def measure_overhead(
         "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
         "graphs": graphs and dev.type == "cuda", "compile": compile,
         "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
-        "compile_drafting": compile_drafting, "reps": reps,
+        "compile_drafting": compile_drafting, "drafter_attention": attention, "reps": reps,
         "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
         "kv_bytes_static": target.kv_bytes(seq_len),
         "copy_bandwidth_gbs": bw / 1e9,
@@ -222,7 +226,7 @@ SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 12288)}
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
                  compile: bool = False, fuse_pointwise: bool | str | None = None, reps: int | None = None,
                  log: Callable[[str], None] = print, compile_drafting: bool | None = None,
-                 shape: str = "llama-3.1-8b") -> dict:
+                 shape: str = "llama-3.1-8b", drafter_attention: str | None = None) -> dict:
     """Build the random model (`SHAPES[shape]` in bf16, or tiny in fp32) and measure; returns the result dict."""
     dev = torch.device(device)
     if tiny:
@@ -230,7 +234,7 @@ def run_overhead(device: str, tiny: bool = False, context: int | None = None, gr
         return {"shape": "tiny-llama", **measure_overhead(
             model, drafter, context=context or 32, chains=(1, 2, 3), trees=(8, 16), tree_depth=3, tree_top_k=4,
             graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, reps=reps or 3, log=log,
-            compile_drafting=compile_drafting)}
+            compile_drafting=compile_drafting, drafter_attention=drafter_attention)}
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
     t0 = time.perf_counter()
@@ -239,4 +243,4 @@ def run_overhead(device: str, tiny: bool = False, context: int | None = None, gr
     log(f"built random {shape}-shape target and drafter on {dev} in {time.perf_counter() - t0:.1f}s")
     return {"shape": shape, **measure_overhead(
         model, drafter, context=context or 512, graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise,
-        reps=reps or 20, log=log, compile_drafting=compile_drafting)}
+        reps=reps or 20, log=log, compile_drafting=compile_drafting, drafter_attention=drafter_attention)}
