@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError
-from eagle3.fast.batched import BatchedGenerator
+from eagle3.fast.batched import BatchedGenerator, span_buckets
 
 FAST_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -40,6 +40,29 @@ def test_greedy_equals_plain_decoding_with_refills(tiny_target, arch, head_layou
     outs = gen.generate(prompts, max_new_tokens=budgets, eos_token_ids=[])
     for p, o in zip(prompts, outs, strict=True):
         assert (o.tokens, o.finish_reason) == _greedy(model, p, budgets, set())
+
+
+def test_attention_spans_follow_the_rows_in_flight(tiny_target):
+    """Attention reads only the first `span` slots: short prompts run in small spans, a long one moves its
+    windows to a larger span and back once it is done, and every answer is still plain greedy; a generator
+    with one span (the whole cache, as before spans existed) gives the same tokens."""
+    assert span_buckets(1664) == (128, 256, 512, 1024, 1664)
+    assert span_buckets(128) == (128,) and span_buckets(100) == (100,)
+    assert span_buckets(48, 8) == (8, 16, 32, 48)
+    model = tiny_target("llama")
+    prompts = _prompts(model.config.vocab_size, [3, 4, 2, 26, 5, 3, 1])
+    gen = BatchedGenerator(model, rows=2, max_seq_len=48, sync_every=3, min_span=8)
+    assert gen.spans == (8, 16, 32, 48) and gen.span_for(9) == 16 and gen.span_for(48) == 48
+    outs = gen.generate(prompts, max_new_tokens=10, eos_token_ids=[])
+    for p, o in zip(prompts, outs, strict=True):
+        assert (o.tokens, o.finish_reason) == _greedy(model, p, 10, set())
+    assert set(gen.span_windows) >= {16, 48}  # short rows alone, and the 26-token prompt's windows
+    assert sum(gen.span_windows.values()) > gen.span_windows[48]
+    whole = BatchedGenerator(model, rows=2, max_seq_len=48, sync_every=3, min_span=48)
+    assert whole.spans == (48,)
+    assert [o.tokens for o in whole.generate(prompts, max_new_tokens=10, eos_token_ids=[])] == [
+        o.tokens for o in outs]
+    assert set(whole.span_windows) == {48}
 
 
 def test_stops_at_eos_and_on_the_first_token(tiny_target):
