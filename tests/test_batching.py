@@ -705,6 +705,35 @@ def test_gate_turns_a_losing_drafter_off(stories):
     assert snap["eagle3_spec_paused_cycles_total"] > snap["eagle3_spec_row_steps_total"]
 
 
+def test_a_resting_row_keeps_its_held_back_drafter_input_while_others_draft():
+    """`Scheduler._flush_deferred` when one row drafts again and another still rests: the drafting row's
+    held-back tokens and features go to the drafter, the resting row keeps its own for when it drafts again
+    (dropped, its drafter would resume with a gap; `test_a_row_that_stopped_drafting_tries_again` failed so in
+    1 of 10 runs on a loaded machine, where the two rows rested in different cycles)."""
+    from types import SimpleNamespace
+
+    from eagle3.serving.scheduler import Scheduler, _Row
+
+    calls = []
+    fake = SimpleNamespace(drafter=SimpleNamespace(extend=lambda aux, toks, counts: calls.append(
+        (None if aux is None else aux.clone(), [list(t) for t in toks], list(counts)))))
+    drafting, resting = _Row(None, drafting=True), _Row(None, drafting=True)
+    resting.drafting = False  # tracked, resting
+    drafting.pending_tokens, drafting.pending_aux = [5, 6], [torch.full((1, 3), 1.0), torch.full((1, 3), 2.0)]
+    resting.pending_tokens, resting.pending_aux = [7, 8, 9], [torch.full((1, 3), float(i)) for i in (3, 4, 5)]
+    Scheduler._flush_deferred(fake, [drafting, resting])
+    (aux, toks, counts), = calls
+    assert counts == [2, 0] and toks[0] == [5, 6] and aux.shape == (2, 2, 3)
+    assert aux[0, :, 0].tolist() == [1.0, 2.0]
+    assert drafting.pending_tokens == [] and drafting.pending_aux == []
+    assert resting.pending_tokens == [7, 8, 9] and len(resting.pending_aux) == 3
+    resting.drafting = True  # its turn: everything it held back arrives, in order
+    Scheduler._flush_deferred(fake, [drafting, resting])
+    assert calls[1][2] == [0, 3] and calls[1][1][1] == [7, 8, 9]
+    assert calls[1][0][1, :, 0].tolist() == [3, 4, 5]
+    assert resting.pending_tokens == []
+
+
 class _RightLater(ScriptedProposer):
     """Drafts only wrong tokens until `after` tokens of the answer exist, then `k` right ones per cycle."""
 

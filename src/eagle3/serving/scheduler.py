@@ -767,17 +767,23 @@ class Scheduler:
                 _stop_for_good(r)
 
     def _flush_deferred(self, rows: list[_Row]) -> None:
-        """Feed the drafter what plain cycles held back, so its cache covers each row's text again."""
+        """Feed the drafter what plain cycles held back for the rows drafting now, so its cache covers their
+        text again. A resting row keeps what it holds until it drafts again: dropped here, its drafter would
+        resume with a gap in its cache and propose from a stale text (it was dropped whenever another row
+        drafted while it rested, until session 30: a test failed so in 1 of 10 runs on a loaded machine)."""
         counts = [len(r.pending_tokens) if r.drafting else 0 for r in rows]
         if any(counts):
-            ref = next((r.pending_aux[0] for r in rows if r.pending_aux), None)  # None: the drafter needs no aux
+            ref = next((r.pending_aux[0] for r, c in zip(rows, counts, strict=True) if c and r.pending_aux),
+                       None)  # None: the drafter needs no aux
             aux_rows = None if ref is None else ref.new_zeros(len(rows), max(counts), ref.shape[-1])  # [B, M, 3·Ht]
             for i, (r, c) in enumerate(zip(rows, counts, strict=True)):
                 if c and aux_rows is not None:
                     aux_rows[i, :c] = torch.cat(r.pending_aux)
-            self.drafter.extend(aux_rows, [r.pending_tokens for r in rows], counts)
+            held = [r.pending_tokens if c else [] for r, c in zip(rows, counts, strict=True)]
+            self.drafter.extend(aux_rows, held, counts)
         for r in rows:
-            r.pending_aux, r.pending_tokens = [], []
+            if r.drafting:
+                r.pending_aux, r.pending_tokens = [], []
 
     def _choose(self, rows: list[_Row], logits: torch.Tensor, offsets: torch.Tensor, lengths: list[int]):
         """The target's token after each node [B, N+1]: argmax, or a position-keyed sample per row."""
