@@ -26,7 +26,7 @@ import torch
 
 from eagle3.config import DRAFTER_ATTENTION, DRAFTER_ATTENTION_HELP, FUSE_POINTWISE_CHOICES
 from eagle3.fast.core import FastCore
-from eagle3.fast.drafter import FastDrafter, drafter_attention_for
+from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
 from eagle3.fast.target import FastTarget, cpu_has_bf16, fuse_level
@@ -228,8 +228,7 @@ def main(argv=None) -> int:
           f"measured copy bandwidth ({bw / 1e9:.0f} GB/s)")
     if drafter is not None:
         fd = FastDrafter(drafter)
-        if drafter_attention_for(args.drafter_attention, dev) == "matmul":
-            fd.use_matmul_attention()
+        attention = fd.use_attention(args.drafter_attention)
         core = FastCore(target, "eagle3", fd, depth=depth, top_k=top_k, total_tokens=total)
         if dev.type == "cuda" and not args.eager_drafting:
             core.compile_drafting(mode=args.drafting_mode)
@@ -253,7 +252,7 @@ def main(argv=None) -> int:
                           weight_bytes=wbytes,
                           drafting_compiled=drafter is not None and core.drafting_compiled,
                           drafting_mode=args.drafting_mode,
-                          drafter_attention=drafter_attention_for(args.drafter_attention, dev),
+                          drafter_attention=attention if drafter is not None else None,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")

@@ -201,6 +201,14 @@ class FastDrafter(nn.Module):
         self.stacked = True
         self.matmul_attention = True
 
+    def use_attention(self, choice: str | None, sdpa_heads: bool = False) -> str:
+        """Attend as `choice` says (`drafter_attention_for` on this drafter's device; call before capturing
+        graphs); returns what it resolved to, "sdpa" or "matmul"."""
+        attention = drafter_attention_for(choice, self.device, sdpa_heads)
+        if attention == "matmul":
+            self.use_matmul_attention()
+        return attention
+
     @torch.no_grad()
     def rope_table(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [S, hd] for positions 0..seq_len-1, from the drafter's rotary module."""

@@ -151,8 +151,8 @@ class FastEngine:
             fd.use_sdpa_heads()
         self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device,
                                                        self.options.sdpa_heads)  # "sdpa" | "matmul"
-        if fd is not None and self.drafter_attention == "matmul":
-            fd.use_matmul_attention()
+        if fd is not None:
+            fd.use_attention(self.drafter_attention)
         if mode == "eagle3":
             chain = self.spec.mode == "chain"
             depth = self.spec.chain_length if chain else self.spec.depth

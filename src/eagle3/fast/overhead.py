@@ -30,7 +30,7 @@ import transformers
 from eagle3.config import DrafterConfig
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
-from eagle3.fast.drafter import FastDrafter, drafter_attention_for
+from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, fuse_level
 
@@ -137,9 +137,7 @@ def measure_overhead(
     target.fuse_pointwise(level=fuse_pointwise)  # None: auto, as `FastOptions`
     fdrafter = FastDrafter(drafter)
     dev = target.device
-    attention = drafter_attention_for(drafter_attention, dev)
-    if attention == "matmul":
-        fdrafter.use_matmul_attention()
+    attention = fdrafter.use_attention(drafter_attention)
     if compile_drafting is None:
         compile_drafting = FastCore.drafting_compiled_by_default(dev, compile)
     vocab = target.vocab_size

@@ -773,14 +773,12 @@ class Scheduler:
         drafted while it rested, until session 30: a test failed so in 1 of 10 runs on a loaded machine)."""
         counts = [len(r.pending_tokens) if r.drafting else 0 for r in rows]
         if any(counts):
-            ref = next((r.pending_aux[0] for r, c in zip(rows, counts, strict=True) if c and r.pending_aux),
-                       None)  # None: the drafter needs no aux
+            ref = next((r.pending_aux[0] for r in rows if r.pending_aux), None)  # None: the drafter needs no aux
             aux_rows = None if ref is None else ref.new_zeros(len(rows), max(counts), ref.shape[-1])  # [B, M, 3·Ht]
             for i, (r, c) in enumerate(zip(rows, counts, strict=True)):
                 if c and aux_rows is not None:
                     aux_rows[i, :c] = torch.cat(r.pending_aux)
-            held = [r.pending_tokens if c else [] for r, c in zip(rows, counts, strict=True)]
-            self.drafter.extend(aux_rows, held, counts)
+            self.drafter.extend(aux_rows, [r.pending_tokens for r in rows], counts)
         for r in rows:
             if r.drafting:
                 r.pending_aux, r.pending_tokens = [], []
