@@ -65,6 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(auto: elementwise on CUDA, off on a CPU)")
     p.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
                    help=DRAFTER_ATTENTION_HELP.removeprefix("fast path: "))
+    p.add_argument("--residual-add", choices=("auto", "gemm", "separate"), default="auto",
+                   help="experiment: the target's residual adds in the products' epilogues (gemm) or after them "
+                        "(separate); auto: FastTarget's default (gemm on CUDA)")
+    p.add_argument("--target-attention", choices=("sdpa", "matmul"), default="sdpa",
+                   help="experiment: the target attends by SDPA or by two batched products around an fp32 "
+                        "softmax (FastTarget.matmul_attention)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",
@@ -211,6 +217,9 @@ def main(argv=None) -> int:
     depth, top_k, total = (int(x) for x in args.tree.split(","))
     target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
     target.fuse_pointwise(level=args.fuse_pointwise)  # auto: elementwise on CUDA, as the engines
+    if args.residual_add != "auto":
+        target.residual_in_gemm = args.residual_add == "gemm"
+    target.matmul_attention = args.target_attention == "matmul"
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
@@ -254,6 +263,7 @@ def main(argv=None) -> int:
                           drafting_mode=args.drafting_mode,
                           drafter_attention=attention if drafter is not None else None,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
+                          residual_in_gemm=target.residual_in_gemm, target_attention=args.target_attention,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

@@ -270,9 +270,11 @@ def test_argmax_ids_equals_argmax_first_maximum_included(dtype):
     assert torch.equal(argmax_ids(logits[2]), logits[2].argmax())  # one row [V] -> a scalar id
 
 
-@pytest.mark.parametrize("arch,wide,fuse", [("llama", False, None), ("qwen3", False, None), ("llama", True, None),
-                                             ("llama", False, "elementwise"), ("qwen3", False, "elementwise")])
-def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse):
+@pytest.mark.parametrize("arch,wide,fuse,gemm", [
+    ("llama", False, None, False), ("qwen3", False, None, False), ("llama", True, None, False),
+    ("llama", False, "elementwise", False), ("qwen3", False, "elementwise", False),
+    ("llama", False, None, True), ("qwen2", False, "elementwise", True), ("llama", True, None, True)])
+def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse, gemm):
     """The property that keeps bf16 chains identical to plain decoding on the fast path: a forward of T causal
     tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
     path uses internally (heads first for T > 1, `FastTarget.qkv_heads_first`). Qwen3 covers the q/k-norm path.
@@ -280,7 +282,8 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse):
     one-row product differently from a many-row one with the vendor's kernels; the fast path's own
     (`exact_rows`, forced here on any CPU) keep the rows equal. `fuse`: with RoPE (and the heads-first copy) and
     SwiGLU compiled by inductor (`--fuse-pointwise elementwise`), whose one-token and many-token kernels must
-    round alike."""
+    round alike. `gemm`: the residual adds in the products' epilogues (`residual_in_gemm`, the CUDA default;
+    qwen2 has q/k/v biases but none on o_proj and down_proj, so both its adds still fuse)."""
     over = {"hidden_size": 256, "intermediate_size": 2048} if wide else {}
     model = build_tiny_target(arch, **over).to(torch.bfloat16)
     ids = prompt_of(24, seed=3)
@@ -288,6 +291,7 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse):
     for mode in ("rows", "steps"):
         t = FastTarget(model)
         t.exact_rows = t.exact_rows or wide
+        t.residual_in_gemm = gemm
         if fuse:
             t.fuse_pointwise(level=fuse)
         t.allocate(32)
@@ -589,6 +593,41 @@ def test_fused_pointwise_keeps_greedy_output(models, drafters, arch):
     for e, f in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(f, e, rtol=1e-4, atol=2e-4)  # other summation orders in fp32
     assert outs[0][0].argmax(-1).tolist() == outs[1][0].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_residual_in_gemm_keeps_greedy_output(models, drafters, arch, monkeypatch):
+    """The residual adds in the products' epilogues (`residual_in_gemm`, on by default only on CUDA): greedy
+    output still equals HF generate for plain decoding, chains and trees; the products are `torch.addmm` with
+    the residual (two per layer), and a bias (qwen2's q/k/v only here) never goes that way."""
+    import eagle3.fast.target as target_mod
+
+    assert target_mod.residual_in_gemm("cuda:0") and not target_mod.residual_in_gemm("cpu")
+    monkeypatch.setattr(target_mod, "residual_in_gemm", lambda device: True)
+    calls = []
+    real = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    model, d = models[arch], drafters[arch]
+    prompt = prompt_of(11, seed=41)
+    ref = hf_greedy(model, prompt, NEW)
+    for draft, spec in (("none", None), ("eagle3", CHAIN), ("eagle3", TREE)):
+        engine = FastEngine(model, draft=draft, spec=spec, drafter=d)
+        assert engine.target.residual_in_gemm
+        calls.clear()
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref
+        assert len(calls) % (2 * model.config.num_hidden_layers) == 0 and calls
+
+
+@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
+def test_matmul_target_attention_keeps_greedy_output(models, drafters, kind):
+    """`FastTarget.matmul_attention` (the experiment of `profile_step.py --target-attention matmul`): every
+    target forward attends by `rows_exact_attention`, and greedy output still equals HF generate."""
+    model, d = models["qwen3"], drafters["qwen3"]
+    spec = {"none": None, "chain": CHAIN, "tree": TREE}[kind]
+    engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d)
+    engine.target.matmul_attention = True
+    prompt = prompt_of(17, seed=43)
+    assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
 
 
 @pytest.mark.parametrize("kind", ["none", "tree"])

@@ -126,7 +126,7 @@ class BatchedGenerator:
             else:
                 o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
                                                    scale=t.scale, enable_gqa=True)  # [B, nh, 1, hd]
-            h = t.mlp_block(h + F.linear(o.reshape(b, nh * hd), lw.wo, lw.bo), lw)
+            h = t.mlp_block(t.add_linear(h, o.reshape(b, nh * hd), lw.wo, lw.bo), lw)
         return F.linear(rms_norm(h, t.norm, t.eps), t.lm_head)  # [B, V]
 
     def _prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -158,7 +158,7 @@ class BatchedGenerator:
                 v.view(r, width, nkv, hd).transpose(1, 2),
                 is_causal=True, scale=t.scale, enable_gqa=True,
             )  # [R, nh, T, hd]; right padding never reaches a real token under the causal mask
-            h = t.mlp_block(h + F.linear(o.transpose(1, 2).reshape(r * width, nh * hd), lw.wo, lw.bo), lw)
+            h = t.mlp_block(t.add_linear(h, o.transpose(1, 2).reshape(r * width, nh * hd), lw.wo, lw.bo), lw)
         last = h.view(r, width, -1)[torch.arange(r, device=dev), lens - 1]  # [R, H]
         return F.linear(rms_norm(last, t.norm, t.eps), t.lm_head)  # [R, V]
 

@@ -219,6 +219,19 @@ def row_attention(
     return o.view(b, nkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b * t, nh * hd)
 
 
+def residual_in_gemm(device: torch.device | str) -> bool:
+    """Whether a new `FastTarget` adds each residual in the epilogue of the product before it (`torch.addmm`:
+    h + x·Wᵀ in one cuBLAS kernel, accumulated in fp32 and rounded once, where a product and then an add round
+    twice): on CUDA. There it takes away two elementwise kernels per decoder layer, 60 of a SmolLM2 step's 420
+    launches (the residual adds were 75 us of its kernels on an H200, plus a launch gap each,
+    docs/results/session30_h200/). On this project's 2-core CPU (bf16, SmolLM2's shapes, 2 rows) the fused
+    product was 10 us faster for 576 -> 576 and 8 us slower for 1,536 -> 576, so CPUs keep the separate add.
+    The rows of a product keep their bits whichever way the residual is added (the epilogue is elementwise), so
+    bf16 chains and plain decoding round alike either way; against HF's own forward, which rounds twice, bf16
+    values can differ by one unit in the last place."""
+    return torch.device(device).type == "cuda"
+
+
 def add_rms_norm(
     h: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,6 +438,11 @@ class FastTarget(nn.Module):
         self.pointwise = EAGER
         self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.exact_rows = exact_rows(self.device, self.dtype)
+        self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
+        # Attention by `rows_exact_attention` in every forward, not only with `exact_rows`: an experiment of
+        # `scripts/profile_step.py --target-attention matmul` (one token's query rows against a split-free
+        # cuDNN kernel; whether bf16 chains then stay identical to plain decoding is not measured).
+        self.matmul_attention = False
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
@@ -529,22 +547,39 @@ class FastTarget(nn.Module):
                                out=x[nh : nh + nkv])
         return x[:nh], x[nh:]
 
-    def mlp(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
-        """down(silu(gate) * up) of the normed x [N, H] -> [N, H]."""
-        return F.linear(self.pointwise.gate(F.linear(x, lw.w13, lw.b13)), lw.w2, lw.b2)
+    def gated(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
+        """silu(gate) * up of the normed x [N, H] -> [N, I]: the MLP's input to its down projection."""
+        return self.pointwise.gate(F.linear(x, lw.w13, lw.b13))
+
+    def add_linear(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The residual h [N, H] plus the product x [N, K] · wᵀ (+ b): in the product's epilogue with
+        `residual_in_gemm` (no bias), else added after it."""
+        if self.residual_in_gemm and b is None:
+            return torch.addmm(h, x, w.t())
+        return h + F.linear(x, w, b)
+
+    def add_linear_norm(
+        self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_linear` and the RMSNorm (weight `norm`) after it: (h', norm(h')), [N, H] each. Without the add in
+        the product the add and the norm are one piece (`Pointwise.add_norm`: one kernel when all are fused)."""
+        if self.residual_in_gemm and b is None:
+            h = torch.addmm(h, x, w.t())
+            return h, self.pointwise.norm(h, norm, self.eps)
+        return self.pointwise.add_norm(h, F.linear(x, w, b), norm, self.eps)
 
     def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """The post-attention half of a decoder layer: h + the MLP of the normed h, [N, H]."""
-        return h + self.mlp(self.pointwise.norm(h, lw.ln2, self.eps), lw)
+        return self.add_linear(h, self.gated(self.pointwise.norm(h, lw.ln2, self.eps), lw), lw.w2, lw.b2)
 
-    def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i after its attention: the residual add of `attn` (attention output after `wo`, [N, H]), the MLP
-        and its residual add, then the next norm (layer i+1's input norm, or the final norm after the last
-        layer). Returns h [N, H] and that norm of it [N, H]: each norm sits in one kernel with its add when fused."""
-        pw, lw = self.pointwise, self.layers[i]
-        h, x = pw.add_norm(h, attn, lw.ln2, self.eps)
+    def post_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i after its attention: the output projection of `o` (attention output [N, nh·hd]) and its
+        residual add, the MLP and its residual add, then the next norm (layer i+1's input norm, or the final norm
+        after the last layer). Returns h [N, H] and that norm of it [N, H]."""
+        lw = self.layers[i]
+        h, x = self.add_linear_norm(h, o, lw.wo, lw.bo, lw.ln2)
         after = self.layers[i + 1].ln1 if i + 1 < self.num_layers else self.norm
-        return pw.add_norm(h, self.mlp(x, lw), after, self.eps)
+        return self.add_linear_norm(h, self.gated(x, lw), lw.w2, lw.b2, after)
 
     def weight_bytes(self) -> int:
         """Bytes read per decoding step for weights: layers, final norm and lm_head (the embedding table is
@@ -576,7 +611,8 @@ class FastTarget(nn.Module):
         nh, nkv = self.nh, self.nkv
         h = F.embedding(ids, self.embed)  # [T, H]
         cos, sin = self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
-        stacked, groups = gqa_layout(self.stacked or self.exact_rows, nh, nkv)
+        exact = self.exact_rows or self.matmul_attention
+        stacked, groups = gqa_layout(self.stacked or exact, nh, nkv)
         bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
@@ -587,8 +623,8 @@ class FastTarget(nn.Module):
             q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
             self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
-                                  self.exact_rows)  # [T, nh·hd]
-            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
+                                  exact)  # [T, nh·hd]
+            h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         if last_only:
@@ -629,7 +665,7 @@ class FastTarget(nn.Module):
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
             o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale, stacked)  # [B·T, nh·hd]
-            h, x = self.post_attention(i, h, F.linear(o, lw.wo, lw.bo))
+            h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
         x = x.view(b, t, -1)  # the final norm of h
