@@ -598,15 +598,16 @@ def test_fused_pointwise_keeps_greedy_output(models, drafters, arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_residual_in_gemm_keeps_greedy_output(models, drafters, arch, monkeypatch):
     """The residual adds in the products' epilogues (`residual_in_gemm`, on by default only on CUDA): greedy
-    output still equals HF generate for plain decoding, chains and trees; the products are `torch.addmm` with
-    the residual (two per layer), and a bias (qwen2's q/k/v only here) never goes that way."""
+    output still equals HF generate for plain decoding, chains and trees (the aux features too, which are
+    copied before the residual changes in place); the products are `Tensor.addmm_` with
+    the residual written in place (two per layer), and a bias (qwen2's q/k/v only here) never goes that way."""
     import eagle3.fast.target as target_mod
 
     assert target_mod.residual_in_gemm("cuda:0") and not target_mod.residual_in_gemm("cpu")
     monkeypatch.setattr(target_mod, "residual_in_gemm", lambda device: True)
     calls = []
-    real = torch.addmm
-    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda h, *a, **k: calls.append(h.shape) or real(h, *a, **k))
     model, d = models[arch], drafters[arch]
     prompt = prompt_of(11, seed=41)
     ref = hf_greedy(model, prompt, NEW)
@@ -616,6 +617,36 @@ def test_residual_in_gemm_keeps_greedy_output(models, drafters, arch, monkeypatc
         calls.clear()
         assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref
         assert len(calls) % (2 * model.config.num_hidden_layers) == 0 and calls
+
+
+def test_residual_in_gemm_keeps_logits_and_aux_features(models, drafters):
+    """With the residual changing in place (`residual_in_gemm`), a forward's logits and aux features (which the
+    drafter reads, so a wrong one would only cost acceptance, never output) equal the separate adds' up to fp32
+    rounding, in `forward` and `forward_rows`, and the batched generator answers alike."""
+    from eagle3.fast.batched import BatchedGenerator
+
+    model, d = models["llama"], drafters["llama"]
+    ids, t, s = prompt_of(12, seed=44), 12, 32
+    pos = torch.arange(t)
+    mask = torch.zeros(t, s, dtype=torch.bool)
+    mask[:, :t] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    outs = []
+    for gemm in (False, True):
+        tgt = FastTarget(model, d.config.aux_layer_ids)
+        tgt.residual_in_gemm = gemm
+        tgt.allocate(s)
+        logits, aux = tgt.forward(ids, pos, pos, mask, want_aux=True)  # [T, V], [T, 3·H]
+        k_rows = torch.zeros(tgt.num_layers, 2, tgt.nkv, s, tgt.hd)
+        rows, rows_aux = tgt.forward_rows(ids.expand(2, t), pos.expand(2, t), pos.expand(2, t),
+                                          mask.expand(2, t, s), k_rows, torch.zeros_like(k_rows),
+                                          (tgt.cos, tgt.sin), want_aux=True)  # [2, T, V], [2, T, 3·H]
+        gen = BatchedGenerator(model, rows=2, max_seq_len=64)
+        gen.t.residual_in_gemm = gemm
+        answers = gen.generate([ids[:7].tolist(), ids.tolist()], max_new_tokens=6, eos_token_ids=[])
+        outs.append((logits, aux, rows, rows_aux, [a.tokens for a in answers]))
+    for e, f in zip(outs[0][:4], outs[1][:4], strict=True):
+        torch.testing.assert_close(f, e, rtol=1e-5, atol=1e-5)
+    assert outs[0][4] == outs[1][4]
 
 
 @pytest.mark.parametrize("kind", ["none", "chain", "tree"])

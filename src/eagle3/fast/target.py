@@ -220,12 +220,14 @@ def row_attention(
 
 
 def residual_in_gemm(device: torch.device | str) -> bool:
-    """Whether a new `FastTarget` adds each residual in the epilogue of the product before it (`torch.addmm`:
-    h + x·Wᵀ in one cuBLAS kernel, accumulated in fp32 and rounded once, where a product and then an add round
-    twice): on CUDA. There it takes away two elementwise kernels per decoder layer, 60 of a SmolLM2 step's 420
-    launches (the residual adds were 75 us of its kernels on an H200, plus a launch gap each,
-    docs/results/session30_h200/). On this project's 2-core CPU (bf16, SmolLM2's shapes, 2 rows) the fused
-    product was 10 us faster for 576 -> 576 and 8 us slower for 1,536 -> 576, so CPUs keep the separate add.
+    """Whether a new `FastTarget` adds each residual in the epilogue of the product before it (`Tensor.addmm_`
+    on the residual: h += x·Wᵀ in one cuBLAS kernel, accumulated in fp32 and rounded once, where a product and
+    then an add round twice): on CUDA. There it takes away two elementwise kernels per decoder layer. On one
+    H200 at SmolLM2's shape a plain step went from 1,524 to 1,423 us (420 -> 360 launches) and a 6,10,60 tree
+    cycle from 2,257 to 2,171 us, the products taking the same time (docs/results/session31_h200/). In place
+    because the out-of-place `torch.addmm` first copies h into its result: a copy kernel for each add, and
+    1,519 -> 1,502 us only. On this project's 2-core CPU (bf16, SmolLM2's shapes, 2 rows) the fused product
+    was 10 us faster for 576 -> 576 and 8 us slower for 1,536 -> 576, so CPUs keep the separate add.
     The rows of a product keep their bits whichever way the residual is added (the epilogue is elementwise), so
     bf16 chains and plain decoding round alike either way; against HF's own forward, which rounds twice, bf16
     values can differ by one unit in the last place."""
@@ -440,8 +442,9 @@ class FastTarget(nn.Module):
         self.exact_rows = exact_rows(self.device, self.dtype)
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
         # Attention by `rows_exact_attention` in every forward, not only with `exact_rows`: an experiment of
-        # `scripts/profile_step.py --target-attention matmul` (one token's query rows against a split-free
-        # cuDNN kernel; whether bf16 chains then stay identical to plain decoding is not measured).
+        # `scripts/profile_step.py --target-attention matmul`. On one H200 it lost to cuDNN's SDPA: SmolLM2's
+        # shape, plain step 1,540 against 1,519 us; the 8B shape, 5,552 against 5,603 us but a tree cycle of
+        # 8,079 against 7,901 us (docs/results/session31_h200/).
         self.matmul_attention = False
 
     def use_sdpa_heads(self) -> None:
@@ -555,7 +558,7 @@ class FastTarget(nn.Module):
         """The residual h [N, H] plus the product x [N, K] · wᵀ (+ b): in the product's epilogue with
         `residual_in_gemm` (no bias), else added after it."""
         if self.residual_in_gemm and b is None:
-            return torch.addmm(h, x, w.t())
+            return h.addmm_(x, w.t())  # in place: out-of-place addmm first copies h into its result
         return h + F.linear(x, w, b)
 
     def add_linear_norm(
@@ -564,7 +567,7 @@ class FastTarget(nn.Module):
         """`add_linear` and the RMSNorm (weight `norm`) after it: (h', norm(h')), [N, H] each. Without the add in
         the product the add and the norm are one piece (`Pointwise.add_norm`: one kernel when all are fused)."""
         if self.residual_in_gemm and b is None:
-            h = torch.addmm(h, x, w.t())
+            h = h.addmm_(x, w.t())
             return h, self.pointwise.norm(h, norm, self.eps)
         return self.pointwise.add_norm(h, F.linear(x, w, b), norm, self.eps)
 
@@ -618,7 +621,7 @@ class FastTarget(nn.Module):
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
-                aux.append(h)
+                aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
             self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
@@ -659,7 +662,7 @@ class FastTarget(nn.Module):
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
-                aux.append(h)
+                aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
             qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
