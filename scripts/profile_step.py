@@ -33,7 +33,7 @@ from eagle3.fast.target import FastTarget, cpu_has_bf16, fuse_level
 from eagle3.record import run_record, write_json
 
 KINDS = [  # first match wins
-    ("matmul", r"gemm|gemv|nvjet|xmma|cutlass|splitk|cublas|aten::mm|aten::addmm|aten::bmm"),
+    ("matmul", r"gemm|gemv|nvjet|xmma|cutlass|splitk|cublas|aten::mm|aten::addmm|aten::bmm|mkldnn::_linear"),
     ("attention", r"fmha|flash|attention|efficient"),
     ("topk/sort/reduce", r"topk|sort|radix|scan|reduce|argmax|softmax"),
     ("index/copy", r"index|scatter|gather|copy|cat|fill"),
@@ -85,15 +85,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Functions that only pass a product on (`FastTarget.linear`, `FastDrafter.linear`, `PackedWeights.linear`):
+# an operator under them is credited to the function that called them.
+PASS_THROUGH = (": linear",)
+
+
 def _eagle3_frame(event) -> str:
     """The innermost Python function inside the eagle3 package that led to a profiled operator
-    ("fast/target.py(466): forward", the line where the function starts), or "(outside eagle3)". With stacks on,
-    the profiler records Python calls as parent events named "path(line): function" (older releases: a `stack`
-    list on the operator)."""
+    ("fast/target.py(466): forward", the line where the function starts), or "(outside eagle3)"; `PASS_THROUGH`
+    functions are skipped. With stacks on, the profiler records Python calls as parent events named
+    "path(line): function" (older releases: a `stack` list on the operator)."""
     while event is not None:
         for frame in [event.name, *(event.stack or [])]:
             frame = frame.replace("\\", "/")
             at = frame.rfind("eagle3/")
+            if frame.endswith(PASS_THROUGH):
+                continue
             if at >= 0 and "(" in frame and (at == 0 or frame[at - 1] == "/"):
                 return frame[at + len("eagle3/"):]
         event = event.cpu_parent
@@ -108,7 +115,7 @@ def source_table(prof, cuda: bool, reps: int, n: int) -> list[dict]:
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             continue  # kernels: their time counts for the host event that launched them (an operator, or a
             # compiled region's launcher, whose name is kept as it is)
-        if not cuda and not e.name.startswith("aten::"):
+        if not cuda and not e.name.startswith(("aten::", "mkldnn::")):  # mkldnn: products over packed weights
             continue
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
         if us > 0:
@@ -147,7 +154,7 @@ def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0) -> tuple[
         if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
             continue  # the CPU side of the profile only serves the source lines
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if us <= 0 or (not cuda and not e.key.startswith("aten::")):
+        if us <= 0 or (not cuda and not e.key.startswith(("aten::", "mkldnn::"))):
             continue
         t = table[kind_of(e.key)]
         t["us"] += us / reps

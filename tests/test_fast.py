@@ -17,6 +17,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
@@ -647,6 +648,37 @@ def test_residual_in_gemm_keeps_logits_and_aux_features(models, drafters):
     for e, f in zip(outs[0][:4], outs[1][:4], strict=True):
         torch.testing.assert_close(f, e, rtol=1e-5, atol=1e-5)
     assert outs[0][4] == outs[1][4]
+
+
+def test_packed_weights_give_the_bits_of_f_linear(models, drafters):
+    """`PackedWeights`, the products over weights packed once for oneDNN (in bf16 on CPUs with AVX512-BF16 and no
+    AMX, `cpu_packs_weights`): F.linear's bits, with and without a bias, for 1 to 8 rows and 3-D inputs, each row
+    the same whatever rows come with it; F.linear itself for a weight it does not hold. Targets and drafters
+    pack exactly where `cpu_packs_weights` says (bf16 here), never in fp32."""
+    from eagle3.fast.target import PackedWeights, cpu_packs_weights
+
+    if not cpu_packs_weights("cpu", torch.bfloat16):
+        pytest.skip("this CPU keeps torch's bf16 products (no AVX512-BF16, or AMX: see cpu_packs_weights)")
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(96, 64, generator=g) / 8).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    other = torch.randn(32, 64, generator=g).bfloat16()
+    packed = PackedWeights([w])
+    x = torch.randn(8, 64, generator=g).bfloat16()
+    for bias in (None, b):
+        full = packed.linear(x, w, bias)  # [8, 96]
+        assert torch.equal(full, F.linear(x, w, bias))
+        for m in (1, 2, 3, 4):
+            assert torch.equal(packed.linear(x[:m], w, bias), full[:m])
+        assert torch.equal(packed.linear(x.view(2, 4, 64), w, bias), full.view(2, 4, 96))
+    assert torch.equal(packed.linear(x, other), F.linear(x, other))
+    model, d = models["llama"], drafters["llama"]
+    assert FastTarget(model).packed is None and FastDrafter(d).packed is None  # fp32
+    m16, d16 = build_tiny_target("llama").to(torch.bfloat16), init_drafter(model, draft_vocab_size=200, seed=1)
+    t16, fd16 = FastTarget(m16), FastDrafter(d16.to(torch.bfloat16))
+    assert t16.packed is not None and fd16.packed is not None
+    x16 = torch.randn(3, t16.hidden_size, generator=g).bfloat16()
+    assert torch.equal(t16.linear(x16, t16.lm_head), F.linear(x16, t16.lm_head))
 
 
 @pytest.mark.parametrize("kind", ["none", "chain", "tree"])

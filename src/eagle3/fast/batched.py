@@ -112,7 +112,7 @@ class BatchedGenerator:
         visible = (self.ar_s[None, :span] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, span]
         for i, lw in enumerate(t.layers):
             x = rms_norm(h, lw.ln1, t.eps)
-            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B, (nh + 2·nkv)·hd]
+            qkv = t.linear(x, lw.wqkv, lw.bqkv)  # [B, (nh + 2·nkv)·hd]
             q, k = t.rope_qk(qkv, lw, cos, sin)  # [B, nh, hd], [B, nkv, hd]
             v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd)
             self.k_cache[i, self.ar_b, :, pos] = k  # row b, slot pos[b]
@@ -127,7 +127,7 @@ class BatchedGenerator:
                 o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
                                                    scale=t.scale, enable_gqa=True)  # [B, nh, 1, hd]
             h = t.mlp_block(t.add_linear(h, o.reshape(b, nh * hd), lw.wo, lw.bo), lw)
-        return F.linear(rms_norm(h, t.norm, t.eps), t.lm_head)  # [B, V]
+        return t.linear(rms_norm(h, t.norm, t.eps), t.lm_head)  # [B, V]
 
     def _prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Prompts into cache rows (slots 0..len-1), one right-padded forward; returns last logits [R, V]."""
@@ -147,7 +147,7 @@ class BatchedGenerator:
         cos, sin = self.cos[pos], self.sin[pos]
         for i, lw in enumerate(t.layers):
             x = rms_norm(h, lw.ln1, t.eps)
-            qkv = F.linear(x, lw.wqkv, lw.bqkv)
+            qkv = t.linear(x, lw.wqkv, lw.bqkv)
             q, k = t.rope_qk(qkv, lw, cos, sin)  # [R·T, nh, hd], [R·T, nkv, hd]
             v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
             self.k_cache[i, row_of, :, pos] = k  # padding goes to slots >= len: overwritten before it is seen
@@ -160,7 +160,7 @@ class BatchedGenerator:
             )  # [R, nh, T, hd]; right padding never reaches a real token under the causal mask
             h = t.mlp_block(t.add_linear(h, o.transpose(1, 2).reshape(r * width, nh * hd), lw.wo, lw.bo), lw)
         last = h.view(r, width, -1)[torch.arange(r, device=dev), lens - 1]  # [R, H]
-        return F.linear(rms_norm(last, t.norm, t.eps), t.lm_head)  # [R, V]
+        return t.linear(rms_norm(last, t.norm, t.eps), t.lm_head)  # [R, V]
 
     def _pick(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
         """Next tokens [N] from logits [N, V]: argmax, or a softmax sample at 1/inv_temp (exponential race,

@@ -19,6 +19,7 @@ from eagle3.fast.target import (
     attention_bias,
     gqa_layout,
     grouped_attention,
+    pack_weights,
     rms_norm,
     rope_tables,
     row_attention,
@@ -181,10 +182,16 @@ class FastDrafter(nn.Module):
         self.alloc_id = 0
         self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.matmul_attention = False  # `use_matmul_attention`
+        self.packed = pack_weights(self.device, self.dtype, [self.fc, self.wqkv, self.wo, self.w13, self.w2,
+                                                             self.lm_head])  # `cpu_packs_weights`
 
     @property
     def device(self) -> torch.device:
         return self.fc.device
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """`F.linear`, over a packed copy of `w` where this drafter packs its weights (`cpu_packs_weights`)."""
+        return F.linear(x, w, b) if self.packed is None else self.packed.linear(x, w, b)
 
     def use_sdpa_heads(self) -> None:
         """As `FastTarget.use_sdpa_heads`."""
@@ -242,7 +249,7 @@ class FastDrafter(nn.Module):
             aux = torch.cat(parts, dim=-1)
         elif self.input_norm is not None:
             aux = rms_norm(aux, self.input_norm, self.eps)
-        return F.linear(aux.to(self.dtype), self.fc)
+        return self.linear(aux.to(self.dtype), self.fc)
 
     def forward(
         self,
@@ -259,7 +266,7 @@ class FastDrafter(nn.Module):
         normed = rms_norm(hidden, self.hidden_norm, self.eps)
         residual = normed if self.norm_before_residual else hidden
         u = torch.cat([rms_norm(emb, self.input_layernorm, self.eps), normed], dim=-1)  # [T, 2H]
-        qkv = F.linear(u, self.wqkv, self.bqkv)  # [T, (nh + 2·nkv)·hd]
+        qkv = self.linear(u, self.wqkv, self.bqkv)  # [T, (nh + 2·nkv)·hd]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
         # tokens first here: compiled drafting fuses the copies, and the heads-first copy made its tree cycle
         # 14 us slower on one H200 (docs/results/session17_h200/cycle_exp4.log)
@@ -272,9 +279,9 @@ class FastDrafter(nn.Module):
         bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, stacked,
                               exact=self.matmul_attention)  # [T, nh·hd]
-        r1 = residual + F.linear(o, self.wo, self.bo)
-        gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
-        return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]
+        r1 = residual + self.linear(o, self.wo, self.bo)
+        gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
+        return r1 + self.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]
 
     def forward_rows(
         self,
@@ -295,7 +302,7 @@ class FastDrafter(nn.Module):
         normed = rms_norm(hidden, self.hidden_norm, self.eps)
         residual = normed if self.norm_before_residual else hidden
         u = torch.cat([rms_norm(emb, self.input_layernorm, self.eps), normed], dim=-1)  # [B, T, 2H]
-        qkv = F.linear(u, self.wqkv, self.bqkv)  # [B, T, (nh + 2·nkv)·hd]
+        qkv = self.linear(u, self.wqkv, self.bqkv)  # [B, T, (nh + 2·nkv)·hd]
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
         q = apply_rope(qkv[..., : nh * hd].reshape(b * t, nh, hd), cos, sin)
         k = apply_rope(qkv[..., nh * hd : (nh + nkv) * hd].reshape(b * t, nkv, hd), cos, sin)
@@ -304,13 +311,13 @@ class FastDrafter(nn.Module):
         stacked, groups = gqa_layout(self.stacked, nh, nkv)
         bias = row_attention_bias(mask, groups, self.dtype)  # [B, 1, g·T, S]
         o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale, stacked).view(b, t, nh * hd)
-        r1 = residual + F.linear(o, self.wo, self.bo)
-        gate, up = F.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
-        return r1 + F.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]
+        r1 = residual + self.linear(o, self.wo, self.bo)
+        gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
+        return r1 + self.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probabilities [T, Vd] (fp32) of pre-norm outputs [T, H]."""
-        return torch.log_softmax(F.linear(rms_norm(out, self.norm, self.eps), self.lm_head).float(), dim=-1)
+        return torch.log_softmax(self.linear(rms_norm(out, self.norm, self.eps), self.lm_head).float(), dim=-1)
 
     def feedback(self, out: torch.Tensor) -> torch.Tensor:
         """The hidden state fed to the next draft step (pre-norm, or post-norm with `norm_output`)."""

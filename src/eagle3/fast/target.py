@@ -297,6 +297,45 @@ def cpu_has_bf16() -> bool:
     return cpu_has_amx() or _cpu_probe("_is_avx512_bf16_supported")
 
 
+def cpu_packs_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a new `FastTarget` / `FastDrafter` multiplies by its matrices packed once into oneDNN's blocked
+    layout (`PackedWeights`): in bf16 on CPUs with AVX512-BF16 and no AMX, where `exact_rows` runs every forward
+    on two rows or more. There torch's bf16 `F.linear` took twice the time of the same product over a packed
+    weight, with the same bits (this project's 2-core Intel Xeon, 2 rows: SmolLM2's 576 -> 3,072 in 329 against
+    174 us, 1,536 -> 576 in 166 against 84, its 49,152-row lm_head in 3,253 against 1,468; 10.8 against 20.3 GB/s
+    for the first), and the packed product's rows agree whether it gets 2, 3, 4 or 8 of them. CPUs with AMX keep
+    torch's kernels, whose one-row and many-row products agree there (`exact_rows`); CUDA never packs."""
+    dev = torch.device(device)
+    return (dev.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16() and not cpu_has_amx()
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedWeights:
+    """Copies of some matrices packed for oneDNN's product (`cpu_packs_weights`), found by the dense weight they
+    copy: `linear(x, w, b)` is `F.linear(x, w, b)`, over the packed copy where `w` has one. The packing ops are
+    those inductor's CPU weight prepacking emits (torch/_inductor/fx_passes/mkldnn_fusion.py in pytorch/pytorch:
+    `mkldnn._reorder_linear_weight`, then `mkldnn._linear_pointwise` with no post-op)."""
+
+    def __init__(self, weights: list[torch.Tensor], rows: int = 2):
+        # rows: the product's row count the layout is chosen for (any count works; 2 is a one-token step's)
+        self._packed = {self._key(w): torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights}
+
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+        return w.data_ptr(), tuple(w.shape)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self._packed.get(self._key(w))
+        if packed is None:
+            return F.linear(x, w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def pack_weights(device: torch.device, dtype: torch.dtype, weights: list[torch.Tensor]) -> PackedWeights | None:
+    """`PackedWeights` of these matrices where `cpu_packs_weights` says so, else None."""
+    return PackedWeights(weights) if cpu_packs_weights(device, dtype) else None
+
+
 # The pieces `Pointwise` can compile. ELEMENTWISE are those without reductions: a token's values do not depend
 # on how many tokens share the forward whichever kernel inductor generates for that count (a specialised one for
 # one token, a dynamic one for many), so a one-token step and a many-token verification round alike. The norms
@@ -441,6 +480,8 @@ class FastTarget(nn.Module):
         self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.exact_rows = exact_rows(self.device, self.dtype)
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
+        mats = [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2)] + [self.lm_head]
+        self.packed = pack_weights(self.device, self.dtype, mats)  # `cpu_packs_weights`
         # Attention by `rows_exact_attention` in every forward, not only with `exact_rows`: an experiment of
         # `scripts/profile_step.py --target-attention matmul`. On one H200 it lost to cuDNN's SDPA: SmolLM2's
         # shape, plain step 1,540 against 1,519 us; the 8B shape, 5,552 against 5,603 us but a tree cycle of
@@ -550,16 +591,20 @@ class FastTarget(nn.Module):
                                out=x[nh : nh + nkv])
         return x[:nh], x[nh:]
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """`F.linear`, over a packed copy of `w` where this target packs its weights (`cpu_packs_weights`)."""
+        return F.linear(x, w, b) if self.packed is None else self.packed.linear(x, w, b)
+
     def gated(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """silu(gate) * up of the normed x [N, H] -> [N, I]: the MLP's input to its down projection."""
-        return self.pointwise.gate(F.linear(x, lw.w13, lw.b13))
+        return self.pointwise.gate(self.linear(x, lw.w13, lw.b13))
 
     def add_linear(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The residual h [N, H] plus the product x [N, K] · wᵀ (+ b): in the product's epilogue with
         `residual_in_gemm` (no bias), else added after it."""
         if self.residual_in_gemm and b is None:
             return h.addmm_(x, w.t())  # in place: out-of-place addmm first copies h into its result
-        return h + F.linear(x, w, b)
+        return h + self.linear(x, w, b)
 
     def add_linear_norm(
         self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm: torch.Tensor
@@ -569,7 +614,7 @@ class FastTarget(nn.Module):
         if self.residual_in_gemm and b is None:
             h = h.addmm_(x, w.t())
             return h, self.pointwise.norm(h, norm, self.eps)
-        return self.pointwise.add_norm(h, F.linear(x, w, b), norm, self.eps)
+        return self.pointwise.add_norm(h, self.linear(x, w, b), norm, self.eps)
 
     def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """The post-attention half of a decoder layer: h + the MLP of the normed h, [N, H]."""
@@ -622,7 +667,7 @@ class FastTarget(nn.Module):
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
-            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
+            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
             self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
             o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
@@ -634,7 +679,7 @@ class FastTarget(nn.Module):
             x = x[-1:]
         elif logits_at is not None:
             x = x.index_select(0, logits_at)  # [1, H]
-        logits = F.linear(x, self.lm_head)  # [T', V]
+        logits = self.linear(x, self.lm_head)  # [T', V]
         return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]
 
     def forward_rows(
@@ -663,7 +708,7 @@ class FastTarget(nn.Module):
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
-            qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
+            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
@@ -674,5 +719,5 @@ class FastTarget(nn.Module):
         x = x.view(b, t, -1)  # the final norm of h
         if logits_at is not None:
             x = x[rows[:, 0], logits_at][:, None]  # [B, 1, H]
-        logits = F.linear(x, self.lm_head)  # [B, T', V]
+        logits = self.linear(x, self.lm_head)  # [B, T', V]
         return logits, (torch.cat(aux, dim=-1).view(b, t, -1) if want_aux else None)  # aux [B, T, 3·H]
