@@ -63,6 +63,21 @@ def prompt_of(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 300, (n,), generator=g)
 
 
+def forward_outputs(tgt: FastTarget, ids: torch.Tensor, s: int = 32) -> tuple[torch.Tensor, ...]:
+    """A causal forward of ids [T] into a fresh cache of s slots: logits [T, V] and aux [T, 3·H] from `forward`,
+    and the same for two equal rows from `forward_rows` ([2, T, V], [2, T, 3·H])."""
+    t = ids.shape[0]
+    pos = torch.arange(t)
+    mask = torch.zeros(t, s, dtype=torch.bool)
+    mask[:, :t] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    tgt.allocate(s)
+    logits, aux = tgt.forward(ids, pos, pos, mask, want_aux=True)
+    k_rows = torch.zeros(tgt.num_layers, 2, tgt.nkv, s, tgt.hd)
+    rows, rows_aux = tgt.forward_rows(ids.expand(2, t), pos.expand(2, t), pos.expand(2, t), mask.expand(2, t, s),
+                                      k_rows, torch.zeros_like(k_rows), (tgt.cos, tgt.sin), want_aux=True)
+    return logits, aux, rows, rows_aux
+
+
 def hf_greedy(model, prompt: torch.Tensor, max_new: int, eos: int | None = None) -> list[int]:
     """HF greedy decoding; eos None: no EOS at all (the tiny models' EOS id would end some runs at once)."""
     out = model.generate(prompt[None], max_new_tokens=max_new, do_sample=False, pad_token_id=0, eos_token_id=eos)
@@ -579,18 +594,7 @@ def test_fused_pointwise_keeps_greedy_output(models, drafters, arch):
 
     eager, fused = FastTarget(model, d.config.aux_layer_ids), FastTarget(model, d.config.aux_layer_ids)
     fused.fuse_pointwise()
-    ids, t, s = prompt_of(12, seed=30), 12, 32
-    pos = torch.arange(t)
-    mask = torch.zeros(t, s, dtype=torch.bool)
-    mask[:, :t] = torch.tril(torch.ones(t, t, dtype=torch.bool))
-    outs = []
-    for tgt in (eager, fused):
-        tgt.allocate(s)
-        logits, aux = tgt.forward(ids, pos, pos, mask, want_aux=True)  # [T, V], [T, 3·H]
-        k_rows = torch.zeros(tgt.num_layers, 2, tgt.nkv, s, tgt.hd)
-        rows, _ = tgt.forward_rows(ids.expand(2, t), pos.expand(2, t), pos.expand(2, t), mask.expand(2, t, s),
-                                   k_rows, torch.zeros_like(k_rows), (tgt.cos, tgt.sin))  # [2, T, V]
-        outs.append((logits, aux, rows))
+    outs = [forward_outputs(tgt, prompt_of(12, seed=30)) for tgt in (eager, fused)]
     for e, f in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(f, e, rtol=1e-4, atol=2e-4)  # other summation orders in fp32
     assert outs[0][0].argmax(-1).tolist() == outs[1][0].argmax(-1).tolist()
@@ -627,27 +631,19 @@ def test_residual_in_gemm_keeps_logits_and_aux_features(models, drafters):
     from eagle3.fast.batched import BatchedGenerator
 
     model, d = models["llama"], drafters["llama"]
-    ids, t, s = prompt_of(12, seed=44), 12, 32
-    pos = torch.arange(t)
-    mask = torch.zeros(t, s, dtype=torch.bool)
-    mask[:, :t] = torch.tril(torch.ones(t, t, dtype=torch.bool))
-    outs = []
+    ids = prompt_of(12, seed=44)
+    outs, answers = [], []
     for gemm in (False, True):
         tgt = FastTarget(model, d.config.aux_layer_ids)
         tgt.residual_in_gemm = gemm
-        tgt.allocate(s)
-        logits, aux = tgt.forward(ids, pos, pos, mask, want_aux=True)  # [T, V], [T, 3·H]
-        k_rows = torch.zeros(tgt.num_layers, 2, tgt.nkv, s, tgt.hd)
-        rows, rows_aux = tgt.forward_rows(ids.expand(2, t), pos.expand(2, t), pos.expand(2, t),
-                                          mask.expand(2, t, s), k_rows, torch.zeros_like(k_rows),
-                                          (tgt.cos, tgt.sin), want_aux=True)  # [2, T, V], [2, T, 3·H]
+        outs.append(forward_outputs(tgt, ids))
         gen = BatchedGenerator(model, rows=2, max_seq_len=64)
         gen.t.residual_in_gemm = gemm
-        answers = gen.generate([ids[:7].tolist(), ids.tolist()], max_new_tokens=6, eos_token_ids=[])
-        outs.append((logits, aux, rows, rows_aux, [a.tokens for a in answers]))
-    for e, f in zip(outs[0][:4], outs[1][:4], strict=True):
+        answers.append([a.tokens for a in gen.generate([ids[:7].tolist(), ids.tolist()], max_new_tokens=6,
+                                                       eos_token_ids=[])])
+    for e, f in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(f, e, rtol=1e-5, atol=1e-5)
-    assert outs[0][4] == outs[1][4]
+    assert answers[0] == answers[1]
 
 
 def test_packed_weights_give_the_bits_of_f_linear(models, drafters):
