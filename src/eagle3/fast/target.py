@@ -599,10 +599,15 @@ class FastTarget(nn.Module):
         """silu(gate) * up of the normed x [N, H] -> [N, I]: the MLP's input to its down projection."""
         return self.pointwise.gate(self.linear(x, lw.w13, lw.b13))
 
+    def _adds_in_product(self, b: torch.Tensor | None) -> bool:
+        """Whether a residual add goes into the epilogue of a product with bias `b` (`residual_in_gemm`; a bias
+        keeps the add after the product)."""
+        return self.residual_in_gemm and b is None
+
     def add_linear(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """The residual h [N, H] plus the product x [N, K] · wᵀ (+ b): in the product's epilogue with
-        `residual_in_gemm` (no bias), else added after it."""
-        if self.residual_in_gemm and b is None:
+        """The residual h [N, H] plus the product x [N, K] · wᵀ (+ b): in the product's epilogue where
+        `_adds_in_product`, else added after it."""
+        if self._adds_in_product(b):
             return h.addmm_(x, w.t())  # in place: out-of-place addmm first copies h into its result
         return h + self.linear(x, w, b)
 
@@ -611,7 +616,7 @@ class FastTarget(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`add_linear` and the RMSNorm (weight `norm`) after it: (h', norm(h')), [N, H] each. Without the add in
         the product the add and the norm are one piece (`Pointwise.add_norm`: one kernel when all are fused)."""
-        if self.residual_in_gemm and b is None:
+        if self._adds_in_product(b):
             h = h.addmm_(x, w.t())
             return h, self.pointwise.norm(h, norm, self.eps)
         return self.pointwise.add_norm(h, self.linear(x, w, b), norm, self.eps)
