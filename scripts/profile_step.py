@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import DRAFTER_ATTENTION, DRAFTER_ATTENTION_HELP, FUSE_POINTWISE_CHOICES
+from eagle3.config import (
+    DRAFTER_ATTENTION,
+    DRAFTER_ATTENTION_HELP,
+    FUSE_POINTWISE_CHOICES,
+    TARGET_ATTENTION,
+    TARGET_ATTENTION_HELP,
+)
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
@@ -68,9 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--residual-add", choices=("auto", "gemm", "separate"), default="auto",
                    help="experiment: the target's residual adds in the products' epilogues (gemm) or after them "
                         "(separate); auto: FastTarget's default (gemm on CUDA)")
-    p.add_argument("--target-attention", choices=("sdpa", "matmul"), default="sdpa",
-                   help="experiment: the target attends by SDPA or by two batched products around an fp32 "
-                        "softmax (FastTarget.matmul_attention)")
+    p.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
+                   help=TARGET_ATTENTION_HELP.removeprefix("fast path: "))
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
     target.fuse_pointwise(level=args.fuse_pointwise)  # auto: elementwise on CUDA, as the engines
     if args.residual_add != "auto":
         target.residual_in_gemm = args.residual_add == "gemm"
-    target.matmul_attention = args.target_attention == "matmul"
+    target_attention = target.use_attention(args.target_attention)
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
@@ -270,7 +275,7 @@ def main(argv=None) -> int:
                           drafting_mode=args.drafting_mode,
                           drafter_attention=attention if drafter is not None else None,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
-                          residual_in_gemm=target.residual_in_gemm, target_attention=args.target_attention,
+                          residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

@@ -27,6 +27,12 @@ from typing import Any
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (`eagle3.fast.split_attention`) can run only in Triton's interpreter, which has to
+# be chosen before anything imports triton (torch._dynamo and transformers do): tests/test_split_attention.py.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import transformers
 
 # One thread: on a shared 2-core machine a second torch thread makes tiny ops wait a scheduler slice each

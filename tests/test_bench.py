@@ -61,6 +61,7 @@ def test_bench_methods_subset_and_no_drafter(tmp_path):
     assert [s["method"] for s in rec["summary"]] == ["hf", "plain"]  # tree skipped: no drafter given
     assert rec["options"]["compile_drafting"] is False
     assert rec["options"]["graph_prefill"] is False  # --graph-prefill auto on a CPU: what ran
+    assert rec["options"]["target_attention"] == "sdpa"  # --target-attention auto on a CPU
 
 
 def test_bench_times_several_trees_against_one_plain_run(tmp_path, capsys):

@@ -679,12 +679,12 @@ def test_packed_weights_give_the_bits_of_f_linear(models, drafters):
 
 @pytest.mark.parametrize("kind", ["none", "chain", "tree"])
 def test_matmul_target_attention_keeps_greedy_output(models, drafters, kind):
-    """`FastTarget.matmul_attention` (the experiment of `profile_step.py --target-attention matmul`): every
+    """`FastTarget.use_attention("matmul")` (the experiment of `profile_step.py --target-attention matmul`): every
     target forward attends by `rows_exact_attention`, and greedy output still equals HF generate."""
     model, d = models["qwen3"], drafters["qwen3"]
     spec = {"none": None, "chain": CHAIN, "tree": TREE}[kind]
     engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d)
-    engine.target.matmul_attention = True
+    engine.target.use_attention("matmul")
     prompt = prompt_of(17, seed=43)
     assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
 
@@ -802,8 +802,8 @@ def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
     the elementwise work compiled (`fuse_pointwise`: elementwise by default on CUDA, all) inside the captured
-    graphs or eager (off), with the drafter's SDPA attention (matmul by default on CUDA), and with captured
-    prefills (`graph_prefill`)."""
+    graphs or eager (off), with the drafter's and the target's SDPA attention (matmul and split by default on
+    CUDA), and with captured prefills (`graph_prefill`)."""
     model = build_tiny_target("llama").cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
     prompt = prompt_of(9, seed=13)
@@ -812,7 +812,7 @@ def test_cuda_graphs_match_hf_generate(kind):
                    "ngram": ("ngram", CHAIN)}[kind]
     for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
                  FastOptions(fuse_pointwise=True), FastOptions(fuse_pointwise="off"),
-                 FastOptions(drafter_attention="sdpa"),
+                 FastOptions(drafter_attention="sdpa"), FastOptions(target_attention="sdpa"),
                  FastOptions(graph_prefill=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first

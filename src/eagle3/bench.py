@@ -42,6 +42,8 @@ from eagle3.config import (
     FUSE_POINTWISE_HELP,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
+    TARGET_ATTENTION,
+    TARGET_ATTENTION_HELP,
     ConfigError,
     SpecConfig,
 )
@@ -152,6 +154,7 @@ def run_bench(
     pipeline: bool = True,
     sdpa_heads: bool = False,
     drafter_attention: str | None = None,
+    target_attention: str | None = None,
     warmup: int = 1,
     echo: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
@@ -204,11 +207,14 @@ def run_bench(
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
                           max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads,
-                          drafter_attention=drafter_attention,
+                          drafter_attention=drafter_attention, target_attention=target_attention,
                           graph_prefill=graph_prefill)
-    shared = None
+    shared, attention = None, "sdpa"  # the generic engine attends through HF's modules
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
+        if sdpa_heads:
+            shared.use_sdpa_heads()
+        attention = shared.use_attention(target_attention)  # resolved for the record
 
     # (method name in the record, kind, spec): one "tree" entry per shape when several are given
     runs = []
@@ -289,6 +295,7 @@ def run_bench(
                  "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
                  "drafter_attention": drafter_attention_for(drafter_attention, dev, sdpa_heads),
+                 "target_attention": attention,
                  "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                  "warmup": warmup, "device": str(dev),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -428,6 +435,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
     b.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
                    help=DRAFTER_ATTENTION_HELP)
+    b.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
     b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
     b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
     b.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help="fast path: " + GRAPH_PREFILL_HELP)
@@ -478,7 +486,7 @@ def cmd_bench(args) -> int:
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
         compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
-        drafter_attention=args.drafter_attention,
+        drafter_attention=args.drafter_attention, target_attention=args.target_attention,
         graph_prefill=AUTO_ON_OFF[args.graph_prefill],
     )
     path = write_json(record, out / "bench.json")

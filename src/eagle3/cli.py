@@ -21,6 +21,8 @@ from eagle3.config import (
     FUSE_POINTWISE_HELP,
     GRAPH_PREFILL_HELP,
     SDPA_HEADS_HELP,
+    TARGET_ATTENTION,
+    TARGET_ATTENTION_HELP,
     ConfigError,
     SamplingConfig,
     SpecConfig,
@@ -103,6 +105,8 @@ def _engine(rt, args):
         fast_only += ["--graph-prefill on"] if getattr(args, "graph_prefill", "auto") == "on" else []
         attention = getattr(args, "drafter_attention", "auto")
         fast_only += [f"--drafter-attention {attention}"] if attention != "auto" else []
+        attention = getattr(args, "target_attention", "auto")
+        fast_only += [f"--target-attention {attention}"] if attention != "auto" else []
         if fast_only:
             logging.getLogger("eagle3").warning(
                 "%s %s no effect: decoding runs on the generic engine (they apply to the static-cache fast path: "
@@ -113,6 +117,7 @@ def _engine(rt, args):
                           fuse_pointwise=getattr(args, "fuse_pointwise", "auto"),
                           sdpa_heads=getattr(args, "sdpa_heads", False),
                           drafter_attention=getattr(args, "drafter_attention", "auto"),
+                          target_attention=getattr(args, "target_attention", "auto"),
                           compile_drafting=False if getattr(args, "eager_drafting", False) else None,
                           graph_prefill=AUTO_ON_OFF[getattr(args, "graph_prefill", "auto")])
     return fast_engine_for(rt, options)
@@ -322,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fast engine: " + GRAPH_PREFILL_HELP)
     g.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
                    help=DRAFTER_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1))
+    g.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
+                   help=TARGET_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1))
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
@@ -482,6 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=DRAFTER_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1) + " (matmul "
                     "rounds the drafter otherwise than sdpa, so a near-tie in its proposals can change tau a "
                     "little: compare taus measured the same way)")
+    ev.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
+                    help=TARGET_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1) + " (each choice rounds "
+                    "bf16 a little otherwise, so a near-tie can change an answer: compare taus measured the "
+                    "same way)")
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "

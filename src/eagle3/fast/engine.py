@@ -67,6 +67,10 @@ class FastOptions:
     # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`)
     # or None / "auto": matmul on CUDA (H200, session 30: tree 2.87x -> 2.96x plain decoding), sdpa elsewhere
     drafter_attention: str | None = None
+    # the target's attention in decoding forwards (`target_attention_for`): "split" (`eagle3.fast.split_attention`),
+    # "sdpa", "matmul", or None / "auto": split on CUDA where Triton imports, sdpa elsewhere. A shared target
+    # takes the last engine's choice.
+    target_attention: str | None = None
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     # run each prompt's prefill (target, then drafter) padded to a power of two of at least PREFILL_MIN_WIDTH
     # tokens, a fixed-shape function captured per width like the cycles: an eager prefill launches every kernel
@@ -145,6 +149,7 @@ class FastEngine:
             target.fuse_pointwise(self.options.compile_backend, self.options.fuse_pointwise)
         if self.options.sdpa_heads:
             target.use_sdpa_heads()
+        self.target_attention = target.use_attention(self.options.target_attention)
         self.target = target
         fd = FastDrafter(drafter) if mode == "eagle3" else None
         if fd is not None and self.options.sdpa_heads:
@@ -250,7 +255,8 @@ class FastEngine:
         o = self.options
         return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda", "compile": o.compile,
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
-                "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention}
+                "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
+                "target_attention": self.target_attention}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

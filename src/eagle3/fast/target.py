@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.attention import shapes_vary
-from eagle3.config import FUSE_POINTWISE_CHOICES, FUSE_POINTWISE_LEVELS, ConfigError, on_for_device
+from eagle3.config import (
+    FUSE_POINTWISE_CHOICES,
+    FUSE_POINTWISE_LEVELS,
+    TARGET_ATTENTION,
+    ConfigError,
+    on_for_device,
+)
+from eagle3.fast import split_attention as split
 
 log = logging.getLogger("eagle3.fast")
 
@@ -217,6 +224,28 @@ def row_attention(
     qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)  # head kv·g + r: row r·T + t
     o = F.scaled_dot_product_attention(qg, k_rows, v_rows, attn_mask=bias, scale=scale)  # [B, nkv, g·T, hd]
     return o.view(b, nkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b * t, nh * hd)
+
+
+def target_attention_for(choice: str | None, device: torch.device | str, head_dim: int,
+                         sdpa_heads: bool = False) -> str:
+    """`FastOptions.target_attention` (`--target-attention`) for a target on `device`: "split", "sdpa" or
+    "matmul". None or "auto": split on CUDA where Triton imports and takes this head size
+    (`eagle3.fast.split_attention`), sdpa elsewhere and with `sdpa_heads` (the query heads as SDPA heads were
+    asked for). "split" where it cannot run is a configuration error."""
+    if choice is None or choice == "auto":
+        usable = (torch.device(device).type == "cuda" and not sdpa_heads and split.split_attention_available()
+                  and split.supports(head_dim, 1))
+        return "split" if usable else "sdpa"
+    if choice not in TARGET_ATTENTION:
+        raise ConfigError(f"target attention {choice!r}: expected one of {TARGET_ATTENTION}")
+    if choice == "split":
+        if torch.device(device).type != "cuda" or not split.split_attention_available():
+            raise ConfigError("--target-attention split needs a CUDA device and Triton (it comes with PyTorch's "
+                              "CUDA wheels); use auto or sdpa")
+        if not split.supports(head_dim, 1):
+            raise ConfigError(f"--target-attention split takes head sizes 16, 32, 64, 128 and 256, not {head_dim}; "
+                              "use auto or sdpa")
+    return choice
 
 
 def residual_in_gemm(device: torch.device | str) -> bool:
@@ -482,16 +511,24 @@ class FastTarget(nn.Module):
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
         mats = [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2)] + [self.lm_head]
         self.packed = pack_weights(self.device, self.dtype, mats)  # `cpu_packs_weights`
-        # Attention by `rows_exact_attention` in every forward, not only with `exact_rows`: an experiment of
-        # `scripts/profile_step.py --target-attention matmul`. On one H200 it lost to cuDNN's SDPA: SmolLM2's
-        # shape, plain step 1,540 against 1,519 us; the 8B shape, 5,552 against 5,603 us but a tree cycle of
-        # 8,079 against 7,901 us (docs/results/session31_h200/).
-        self.matmul_attention = False
+        # How decoding forwards attend (`target_attention_for`, `use_attention`). "matmul" (`rows_exact_attention`
+        # in every forward, not only with `exact_rows`) is an experiment; on one H200 it lost to cuDNN's SDPA:
+        # SmolLM2's shape, plain step 1,540 against 1,519 us; the 8B shape, 5,552 against 5,603 us but a tree
+        # cycle of 8,079 against 7,901 us (docs/results/session31_h200/).
+        self.attention = target_attention_for("auto", self.device, self.hd)
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
         costs); call before capturing graphs."""
         self.stacked = False
+        if self.attention == "split":
+            self.attention = "sdpa"
+
+    def use_attention(self, choice: str | None) -> str:
+        """Attend in decoding forwards as `choice` says (`target_attention_for`; call before capturing graphs);
+        returns what it resolved to."""
+        self.attention = target_attention_for(choice, self.device, self.hd, sdpa_heads=not self.stacked)
+        return self.attention
 
     def fuse_pointwise(self, backend: str = "inductor", level: bool | str | None = "all") -> None:
         """Run the elementwise work as compiled kernels from now on (`Pointwise`; `level` as `fuse_level`:
@@ -664,9 +701,11 @@ class FastTarget(nn.Module):
         nh, nkv = self.nh, self.nkv
         h = F.embedding(ids, self.embed)  # [T, H]
         cos, sin = self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
-        exact = self.exact_rows or self.matmul_attention
+        exact = self.exact_rows or self.attention == "matmul"
         stacked, groups = gqa_layout(self.stacked or exact, nh, nkv)
-        bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
+        by_splits = (self.attention == "split" and not shapes_vary() and split.supports(self.hd, t)
+                     and not torch.compiler.is_compiling())  # `--compile` traces whole steps: SDPA there
+        bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
         for i, lw in enumerate(self.layers):
@@ -675,8 +714,12 @@ class FastTarget(nn.Module):
             qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
             self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
-            o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
-                                  exact)  # [T, nh·hd]
+            if by_splits:  # q as [n_kv, g·T, hd] (a view): row r·T + t is head kv·g + r
+                o = split.split_attention(q.view(nkv, -1, self.hd), self.k_cache[i], self.v_cache[i], mask,
+                                          self.scale)  # [T, nh·hd]
+            else:
+                o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
+                                      exact)  # [T, nh·hd]
             h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)

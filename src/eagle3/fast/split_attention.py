@@ -1,0 +1,179 @@
+"""Split-KV attention over the static cache for decode-sized forwards on CUDA (Triton).
+
+A plain step, a chain's verification and a tree's verification attend a few query rows to the whole static cache
+under a `[T, S]` visibility mask. cuDNN's SDPA kernel runs such a call as one program per KV head that walks all
+S slots in turn: on one H200 about 13.7 us per layer at SmolLM2's shape and 19 us at Llama-3.1-8B's, for a few
+hundred kilobytes of K/V (docs/results/session31_h200/). Splitting the slots over programs (flash-decoding;
+Dao et al., "Flash-Decoding for long-context inference", 2023) keeps the GPU busy instead.
+
+Two kernels:
+- `_split_kernel`, one program per (KV head, block of 16 stacked query rows, split of the slots): an online
+  softmax over its split's key blocks, skipping blocks no row of it sees; it writes its rows' partial (max,
+  sum, weighted V), or, when one split covers the cache, the normalised output itself.
+- `_combine_kernel`, one program per (KV head, stacked row): merges the splits in order and writes the row into
+  the `[T, nh·hd]` output, the layout the output projection reads (no transposing copy after attention).
+Products take fp32 operands at full precision (`input_precision="ieee"`, not TF32), bf16 and fp16 as they are.
+
+Every quantity a row's output depends on is computed the same way whatever other rows come with it: the splits
+and key blocks are fixed slot ranges (a function of S only, not of how many slots are in use), a block another
+row needs but this row does not see adds exactly zero to this row (its weights are exp(-inf) = 0, its running
+max is unchanged), and a row's products are those of the same 16-row tile. So the rows of a chain's
+verification keep the bits of one-token steps, as `tests/test_fast.py` checks on a GPU.
+
+Query rows are stacked as in `eagle3.fast.target.grouped_attention`: q `[n_kv, g·T, hd]`, row r·T + t is query
+head kv·g + r of token t.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_M = 16  # stacked query rows per program: the smallest tile `tl.dot` takes
+BLOCK_N = 64  # slots per key block
+MAX_SPLITS = 64  # the combine kernel holds one row's partials of every split at once
+MAX_ROWS = 128  # tokens per forward this kernel serves (a 100-token tree's verification and less)
+
+
+@functools.cache
+def split_attention_available() -> bool:
+    """Whether Triton can be imported (it ships with PyTorch's CUDA wheels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def split_size(seq_len: int) -> int:
+    """Slots per split for a cache of `seq_len` slots: a multiple of BLOCK_N, at least 2 blocks, and large enough
+    that there are at most MAX_SPLITS splits. It depends on the cache size only, so every forward over one cache
+    splits its slots the same way."""
+    blocks = -(-seq_len // BLOCK_N)
+    per_split = max(2, -(-blocks // MAX_SPLITS))
+    return per_split * BLOCK_N
+
+
+def supports(head_dim: int, tokens: int) -> bool:
+    """Whether `split_attention` serves a forward of `tokens` tokens with this head size."""
+    return head_dim in (16, 32, 64, 128, 256) and tokens <= MAX_ROWS
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(
+        q_ptr, k_ptr, v_ptr, mask_ptr, part_o_ptr, part_ml_ptr, out_ptr,
+        stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ot,
+        rows_total, tokens, seq_len, groups, scale_log2,
+        HD: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        kvh = tl.program_id(0)
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] stacked rows r·T + t
+        split = tl.program_id(2)
+        row_ok = rows < rows_total
+        tok = rows % tokens
+        d = tl.arange(0, HD)
+        q = tl.load(q_ptr + kvh * stride_qh + rows[:, None] * stride_qr + d[None, :], mask=row_ok[:, None],
+                    other=0.0)  # [BM, HD]
+        m_i = tl.full([BM], -1.0e30, tl.float32)  # finite: a row with nothing visible yet keeps alpha = 1
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, HD], tl.float32)
+        for b in range(SPLIT // BN):
+            cols = split * SPLIT + b * BN + tl.arange(0, BN)  # [BN] slots
+            col_ok = cols < seq_len
+            seen = tl.load(mask_ptr + tok[:, None] * stride_mt + cols[None, :],
+                           mask=row_ok[:, None] & col_ok[None, :], other=0) != 0  # [BM, BN]
+            if tl.max(tl.max(seen.to(tl.int32), 1), 0) > 0:  # a block no row sees adds nothing: skip its reads
+                k = tl.load(k_ptr + kvh * stride_kh + cols[:, None] * stride_ks + d[None, :],
+                            mask=col_ok[:, None], other=0.0)  # [BN, HD]
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BM, BN] fp32, log2 units
+                s = tl.where(seen, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + kvh * stride_vh + cols[:, None] * stride_vs + d[None, :],
+                            mask=col_ok[:, None], other=0.0)  # [BN, HD]
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+        if SINGLE:
+            head = kvh * groups + rows // tokens
+            o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * HD + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            part = (kvh * rows_total + rows) * N_SPLITS + split  # [BM] index into [n_kv, R, N_SPLITS]
+            tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def combine_kernel(
+        part_o_ptr, part_ml_ptr, out_ptr, stride_ot, rows_total, tokens, groups,
+        HD: tl.constexpr, N_SPLITS: tl.constexpr, SP: tl.constexpr,
+    ):
+        kvh = tl.program_id(0)
+        row = tl.program_id(1)
+        sp = tl.arange(0, SP)  # [SP] splits, padded to a power of two
+        d = tl.arange(0, HD)
+        sp_ok = sp < N_SPLITS
+        base = (kvh * rows_total + row) * N_SPLITS
+        m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp_ok, other=-1.0e30)  # [SP]
+        ell = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
+        acc = tl.load(part_o_ptr + (base + sp)[:, None] * HD + d[None, :], mask=sp_ok[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))  # [SP]: splits this row does not see have m = -1e30, so w = 0
+        o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * ell, 0)  # [HD]
+        tok = row % tokens
+        head = kvh * groups + row // tokens
+        tl.store(out_ptr + tok * stride_ot + head * HD + d, o.to(out_ptr.dtype.element_ty))
+
+    return split_kernel, combine_kernel
+
+
+def split_attention(
+    q: torch.Tensor,  # [n_kv, g·T, hd], stacked query rows (row r·T + t: head kv·g + r, token t)
+    k: torch.Tensor,  # [n_kv, S, hd], last dim contiguous
+    v: torch.Tensor,  # [n_kv, S, hd], last dim contiguous
+    mask: torch.Tensor,  # bool [T, S]: which slots each token sees
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the stacked rows to every visible slot; returns [T, nh·hd] (nh = n_kv·g) in q's dtype."""
+    nkv, rows, hd = q.shape
+    tokens, seq_len = mask.shape
+    groups = rows // tokens
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or rows != groups * tokens:
+        raise ValueError("split_attention needs q, k and v contiguous in their last dimension and g·T query rows")
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    split_kernel, combine_kernel = _kernels()
+    split = split_size(seq_len)
+    n_splits = -(-seq_len // split)
+    out = torch.empty(tokens, nkv * groups * hd, dtype=q.dtype, device=q.device)  # [T, nh·hd]
+    single = n_splits == 1
+    if single:
+        part_o = part_ml = out  # unused
+    else:
+        part_o = torch.empty(nkv, rows, n_splits, hd, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(nkv, rows, n_splits, 2, dtype=torch.float32, device=q.device)
+    mask_bytes = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    grid = (nkv, -(-rows // BLOCK_M), n_splits)
+    split_kernel[grid](
+        q, k, v, mask_bytes, part_o, part_ml, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask_bytes.stride(0),
+        out.stride(0), rows, tokens, seq_len, groups, scale * 1.4426950408889634,  # log2(e)
+        HD=hd, SPLIT=split, N_SPLITS=n_splits, BM=BLOCK_M, BN=BLOCK_N, SINGLE=single,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )
+    if not single:
+        sp = 1 << (n_splits - 1).bit_length()
+        combine_kernel[(nkv, rows)](
+            part_o, part_ml, out, out.stride(0), rows, tokens, groups,
+            HD=hd, N_SPLITS=n_splits, SP=sp, num_warps=1 if hd <= 64 else 2,
+        )
+    return out

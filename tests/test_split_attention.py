@@ -1,0 +1,168 @@
+"""The split-KV attention kernel (`eagle3.fast.split_attention`) and the fast path's choice of target attention.
+
+On a CPU the Triton kernels run in Triton's interpreter (`TRITON_INTERPRET=1`; fp32 and fp16, since the
+interpreter's products do not take bf16), which checks their indexing and arithmetic: outputs against a direct
+softmax attention for plain, chain and tree masks, one split and several; rows of a chain against one-token
+calls, bit for bit; greedy decoding through the fast path with it against HF `generate`. On a GPU (marked
+`gpu`): the compiled kernels in bf16, the chain rows' bits, and bf16 chains against plain decoding.
+Skipped where Triton is not installed (it comes with PyTorch's CUDA wheels; the `test` extra installs it on
+Linux x86-64).
+Run: pytest tests/test_split_attention.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_tiny_target
+from eagle3.config import ConfigError, SpecConfig
+from eagle3.fast import FastEngine, FastOptions
+from eagle3.fast import split_attention as split
+from eagle3.fast.target import target_attention_for
+from eagle3.runtime import init_drafter
+
+pytest.importorskip("triton")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def interpreted():
+    """Tests of the kernels' logic: on a CPU through Triton's interpreter (conftest.py chooses it there)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is for machines without a GPU; the gpu tests below run the compiled kernels")
+
+
+def reference(q, k, v, mask, scale):
+    """Softmax attention in fp64 over the visible slots; q [nkv, g·T, hd] stacked -> [T, nh·hd]."""
+    nkv, rows, hd = q.shape
+    t = mask.shape[0]
+    g = rows // t
+    bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask.cpu(), float("-inf")).repeat(g, 1)
+    w = torch.softmax(q.cpu().double() @ k.cpu().double().transpose(1, 2) * scale + bias, -1)
+    o = w @ v.cpu().double()  # [nkv, g·T, hd]
+    return o.reshape(nkv * g, t, hd).transpose(0, 1).reshape(t, -1)
+
+
+def chain_mask(t: int, s: int, cached: int) -> torch.Tensor:
+    """[T, S]: the cached prefix, then token i sees the chain's tokens 0..i."""
+    ar = torch.arange(s)
+    return (ar[None, :] < cached) | ((ar[None, :] >= cached) & (ar[None, :] <= cached + torch.arange(t)[:, None]))
+
+
+def tree_mask(t: int, s: int, cached: int, g: torch.Generator) -> torch.Tensor:
+    """[T, S]: the cached prefix, then each node sees a random set of earlier nodes and itself (a tree's ancestor
+    sets are one such)."""
+    mask = chain_mask(t, s, cached)
+    mask[:, cached : cached + t] &= torch.rand(t, t, generator=g) < 0.5
+    mask[torch.arange(t), cached + torch.arange(t)] = True
+    return mask
+
+
+def inputs(s, t, nkv, g, hd, dtype, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype).to(device)
+               for shape in ((nkv, g * t, hd), (nkv, s, hd), (nkv, s, hd)))
+    return q, k, v, gen
+
+
+F32, F16 = torch.float32, torch.float16
+
+
+@pytest.mark.parametrize("s,t,nkv,g,hd,kind,dtype", [
+    (100, 1, 3, 3, 64, "chain", F32),  # one split (<= 128 slots): the normalised output straight from the kernel
+    (100, 1, 3, 3, 64, "chain", F16),
+    (700, 1, 2, 4, 128, "chain", F32),  # a plain step over six splits
+    (700, 6, 3, 3, 64, "chain", F16),
+    (450, 20, 1, 2, 16, "tree", F32),
+    (300, 61, 3, 3, 32, "tree", F16),  # 183 stacked rows: 12 row blocks
+])
+def test_split_attention_matches_softmax_attention(interpreted, s, t, nkv, g, hd, kind, dtype):
+    q, k, v, gen = inputs(s, t, nkv, g, hd, dtype)
+    cached = s - t - 9  # some slots at the end stay unseen by every row
+    mask = chain_mask(t, s, cached) if kind == "chain" else tree_mask(t, s, cached, gen)
+    out = split.split_attention(q, k, v, mask, hd**-0.5)
+    assert out.shape == (t, nkv * g * hd) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask, hd**-0.5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chain_rows_keep_the_bits_of_one_token_calls(interpreted, dtype):
+    """Row i of a chain's verification against a one-token call at the same place: the same bits (the slots are
+    split the same way and the blocks only row i's neighbours see add exactly nothing to it)."""
+    s, t, nkv, g, hd = 600, 5, 2, 3, 64
+    q, k, v, _ = inputs(s, t, nkv, g, hd, dtype, seed=1)
+    cached = 250
+    rows = split.split_attention(q, k, v, chain_mask(t, s, cached), hd**-0.5)  # [T, nh·hd]
+    for i in range(t):
+        qi = q.view(nkv, g, t, hd)[:, :, i].contiguous()  # [nkv, g, hd]: token i's query heads
+        one = split.split_attention(qi, k, v, chain_mask(t, s, cached)[i : i + 1], hd**-0.5)
+        assert torch.equal(rows[i : i + 1], one), i
+
+
+def test_split_size_depends_on_the_cache_only():
+    assert split.split_size(1) == split.split_size(128) == 2 * split.BLOCK_N
+    assert split.split_size(64 * 128) == 128 and split.split_size(64 * 128 + 1) == 192
+    for s in (1, 500, 8192, 100_000):
+        assert -(-s // split.split_size(s)) <= split.MAX_SPLITS
+    assert split.supports(64, 1) and split.supports(128, split.MAX_ROWS)
+    assert not split.supports(96, 1) and not split.supports(64, split.MAX_ROWS + 1)
+
+
+def test_target_attention_choices():
+    assert target_attention_for("auto", "cpu", 64) == "sdpa"
+    assert target_attention_for(None, "cpu", 64) == "sdpa"
+    assert target_attention_for("matmul", "cpu", 64) == "matmul"
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        target_attention_for("split", "cpu", 64)
+    with pytest.raises(ConfigError, match="expected one of"):
+        target_attention_for("flash", "cpu", 64)
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", "none"), ("llama", "tree"), ("qwen3", "chain")])
+def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, kind):
+    """Greedy decoding through the fast path with every decoding forward attending by the kernel (the target's
+    head size is 16, its cache 128 slots: one split): HF `generate`'s tokens. Qwen3 covers the q/k norms."""
+    model = build_tiny_target(arch)
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    spec = {"none": None, "chain": SpecConfig(mode="chain", chain_length=4),
+            "tree": SpecConfig(depth=4, top_k=3, total_tokens=12)}[kind]
+    engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d,
+                        options=FastOptions(max_seq_len=256))
+    engine.target.attention = "split"  # on a CPU only through the interpreter: `target_attention_for` refuses
+    prompt = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(prompt[None], max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 11:].tolist()
+    assert engine.generate(prompt, max_new_tokens=10, eos_token_ids=[]).token_ids == ref
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("s,t,nkv,g,hd", [(900, 1, 8, 4, 128), (900, 6, 3, 3, 64), (900, 61, 8, 4, 128)])
+def test_compiled_kernels_in_bf16(s, t, nkv, g, hd):
+    """On a GPU in bf16: close to fp64 attention (tree masks), and chain rows with the bits of one-token calls."""
+    q, k, v, gen = inputs(s, t, nkv, g, hd, torch.bfloat16, device="cuda")
+    mask = tree_mask(t, s, 400, gen).cuda()
+    out = split.split_attention(q, k, v, mask, hd**-0.5)
+    torch.testing.assert_close(out.cpu().double(), reference(q, k, v, mask, hd**-0.5), atol=2e-2, rtol=2e-2)
+    cm = chain_mask(t, s, 400).cuda()
+    rows = split.split_attention(q, k, v, cm, hd**-0.5)
+    for i in range(t):
+        qi = q.view(nkv, g, t, hd)[:, :, i].contiguous()
+        assert torch.equal(rows[i : i + 1], split.split_attention(qi, k, v, cm[i : i + 1], hd**-0.5)), i
+
+
+@pytest.mark.gpu
+@cuda
+def test_bf16_chains_stay_identical_to_plain_decoding_with_split_attention():
+    """The fast path's default attention on CUDA: bf16 EAGLE-3 chains emit what bf16 plain decoding emits."""
+    model = build_tiny_target("llama").cuda().to(torch.bfloat16)
+    d = init_drafter(model, draft_vocab_size=200, seed=1).cuda().to(torch.bfloat16)
+    plain = FastEngine(model, draft="none", options=FastOptions())
+    chain = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=d,
+                       options=FastOptions())
+    assert plain.target_attention == chain.target_attention == "split"
+    for seed in range(4):
+        prompt = torch.randint(3, 300, (9 + seed,), generator=torch.Generator().manual_seed(seed))
+        want = plain.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids
+        assert chain.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids == want, seed
