@@ -123,7 +123,8 @@ def test_target_attention_choices():
 @pytest.mark.parametrize("arch,kind", [("llama", "none"), ("llama", "tree"), ("qwen3", "chain")])
 def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, kind):
     """Greedy decoding through the fast path with every decoding forward attending by the kernel (the target's
-    head size is 16, its cache 128 slots: one split): HF `generate`'s tokens. Qwen3 covers the q/k norms."""
+    head size is 16, its cache 256 slots: two splits and the merge): HF `generate`'s tokens. Qwen3 covers the
+    q/k norms."""
     model = build_tiny_target(arch)
     d = init_drafter(model, draft_vocab_size=200, seed=1)
     spec = {"none": None, "chain": SpecConfig(mode="chain", chain_length=4),
