@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(separate); auto: FastTarget's default (gemm on CUDA)")
     p.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
                    help=TARGET_ATTENTION_HELP.removeprefix("fast path: "))
+    p.add_argument("--target-norm", choices=("torch", "triton"), default="torch",
+                   help="experiment: the target's RMSNorms by torch (F.rms_norm on CUDA) or by one Triton program "
+                        "per row (eagle3.fast.row_norm; CUDA only)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",
@@ -232,6 +235,8 @@ def main(argv=None) -> int:
     if args.residual_add != "auto":
         target.residual_in_gemm = args.residual_add == "gemm"
     target_attention = target.use_attention(args.target_attention)
+    if args.target_norm == "triton":
+        target.use_norm_kernel()
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
@@ -276,6 +281,7 @@ def main(argv=None) -> int:
                           drafter_attention=attention if drafter is not None else None,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
+                          target_norm=args.target_norm,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

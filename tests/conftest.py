@@ -104,6 +104,15 @@ def build_tiny_target(arch: str, seed: int = 0, **overrides: Any) -> transformer
     return model
 
 
+@pytest.fixture
+def interpreted():
+    """Tests of Triton kernels' logic: on a CPU, through Triton's interpreter (chosen above); skipped on a GPU,
+    where the `gpu` tests run the compiled kernels."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is for machines without a GPU; the gpu tests run the compiled kernels")
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     """Factory: `tiny_target("qwen3", seed=0, **config_overrides)` builds a fresh model each call."""

@@ -26,13 +26,6 @@ pytest.importorskip("triton")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture
-def interpreted():
-    """Tests of the kernels' logic: on a CPU through Triton's interpreter (conftest.py chooses it there)."""
-    if torch.cuda.is_available():
-        pytest.skip("the interpreter is for machines without a GPU; the gpu tests below run the compiled kernels")
-
-
 def reference(q, k, v, mask, scale):
     """Softmax attention in fp64 over the visible slots; q [nkv, g·T, hd] stacked -> [T, nh·hd]."""
     nkv, rows, hd = q.shape

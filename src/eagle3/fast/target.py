@@ -17,6 +17,7 @@ input of the final norm.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -523,6 +524,17 @@ class FastTarget(nn.Module):
         self.stacked = False
         if self.attention == "split":
             self.attention = "sdpa"
+
+    def use_norm_kernel(self) -> None:
+        """Run the RMSNorms through `eagle3.fast.row_norm` (one Triton program per row) from now on, an experiment
+        of `scripts/profile_step.py --target-norm triton`; call after `fuse_pointwise` and before capturing
+        graphs (CUDA only)."""
+        from eagle3.fast.row_norm import rms_norm_rows
+
+        if self.device.type != "cuda":
+            raise ConfigError("the Triton RMSNorm runs on CUDA only")
+        self.pointwise = copy.copy(self.pointwise)  # EAGER is shared by every target
+        self.pointwise.norm = rms_norm_rows
 
     def use_attention(self, choice: str | None) -> str:
         """Attend in decoding forwards as `choice` says (`target_attention_for`; call before capturing graphs);
