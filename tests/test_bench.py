@@ -93,7 +93,29 @@ def test_overhead_tiny(tmp_path, capsys):
         assert r["cycle_units"] > 0 and r["verify_units"] > 0 and r["draft_units"] > 0
     assert rec["target_step_ms"] > 0 and rec["plain_bandwidth_gbs"] > 0
     assert rec["compile_drafting"] is False  # None resolves to CUDA only
+    assert rec["complete"] is True and rec["target_attention"] == "sdpa"  # auto on a CPU
     assert "target steps" in capsys.readouterr().out
+
+
+def test_overhead_keeps_the_rows_measured_before_a_failure(tmp_path, monkeypatch):
+    """A run stopped part way (here the fourth row's timing fails; on a device, a time limit) leaves the record
+    of the unit step and the rows before it, marked incomplete."""
+    import eagle3.fast.overhead as overhead
+
+    real, calls = overhead.time_step, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1 + 3 * 4:  # the unit step, then four timings per row: the fourth row fails
+            raise RuntimeError("stopped")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(overhead, "time_step", failing)
+    with pytest.raises(RuntimeError, match="stopped"):
+        bench(["--overhead", "--tiny", "--device", "cpu", "--out", str(tmp_path)])
+    rec = json.loads((tmp_path / "overhead.json").read_text())
+    assert rec["complete"] is False and rec["shape"] == "tiny-llama" and rec["target_step_ms"] > 0
+    assert [(r["kind"], r["tokens"]) for r in rec["rows"]] == [("chain", 1), ("chain", 2), ("chain", 3)]
 
 
 def test_overhead_shapes():

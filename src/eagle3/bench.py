@@ -464,12 +464,15 @@ def cmd_bench(args) -> int:
             from eagle3.models import select_device
 
             select_device(device)
+        def save(res: dict) -> Path:  # after every row: a run stopped part way keeps its rows
+            return write_json(run_record("bench-overhead", **res), out / "overhead.json")
+
         res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
                            fuse_pointwise=args.fuse_pointwise, reps=args.reps,
                            compile_drafting=False if args.eager_drafting else None, shape=args.shape,
-                           drafter_attention=args.drafter_attention)
-        record = run_record("bench-overhead", **res)
-        path = write_json(record, out / "overhead.json")
+                           drafter_attention=args.drafter_attention, target_attention=args.target_attention,
+                           on_progress=save)
+        path = save(res)
         print(format_overhead(res))
         print(f"record: {path}")
         return 0

@@ -129,12 +129,18 @@ def measure_overhead(
     log: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
     drafter_attention: str | None = None,
+    target_attention: str | None = None,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """Per-cycle costs for each chain length and tree size, in seconds and in target-step units.
     `compile_drafting` (None: on CUDA, as `FastOptions`): the cycle's pieces that do not run the target are
-    inductor-compiled (`FastCore.compile_drafting`); `drafter_attention`: as `FastOptions` (None: auto)."""
+    inductor-compiled (`FastCore.compile_drafting`); `drafter_attention`, `target_attention`: as `FastOptions`
+    (None: auto). `on_progress` gets the result so far (`complete` False) after the unit step and after each
+    row, so that a run stopped part way keeps what it measured."""
     target = FastTarget(model, drafter.config.aux_layer_ids)
     target.fuse_pointwise(level=fuse_pointwise)  # None: auto, as `FastOptions`
+    target_attention = target.use_attention(target_attention)
+    progress = on_progress or (lambda result: None)
     fdrafter = FastDrafter(drafter)
     dev = target.device
     attention = fdrafter.use_attention(drafter_attention)
@@ -166,17 +172,19 @@ def measure_overhead(
         "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
         "graphs": graphs and dev.type == "cuda", "compile": compile,
         "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
-        "compile_drafting": compile_drafting, "drafter_attention": attention, "reps": reps,
+        "compile_drafting": compile_drafting, "drafter_attention": attention, "target_attention": target_attention,
+        "reps": reps,
         "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
         "kv_bytes_static": target.kv_bytes(seq_len),
         "copy_bandwidth_gbs": bw / 1e9,
         "plain_bandwidth_gbs": wbytes / t_step / 1e9,
         "plain_bandwidth_with_kv_gbs": (wbytes + kv_ctx) / t_step / 1e9,
         "plain_fraction_of_copy": wbytes / t_step / bw,
-        "drafter_weight_bytes": fdrafter.weight_bytes(), "rows": [],
+        "drafter_weight_bytes": fdrafter.weight_bytes(), "rows": [], "complete": False,
     }
     log(f"target step {t_step * 1e3:.3f} ms; weights {wbytes / 1e9:.2f} GB -> {out['plain_bandwidth_gbs']:.0f} GB/s "
         f"({100 * out['plain_fraction_of_copy']:.0f}% of measured copy bandwidth {bw / 1e9:.0f} GB/s)")
+    progress(out)
     del plain
 
     configs = [("chain", k, 1, k) for k in chains] + [("tree", tree_depth, tree_top_k, n) for n in trees]
@@ -214,6 +222,8 @@ def measure_overhead(
         log(f"{name:18s} draft {row['draft_units']:.3f}  verify {row['verify_units']:.3f}  "
             f"bookkeeping {row['bookkeeping_units']:.3f}  cycle {row['cycle_units']:.3f} target steps "
             f"({t_cycle * 1e3:.3f} ms)")
+        progress(out)
+    out["complete"] = True
     return out
 
 
@@ -224,21 +234,25 @@ SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 12288)}
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
                  compile: bool = False, fuse_pointwise: bool | str | None = None, reps: int | None = None,
                  log: Callable[[str], None] = print, compile_drafting: bool | None = None,
-                 shape: str = "llama-3.1-8b", drafter_attention: str | None = None) -> dict:
-    """Build the random model (`SHAPES[shape]` in bf16, or tiny in fp32) and measure; returns the result dict."""
+                 shape: str = "llama-3.1-8b", drafter_attention: str | None = None,
+                 target_attention: str | None = None, on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Build the random model (`SHAPES[shape]` in bf16, or tiny in fp32) and measure; returns the result dict
+    (`on_progress` as `measure_overhead`, each result with its `shape`)."""
     dev = torch.device(device)
+    name = "tiny-llama" if tiny else shape
+    common = dict(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, log=log,
+                  compile_drafting=compile_drafting, drafter_attention=drafter_attention,
+                  target_attention=target_attention,
+                  on_progress=None if on_progress is None else lambda r: on_progress({"shape": name, **r}))
     if tiny:
         model, drafter = build_random(TINY, dev, torch.float32, draft_vocab_size=256)
-        return {"shape": "tiny-llama", **measure_overhead(
+        return {"shape": name, **measure_overhead(
             model, drafter, context=context or 32, chains=(1, 2, 3), trees=(8, 16), tree_depth=3, tree_top_k=4,
-            graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, reps=reps or 3, log=log,
-            compile_drafting=compile_drafting, drafter_attention=drafter_attention)}
+            reps=reps or 3, **common)}
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
     t0 = time.perf_counter()
     dims, draft_vocab = SHAPES[shape]
     model, drafter = build_random(dims, dev, torch.bfloat16, draft_vocab_size=draft_vocab)
     log(f"built random {shape}-shape target and drafter on {dev} in {time.perf_counter() - t0:.1f}s")
-    return {"shape": shape, **measure_overhead(
-        model, drafter, context=context or 512, graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise,
-        reps=reps or 20, log=log, compile_drafting=compile_drafting, drafter_attention=drafter_attention)}
+    return {"shape": name, **measure_overhead(model, drafter, context=context or 512, reps=reps or 20, **common)}
