@@ -58,9 +58,12 @@ def split_size(seq_len: int) -> int:
     return per_split * BLOCK_N
 
 
+HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two from the smallest `tl.dot` takes
+
+
 def supports(head_dim: int, tokens: int) -> bool:
     """Whether `split_attention` serves a forward of `tokens` tokens with this head size."""
-    return head_dim in (16, 32, 64, 128, 256) and tokens <= MAX_ROWS
+    return head_dim in HEAD_DIMS and tokens <= MAX_ROWS
 
 
 @functools.cache

@@ -227,25 +227,30 @@ def row_attention(
     return o.view(b, nkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b * t, nh * hd)
 
 
+def _split_unusable(device: torch.device | str, head_dim: int) -> str | None:
+    """Why the split attention cannot run for this target, or None."""
+    if torch.device(device).type != "cuda":
+        return "needs a CUDA device"
+    if not split.split_attention_available():
+        return "needs Triton (it comes with PyTorch's CUDA wheels)"
+    if not split.supports(head_dim, 1):
+        return f"takes head sizes {', '.join(map(str, split.HEAD_DIMS))}, not {head_dim}"
+    return None
+
+
 def target_attention_for(choice: str | None, device: torch.device | str, head_dim: int,
                          sdpa_heads: bool = False) -> str:
     """`FastOptions.target_attention` (`--target-attention`) for a target on `device`: "split", "sdpa" or
-    "matmul". None or "auto": split on CUDA where Triton imports and takes this head size
-    (`eagle3.fast.split_attention`), sdpa elsewhere and with `sdpa_heads` (the query heads as SDPA heads were
-    asked for). "split" where it cannot run is a configuration error."""
+    "matmul". None or "auto": split where it can run (CUDA, Triton, a head size `eagle3.fast.split_attention`
+    takes), sdpa elsewhere and with `sdpa_heads` (the query heads as SDPA heads were asked for). "split" where it
+    cannot run is a configuration error."""
+    unusable = _split_unusable(device, head_dim)
     if choice is None or choice == "auto":
-        usable = (torch.device(device).type == "cuda" and not sdpa_heads and split.split_attention_available()
-                  and split.supports(head_dim, 1))
-        return "split" if usable else "sdpa"
+        return "split" if unusable is None and not sdpa_heads else "sdpa"
     if choice not in TARGET_ATTENTION:
         raise ConfigError(f"target attention {choice!r}: expected one of {TARGET_ATTENTION}")
-    if choice == "split":
-        if torch.device(device).type != "cuda" or not split.split_attention_available():
-            raise ConfigError("--target-attention split needs a CUDA device and Triton (it comes with PyTorch's "
-                              "CUDA wheels); use auto or sdpa")
-        if not split.supports(head_dim, 1):
-            raise ConfigError(f"--target-attention split takes head sizes 16, 32, 64, 128 and 256, not {head_dim}; "
-                              "use auto or sdpa")
+    if choice == "split" and unusable is not None:
+        raise ConfigError(f"--target-attention split {unusable}; use auto or sdpa")
     return choice
 
 
