@@ -79,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-norm", choices=("torch", "triton"), default="torch",
                    help="experiment: the target's RMSNorms by torch (F.rms_norm on CUDA) or by one Triton program "
                         "per row (eagle3.fast.row_norm; CUDA only)")
+    p.add_argument("--target-rope", choices=("kernel", "torch"), default="kernel",
+                   help="experiment: in forwards that attend by splits, RoPE and the KV-cache write as one Triton "
+                        "kernel per layer (eagle3.fast.rope_cache, the default) or as compiled RoPE and an index "
+                        "copy (torch)")
+    p.add_argument("--draft-top-k", choices=("kernel", "torch"), default="kernel",
+                   help="experiment: the draft steps' log-softmax and top-k as two Triton kernels "
+                        "(eagle3.fast.draft_top_k, the default on CUDA) or as PyTorch work (torch)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
                    "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--drafting-mode", default=None, metavar="MODE",
@@ -237,6 +244,7 @@ def main(argv=None) -> int:
     target_attention = target.use_attention(args.target_attention)
     if args.target_norm == "triton":
         target.use_norm_kernel()
+    target.rope_kernel = args.target_rope == "kernel"
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
@@ -256,6 +264,8 @@ def main(argv=None) -> int:
         fd = FastDrafter(drafter)
         attention = fd.use_attention(args.drafter_attention)
         core = FastCore(target, "eagle3", fd, depth=depth, top_k=top_k, total_tokens=total)
+        if args.draft_top_k == "torch":
+            core.top_k_op = None
         if dev.type == "cuda" and not args.eager_drafting:
             core.compile_drafting(mode=args.drafting_mode)
         ready(core).piece("draft")
@@ -281,7 +291,8 @@ def main(argv=None) -> int:
                           drafter_attention=attention if drafter is not None else None,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
-                          target_norm=args.target_norm,
+                          target_norm=args.target_norm, target_rope=args.target_rope,
+                          draft_top_k=core.top_k_op is not None if drafter is not None else None,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

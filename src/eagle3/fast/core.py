@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from eagle3.fast.drafter import FastDrafter, ranked_top_k, top_k_last, top_n_in_order
+from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget, argmax_ids
 
@@ -119,6 +119,9 @@ class FastCore(nn.Module):
             self.register_buffer(name, None, persistent=False)
         self.pieces = CompiledPieces(self)  # `compile_drafting`
         self.ranked = False  # how drafting picks its top-k: ranked where it is compiled on CUDA (`ranked_top_k`)
+        # the draft steps' log-softmax and top-k as two Triton kernels (`eagle3.fast.draft_top_k`) where they can
+        # run; None: as PyTorch work (`top_k_last` of `FastDrafter.log_probs`)
+        self.top_k_op = draft_top_k_op_for(drafter, self.top_k)
 
     @property
     def device(self) -> torch.device:
@@ -244,8 +247,7 @@ class FastCore(nn.Module):
         """EAGLE-2 dynamic tree expansion and rerank (as `Eagle3Proposer.propose`) into the tree buffers."""
         d, k, dev = self.drafter, self.top_k, self.device
         length = self.length  # [1]
-        lp0 = d.log_probs(self.last_out)[0]  # [Vd]
-        scores, ids = top_k_last(lp0, k, self.ranked)  # [k]
+        scores, ids = (t[0] for t in self.draft_top_k(self.last_out))  # [k]
         rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
         rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
         ar_k = self.ar[:k]
@@ -261,7 +263,7 @@ class FastCore(nn.Module):
             mask = prefix_and_window(self.ar_sd, length, anc)  # [k, Sd]: committed rows + ancestry in scratch
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
             out = d(f_hidden, all_tokens[frontier], pos, slots, mask)  # [k, H]
-            top_lp, top_ids = top_k_last(d.log_probs(out), k, self.ranked)  # [k, k]
+            top_lp, top_ids = self.draft_top_k(out)  # [k, k]
             cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
             rec_scores.append(cum)
             rec_tokens.append(d.to_target_ids(top_ids.reshape(-1)))
@@ -284,6 +286,14 @@ class FastCore(nn.Module):
         self.tree_tokens.copy_(all_tokens[keep])
         self.tree_parents1[1:].copy_(parents + 1)
         self.tree_parents1[:1].zero_()
+
+    def draft_top_k(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `top_k` best draft tokens after each of the drafter's pre-norm outputs out [T, H]: their
+        log-probabilities [T, k] (fp32, descending) and draft-vocabulary ids [T, k]."""
+        d = self.drafter
+        if self.top_k_op is not None:
+            return self.top_k_op(d.logits(out), self.top_k)
+        return top_k_last(d.log_probs(out), self.top_k, self.ranked)
 
     def _ancestors(self) -> torch.Tensor:
         """Bool [N+1, N+1]: [i, j] iff j is i or an ancestor of i, by walking parent pointers max_depth times."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
 from eagle3.drafter import Eagle3Drafter
+from eagle3.fast.split_attention import triton_available
 from eagle3.fast.target import (
     apply_rope,
     attention_bias,
@@ -43,6 +44,18 @@ def ranked_top_k(device: torch.device | str) -> bool:
     tree's 565 -> 529 us). Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more kernels, not
     fewer."""
     return torch.device(device).type == "cuda"
+
+
+def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
+    """`eagle3.fast.draft_top_k`'s op for drafting the top `k` with `drafter`, where it runs (CUDA with Triton, k
+    within the kernels' bounds), else None. One H200, SmolLM2's shape: see that module's docstring."""
+    if drafter is None or drafter.device.type != "cuda" or not triton_available():
+        return None
+    from eagle3.fast import draft_top_k
+
+    if not 1 <= k <= min(draft_top_k.MAX_K, drafter.lm_head.shape[0]):
+        return None
+    return draft_top_k.draft_top_k_op()
 
 
 def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False) -> str:
@@ -315,9 +328,13 @@ class FastDrafter(nn.Module):
         gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + self.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]
 
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [T, Vd] (the drafter's dtype) of pre-norm outputs [T, H]."""
+        return self.linear(rms_norm(out, self.norm, self.eps), self.lm_head)
+
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probabilities [T, Vd] (fp32) of pre-norm outputs [T, H]."""
-        return torch.log_softmax(self.linear(rms_norm(out, self.norm, self.eps), self.lm_head).float(), dim=-1)
+        return torch.log_softmax(self.logits(out).float(), dim=-1)
 
     def feedback(self, out: torch.Tensor) -> torch.Tensor:
         """The hidden state fed to the next draft step (pre-norm, or post-norm with `norm_output`)."""

@@ -40,7 +40,7 @@ MAX_ROWS = 128  # tokens per forward this kernel serves (a 100-token tree's veri
 
 
 @functools.cache
-def split_attention_available() -> bool:
+def triton_available() -> bool:
     """Whether Triton can be imported (it ships with PyTorch's CUDA wheels)."""
     try:
         import triton  # noqa: F401

@@ -33,6 +33,7 @@ from eagle3.config import (
     on_for_device,
 )
 from eagle3.fast import split_attention as split
+from eagle3.fast.rope_cache import rope_into_cache
 
 log = logging.getLogger("eagle3.fast")
 
@@ -231,7 +232,7 @@ def _split_unusable(device: torch.device | str, head_dim: int) -> str | None:
     """Why the split attention cannot run for this target, or None."""
     if torch.device(device).type != "cuda":
         return "needs a CUDA device"
-    if not split.split_attention_available():
+    if not split.triton_available():
         return "needs Triton (it comes with PyTorch's CUDA wheels)"
     if not split.supports(head_dim, 1):
         return f"takes head sizes {', '.join(map(str, split.HEAD_DIMS))}, not {head_dim}"
@@ -522,6 +523,10 @@ class FastTarget(nn.Module):
         # SmolLM2's shape, plain step 1,540 against 1,519 us; the 8B shape, 5,552 against 5,603 us but a tree
         # cycle of 8,079 against 7,901 us (docs/results/session31_h200/).
         self.attention = target_attention_for("auto", self.device, self.hd)
+        # Forwards that attend by splits also rotate q and k and write K and V in one kernel per layer
+        # (`eagle3.fast.rope_cache`); False (`scripts/profile_step.py --target-rope torch`) keeps the compiled
+        # rotation and the index copy, for comparison.
+        self.rope_kernel = True
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
@@ -717,11 +722,12 @@ class FastTarget(nn.Module):
             return logits[:1], (None if aux is None else aux[:1])
         nh, nkv = self.nh, self.nkv
         h = F.embedding(ids, self.embed)  # [T, H]
-        cos, sin = self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         exact = self.exact_rows or self.attention == "matmul"
         stacked, groups = gqa_layout(self.stacked or exact, nh, nkv)
         by_splits = (self.attention == "split" and not shapes_vary() and split.supports(self.hd, t)
                      and not torch.compiler.is_compiling())  # `--compile` traces whole steps: SDPA there
+        by_kernel = by_splits and self.rope_kernel  # RoPE and the cache write in one kernel (`rope_cache`)
+        cos, sin = (None, None) if by_kernel else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
         x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
@@ -729,8 +735,12 @@ class FastTarget(nn.Module):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
             qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
-            q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
-            self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
+            if by_kernel:  # q [nh, T, hd]; K and V written at `slots` of [2·nkv, S, hd]
+                q = rope_into_cache(qkv, self.cos, self.sin, pos, slots, self.kv_cache[i], nh,
+                                    None if lw.q_norm is None else (lw.q_norm, lw.k_norm), self.eps)
+            else:
+                q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
+                self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
             if by_splits:  # q as [n_kv, g·T, hd] (a view): row r·T + t is head kv·g + r
                 o = split.split_attention(q.view(nkv, -1, self.hd), self.k_cache[i], self.v_cache[i], mask,
                                           self.scale)  # [T, nh·hd]
