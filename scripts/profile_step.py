@@ -35,6 +35,7 @@ from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
+from eagle3.fast.row_norm import rms_norm_rows
 from eagle3.fast.target import FastTarget, cpu_has_bf16, fuse_level
 from eagle3.record import run_record, write_json
 
@@ -76,9 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(separate); auto: FastTarget's default (gemm on CUDA)")
     p.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
                    help=TARGET_ATTENTION_HELP.removeprefix("fast path: "))
-    p.add_argument("--target-norm", choices=("torch", "triton"), default="torch",
+    p.add_argument("--target-norm", choices=("auto", "torch", "triton"), default="auto",
                    help="experiment: the target's RMSNorms by torch (F.rms_norm on CUDA) or by one Triton program "
-                        "per row (eagle3.fast.row_norm; CUDA only)")
+                        "per row (eagle3.fast.row_norm; CUDA only); auto: FastTarget's default (triton where the "
+                        "target attends by splits)")
     p.add_argument("--target-rope", choices=("kernel", "torch"), default="kernel",
                    help="experiment: in forwards that attend by splits, RoPE and the KV-cache write as one Triton "
                         "kernel per layer (eagle3.fast.rope_cache, the default) or as compiled RoPE and an index "
@@ -244,6 +246,9 @@ def main(argv=None) -> int:
     target_attention = target.use_attention(args.target_attention)
     if args.target_norm == "triton":
         target.use_norm_kernel()
+    elif args.target_norm == "torch":
+        target.norm_kernel = "off"
+        target.select_norm()
     target.rope_kernel = args.target_rope == "kernel"
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
@@ -291,7 +296,8 @@ def main(argv=None) -> int:
                           drafter_attention=attention if drafter is not None else None,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
-                          target_norm=args.target_norm, target_rope=args.target_rope,
+                          target_norm="triton" if target.pointwise.norm is rms_norm_rows else "torch",
+                          target_rope=args.target_rope,
                           draft_top_k=core.top_k_op is not None if drafter is not None else None,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")

@@ -1,7 +1,8 @@
-"""The row-wise Triton RMSNorm (`eagle3.fast.row_norm`, the experiment of `profile_step.py --target-norm triton`).
+"""The row-wise Triton RMSNorm (`eagle3.fast.row_norm`: the fast target's norms where it attends by splits).
 
-On a CPU through Triton's interpreter (fp32, fp16): against HF's RMSNorm maths, and each row's bits whatever rows
-come with it. On a GPU (`gpu`): the same in bf16, and the switch on a `FastTarget`.
+On a CPU through Triton's interpreter (fp32, fp16): against HF's RMSNorm maths, each row's bits whatever rows
+come with it, and which norm a `FastTarget` picks (`select_norm`). On a GPU (`gpu`): the same in bf16, and the
+default on CUDA.
 Run: pytest tests/test_row_norm.py
 """
 
@@ -14,6 +15,7 @@ from conftest import build_tiny_target
 from eagle3.config import ConfigError
 from eagle3.fast import FastTarget
 from eagle3.fast.row_norm import rms_norm_rows
+from eagle3.fast.target import EAGER, rms_norm
 
 pytest.importorskip("triton")
 
@@ -46,6 +48,22 @@ def test_the_switch_is_for_cuda():
         FastTarget(build_tiny_target("llama")).use_norm_kernel()
 
 
+def test_the_norm_goes_with_the_split_attention(interpreted):
+    """`select_norm`: the row kernel where the target attends by splits (auto), torch's norm with other
+    attentions or `norm_kernel = "off"`, compiled norms left alone; the shared eager pieces never change."""
+    t = FastTarget(build_tiny_target("llama"))
+    assert t.attention == "sdpa" and t.pointwise.norm is rms_norm  # a CPU's default
+    t.attention = "split"  # on a CPU only through the interpreter
+    t.select_norm()
+    assert t.pointwise.norm is rms_norm_rows and EAGER.norm is rms_norm
+    t.norm_kernel = "off"
+    t.select_norm()
+    assert t.pointwise.norm is rms_norm
+    t.norm_kernel = "auto"
+    t.fuse_pointwise("aot_eager", "all")
+    assert "norm" in t.pointwise.fused and t.pointwise.norm not in (rms_norm, rms_norm_rows)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_on_a_gpu():
@@ -54,6 +72,8 @@ def test_bf16_on_a_gpu():
     w = (torch.rand(4096, device="cuda", generator=g) + 0.5).bfloat16()
     check(x, w, 1e-5, 2e-2)
     t = FastTarget(build_tiny_target("llama").cuda())
+    assert t.attention == "split" and t.pointwise.norm is rms_norm_rows and EAGER.norm is rms_norm  # the default
+    t.use_attention("sdpa")
+    assert t.pointwise.norm is rms_norm
     t.use_norm_kernel()
-    assert t.pointwise.norm is rms_norm_rows and FastTarget(build_tiny_target("llama").cuda()).pointwise.norm \
-        is not rms_norm_rows  # the shared eager pieces are not changed
+    assert t.pointwise.norm is rms_norm_rows

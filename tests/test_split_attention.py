@@ -116,8 +116,8 @@ def test_target_attention_choices():
 @pytest.mark.parametrize("arch,kind", [("llama", "none"), ("llama", "tree"), ("qwen3", "chain")])
 def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, kind):
     """Greedy decoding through the fast path with every decoding forward attending by the kernel (the target's
-    head size is 16, its cache 256 slots: two splits and the merge): HF `generate`'s tokens. Qwen3 covers the
-    q/k norms."""
+    head size is 16, its cache 256 slots: two splits and the merge), rotating and writing the cache by
+    `rope_cache` and normalising by `row_norm`, as on CUDA: HF `generate`'s tokens. Qwen3 covers the q/k norms."""
     model = build_tiny_target(arch)
     d = init_drafter(model, draft_vocab_size=200, seed=1)
     spec = {"none": None, "chain": SpecConfig(mode="chain", chain_length=4),
@@ -125,6 +125,8 @@ def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, k
     engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d,
                         options=FastOptions(max_seq_len=256))
     engine.target.attention = "split"  # on a CPU only through the interpreter: `target_attention_for` refuses
+    engine.target.select_norm()  # and the row-wise norms that go with it (`eagle3.fast.row_norm`)
+    assert engine.target.rope_kernel  # RoPE and the cache write by `eagle3.fast.rope_cache` too
     prompt = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(5))
     ref = model.generate(prompt[None], max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 11:].tolist()
     assert engine.generate(prompt, max_new_tokens=10, eos_token_ids=[]).token_ids == ref

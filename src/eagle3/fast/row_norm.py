@@ -1,4 +1,5 @@
-"""RMSNorm as one Triton program per row, for CUDA (an experiment: `scripts/profile_step.py --target-norm triton`).
+"""RMSNorm as one Triton program per row, for CUDA: the fast target's norms where it attends by splits
+(`eagle3.fast.target.FastTarget.select_norm`).
 
 torch's fused `F.rms_norm` takes about 6 us for one 4,096-wide row on an H200, 65 of them in a Llama-3.1-8B
 plain step (388 us of 5,103; docs/results/session32_h200/), while the row is 8 KB. This kernel reads a row in one
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 
 @functools.cache
@@ -34,6 +36,8 @@ def _kernel():
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., H] (last dimension contiguous) over its last dimension, scaled by weight [H]; x's dtype."""
+    if torch.compiler.is_compiling():  # `--compile` traces whole steps: the fused norm there
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -34,6 +34,7 @@ from eagle3.config import (
 )
 from eagle3.fast import split_attention as split
 from eagle3.fast.rope_cache import rope_into_cache
+from eagle3.fast.row_norm import rms_norm_rows
 
 log = logging.getLogger("eagle3.fast")
 
@@ -527,6 +528,8 @@ class FastTarget(nn.Module):
         # (`eagle3.fast.rope_cache`); False (`scripts/profile_step.py --target-rope torch`) keeps the compiled
         # rotation and the index copy, for comparison.
         self.rope_kernel = True
+        self.norm_kernel = "auto"  # "auto" | "on" | "off": the RMSNorms by `eagle3.fast.row_norm` (`select_norm`)
+        self.select_norm()
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
@@ -534,22 +537,36 @@ class FastTarget(nn.Module):
         self.stacked = False
         if self.attention == "split":
             self.attention = "sdpa"
+            self.select_norm()
 
     def use_norm_kernel(self) -> None:
-        """Run the RMSNorms through `eagle3.fast.row_norm` (one Triton program per row) from now on, an experiment
-        of `scripts/profile_step.py --target-norm triton`; call after `fuse_pointwise` and before capturing
-        graphs (CUDA only)."""
-        from eagle3.fast.row_norm import rms_norm_rows
-
+        """Run the RMSNorms through `eagle3.fast.row_norm` (one Triton program per row) whatever the attention
+        (`scripts/profile_step.py --target-norm triton`); call after `fuse_pointwise` and before capturing graphs
+        (CUDA only). By default they do so where the target attends by splits (`select_norm`)."""
         if self.device.type != "cuda":
             raise ConfigError("the Triton RMSNorm runs on CUDA only")
-        self.pointwise = copy.copy(self.pointwise)  # EAGER is shared by every target
-        self.pointwise.norm = rms_norm_rows
+        self.norm_kernel = "on"
+        self.select_norm()
+
+    def select_norm(self) -> None:
+        """Set the RMSNorm of every forward: `eagle3.fast.row_norm` where `norm_kernel` says so ("auto": where the
+        target attends by splits, the Triton decoding path), else `rms_norm`; compiled norms (`fuse_pointwise`
+        "all") stay. On one H200 the row kernel took a SmolLM2 plain step from 1,069 to 1,000 us and a 6,10,60
+        tree cycle from 1,552 to 1,491 us, a Llama-3.1-8B-shape step from 4,976 to 4,703 us
+        (docs/results/session33_h200/)."""
+        if "norm" in self.pointwise.fused:
+            return
+        on = self.norm_kernel == "on" or (self.norm_kernel == "auto" and self.attention == "split")
+        want = rms_norm_rows if on else rms_norm
+        if self.pointwise.norm is not want:
+            self.pointwise = copy.copy(self.pointwise)  # EAGER is shared by every target
+            self.pointwise.norm = want
 
     def use_attention(self, choice: str | None) -> str:
-        """Attend in decoding forwards as `choice` says (`target_attention_for`; call before capturing graphs);
-        returns what it resolved to."""
+        """Attend in decoding forwards as `choice` says (`target_attention_for`; call before capturing graphs),
+        with the norms that go with it (`select_norm`); returns what it resolved to."""
         self.attention = target_attention_for(choice, self.device, self.hd, sdpa_heads=not self.stacked)
+        self.select_norm()
         return self.attention
 
     def fuse_pointwise(self, backend: str = "inductor", level: bool | str | None = "all") -> None:
@@ -565,6 +582,7 @@ class FastTarget(nn.Module):
             log.warning("--fuse-pointwise on %s: compiled pieces are not captured in graphs here, and their call "
                         "overhead makes decoding slower; it is meant for CUDA", self.device)
         self.pointwise = Pointwise(backend, FUSE_LEVELS[level])
+        self.select_norm()
 
     @property
     def device(self) -> torch.device:
