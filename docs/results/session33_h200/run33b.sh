@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 33, call B: the 80-prompt MT-bench bench with the session's kernels (the new defaults), then the fast
+# path's GPU tests.
+set -uo pipefail
+export PYTHONPATH=$PWD/src:/tmp/site EAGLE3_CACHE=/tmp/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+  EAGLE3_GIT_SHA=${SHA:-unknown}
+T0=$(date +%s); W=/tmp/w; R=$W/res; mkdir -p $R/bench
+V8=$PWD/src/eagle3/assets/smollm2-drafter
+st() { echo "== $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*"; }
+bench() {  # bench NAME LIMIT METHODS [eagle3 bench flags]
+  local n=$1 lim=$2 methods=$3; shift 3
+  timeout ${BT:-480} python3 -m eagle3.cli bench --device cuda:0 --target smollm2 \
+    --drafter $V8 --limit $lim --max-new-tokens 256 --methods $methods --chain 5 "$@" --out $R/bench/$n \
+    > $R/bench/$n.log 2>&1
+  st "bench $n rc=$?: $(grep -E '^\([a-g]\) ' $R/bench/$n.log | tr -s ' ' | cut -c1-100 | tr '\n' '|')"
+}
+st start
+BT=300 bench new 80 plain,chain,tree --tree 6,10,60 8,10,100
+timeout $(( 535 - ($(date +%s) - T0) )) python3 -m pytest -q -m gpu tests/test_fast.py tests/test_rows.py \
+  tests/test_row_norm.py -p no:cacheprovider > $R/tests_fast.log 2>&1
+st "fast tests rc=$?: $(tail -3 $R/tests_fast.log | tr '\n' '|')"
+st done
