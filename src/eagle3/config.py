@@ -54,9 +54,9 @@ TARGET_ATTENTION_HELP = ("fast path: how the target attends in decoding steps an
                          "SmolLM2, 80 MT-bench prompts: plain 673 -> 880 tok/s, tree 6,10,60 1,946 -> 2,468); "
                          "with it RoPE and the KV-cache write run as one Triton kernel per layer and the RMSNorms "
                          "as a row-wise Triton kernel (plain 978 tok/s, tree 2,762, session 33); "
-                         "sdpa = scaled_dot_product_attention (cuDNN on CUDA) with torch's norms; matmul = two batched products around "
-                         "an fp32 softmax (an experiment); auto (default) = split on CUDA where Triton is installed, "
-                         "sdpa elsewhere")
+                         "sdpa = scaled_dot_product_attention (cuDNN on CUDA) with torch's norms; matmul = two "
+                         "batched products around an fp32 softmax (an experiment); auto (default) = split on CUDA "
+                         "where Triton is installed, sdpa elsewhere")
 
 # One help text for `--sdpa-heads` (generate, bench): `eagle3.fast.target.stack_query_heads`.
 SDPA_HEADS_HELP = ("attend with the query heads as SDPA heads (enable_gqa) instead of stacked per KV head: faster plain "

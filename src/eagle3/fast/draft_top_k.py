@@ -4,7 +4,8 @@ Each draft step of a tree takes, for each of its k frontier rows, the k best dra
 log-probabilities. As PyTorch work (a log-softmax over [k, Vd] and `eagle3.fast.drafter.top_k_last`), compiled by
 inductor, that is about ten kernels per step, several of them reductions that run one program per row: on one H200
 at SmolLM2's shape 61 such kernels took 103 us of a 6,10,60 tree's 409 us of drafting
-(docs/results/session32_h200/b/profile/pieces.log). Log-probabilities are logits minus the row's log-sum-exp, so
+(docs/results/session32_h200/b/profile/pieces.log); with these kernels drafting took 346 us
+(docs/results/session33_h200/). Log-probabilities are logits minus the row's log-sum-exp, so
 the best k log-probabilities are the best k logits shifted, and two short kernels do it all:
 - `chunk_kernel`, one program per (row, chunk of the vocabulary): the chunk's maximum, its sum of exp(x - max),
   and its k best logits (k passes of max and lowest index among equals).
@@ -83,14 +84,14 @@ def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     """The k largest log-softmax values of each row of logits [R, V] (any float dtype), descending, fp32 [R, k],
     and their indices [R, k] (int64), by the custom op `draft_top_k_op` (inside compiled code call the op itself,
     resolved beforehand: tracing into its registration fails)."""
-    check_k(k, logits.shape[-1])
+    if not takes(k, logits.shape[-1]):
+        raise ValueError(f"the draft top-k kernel takes 1 <= k <= {min(MAX_K, logits.shape[-1])}, got {k}")
     return draft_top_k_op()(logits, k)
 
 
-def check_k(k: int, vocab: int) -> None:
-    """A `ValueError` unless the kernels take top-k `k` over `vocab` entries."""
-    if not 1 <= k <= min(MAX_K, vocab):
-        raise ValueError(f"the draft top-k kernel takes 1 <= k <= {min(MAX_K, vocab)}, got {k}")
+def takes(k: int, vocab: int) -> bool:
+    """Whether the kernels take the top `k` of `vocab` entries."""
+    return 1 <= k <= min(MAX_K, vocab)
 
 
 @functools.cache

@@ -53,9 +53,7 @@ def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
         return None
     from eagle3.fast import draft_top_k
 
-    if not 1 <= k <= min(draft_top_k.MAX_K, drafter.lm_head.shape[0]):
-        return None
-    return draft_top_k.draft_top_k_op()
+    return draft_top_k.draft_top_k_op() if draft_top_k.takes(k, drafter.lm_head.shape[0]) else None
 
 
 def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False) -> str:

@@ -10,10 +10,11 @@ the projections, rotates it when it is a q or k head, and stores it where attent
 `[2·n_kv, S, hd]` at the token's slot.
 
 The rotation is `eagle3.fast.target.apply_rope_heads` (rotate-half layout with the signed sin of `rope_tables`):
-x·cos + roll(x, hd/2)·signed_sin, computed in fp32 and rounded once, as inductor's compiled piece does; Qwen3's RMSNorm over each q and k head comes first (fp32, one
-rounding, as `F.rms_norm`). Each
-token is rotated on its own, so a row's values do not depend on the rows beside it (bf16 chains stay identical to
-plain decoding).
+x·cos + roll(x, hd/2)·signed_sin, computed in fp32 and rounded once, as inductor's compiled piece does. Qwen3's
+RMSNorm over each q and k head comes first (fp32, one rounding, as `F.rms_norm`). Each token is rotated on its
+own, so a row's values do not depend on the rows beside it (bf16 chains stay identical to plain decoding).
+On one H200 the kernel took 62 us off a SmolLM2 plain step and 111 us off a 6,10,60 tree cycle
+(docs/results/session33_h200/).
 """
 
 from __future__ import annotations
