@@ -31,6 +31,7 @@ from eagle3.config import (
     TARGET_ATTENTION,
     TARGET_ATTENTION_HELP,
 )
+from eagle3.fast import split_attention
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
@@ -85,6 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="experiment: in forwards that attend by splits, RoPE and the KV-cache write as one Triton "
                         "kernel per layer (eagle3.fast.rope_cache, the default) or as compiled RoPE and an index "
                         "copy (torch)")
+    p.add_argument("--target-argmax", choices=("kernel", "torch"), default="kernel",
+                   help="experiment: in forwards that attend by splits, the greedy ids by two Triton kernels "
+                        "(eagle3.fast.row_argmax, the default) or by torch's argmax")
+    p.add_argument("--split-blocks", type=int, default=None, metavar="N",
+                   help="experiment: key blocks per split at least in the split attention (default "
+                        "eagle3.fast.split_attention.MIN_SPLIT_BLOCKS)")
     p.add_argument("--draft-top-k", choices=("kernel", "torch"), default="kernel",
                    help="experiment: the draft steps' log-softmax and top-k as two Triton kernels "
                         "(eagle3.fast.draft_top_k, the default on CUDA) or as PyTorch work (torch)")
@@ -98,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "feed), each timed as its own graph: which piece holds the kernels a cycle adds")
     p.add_argument("--by-source", type=int, default=0, metavar="N",
                    help="also list the N (eagle3 function, operator) pairs with the most kernel time")
+    p.add_argument("--all-kernels", action="store_true",
+                   help="also record every kernel of each profile (name, us and launches per call) in the JSON")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -152,9 +161,11 @@ def _stack_config(by_source: int) -> dict:
     return {"experimental_config": config(verbose=True)} if by_source and config is not None else {}
 
 
-def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0) -> tuple[dict[str, dict], int, list[dict]]:
+def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0
+                 ) -> tuple[dict[str, dict], int, list[dict], list[dict]]:
     """Profile `reps` eager calls of fn: per kind, microseconds and kernels per call; kernel launches per call;
-    with `by_source`, that many (function, operator) pairs by kernel time (`source_table`).
+    with `by_source`, that many (function, operator) pairs by kernel time (`source_table`); every kernel's name,
+    kind, microseconds and launches per call, longest first.
     (On a CPU, for smoke tests: operators' self time instead of kernels.)"""
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -166,7 +177,7 @@ def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0) -> tuple[
             fn()
         sync()
     table: dict[str, dict] = defaultdict(lambda: {"us": 0.0, "kernels": 0.0, "top": defaultdict(float)})
-    launches = 0
+    launches, every = 0, []
     for e in prof.key_averages():
         if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
             continue  # the CPU side of the profile only serves the source lines
@@ -178,17 +189,20 @@ def kernel_table(fn, dev: torch.device, reps: int, by_source: int = 0) -> tuple[
         t["kernels"] += e.count / reps
         t["top"][e.key[:90]] += us / reps
         launches += e.count
+        every.append({"name": e.key[:200], "kind": kind_of(e.key), "us": round(us / reps, 2),
+                      "launches": round(e.count / reps, 2)})
     out = {}
     for k, t in sorted(table.items(), key=lambda kv: -kv[1]["us"]):
         top = sorted(t["top"].items(), key=lambda kv: -kv[1])[:3]
         out[k] = {"us": round(t["us"], 1), "kernels": round(t["kernels"], 1),
                   "top": [{"name": n, "us": round(u, 1)} for n, u in top]}
     sources = source_table(prof, cuda, reps, by_source) if by_source else []
-    return out, round(launches / reps), sources
+    return out, round(launches / reps), sources, sorted(every, key=lambda k: -k["us"])
 
 
-def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list, by_source: int = 0) -> dict:
-    table, launches, sources = kernel_table(fn, dev, reps, by_source)
+def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list, by_source: int = 0,
+            all_kernels: bool = False) -> dict:
+    table, launches, sources, every = kernel_table(fn, dev, reps, by_source)
     r = StepRunner(fn, dev, graphs=True, pool=pool, name=name)
     r.prepare()
     runners.append(r)  # keep every graph alive until the end (see eagle3.fast.overhead)
@@ -204,11 +218,11 @@ def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list, by
         for r in sources:
             print(f"    {r['us']:8.1f} us  {r['calls']:5.1f} calls  {r['op']:28s} {r['where']}")
     out = {"wall_us": round(wall_us, 1), "kernel_us": round(busy, 1), "launches": launches, "kinds": table}
-    return out | ({"sources": sources} if sources else {})
+    return out | ({"sources": sources} if sources else {}) | ({"kernels": every} if all_kernels else {})
 
 
 def profile_pieces(core: FastCore, saved: torch.Tensor, dev: torch.device, pool, reps: int, runners: list,
-                   plain_us: float) -> dict:
+                   plain_us: float, all_kernels: bool = False) -> dict:
     """Each piece of a greedy cycle on its own, from the same state every repetition (the pieces read the buffers
     the previous piece wrote; commit's advance of `length` is undone): kernels by kind and graph replay time."""
     def commit():
@@ -217,7 +231,8 @@ def profile_pieces(core: FastCore, saved: torch.Tensor, dev: torch.device, pool,
 
     pieces = {"draft": partial(core.piece, "draft"), "verify": partial(core.verify, greedy=True),
               "accept": partial(core.piece, "accept"), "commit": commit}
-    out = {name: profile(f"piece {name}", fn, dev, pool, reps, runners) for name, fn in pieces.items()}
+    out = {name: profile(f"piece {name}", fn, dev, pool, reps, runners, all_kernels=all_kernels)
+           for name, fn in pieces.items()}
     print("pieces in plain steps: " + ", ".join(f"{n} {r['wall_us'] / plain_us:.3f}" for n, r in out.items()))
     return out
 
@@ -250,6 +265,9 @@ def main(argv=None) -> int:
         target.norm_kernel = "off"
         target.select_norm()
     target.rope_kernel = args.target_rope == "kernel"
+    target.argmax_kernel = args.target_argmax == "kernel"
+    if args.split_blocks is not None:
+        split_attention.MIN_SPLIT_BLOCKS = args.split_blocks
     seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
@@ -260,7 +278,7 @@ def main(argv=None) -> int:
 
     plain = ready(FastCore(target, "none"))
     results["plain_step"] = profile("plain step", partial(plain.verify, greedy=True), dev, pool, args.reps, runners,
-                                    args.by_source)
+                                    args.by_source, args.all_kernels)
     wbytes, bw = target.weight_bytes(), copy_bandwidth(dev)
     step_s = results["plain_step"]["wall_us"] / 1e6
     print(f"\nweights {wbytes / 1e9:.3f} GB: {wbytes / step_s / 1e9:.0f} GB/s, {100 * wbytes / step_s / bw:.1f} % of "
@@ -281,11 +299,11 @@ def main(argv=None) -> int:
             core.length.copy_(saved)  # the same state every repetition
 
         results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners,
-                                        args.by_source)
+                                        args.by_source, args.all_kernels)
         print(f"tree cycle = {results['tree_cycle']['wall_us'] / results['plain_step']['wall_us']:.2f} plain steps")
         if args.pieces:
             results["pieces"] = profile_pieces(core, saved, dev, pool, args.reps, runners,
-                                               results["plain_step"]["wall_us"])
+                                               results["plain_step"]["wall_us"], args.all_kernels)
     out = Path(args.out)
     write_json(run_record("profile_step", target=args.target or args.shape,
                           drafter=args.drafter or ("random" if drafter is not None else None),
@@ -297,7 +315,8 @@ def main(argv=None) -> int:
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
                           target_norm="triton" if target.pointwise.norm is rms_norm_rows else "torch",
-                          target_rope=args.target_rope,
+                          target_rope=args.target_rope, target_argmax=args.target_argmax,
+                          split_blocks=split_attention.MIN_SPLIT_BLOCKS,
                           draft_top_k=core.top_k_op is not None if drafter is not None else None,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")

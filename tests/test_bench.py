@@ -270,11 +270,13 @@ def test_bench_rows_samples_at_a_temperature(tmp_path):
 def test_profile_step_script_groups_kernels(tmp_path, capsys):
     """`scripts/profile_step.py` on stories260K with a random drafter, on the CPU (operators stand in for
     kernels): a record with the plain step and the tree cycle, matmuls among the kinds, and `--by-source`'s
-    (function, operator) pairs, and with `--pieces` each piece of the cycle."""
+    (function, operator) pairs, with `--pieces` each piece of the cycle, and with `--all-kernels` every kernel
+    (here: operator), which add up to the kinds' totals."""
     mod = script("profile_step")
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--context", "16",
-                     "--tree", "3,2,4", "--reps", "2", "--by-source", "15", "--pieces", "--out", str(out)]) == 0
+                     "--tree", "3,2,4", "--reps", "2", "--by-source", "15", "--pieces", "--all-kernels",
+                     "--out", str(out)]) == 0
     rec = json.loads((out / "profile_step.json").read_text())
     assert rec["kind"] == "profile_step" and set(rec["results"]) == {"plain_step", "tree_cycle", "pieces"}
     assert rec["drafting_compiled"] is False
@@ -282,6 +284,11 @@ def test_profile_step_script_groups_kernels(tmp_path, capsys):
     assert set(pieces) == {"draft", "verify", "accept", "commit"}
     assert all(p["wall_us"] > 0 and p["launches"] > 0 for p in pieces.values())
     assert "matmul" in pieces["draft"]["kinds"] and "matmul" in pieces["verify"]["kinds"]
+    for r in [*rec["results"].values(), *pieces.values()]:
+        kernels = r["kernels"]
+        assert kernels == sorted(kernels, key=lambda k: -k["us"]) and {k["kind"] for k in kernels} == set(r["kinds"])
+        assert sum(k["us"] for k in kernels) == pytest.approx(r["kernel_us"], abs=0.1 + 0.01 * len(kernels))
+        assert sum(k["launches"] for k in kernels) == pytest.approx(r["launches"], abs=1)
     for r in rec["results"].values():
         assert r["wall_us"] > 0 and r["launches"] > 0 and "matmul" in r["kinds"]
         assert len(r["sources"]) == 15 and r["sources"] == sorted(r["sources"], key=lambda x: -x["us"])

@@ -533,7 +533,7 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
         assert engine.core.drafter.matmul_attention
         out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
         assert out.token_ids == hf_greedy(model, prompt, NEW)
-    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'sdpa', 'matmul'\)"):
+    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'sdpa', 'matmul', 'split'\)"):
         FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
 
 

@@ -78,6 +78,30 @@ def test_split_attention_matches_softmax_attention(interpreted, s, t, nkv, g, hd
     assert out.shape == (t, nkv * g * hd) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), reference(q, k, v, mask, hd**-0.5), atol=tol, rtol=tol)
+    # bounded by the forward's own slots (as FastTarget calls it): blocks past them are not walked, same bits
+    slots = torch.arange(cached, cached + t).flip(0)  # any order: the bound is their maximum
+    assert torch.equal(split.split_attention(q, k, v, mask, hd**-0.5, last=slots), out)
+
+
+def test_bound_skips_the_blocks_past_it(interpreted):
+    """A mask that breaks the bound's promise shows what is walked: the key blocks up to the one that holds slot
+    max(last), in every split, and none after."""
+    s, t, hd = 300, 2, 16
+    q, k, v, _ = inputs(s, t, 1, 2, hd, F32, seed=3)
+    mask = torch.ones(t, s, dtype=torch.bool)
+    out = split.split_attention(q, k, v, mask, hd**-0.5, last=torch.tensor([70, 100]))
+    cut = -(-101 // split.BLOCK_N) * split.BLOCK_N  # 128: slots 101..127 share a block with slot 100
+    seen = torch.zeros(t, s, dtype=torch.bool)
+    seen[:, :cut] = True
+    torch.testing.assert_close(out.double(), reference(q, k, v, seen, hd**-0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_bound_is_checked(interpreted):
+    q, k, v, _ = inputs(100, 2, 1, 2, 16, F32)
+    mask = chain_mask(2, 100, 50)
+    for bad in (torch.tensor([[51, 52]]), torch.tensor([51.0]), torch.arange(split.MAX_ROWS + 1)):
+        with pytest.raises(ValueError, match="last must be an integer tensor"):
+            split.split_attention(q, k, v, mask, 0.25, last=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -87,16 +111,20 @@ def test_chain_rows_keep_the_bits_of_one_token_calls(interpreted, dtype):
     s, t, nkv, g, hd = 600, 5, 2, 3, 64
     q, k, v, _ = inputs(s, t, nkv, g, hd, dtype, seed=1)
     cached = 250
-    rows = split.split_attention(q, k, v, chain_mask(t, s, cached), hd**-0.5)  # [T, nh·hd]
+    rows = split.split_attention(q, k, v, chain_mask(t, s, cached), hd**-0.5,
+                                 last=torch.arange(cached, cached + t))  # [T, nh·hd]
     for i in range(t):
         qi = q.view(nkv, g, t, hd)[:, :, i].contiguous()  # [nkv, g, hd]: token i's query heads
-        one = split.split_attention(qi, k, v, chain_mask(t, s, cached)[i : i + 1], hd**-0.5)
+        one = split.split_attention(qi, k, v, chain_mask(t, s, cached)[i : i + 1], hd**-0.5,
+                                    last=torch.tensor([cached + i]))  # walks fewer blocks than the chain
         assert torch.equal(rows[i : i + 1], one), i
 
 
 def test_split_size_depends_on_the_cache_only():
-    assert split.split_size(1) == split.split_size(128) == 2 * split.BLOCK_N
-    assert split.split_size(64 * 128) == 128 and split.split_size(64 * 128 + 1) == 192
+    blocks = split.MIN_SPLIT_BLOCKS
+    assert split.split_size(1) == split.split_size(blocks * split.BLOCK_N) == blocks * split.BLOCK_N
+    assert split.split_size(64 * 64 * max(blocks, 2)) == 64 * max(blocks, 2)
+    assert split.split_size(64 * 64 * max(blocks, 2) + 1) == 64 * (max(blocks, 2) + 1)
     for s in (1, 500, 8192, 100_000):
         assert -(-s // split.split_size(s)) <= split.MAX_SPLITS
     assert split.supports(64, 1) and split.supports(128, split.MAX_ROWS)
@@ -132,33 +160,71 @@ def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, k
     assert engine.generate(prompt, max_new_tokens=10, eos_token_ids=[]).token_ids == ref
 
 
+def test_drafter_attends_by_splits(interpreted):
+    """`FastDrafter.use_split_attention` (`--drafter-attention split`): a drafter forward close to the matmul
+    attention's, and from the state a 4,3,12 tree's decoding left (HF `generate`'s tokens), the same tree drafted
+    as with the matmul attention."""
+    model = build_tiny_target("llama")
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(depth=4, top_k=3, total_tokens=12), drafter=d,
+                        options=FastOptions(max_seq_len=256))
+    core, fd = engine.core, engine.core.drafter
+    fd.use_split_attention()
+    prompt = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 11:].tolist()
+    assert engine.generate(prompt, max_new_tokens=12, eos_token_ids=[]).token_ids == ref
+    n = int(core.length)
+    hidden = torch.randn(3, fd.hidden_size, generator=torch.Generator().manual_seed(6))
+    tokens, slots = torch.tensor([5, 6, 7]), n + torch.arange(3)
+    mask = torch.arange(fd.seq_len)[None, :] <= slots[:, None]
+    by_splits = fd(hidden, tokens, slots, slots, mask)
+    core.draft()
+    tree = core.tree_tokens.clone(), core.tree_parents1.clone()
+    fd.split_op = None  # the matmul attention
+    torch.testing.assert_close(fd(hidden, tokens, slots, slots, mask), by_splits, atol=1e-5, rtol=1e-5)
+    core.draft()
+    assert torch.equal(core.tree_tokens, tree[0]) and torch.equal(core.tree_parents1, tree[1])
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        fd.use_attention("split")
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("s,t,nkv,g,hd", [(900, 1, 8, 4, 128), (900, 6, 3, 3, 64), (900, 61, 8, 4, 128)])
 def test_compiled_kernels_in_bf16(s, t, nkv, g, hd):
-    """On a GPU in bf16: close to fp64 attention (tree masks), and chain rows with the bits of one-token calls."""
+    """On a GPU in bf16: close to fp64 attention (tree masks), the same bits bounded by the forward's slots, and
+    chain rows with the bits of one-token calls."""
     q, k, v, gen = inputs(s, t, nkv, g, hd, torch.bfloat16, device="cuda")
     mask = tree_mask(t, s, 400, gen).cuda()
     out = split.split_attention(q, k, v, mask, hd**-0.5)
     torch.testing.assert_close(out.cpu().double(), reference(q, k, v, mask, hd**-0.5), atol=2e-2, rtol=2e-2)
+    slots = torch.arange(400, 400 + t, device="cuda")
+    assert torch.equal(split.split_attention(q, k, v, mask, hd**-0.5, last=slots), out)
     cm = chain_mask(t, s, 400).cuda()
-    rows = split.split_attention(q, k, v, cm, hd**-0.5)
+    rows = split.split_attention(q, k, v, cm, hd**-0.5, last=slots)
     for i in range(t):
         qi = q.view(nkv, g, t, hd)[:, :, i].contiguous()
-        assert torch.equal(rows[i : i + 1], split.split_attention(qi, k, v, cm[i : i + 1], hd**-0.5)), i
+        one = split.split_attention(qi, k, v, cm[i : i + 1], hd**-0.5, last=slots[i : i + 1])
+        assert torch.equal(rows[i : i + 1], one), i
 
 
 @pytest.mark.gpu
 @cuda
 def test_bf16_chains_stay_identical_to_plain_decoding_with_split_attention():
-    """The fast path's default attention on CUDA: bf16 EAGLE-3 chains emit what bf16 plain decoding emits."""
+    """The fast path's default attention on CUDA: bf16 EAGLE-3 chains emit what bf16 plain decoding emits, also
+    with the drafter attending by splits inside compiled drafting."""
     model = build_tiny_target("llama").cuda().to(torch.bfloat16)
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda().to(torch.bfloat16)
     plain = FastEngine(model, draft="none", options=FastOptions())
     chain = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=d,
                        options=FastOptions())
     assert plain.target_attention == chain.target_attention == "split"
+    split_drafter = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=d,
+                               options=FastOptions(drafter_attention="split"))
+    assert split_drafter.drafter_attention == "split" and split_drafter.core.drafting_compiled
     for seed in range(4):
         prompt = torch.randint(3, 300, (9 + seed,), generator=torch.Generator().manual_seed(seed))
         want = plain.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids
         assert chain.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids == want, seed
+        assert split_drafter.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids == want, seed
+    assert {"draft", "feed"} <= set(split_drafter.core.pieces.fns)  # compiled with the custom op, not eager

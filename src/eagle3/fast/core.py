@@ -38,7 +38,7 @@ from torch import nn
 
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
-from eagle3.fast.target import FastTarget, argmax_ids
+from eagle3.fast.target import FastTarget
 
 MODES = ("none", "eagle3", "host")
 # The pieces of a cycle that never run the target's weights (`FastCore.compile_drafting`).
@@ -324,7 +324,7 @@ class FastCore(nn.Module):
         ids, pos, slots, mask, anc = self.piece("tree_inputs")
         logits, aux = self.target(ids, pos, slots, mask, want_aux=self.drafter is not None)  # [N+1, V]
         if greedy:
-            self.top.copy_(argmax_ids(logits))
+            self.top.copy_(self.target.argmax(logits))
         else:
             self.logits.copy_(logits.float())
         if aux is not None:

@@ -68,7 +68,7 @@ def _kernels():
             best = tl.max(v, 0)
             at = tl.min(tl.where(v == best, idx, 2147483647), 0)  # vocabulary ids are distinct
             tl.store(out_v_ptr + r * K + j, best - lse)
-            tl.store(out_i_ptr + r * K + j, at)
+            tl.store(out_i_ptr + r * K + j, at.to(tl.int64))
             v = tl.where(idx == at, float("-inf"), v)
 
     return chunk_kernel, merge_kernel
@@ -112,14 +112,14 @@ def draft_top_k_op():
         part_i = torch.empty(rows, n_chunks, k, dtype=torch.int32, device=dev)
         part_ms = torch.empty(rows, n_chunks, 2, dtype=torch.float32, device=dev)
         out_v = torch.empty(rows, k, dtype=torch.float32, device=dev)
-        out_i = torch.empty(rows, k, dtype=torch.int32, device=dev)
+        out_i = torch.empty(rows, k, dtype=torch.long, device=dev)
         chunk_kernel[(rows, n_chunks)](x, part_v, part_i, part_ms, x.stride(0), vocab, n_chunks,
                                        K=k, CHUNK=chunk, num_warps=max(1, min(8, chunk // 256)))
         cp = 1 << (n_chunks - 1).bit_length()
         np_ = 1 << (n_chunks * k - 1).bit_length()
-        merge_kernel[(rows,)](part_v, part_i, part_ms, out_v, out_i, n_chunks, K=k, CP=cp, NP=np_,
-                              num_warps=max(1, min(8, np_ // 256)))
-        return out_v, out_i.long()
+        # one warp: its k passes of max and min reduce by shuffles, with no barrier between warps
+        merge_kernel[(rows,)](part_v, part_i, part_ms, out_v, out_i, n_chunks, K=k, CP=cp, NP=np_, num_warps=1)
+        return out_v, out_i
 
     @draft_top_k.register_fake
     def _(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.attention import shapes_vary
 from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
 from eagle3.drafter import Eagle3Drafter
+from eagle3.fast import split_attention
 from eagle3.fast.split_attention import triton_available
 from eagle3.fast.target import (
     apply_rope,
@@ -67,6 +69,8 @@ def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_h
         return "matmul" if on_for_device("auto", device) and not sdpa_heads else "sdpa"
     if choice not in DRAFTER_ATTENTION:
         raise ConfigError(f"drafter attention {choice!r}: expected one of {DRAFTER_ATTENTION}")
+    if choice == "split" and (torch.device(device).type != "cuda" or not triton_available()):
+        raise ConfigError("--drafter-attention split needs a CUDA device and Triton; use auto, matmul or sdpa")
     return choice
 
 
@@ -193,6 +197,7 @@ class FastDrafter(nn.Module):
         self.alloc_id = 0
         self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.matmul_attention = False  # `use_matmul_attention`
+        self.split_op = None  # `use_split_attention`
         self.packed = pack_weights(self.device, self.dtype, [self.fc, self.wqkv, self.wo, self.w13, self.w2,
                                                              self.lm_head])  # `cpu_packs_weights`
 
@@ -219,12 +224,24 @@ class FastDrafter(nn.Module):
         self.stacked = True
         self.matmul_attention = True
 
+    def use_split_attention(self) -> None:
+        """Attend by `eagle3.fast.split_attention` (the target's decoding kernels, as the custom op
+        `split_attention_op`, so that compiled drafting keeps it as one call) in forwards of up to
+        `split_attention.MAX_ROWS` rows of fixed shape, with the query heads stacked; longer or varying forwards
+        keep the matmul attention. An experiment (`--drafter-attention split`); call before capturing graphs."""
+        if not split_attention.supports(self.hd, 1):
+            raise ConfigError(f"the split attention takes head sizes {split_attention.HEAD_DIMS}, not {self.hd}")
+        self.use_matmul_attention()
+        self.split_op = split_attention.split_attention_op()
+
     def use_attention(self, choice: str | None, sdpa_heads: bool = False) -> str:
         """Attend as `choice` says (`drafter_attention_for` on this drafter's device; call before capturing
-        graphs); returns what it resolved to, "sdpa" or "matmul"."""
+        graphs); returns what it resolved to, "sdpa", "matmul" or "split"."""
         attention = drafter_attention_for(choice, self.device, sdpa_heads)
         if attention == "matmul":
             self.use_matmul_attention()
+        elif attention == "split":
+            self.use_split_attention()
         return attention
 
     @torch.no_grad()
@@ -286,10 +303,16 @@ class FastDrafter(nn.Module):
         v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
         self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd]
         self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
-        stacked, groups = gqa_layout(self.stacked, nh, nkv)
-        bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
-        o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, stacked,
-                              exact=self.matmul_attention)  # [T, nh·hd]
+        fixed = torch.compiler.is_compiling() or not shapes_vary()  # compiled pieces have fixed shapes (and
+        # dynamo does not read the thread-local flag)
+        if self.split_op is not None and t <= split_attention.MAX_ROWS and fixed:
+            # rows see committed slots and their own (ancestors among) this forward's: none beyond the last
+            o = self.split_op(q.reshape(nkv, -1, hd), self.k_cache, self.v_cache, mask, self.scale, slots)
+        else:
+            stacked, groups = gqa_layout(self.stacked, nh, nkv)
+            bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
+            o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, stacked,
+                                  exact=self.matmul_attention)  # [T, nh·hd]
         r1 = residual + self.linear(o, self.wo, self.bo)
         gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + self.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]

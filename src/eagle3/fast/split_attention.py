@@ -37,6 +37,10 @@ BLOCK_M = 16  # stacked query rows per program: the smallest tile `tl.dot` takes
 BLOCK_N = 64  # slots per key block
 MAX_SPLITS = 64  # the combine kernel holds one row's partials of every split at once
 MAX_ROWS = 128  # tokens per forward this kernel serves (a 100-token tree's verification and less)
+# Key blocks per split at least. One H200, context 512 (768 slots), session 34 (docs/results/session34_h200/): at
+# SmolLM2's shape 1 / 2 / 4 blocks gave plain steps of 907 / 946 / 1,013 us; at Llama-3.1-8B's 2 / 4 / 8 gave
+# 4,653 / 4,755 / 4,960 us. Shorter splits are more programs, each with a shorter chain of dependent loads.
+MIN_SPLIT_BLOCKS = 1
 
 
 @functools.cache
@@ -50,11 +54,11 @@ def triton_available() -> bool:
 
 
 def split_size(seq_len: int) -> int:
-    """Slots per split for a cache of `seq_len` slots: a multiple of BLOCK_N, at least 2 blocks, and large enough
-    that there are at most MAX_SPLITS splits. It depends on the cache size only, so every forward over one cache
-    splits its slots the same way."""
+    """Slots per split for a cache of `seq_len` slots: a multiple of BLOCK_N, at least MIN_SPLIT_BLOCKS blocks, and
+    large enough that there are at most MAX_SPLITS splits. It depends on the cache size only, so every forward
+    over one cache splits its slots the same way."""
     blocks = -(-seq_len // BLOCK_N)
-    per_split = max(2, -(-blocks // MAX_SPLITS))
+    per_split = max(MIN_SPLIT_BLOCKS, -(-blocks // MAX_SPLITS))
     return per_split * BLOCK_N
 
 
@@ -73,11 +77,12 @@ def _kernels():
 
     @triton.jit
     def split_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, part_o_ptr, part_ml_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, last_ptr, part_o_ptr, part_ml_ptr, out_ptr,
         stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ot,
-        rows_total, tokens, seq_len, groups, scale_log2,
+        rows_total, tokens, seq_len, groups, n_last, scale_log2,
         HD: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
+        BOUNDED: tl.constexpr, EP: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] stacked rows r·T + t
@@ -90,24 +95,31 @@ def _kernels():
         m_i = tl.full([BM], -1.0e30, tl.float32)  # finite: a row with nothing visible yet keeps alpha = 1
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, HD], tl.float32)
-        for b in range(SPLIT // BN):
+        if BOUNDED:  # no row sees a slot beyond the last written one: walk the split's blocks up to it only
+            e = tl.arange(0, EP)
+            end = tl.max(tl.load(last_ptr + e, mask=e < n_last, other=0), 0) + 1
+            n_blocks = tl.minimum(tl.maximum(end - split * SPLIT + BN - 1, 0) // BN, SPLIT // BN)
+        else:
+            n_blocks = SPLIT // BN
+        for b in range(0, n_blocks):
             cols = split * SPLIT + b * BN + tl.arange(0, BN)  # [BN] slots
             col_ok = cols < seq_len
             seen = tl.load(mask_ptr + tok[:, None] * stride_mt + cols[None, :],
                            mask=row_ok[:, None] & col_ok[None, :], other=0) != 0  # [BM, BN]
-            if tl.max(tl.max(seen.to(tl.int32), 1), 0) > 0:  # a block no row sees adds nothing: skip its reads
-                k = tl.load(k_ptr + kvh * stride_kh + cols[:, None] * stride_ks + d[None, :],
-                            mask=col_ok[:, None], other=0.0)  # [BN, HD]
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BM, BN] fp32, log2 units
-                s = tl.where(seen, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + kvh * stride_vh + cols[:, None] * stride_vs + d[None, :],
-                            mask=col_ok[:, None], other=0.0)  # [BN, HD]
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                m_i = m_new
+            # no branch on `seen`: K and V reads go out beside the mask's instead of waiting on it, and a block no
+            # row sees adds exactly nothing (its weights are exp(-inf) = 0, the running max stays)
+            k = tl.load(k_ptr + kvh * stride_kh + cols[:, None] * stride_ks + d[None, :],
+                        mask=col_ok[:, None], other=0.0)  # [BN, HD]
+            v = tl.load(v_ptr + kvh * stride_vh + cols[:, None] * stride_vs + d[None, :],
+                        mask=col_ok[:, None], other=0.0)  # [BN, HD]
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BM, BN] fp32, log2 units
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
         if SINGLE:
             head = kvh * groups + rows // tokens
             o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
@@ -148,8 +160,13 @@ def split_attention(
     v: torch.Tensor,  # [n_kv, S, hd], last dim contiguous
     mask: torch.Tensor,  # bool [T, S]: which slots each token sees
     scale: float,
+    last: torch.Tensor | None = None,  # int [n]: no token sees a slot beyond max(last) (a forward's own slots)
 ) -> torch.Tensor:
-    """Attention of the stacked rows to every visible slot; returns [T, nh·hd] (nh = n_kv·g) in q's dtype."""
+    """Attention of the stacked rows to every visible slot; returns [T, nh·hd] (nh = n_kv·g) in q's dtype.
+
+    With `last`, each program walks its split's key blocks up to slot max(last) only (the caller vouches that no
+    token sees a slot beyond it; the outputs are the same, since blocks no token sees add nothing); without it,
+    every block."""
     nkv, rows, hd = q.shape
     tokens, seq_len = mask.shape
     groups = rows // tokens
@@ -168,13 +185,19 @@ def split_attention(
         part_o = torch.empty(nkv, rows, n_splits, hd, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(nkv, rows, n_splits, 2, dtype=torch.float32, device=q.device)
     mask_bytes = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    bounded = last is not None
+    if bounded and (last.dim() != 1 or last.is_floating_point() or not 1 <= last.numel() <= MAX_ROWS):
+        raise ValueError(f"last must be an integer tensor of 1 to {MAX_ROWS} slots, got {tuple(last.shape)} "
+                         f"{last.dtype}")
     grid = (nkv, -(-rows // BLOCK_M), n_splits)
     split_kernel[grid](
-        q, k, v, mask_bytes, part_o, part_ml, out,
+        q, k, v, mask_bytes, last if bounded else mask_bytes, part_o, part_ml, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask_bytes.stride(0),
-        out.stride(0), rows, tokens, seq_len, groups, scale * 1.4426950408889634,  # log2(e)
+        out.stride(0), rows, tokens, seq_len, groups, last.numel() if bounded else 0,
+        scale * 1.4426950408889634,  # log2(e)
         HD=hd, SPLIT=split, N_SPLITS=n_splits, BM=BLOCK_M, BN=BLOCK_N, SINGLE=single,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", BOUNDED=bounded,
+        EP=1 << (last.numel() - 1).bit_length() if bounded else 1, num_warps=4, num_stages=2,
     )
     if not single:
         sp = 1 << (n_splits - 1).bit_length()
@@ -183,3 +206,22 @@ def split_attention(
             HD=hd, N_SPLITS=n_splits, SP=sp, num_warps=1 if hd <= 64 else 2,
         )
     return out
+
+
+@functools.cache
+def split_attention_op():
+    """`split_attention` as the opaque custom op `eagle3::split_attention` (a fake implementation gives its output
+    shape), for compiled code: the drafter's attention inside compiled drafting (`FastDrafter.use_split_attention`),
+    which inductor keeps as one call and CUDA graphs capture. Registered on first use; resolve it outside traced
+    code."""
+
+    @torch.library.custom_op("eagle3::split_attention", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           last: torch.Tensor) -> torch.Tensor:
+        return split_attention(q, k, v, mask, scale, last=last)
+
+    @op.register_fake
+    def _(q, k, v, mask, scale, last):
+        return q.new_empty(mask.shape[0], q.shape[0] * q.shape[1] // mask.shape[0] * q.shape[2])
+
+    return torch.ops.eagle3.split_attention.default

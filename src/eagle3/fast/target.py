@@ -34,6 +34,7 @@ from eagle3.config import (
 )
 from eagle3.fast import split_attention as split
 from eagle3.fast.rope_cache import rope_into_cache
+from eagle3.fast.row_argmax import argmax_rows
 from eagle3.fast.row_norm import rms_norm_rows
 
 log = logging.getLogger("eagle3.fast")
@@ -528,6 +529,9 @@ class FastTarget(nn.Module):
         # (`eagle3.fast.rope_cache`); False (`scripts/profile_step.py --target-rope torch`) keeps the compiled
         # rotation and the index copy, for comparison.
         self.rope_kernel = True
+        # ... and take their greedy ids by `eagle3.fast.row_argmax` (`argmax`); False (`profile_step.py
+        # --target-argmax torch`): torch's argmax, for comparison
+        self.argmax_kernel = True
         self.norm_kernel = "auto"  # "auto" | "on" | "off": the RMSNorms by `eagle3.fast.row_norm` (`select_norm`)
         self.select_norm()
 
@@ -561,6 +565,13 @@ class FastTarget(nn.Module):
         if self.pointwise.norm is not want:
             self.pointwise = copy.copy(self.pointwise)  # EAGER is shared by every target
             self.pointwise.norm = want
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy ids [T] of logits [T, V]: by `eagle3.fast.row_argmax` where the target attends by splits and
+        `argmax_kernel` is on, else `argmax_ids` (the same ids)."""
+        if self.attention == "split" and self.argmax_kernel:
+            return argmax_rows(logits)
+        return argmax_ids(logits)
 
     def use_attention(self, choice: str | None) -> str:
         """Attend in decoding forwards as `choice` says (`target_attention_for`; call before capturing graphs),
@@ -727,7 +738,7 @@ class FastTarget(nn.Module):
         ids: torch.Tensor,  # [T] long
         pos: torch.Tensor,  # [T] long, RoPE positions
         slots: torch.Tensor,  # [T] long, cache slots to write K/V at
-        mask: torch.Tensor,  # bool [T, S]: which slots each token sees (its own slot included)
+        mask: torch.Tensor,  # bool [T, S]: which slots each token sees (its own, none beyond the last of `slots`)
         last_only: bool = False,  # logits for the last token only (prefill)
         want_aux: bool = False,
         logits_at: torch.Tensor | None = None,  # [1] long: logits for this token only (a padded prefill's last)
@@ -761,7 +772,7 @@ class FastTarget(nn.Module):
                 self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
             if by_splits:  # q as [n_kv, g·T, hd] (a view): row r·T + t is head kv·g + r
                 o = split.split_attention(q.view(nkv, -1, self.hd), self.k_cache[i], self.v_cache[i], mask,
-                                          self.scale)  # [T, nh·hd]
+                                          self.scale, last=slots)  # [T, nh·hd]
             else:
                 o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
                                       exact)  # [T, nh·hd]
