@@ -537,15 +537,24 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
         FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
 
 
-def test_drafter_attention_auto_is_matmul_on_cuda_only(models, drafters):
-    """`--drafter-attention auto` (the default of `FastOptions`, generate, eval, bench, profile_step): matmul
-    on CUDA (measured faster on an H200, session 30), sdpa on a CPU and wherever --sdpa-heads asks for SDPA
-    heads; a named choice is kept on any device, and the engine and `settings()` say which one runs."""
+def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
+    """`--drafter-attention auto` (the default of `FastOptions`, generate, eval, bench, profile_step): split on
+    CUDA where Triton imports and the head size is one the kernels take (measured faster on an H200, session
+    34), else matmul (session 30); sdpa on a CPU and wherever --sdpa-heads asks for SDPA heads; a named choice is
+    kept on any device (split needs CUDA), and the engine and `settings()` say which one runs."""
+    from eagle3.fast.split_attention import triton_available
+
     resolve = drafter_attention_for
-    assert resolve("auto", "cuda:0") == resolve(None, torch.device("cuda")) == "matmul"
+    split = "split" if triton_available() else "matmul"
+    assert resolve("auto", "cuda:0") == resolve(None, torch.device("cuda"), head_dim=64) == split
+    assert resolve("auto", "cuda:0", head_dim=96) == "matmul"  # not a head size of the kernels
     assert resolve("auto", "cpu") == resolve(None, "cpu") == "sdpa"
     assert resolve("auto", "cuda:0", sdpa_heads=True) == "sdpa"
     assert resolve("matmul", "cpu") == "matmul" and resolve("sdpa", "cuda") == "sdpa"
+    if triton_available():
+        assert resolve("split", "cuda") == "split"
+    with pytest.raises(ConfigError, match="split needs a CUDA device"):
+        resolve("split", "cpu")
     model, d = models["llama"], drafters["llama"]
     engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d)
     assert engine.drafter_attention == "sdpa" and not engine.core.drafter.matmul_attention

@@ -294,7 +294,8 @@ def run_bench(
         options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
                  "pipeline": pipeline,
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
-                 "drafter_attention": drafter_attention_for(drafter_attention, dev, sdpa_heads),
+                 "drafter_attention": drafter_attention_for(
+                     drafter_attention, dev, sdpa_heads, d.layers[0].self_attn.hd if d is not None else None),
                  "target_attention": attention,
                  "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                  "warmup": warmup, "device": str(dev),

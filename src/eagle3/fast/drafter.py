@@ -58,15 +58,23 @@ def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
     return draft_top_k.draft_top_k_op() if draft_top_k.takes(k, drafter.lm_head.shape[0]) else None
 
 
-def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False) -> str:
-    """`FastOptions.drafter_attention` (`--drafter-attention`) for a drafter on `device`: "sdpa" or "matmul"
-    (`FastDrafter.use_matmul_attention`). None or "auto": matmul on CUDA, where compiled drafting fuses the
-    mask and the softmax between two small GEMMs (one H200, SmolLM2's shape: a 6,10,60 tree cycle 2,285 ->
-    2,225 us, drafting 457 -> 404 us; all 80 MT-bench prompts: tree 2.87x -> 2.96x plain decoding, chain 5
-    2.10x -> 2.16x, docs/results/session30_h200/); sdpa elsewhere (on a CPU drafting runs eagerly and nothing
-    fuses; untimed), and with `sdpa_heads` (`--sdpa-heads`: the drafter's query heads as SDPA heads too)."""
+def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False,
+                          head_dim: int | None = None) -> str:
+    """`FastOptions.drafter_attention` (`--drafter-attention`) for a drafter on `device`: "sdpa", "matmul"
+    (`FastDrafter.use_matmul_attention`) or "split" (`FastDrafter.use_split_attention`). None or "auto": on CUDA
+    split where Triton imports and the head size `head_dim` is one the kernels take (None: not known, taken as
+    one), else matmul; sdpa elsewhere (on a CPU drafting runs eagerly and nothing fuses; untimed), and with
+    `sdpa_heads` (`--sdpa-heads`: the drafter's query heads as SDPA heads too).
+
+    On one H200 at SmolLM2's shape (docs/results/session34_h200/): split against matmul, drafting a 6,10,60
+    tree 330 -> 286 us (140 -> 122 launches), the tree cycle 1,420 -> 1,368 us; all 80 MT-bench prompts, tree
+    6,10,60 2,971 -> 3,032 tok/s. Matmul had won against cuDNN's SDPA in session 30 (drafting 457 -> 404 us,
+    docs/results/session30_h200/), because compiled drafting fuses its mask and softmax between two GEMMs."""
     if choice is None or choice == "auto":
-        return "matmul" if on_for_device("auto", device) and not sdpa_heads else "sdpa"
+        if not on_for_device("auto", device) or sdpa_heads:
+            return "sdpa"
+        takes = head_dim is None or split_attention.supports(head_dim, 1)
+        return "split" if triton_available() and takes else "matmul"
     if choice not in DRAFTER_ATTENTION:
         raise ConfigError(f"drafter attention {choice!r}: expected one of {DRAFTER_ATTENTION}")
     if choice == "split" and (torch.device(device).type != "cuda" or not triton_available()):
@@ -228,7 +236,7 @@ class FastDrafter(nn.Module):
         """Attend by `eagle3.fast.split_attention` (the target's decoding kernels, as the custom op
         `split_attention_op`, so that compiled drafting keeps it as one call) in forwards of up to
         `split_attention.MAX_ROWS` rows of fixed shape, with the query heads stacked; longer or varying forwards
-        keep the matmul attention. An experiment (`--drafter-attention split`); call before capturing graphs."""
+        keep the matmul attention. The default on CUDA (`drafter_attention_for`); call before capturing graphs."""
         if not split_attention.supports(self.hd, 1):
             raise ConfigError(f"the split attention takes head sizes {split_attention.HEAD_DIMS}, not {self.hd}")
         self.use_matmul_attention()
@@ -237,7 +245,7 @@ class FastDrafter(nn.Module):
     def use_attention(self, choice: str | None, sdpa_heads: bool = False) -> str:
         """Attend as `choice` says (`drafter_attention_for` on this drafter's device; call before capturing
         graphs); returns what it resolved to, "sdpa", "matmul" or "split"."""
-        attention = drafter_attention_for(choice, self.device, sdpa_heads)
+        attention = drafter_attention_for(choice, self.device, sdpa_heads, self.hd)
         if attention == "matmul":
             self.use_matmul_attention()
         elif attention == "split":

@@ -64,7 +64,8 @@ class FastOptions:
     # 1.64 plain steps on an H200); not on a CPU, where compiling takes 10-20 s and the target dominates a cycle.
     compile_drafting: bool | None = None
     sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
-    # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`)
+    # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`),
+    # "split" (`FastDrafter.use_split_attention`)
     # or None / "auto": matmul on CUDA (H200, session 30: tree 2.87x -> 2.96x plain decoding), sdpa elsewhere
     drafter_attention: str | None = None
     # the target's attention in decoding forwards (`target_attention_for`): "split" (`eagle3.fast.split_attention`),
@@ -154,10 +155,11 @@ class FastEngine:
         fd = FastDrafter(drafter) if mode == "eagle3" else None
         if fd is not None and self.options.sdpa_heads:
             fd.use_sdpa_heads()
-        self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device,
-                                                       self.options.sdpa_heads)  # "sdpa" | "matmul"
-        if fd is not None:
-            fd.use_attention(self.drafter_attention)
+        if fd is not None:  # "sdpa" | "matmul" | "split"
+            self.drafter_attention = fd.use_attention(self.options.drafter_attention, self.options.sdpa_heads)
+        else:
+            self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device,
+                                                           self.options.sdpa_heads)
         if mode == "eagle3":
             chain = self.spec.mode == "chain"
             depth = self.spec.chain_length if chain else self.spec.depth
