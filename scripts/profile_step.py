@@ -78,10 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(separate); auto: FastTarget's default (gemm on CUDA)")
     p.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
                    help=TARGET_ATTENTION_HELP.removeprefix("fast path: "))
-    p.add_argument("--target-norm", choices=("auto", "torch", "triton"), default="auto",
-                   help="experiment: the target's RMSNorms by torch (F.rms_norm on CUDA) or by one Triton program "
-                        "per row (eagle3.fast.row_norm; CUDA only); auto: FastTarget's default (triton where the "
-                        "target attends by splits)")
+    p.add_argument("--target-norm", choices=("auto", "fold", "torch", "triton"), default="auto",
+                   help="experiment: the target's RMSNorms folded into the products after them (eagle3.fast."
+                        "norm_fold), by torch (F.rms_norm on CUDA) or by one Triton program per row (eagle3.fast."
+                        "row_norm; CUDA only); auto: FastTarget's default (fold where the target attends by splits "
+                        "with the RoPE kernel)")
     p.add_argument("--target-rope", choices=("kernel", "torch"), default="kernel",
                    help="experiment: in forwards that attend by splits, RoPE and the KV-cache write as one Triton "
                         "kernel per layer (eagle3.fast.rope_cache, the default) or as compiled RoPE and an index "
@@ -259,12 +260,12 @@ def main(argv=None) -> int:
     if args.residual_add != "auto":
         target.residual_in_gemm = args.residual_add == "gemm"
     target_attention = target.use_attention(args.target_attention)
+    target.rope_kernel = args.target_rope == "kernel"
     if args.target_norm == "triton":
         target.use_norm_kernel()
-    elif args.target_norm == "torch":
-        target.norm_kernel = "off"
+    else:  # auto: folded where the target attends by splits with the RoPE kernel (`FastTarget.select_norm`)
+        target.norm_kernel = {"torch": "off", "fold": "fold"}.get(args.target_norm, "auto")
         target.select_norm()
-    target.rope_kernel = args.target_rope == "kernel"
     target.argmax_kernel = args.target_argmax == "kernel"
     if args.split_blocks is not None:
         split_attention.MIN_SPLIT_BLOCKS = args.split_blocks
@@ -314,7 +315,8 @@ def main(argv=None) -> int:
                           drafter_attention=attention if drafter is not None else None,
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
-                          target_norm="triton" if target.pointwise.norm is rms_norm_rows else "torch",
+                          target_norm="fold" if target.folded else
+                          "triton" if target.pointwise.norm is rms_norm_rows else "torch",
                           target_rope=args.target_rope, target_argmax=args.target_argmax,
                           split_blocks=split_attention.MIN_SPLIT_BLOCKS,
                           draft_top_k=core.top_k_op is not None if drafter is not None else None,

@@ -296,7 +296,7 @@ def run_bench(
                  "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
                  "drafter_attention": drafter_attention_for(
                      drafter_attention, dev, sdpa_heads, d.layers[0].self_attn.hd if d is not None else None),
-                 "target_attention": attention,
+                 "target_attention": attention, "norms_folded": shared is not None and shared.folded,
                  "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                  "warmup": warmup, "device": str(dev),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

@@ -111,8 +111,7 @@ class BatchedGenerator:
         cos, sin = self.cos[pos], self.sin[pos]  # [B, hd]
         visible = (self.ar_s[None, :span] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, span]
         for i, lw in enumerate(t.layers):
-            x = rms_norm(h, lw.ln1, t.eps)
-            qkv = t.linear(x, lw.wqkv, lw.bqkv)  # [B, (nh + 2·nkv)·hd]
+            qkv = t.qkv(h, lw)  # [B, (nh + 2·nkv)·hd]
             q, k = t.rope_qk(qkv, lw, cos, sin)  # [B, nh, hd], [B, nkv, hd]
             v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd)
             self.k_cache[i, self.ar_b, :, pos] = k  # row b, slot pos[b]
@@ -146,8 +145,7 @@ class BatchedGenerator:
         h = F.embedding(ids, t.embed)  # [R·T, H]
         cos, sin = self.cos[pos], self.sin[pos]
         for i, lw in enumerate(t.layers):
-            x = rms_norm(h, lw.ln1, t.eps)
-            qkv = t.linear(x, lw.wqkv, lw.bqkv)
+            qkv = t.qkv(h, lw)
             q, k = t.rope_qk(qkv, lw, cos, sin)  # [R·T, nh, hd], [R·T, nkv, hd]
             v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
             self.k_cache[i, row_of, :, pos] = k  # padding goes to slots >= len: overwritten before it is seen

@@ -258,7 +258,7 @@ class FastEngine:
         return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda", "compile": o.compile,
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
                 "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
-                "target_attention": self.target_attention}
+                "target_attention": self.target_attention, "norms_folded": self.target.folded}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -173,6 +173,7 @@ def measure_overhead(
         "graphs": graphs and dev.type == "cuda", "compile": compile,
         "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
         "compile_drafting": compile_drafting, "drafter_attention": attention, "target_attention": target_attention,
+        "norms_folded": target.folded,
         "reps": reps,
         "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
         "kv_bytes_static": target.kv_bytes(seq_len),

@@ -33,6 +33,7 @@ from eagle3.config import (
     on_for_device,
 )
 from eagle3.fast import split_attention as split
+from eagle3.fast.norm_fold import fold_columns, scale_rows, scaled_gate
 from eagle3.fast.rope_cache import rope_into_cache
 from eagle3.fast.row_argmax import argmax_rows
 from eagle3.fast.row_norm import rms_norm_rows
@@ -461,10 +462,13 @@ class _Layer(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
         a, m = layer.self_attn, layer.mlp
+        self._hf = [layer]  # a list, so it is not registered as a submodule: `fuse` reads its weights again
         self.register_buffer("ln1", layer.input_layernorm.weight.detach(), persistent=False)
         self.register_buffer("ln2", layer.post_attention_layernorm.weight.detach(), persistent=False)
         qkv = [a.q_proj, a.k_proj, a.v_proj]
-        self.register_buffer("wqkv", torch.cat([p.weight.detach() for p in qkv]), persistent=False)
+        self.register_buffer("wqkv", None, persistent=False)
+        self.register_buffer("w13", None, persistent=False)
+        self.fuse(folded=False)
         self.register_buffer("bqkv", _cat_bias(qkv), persistent=False)
         self.register_buffer("wo", a.o_proj.weight.detach(), persistent=False)
         self.register_buffer("bo", None if a.o_proj.bias is None else a.o_proj.bias.detach(), persistent=False)
@@ -472,11 +476,22 @@ class _Layer(nn.Module):
         self.register_buffer("q_norm", None if qn is None else qn.weight.detach(), persistent=False)
         self.register_buffer("k_norm", None if kn is None else kn.weight.detach(), persistent=False)
         gu = [m.gate_proj, m.up_proj]
-        self.register_buffer("w13", torch.cat([p.weight.detach() for p in gu]), persistent=False)
         self.register_buffer("b13", _cat_bias(gu), persistent=False)
         self.register_buffer("w2", m.down_proj.weight.detach(), persistent=False)
         self.register_buffer("b2", None if m.down_proj.bias is None else m.down_proj.bias.detach(),
                              persistent=False)
+
+    @torch.no_grad()
+    def fuse(self, folded: bool) -> None:
+        """(Re)build the fused q/k/v and gate/up matrices from the HF layer, with the input and post-attention norm
+        weights folded into their columns (`eagle3.fast.norm_fold`) or not."""
+        a, m = self._hf[0].self_attn, self._hf[0].mlp
+        self.wqkv = self.w13 = None  # the old copies go before the new ones are made
+        wqkv = torch.cat([p.weight.detach() for p in (a.q_proj, a.k_proj, a.v_proj)])
+        w13 = torch.cat([p.weight.detach() for p in (m.gate_proj, m.up_proj)])
+        if folded:
+            wqkv, w13 = fold_columns(wqkv, self.ln1), fold_columns(w13, self.ln2)
+        self.wqkv, self.w13 = wqkv, w13
 
 
 class FastTarget(nn.Module):
@@ -518,8 +533,7 @@ class FastTarget(nn.Module):
         self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.exact_rows = exact_rows(self.device, self.dtype)
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
-        mats = [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2)] + [self.lm_head]
-        self.packed = pack_weights(self.device, self.dtype, mats)  # `cpu_packs_weights`
+        self.packed = pack_weights(self.device, self.dtype, self.matrices())  # `cpu_packs_weights`
         # How decoding forwards attend (`target_attention_for`, `use_attention`). "matmul" (`rows_exact_attention`
         # in every forward, not only with `exact_rows`) is an experiment; on one H200 it lost to cuDNN's SDPA:
         # SmolLM2's shape, plain step 1,540 against 1,519 us; the 8B shape, 5,552 against 5,603 us but a tree
@@ -532,8 +546,17 @@ class FastTarget(nn.Module):
         # ... and take their greedy ids by `eagle3.fast.row_argmax` (`argmax`); False (`profile_step.py
         # --target-argmax torch`): torch's argmax, for comparison
         self.argmax_kernel = True
-        self.norm_kernel = "auto"  # "auto" | "on" | "off": the RMSNorms by `eagle3.fast.row_norm` (`select_norm`)
+        # "auto" | "fold" | "on" | "off": the layers' RMSNorms folded into their products (`eagle3.fast.norm_fold`),
+        # or by `eagle3.fast.row_norm`, or torch's (`select_norm`)
+        self.norm_kernel = "auto"
+        # whether the q/k/v and gate/up matrices hold their norms' weights (`select_norm`); not with biases there
+        self.folded = False
+        self.foldable = all(lw.bqkv is None and lw.b13 is None for lw in self.layers)
         self.select_norm()
+
+    def matrices(self) -> list[torch.Tensor]:
+        """The weight matrices of the products: each layer's four, then the lm_head."""
+        return [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2)] + [self.lm_head]
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
@@ -553,14 +576,34 @@ class FastTarget(nn.Module):
         self.select_norm()
 
     def select_norm(self) -> None:
-        """Set the RMSNorm of every forward: `eagle3.fast.row_norm` where `norm_kernel` says so ("auto": where the
-        target attends by splits, the Triton decoding path), else `rms_norm`; compiled norms (`fuse_pointwise`
-        "all") stay. On one H200 the row kernel took a SmolLM2 plain step from 1,069 to 1,000 us and a 6,10,60
-        tree cycle from 1,552 to 1,491 us, a Llama-3.1-8B-shape step from 4,976 to 4,703 us
-        (docs/results/session33_h200/)."""
-        if "norm" in self.pointwise.fused:
+        """Set the RMSNorms of every forward, as `norm_kernel` says; call before capturing graphs.
+
+        Folded ("fold", or "auto" where the target attends by splits with the RoPE kernel, the Triton decoding
+        path): each layer's two norm weights go into its q/k/v and gate/up matrices and the kernels after those
+        products apply the rows' scale (`eagle3.fast.norm_fold`); not where those products have biases (Qwen2), nor
+        with compiled norms (`fuse_pointwise` "all"). The final norm, and every norm otherwise, is
+        `eagle3.fast.row_norm` ("on", or "auto"/"fold" on that path: on one H200 it took a SmolLM2 plain step from
+        1,069 to 1,000 us, a Llama-3.1-8B-shape step from 4,976 to 4,703 us, docs/results/session33_h200/), else
+        `rms_norm`; compiled norms stay."""
+        if self.norm_kernel not in ("auto", "fold", "on", "off"):
+            raise ConfigError(f"norm_kernel {self.norm_kernel!r}: expected auto, fold, on or off")
+        compiled = "norm" in self.pointwise.fused
+        if self.norm_kernel == "fold" and (compiled or not self.foldable):
+            raise ConfigError("the norms cannot be folded into this target's products: "
+                              + ("they are compiled (--fuse-pointwise all)" if compiled else
+                                 "its q/k/v or gate/up projections have biases"))
+        decoding_path = self.attention == "split"
+        fold = self.norm_kernel == "fold" or (self.norm_kernel == "auto" and decoding_path and self.rope_kernel
+                                              and self.foldable and not compiled)
+        if fold != self.folded:
+            for lw in self.layers:
+                lw.fuse(folded=fold)
+            self.folded = fold
+            if self.packed is not None:  # the packed copies are of the matrices just replaced
+                self.packed = pack_weights(self.device, self.dtype, self.matrices())
+        if compiled:
             return
-        on = self.norm_kernel == "on" or (self.norm_kernel == "auto" and self.attention == "split")
+        on = self.norm_kernel == "on" or (self.norm_kernel in ("auto", "fold") and decoding_path)
         want = rms_norm_rows if on else rms_norm
         if self.pointwise.norm is not want:
             self.pointwise = copy.copy(self.pointwise)  # EAGER is shared by every target
@@ -683,8 +726,18 @@ class FastTarget(nn.Module):
         """`F.linear`, over a packed copy of `w` where this target packs its weights (`cpu_packs_weights`)."""
         return F.linear(x, w, b) if self.packed is None else self.packed.linear(x, w, b)
 
+    def qkv(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
+        """Layer lw's fused q/k/v projections [N, (nh + 2·nkv)·hd] of its input h [N, H] (normed first, or, with
+        folded norms, scaled after: `eagle3.fast.norm_fold`), for the PyTorch paths that norm every layer anew."""
+        if self.folded:
+            return scale_rows(self.linear(h, lw.wqkv), h, self.eps)
+        return self.linear(self.pointwise.norm(h, lw.ln1, self.eps), lw.wqkv, lw.bqkv)
+
     def gated(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
-        """silu(gate) * up of the normed x [N, H] -> [N, I]: the MLP's input to its down projection."""
+        """silu(gate) * up of the normed x [N, H] -> [N, I]: the MLP's input to its down projection. With folded
+        norms x is the residual h itself, whose scale the activation applies (`eagle3.fast.norm_fold`)."""
+        if self.folded:
+            return scaled_gate(self.linear(x, lw.w13), x, self.eps)
         return self.pointwise.gate(self.linear(x, lw.w13, lw.b13))
 
     def _adds_in_product(self, b: torch.Tensor | None) -> bool:
@@ -711,16 +764,23 @@ class FastTarget(nn.Module):
 
     def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """The post-attention half of a decoder layer: h + the MLP of the normed h, [N, H]."""
-        return self.add_linear(h, self.gated(self.pointwise.norm(h, lw.ln2, self.eps), lw), lw.w2, lw.b2)
+        x = h if self.folded else self.pointwise.norm(h, lw.ln2, self.eps)
+        return self.add_linear(h, self.gated(x, lw), lw.w2, lw.b2)
 
-    def post_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def post_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i after its attention: the output projection of `o` (attention output [N, nh·hd]) and its
         residual add, the MLP and its residual add, then the next norm (layer i+1's input norm, or the final norm
-        after the last layer). Returns h [N, H] and that norm of it [N, H]."""
+        after the last layer). Returns h [N, H] and that norm of it [N, H]; with folded norms, None instead of
+        layer i+1's input norm (its products read h and scale their outputs, `eagle3.fast.norm_fold`)."""
         lw = self.layers[i]
+        last = i + 1 == self.num_layers
+        if self.folded:
+            h = self.add_linear(h, o, lw.wo, lw.bo)
+            if not last:
+                return self.add_linear(h, self.gated(h, lw), lw.w2, lw.b2), None
+            return self.add_linear_norm(h, self.gated(h, lw), lw.w2, lw.b2, self.norm)
         h, x = self.add_linear_norm(h, o, lw.wo, lw.bo, lw.ln2)
-        after = self.layers[i + 1].ln1 if i + 1 < self.num_layers else self.norm
-        return self.add_linear_norm(h, self.gated(x, lw), lw.w2, lw.b2, after)
+        return self.add_linear_norm(h, self.gated(x, lw), lw.w2, lw.b2, self.norm if last else self.layers[i + 1].ln1)
 
     def weight_bytes(self) -> int:
         """Bytes read per decoding step for weights: layers, final norm and lm_head (the embedding table is
@@ -759,15 +819,19 @@ class FastTarget(nn.Module):
         cos, sin = (None, None) if by_kernel else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
-        x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next matmul's input
+        folded = self.folded  # then x is None between layers: the products read h (`eagle3.fast.norm_fold`)
+        x = None if folded else self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next input
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
-            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
+            qkv = self.linear(h if folded else x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
             if by_kernel:  # q [nh, T, hd]; K and V written at `slots` of [2·nkv, S, hd]
                 q = rope_into_cache(qkv, self.cos, self.sin, pos, slots, self.kv_cache[i], nh,
-                                    None if lw.q_norm is None else (lw.q_norm, lw.k_norm), self.eps)
+                                    None if lw.q_norm is None else (lw.q_norm, lw.k_norm), self.eps,
+                                    rms=h if folded else None)
             else:
+                if folded:
+                    qkv = scale_rows(qkv, h, self.eps)
                 q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
                 self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
             if by_splits:  # q as [n_kv, g·T, hd] (a view): row r·T + t is head kv·g + r
@@ -808,11 +872,14 @@ class FastTarget(nn.Module):
         stacked, groups = gqa_layout(self.stacked, nh, nkv)
         bias = row_attention_bias(mask, groups, self.dtype)  # [B, 1, g·T, S]
         aux: list[torch.Tensor] = []
-        x = self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
+        folded = self.folded
+        x = None if folded else self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
         for i, lw in enumerate(self.layers):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
-            qkv = self.linear(x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
+            qkv = self.linear(h if folded else x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
+            if folded:
+                qkv = scale_rows(qkv, h, self.eps)
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
