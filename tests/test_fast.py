@@ -127,6 +127,51 @@ def test_scripted_partial_acceptance(models, arch, tree, k):
     assert all(a == k for a in res.stats.accepted_per_cycle[:-1])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("stop", [1e-12, 1e-3, 0.9])
+def test_stopping_chains_match_hf_generate(models, drafters, arch, stop):
+    """`FastOptions.chain_stop`: chains of at most 5 that stop where the joint draft probability falls below
+    `stop` (the random drafter's top-1 is near 1/200: 1e-12 never stops, 1e-3 after one or two tokens, 0.9 at
+    once) emit HF `generate`'s tokens, draft 1..5 tokens a cycle and count what they drafted."""
+    model = models[arch]
+    prompt = prompt_of(11, seed=3)
+    ref = hf_greedy(model, prompt, NEW)
+    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=drafters[arch],
+                        options=FastOptions(chain_stop=stop))
+    res = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
+    assert res.token_ids == ref
+    depths = res.stats.drafted_depth_per_cycle
+    assert res.stats.drafted_tokens == sum(depths)
+    assert set(depths) == {5} if stop == 1e-12 else {1} if stop == 0.9 else 1 <= min(depths) <= max(depths) <= 5
+
+
+def test_a_stopping_chain_drafts_a_prefix_of_the_full_chain(models, drafters):
+    """From one state, `draft_chain_until` proposes the first n tokens `draft` proposes for the full chain and
+    marks the rest invalid; afterwards a full draft marks every node valid again."""
+    model = models["llama"]
+    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=drafters["llama"],
+                        options=FastOptions(chain_stop=1e-3))
+    engine.generate(prompt_of(11, seed=3), max_new_tokens=9, eos_token_ids=[])
+    core = engine.core
+    core.draft()
+    full = core.tree_tokens.clone()
+    n = core.draft_chain_until()
+    assert 1 <= n < 5
+    assert torch.equal(core.tree_tokens[:n], full[:n]) and not core.tree_tokens[n:].any()
+    assert core.tree_valid.tolist() == [True] * n + [False] * (5 - n)
+    core.chain_stop = None
+    core.cycle_greedy()
+    assert core.tree_valid.all()
+
+
+def test_chain_stop_is_checked(models, drafters):
+    model, d = models["llama"], drafters["llama"]
+    with pytest.raises(ConfigError, match="for EAGLE-3 chains"):
+        FastEngine(model, draft="eagle3", spec=TREE, drafter=d, options=FastOptions(chain_stop=0.2))
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(chain_stop=1.5))
+
+
 @pytest.mark.parametrize("self_kind", ["chain", "tree"])
 def test_always_right_drafter(models, self_kind):
     model = models["qwen2"]

@@ -20,6 +20,8 @@ from eagle3.fast.norm_fold import (
     fold_columns,
     rms_scale,
     scale_rows,
+    scale_rows_torch,
+    scale_rows_triton,
     scaled_gate,
     scaled_gate_torch,
     scaled_gate_triton,
@@ -57,7 +59,20 @@ def test_gate_kernel_matches_torch_and_keeps_row_bits(interpreted, n, hidden, in
         assert torch.equal(scaled_gate_triton(gu[i : i + 1], h[i : i + 1], 1e-5), out[i : i + 1]), i
     assert torch.equal(scaled_gate(gu, h, 1e-5), scaled_gate_torch(gu, h, 1e-5))  # no CUDA: PyTorch
     with pytest.raises(ValueError, match="contiguous rows"):
-        scaled_gate_triton(gu[:, 1:], h, 1e-5)
+        scaled_gate_triton(gu, h[:, ::2], 1e-5)
+
+
+@pytest.mark.parametrize("n,hidden,cols", [(1, 576, 960), (9, 100, 2500)])
+def test_scale_kernel_matches_torch_and_keeps_row_bits(interpreted, n, hidden, cols):
+    gen = torch.Generator().manual_seed(n)
+    y = torch.randn(n, cols, generator=gen)
+    h = torch.randn(n, hidden, generator=gen) * 3
+    out = scale_rows_triton(y, h, 1e-6)
+    torch.testing.assert_close(out.double(), scale_rows_torch(y.double(), h.double(), 1e-6), atol=1e-6, rtol=1e-6)
+    assert torch.equal(scale_rows_triton(y[-1:], h[-1:], 1e-6), out[-1:])
+    assert torch.equal(scale_rows(y, h, 1e-6), scale_rows_torch(y, h, 1e-6))  # no CUDA: PyTorch
+    with pytest.raises(ValueError, match="contiguous rows"):
+        scale_rows_triton(y, h[:, ::2], 1e-6)
 
 
 @pytest.mark.parametrize("head_norm", [False, True])
@@ -155,7 +170,7 @@ def test_what_cannot_fold_is_refused():
 
 @pytest.mark.gpu
 @cuda
-def test_gate_kernel_in_bf16_on_a_gpu():
+def test_gate_and_scale_kernels_in_bf16_on_a_gpu():
     gen = torch.Generator().manual_seed(0)
     gu = torch.randn(61, 2 * 14336, generator=gen).to(torch.bfloat16).cuda()
     h = (torch.randn(61, 4096, generator=gen) * 4).to(torch.bfloat16).cuda()
@@ -163,3 +178,40 @@ def test_gate_kernel_in_bf16_on_a_gpu():
     torch.testing.assert_close(out.float().cpu(), scaled_gate_torch(gu.cpu().double(), h.cpu().double(), 1e-5).float(),
                                atol=2e-2, rtol=2e-2)
     assert torch.equal(scaled_gate(gu[5:6], h[5:6], 1e-5), out[5:6])
+    y = gu[:, :6144].contiguous()
+    scaled = scale_rows(y, h, 1e-5)
+    torch.testing.assert_close(scaled.float().cpu(), scale_rows_torch(y.cpu().double(), h.cpu().double(), 1e-5).float(),
+                               atol=2e-2, rtol=2e-2)
+    assert torch.equal(scale_rows(y[5:6], h[5:6], 1e-5), scaled[5:6])
+
+
+@pytest.mark.gpu
+@cuda
+def test_folded_target_on_a_gpu_matches_the_unfolded_one():
+    """The CUDA default (norms folded where the target attends by splits) against the row-kernel norms, fp32: a
+    200-token prefill (PyTorch attention, `scale_rows`) and a 3-token step after it (the split, RoPE and gate
+    kernels), logits and aux features within rounding."""
+    model = build_tiny_target("llama").cuda()
+    gen = torch.Generator().manual_seed(1)
+    for name, w in model.named_parameters():
+        if "norm" in name:
+            w.copy_(torch.rand(w.shape, generator=gen).cuda() + 0.5)
+    target = FastTarget(model, aux_layer_ids=[0, 1])
+    assert target.attention == "split" and target.folded
+
+    def run():
+        target.allocate(256)
+        target.kv_cache.zero_()
+        ids = torch.randint(3, 300, (203,), generator=torch.Generator().manual_seed(2)).cuda()
+        pos = torch.arange(203, device="cuda")
+        mask = torch.arange(256, device="cuda")[None, :] <= pos[:, None]
+        return target(ids[:200], pos[:200], pos[:200], mask[:200], want_aux=True), \
+            target(ids[200:], pos[200:], pos[200:], mask[200:], want_aux=True)
+
+    folded = run()
+    target.norm_kernel = "on"
+    target.select_norm()
+    assert not target.folded
+    for (lf, af), (lu, au) in zip(folded, run(), strict=True):
+        torch.testing.assert_close(lf, lu, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(af, au, atol=1e-3, rtol=1e-4)

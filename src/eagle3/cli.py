@@ -287,7 +287,7 @@ def cmd_demo(args) -> int:
 
     spec = _spec_from_args(args) if (args.tree or args.chain) else None
     summary = run_demo(prompts=args.prompts, max_new_tokens=args.max_new_tokens, spec=spec, device=args.device,
-                       drafter=args.drafter, record=args.record, dtype=args.dtype)
+                       drafter=args.drafter, record=args.record, dtype=args.dtype, chain_stop=args.chain_stop)
     return 0 if summary["identical"] else 1
 
 
@@ -502,12 +502,16 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--device", default="cpu")
     dm.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="auto: bf16 on CUDA, and on CPUs with native bf16, AMX or AVX512-BF16 (there on the "
-                         "static-cache fast path with a chain of 3); fp32 on other CPUs (the generic engine, a "
-                         "chain of 2)")
+                         "static-cache fast path with a chain of up to 6 that stops early); fp32 on other CPUs "
+                         "(the generic engine, a chain of 2)")
     dm.add_argument("--drafter", default=None, help="another drafter for SmolLM2 (default: the bundled one)")
     shape = dm.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
     shape.add_argument("--chain", type=int, default=None, metavar="K")
+    dm.add_argument("--chain-stop", type=float, default=None, metavar="P",
+                    help="on the CPU fast path, stop a chain's drafting once its joint draft probability falls "
+                         "below P and verify only what was drafted (default: 0.2 with the default chain of up to 6; "
+                         "0: the full chain every cycle)")
     dm.add_argument("--record", default="runs/demo.json", help="where to write the run record")
     dm.set_defaults(func=cmd_demo)
 

@@ -122,6 +122,11 @@ class FastCore(nn.Module):
         # the draft steps' log-softmax and top-k as two Triton kernels (`eagle3.fast.draft_top_k`) where they can
         # run; None: as PyTorch work (`top_k_last` of `FastDrafter.log_probs`)
         self.top_k_op = draft_top_k_op_for(drafter, self.top_k)
+        # A chain's drafting stops once the drafted tokens' joint draft probability falls below this, and only the
+        # drafted tokens are verified (`draft_chain_until`); None: every cycle drafts `depth` tokens. The host
+        # reads each step's score, so only cycles that run eagerly take it (`FastOptions.chain_stop`: CPUs).
+        self.chain_stop: float | None = None
+        self._valid_all = True  # tree_valid is all True (what `draft`'s trees assume)
 
     @property
     def device(self) -> torch.device:
@@ -287,6 +292,36 @@ class FastCore(nn.Module):
         self.tree_parents1[1:].copy_(parents + 1)
         self.tree_parents1[:1].zero_()
 
+    def draft_chain_until(self) -> int:
+        """Draft a chain of at most `depth` tokens, stopping after the first token whose chain's joint draft
+        probability (the product of the drafter's top-1 probabilities so far) is below `chain_stop`; the rest of
+        the tree buffers become invalid nodes. Returns the number of tokens drafted (at least one). The same
+        proposals as `draft` up to where it stops (the same drafter calls on the same rows and slots), so a chain
+        verified in full would accept the same prefix; one host read per drafted token."""
+        d, length, stop = self.drafter, self.length, self.chain_stop
+        scores, ids = (t[0] for t in self.draft_top_k(self.last_out))  # [1]
+        tokens, cum = [d.to_target_ids(ids)], scores
+        hidden = d.feedback(self.last_out)  # [1, H]
+        one = self.ar[:1]
+        anc = torch.ones(1, 1, dtype=torch.bool, device=self.device)  # [1, steps]: the chain's scratch rows
+        while len(tokens) < self.depth and float(cum.exp()) >= stop:
+            step = len(tokens)
+            mask = prefix_and_window(self.ar_sd, length, anc)  # [1, Sd]
+            out = d(hidden, tokens[-1], (length - 1 + step).expand(1), length + step - 1 + one, mask)  # [1, H]
+            scores, ids = (t[0] for t in self.draft_top_k(out))
+            cum = cum + scores
+            tokens.append(d.to_target_ids(ids))
+            hidden = d.feedback(out)
+            anc = torch.cat([anc, anc[:, :1]], dim=1)
+        n = len(tokens)
+        self.tree_tokens.zero_()
+        self.tree_tokens[:n].copy_(torch.cat(tokens))
+        self.tree_parents1.copy_(torch.cat([self.ar[:1], self.ar[: self.n_nodes]]))  # node i's parent: node i-1
+        self.tree_parents1[n + 1 :].zero_()  # invalid nodes hang off the root
+        self.tree_valid.copy_(self.ar[: self.n_nodes] < n)
+        self._valid_all = False
+        return n
+
     def draft_top_k(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` best draft tokens after each of the drafter's pre-norm outputs out [T, H]: their
         log-probabilities [T, k] (fp32, descending) and draft-vocabulary ids [T, k]."""
@@ -319,16 +354,21 @@ class FastCore(nn.Module):
         mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors and itself
         return ids, pos, slots, mask, anc
 
-    def verify(self, greedy: bool = True) -> None:
-        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]."""
+    def verify(self, greedy: bool = True, rows: int | None = None) -> None:
+        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]; with
+        `rows` (greedy, a chain drafted by `draft_chain_until`), over the first `rows` of them only, the others'
+        argmax left at -1 (no token)."""
         ids, pos, slots, mask, anc = self.piece("tree_inputs")
-        logits, aux = self.target(ids, pos, slots, mask, want_aux=self.drafter is not None)  # [N+1, V]
+        m = ids.shape[0] if rows is None else rows
+        logits, aux = self.target(ids[:m], pos[:m], slots[:m], mask[:m],
+                                  want_aux=self.drafter is not None)  # [m, V]
         if greedy:
-            self.top.copy_(self.target.argmax(logits))
+            self.top[:m].copy_(self.target.argmax(logits))
+            self.top[m:].fill_(-1)
         else:
             self.logits.copy_(logits.float())
         if aux is not None:
-            self.aux.copy_(aux)
+            self.aux[:m].copy_(aux)
         self.anc.copy_(anc)
 
     def accept(self) -> None:
@@ -385,9 +425,15 @@ class FastCore(nn.Module):
 
     # -- whole cycles (what the engine captures) ----------------------------------------------
     def cycle_greedy(self) -> None:
-        if self.mode == "eagle3":
+        rows = None
+        if self.mode == "eagle3" and self.chain_stop is not None and self.top_k == 1:
+            rows = self.draft_chain_until() + 1  # root and the drafted tokens
+        elif self.mode == "eagle3":
+            if not self._valid_all:  # after `draft_chain_until`: every node valid again
+                self.tree_valid.fill_(True)
+                self._valid_all = True
             self.piece("draft")
-        self.verify(greedy=True)
+        self.verify(greedy=True, rows=rows)
         self.piece("accept")
         self.commit()
 

@@ -81,6 +81,10 @@ class FastOptions:
     # 24 ms of each 256-token MT-bench request's 195-500 ms there, docs/results/session27_h200/).
     graph_prefill: bool | None = None
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
+    # chains only, cycles that run eagerly (a CPU, or graphs off): stop drafting once the chain's joint draft
+    # probability falls below this and verify only the drafted tokens (`FastCore.draft_chain_until`); None: draft
+    # the full chain every cycle. Greedy only (sampled cycles draft the full chain).
+    chain_stop: float | None = None
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
 
 
@@ -177,6 +181,15 @@ class FastEngine:
             else o.compile_drafting
         if cd and not o.compile and mode != "none":
             self.core.compile_drafting(o.compile_backend)
+        if o.chain_stop is not None:
+            if mode != "eagle3" or self.spec.mode != "chain":
+                raise ConfigError("chain_stop (--chain-stop) is for EAGLE-3 chains")
+            if not 0.0 < o.chain_stop < 1.0:
+                raise ConfigError(f"chain_stop {o.chain_stop}: expected a probability between 0 and 1")
+            if (o.graphs and self.target.device.type == "cuda") or o.compile or self.core.drafting_compiled:
+                raise ConfigError("chain_stop (--chain-stop) needs cycles that run eagerly, where the host can read "
+                                  "each draft step: a CPU, or CUDA with graphs and compilation off")
+            self.core.chain_stop = o.chain_stop
         self.mode = mode
         self.device = self.target.device
         self._pool = None
@@ -386,7 +399,7 @@ class FastEngine:
             stats.cycles += 1
             stats.accepted_per_cycle.append(n_acc)
             stats.drafted_depth_per_cycle.append(pkt[1])
-            stats.drafted_tokens += core.n_nodes
+            stats.drafted_tokens += core.n_nodes if core.chain_stop is None else pkt[1]  # a stopped chain: its depth
             finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
             if finish is not None:
                 return finish

@@ -8,7 +8,8 @@ same with the second norm before gate/up. Since r scales a whole row and g a who
 
 so with g folded once into the fused q/k/v and gate/up matrices (`fold_columns`) the products read h itself and r
 multiplies their outputs. The kernels that read those outputs next compute r from h on their own: the RoPE and
-cache-write kernel (`eagle3.fast.rope_cache`, argument `rms`) and the SwiGLU activation here (`scaled_gate`).
+cache-write kernel (`eagle3.fast.rope_cache`, argument `rms`) and the SwiGLU activation here (`scaled_gate`); the
+forwards that rotate in PyTorch (prefills, the server's rows) scale the q/k/v product by `scale_rows` first.
 The two norm kernels before a layer's two products go away, two launches of a handful each; only the final norm
 before the lm_head stays (its weight cannot go into a head tied to the embedding).
 
@@ -44,9 +45,9 @@ def rms_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(_wide(h).pow(2).mean(-1, keepdim=True) + eps)
 
 
-def scale_rows(y: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
+def scale_rows_torch(y: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
     """y [N, C] times h's `rms_scale` [N, 1], in fp32, rounded once to y's dtype: a folded product's output as the
-    unfolded one gives it (the PyTorch paths; the decoding path applies r inside the RoPE kernel)."""
+    unfolded one gives it."""
     return (_wide(y) * rms_scale(h, eps)).to(y.dtype)
 
 
@@ -56,11 +57,11 @@ def scaled_gate_torch(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> tor
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-BLOCK_I = 1024  # activations per program
+BLOCK_I = 1024  # activations (or scaled columns) per program
 
 
 @functools.cache
-def _kernel():
+def _kernels():
     import triton
     import triton.language as tl
 
@@ -77,28 +78,71 @@ def _kernel():
         up = tl.load(gu_ptr + row * stride_g + n_inter + i, mask=ok, other=0.0).to(tl.float32) * r
         tl.store(out_ptr + row * stride_o + i, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
-    return scaled_gate_kernel
+    @triton.jit
+    def scale_rows_kernel(y_ptr, h_ptr, out_ptr, stride_y, stride_h, stride_o, n_hidden, n_cols, eps,
+                          HB: tl.constexpr, BC: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, HB)
+        hv = tl.load(h_ptr + row * stride_h + c, mask=c < n_hidden, other=0.0).to(tl.float32)  # [HB]
+        r = tl.rsqrt(tl.sum(hv * hv, 0) / n_hidden + eps)
+        j = tl.program_id(1) * BC + tl.arange(0, BC)
+        ok = j < n_cols
+        y = tl.load(y_ptr + row * stride_y + j, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + j, (y * r).to(out_ptr.dtype.element_ty), mask=ok)
+
+    return scaled_gate_kernel, scale_rows_kernel
+
+
+def _check_rows(y: torch.Tensor, h: torch.Tensor, what: str) -> None:
+    if y.dim() != 2 or h.dim() != 2 or y.stride(-1) != 1 or h.stride(-1) != 1 or h.shape[0] != y.shape[0]:
+        raise ValueError(f"{what} needs [N, C] outputs and the residual rows h [N, H], both with contiguous rows")
 
 
 def scaled_gate_triton(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
     """`scaled_gate_torch` as one Triton kernel: one program per (row, block of BLOCK_I activations), each
     computing its row's r from h (a few kilobytes, from L2) before its block."""
+    _check_rows(gate_up, h, "scaled_gate")
     n, two_i = gate_up.shape
-    hidden = h.shape[-1]
-    if gate_up.stride(-1) != 1 or h.stride(-1) != 1 or h.shape[0] != n or two_i % 2:
-        raise ValueError("scaled_gate needs gate_up [N, 2·I] and h [N, H] with contiguous rows")
-    inter = two_i // 2
+    if two_i % 2:
+        raise ValueError(f"scaled_gate needs gate_up [N, 2·I], got {two_i} columns")
+    hidden, inter = h.shape[-1], two_i // 2
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(BLOCK_I, 1 << (inter - 1).bit_length())
-    hb = 1 << (hidden - 1).bit_length()
-    _kernel()[(n, -(-inter // block))](gate_up, h, out, gate_up.stride(0), h.stride(0), out.stride(0), hidden,
-                                       inter, eps, HB=hb, BI=block, num_warps=4)
+    gate_kernel, _ = _kernels()
+    gate_kernel[(n, -(-inter // block))](gate_up, h, out, gate_up.stride(0), h.stride(0), out.stride(0), hidden,
+                                         inter, eps, HB=1 << (hidden - 1).bit_length(), BI=block, num_warps=4)
     return out
+
+
+def scale_rows_triton(y: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """`scale_rows_torch` as one Triton kernel (one program per row and block of columns), for the PyTorch
+    decoding paths on CUDA: one launch where the unfolded path had its norm's."""
+    _check_rows(y, h, "scale_rows")
+    n, cols = y.shape
+    hidden = h.shape[-1]
+    out = torch.empty_like(y)
+    block = min(BLOCK_I, 1 << (cols - 1).bit_length())
+    _, scale_kernel = _kernels()
+    scale_kernel[(n, -(-cols // block))](y, h, out, y.stride(0), h.stride(0), out.stride(0), hidden, cols, eps,
+                                         HB=1 << (hidden - 1).bit_length(), BC=block, num_warps=4)
+    return out
+
+
+def _kernel_path(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available() and not torch.compiler.is_compiling()
+
+
+def scale_rows(y: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """A folded product's output y [N, C] scaled by its rows' r from the residual h [N, H] (the paths other than
+    the RoPE kernel's, which applies r itself): the Triton kernel on CUDA, else (and inside traced code) PyTorch."""
+    if _kernel_path(y):
+        return scale_rows_triton(y, h, eps)
+    return scale_rows_torch(y, h, eps)
 
 
 def scaled_gate(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
     """SwiGLU's activation after a folded gate/up product: the Triton kernel on CUDA, else (and inside traced
     code: `--compile` traces whole steps) the same in PyTorch."""
-    if gate_up.is_cuda and triton_available() and not torch.compiler.is_compiling():
+    if _kernel_path(gate_up):
         return scaled_gate_triton(gate_up, h, eps)
     return scaled_gate_torch(gate_up, h, eps)
