@@ -57,75 +57,58 @@ def scaled_gate_torch(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> tor
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-BLOCK_I = 1024  # activations (or scaled columns) per program
+BLOCK_I = 1024  # output columns per program
 
 
 @functools.cache
-def _kernels():
+def _kernel():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def scaled_gate_kernel(gu_ptr, h_ptr, out_ptr, stride_g, stride_h, stride_o, n_hidden, n_inter, eps,
-                           HB: tl.constexpr, BI: tl.constexpr):
+    def scaled_rows_kernel(y_ptr, h_ptr, out_ptr, stride_y, stride_h, stride_o, n_hidden, n_out, eps,
+                           HB: tl.constexpr, BI: tl.constexpr, GATE: tl.constexpr):
         row = tl.program_id(0)
         c = tl.arange(0, HB)
         hv = tl.load(h_ptr + row * stride_h + c, mask=c < n_hidden, other=0.0).to(tl.float32)  # [HB]
         r = tl.rsqrt(tl.sum(hv * hv, 0) / n_hidden + eps)  # one fixed-width sum: the row's bits alone
-        i = tl.program_id(1) * BI + tl.arange(0, BI)  # [BI] activations
-        ok = i < n_inter
-        gate = tl.load(gu_ptr + row * stride_g + i, mask=ok, other=0.0).to(tl.float32) * r
-        up = tl.load(gu_ptr + row * stride_g + n_inter + i, mask=ok, other=0.0).to(tl.float32) * r
-        tl.store(out_ptr + row * stride_o + i, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
+        i = tl.program_id(1) * BI + tl.arange(0, BI)  # [BI] output columns
+        ok = i < n_out
+        y = tl.load(y_ptr + row * stride_y + i, mask=ok, other=0.0).to(tl.float32) * r  # the gate, with GATE
+        if GATE:  # SwiGLU: silu(r·gate)·(r·up), up n_out columns further on
+            up = tl.load(y_ptr + row * stride_y + n_out + i, mask=ok, other=0.0).to(tl.float32) * r
+            y = y * tl.sigmoid(y) * up
+        tl.store(out_ptr + row * stride_o + i, y.to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
-    def scale_rows_kernel(y_ptr, h_ptr, out_ptr, stride_y, stride_h, stride_o, n_hidden, n_cols, eps,
-                          HB: tl.constexpr, BC: tl.constexpr):
-        row = tl.program_id(0)
-        c = tl.arange(0, HB)
-        hv = tl.load(h_ptr + row * stride_h + c, mask=c < n_hidden, other=0.0).to(tl.float32)  # [HB]
-        r = tl.rsqrt(tl.sum(hv * hv, 0) / n_hidden + eps)
-        j = tl.program_id(1) * BC + tl.arange(0, BC)
-        ok = j < n_cols
-        y = tl.load(y_ptr + row * stride_y + j, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + j, (y * r).to(out_ptr.dtype.element_ty), mask=ok)
-
-    return scaled_gate_kernel, scale_rows_kernel
+    return scaled_rows_kernel
 
 
-def _check_rows(y: torch.Tensor, h: torch.Tensor, what: str) -> None:
+def _scaled_rows(y: torch.Tensor, h: torch.Tensor, eps: float, gate: bool) -> torch.Tensor:
+    """The kernel's launch: one program per (row, block of BLOCK_I output columns), each computing its row's r
+    from h (a few kilobytes, from L2) first."""
+    what = "scaled_gate" if gate else "scale_rows"
     if y.dim() != 2 or h.dim() != 2 or y.stride(-1) != 1 or h.stride(-1) != 1 or h.shape[0] != y.shape[0]:
         raise ValueError(f"{what} needs [N, C] outputs and the residual rows h [N, H], both with contiguous rows")
+    n, cols = y.shape
+    if gate and cols % 2:
+        raise ValueError(f"scaled_gate needs gate_up [N, 2·I], got {cols} columns")
+    hidden, n_out = h.shape[-1], cols // 2 if gate else cols
+    out = torch.empty(n, n_out, dtype=y.dtype, device=y.device)
+    block = min(BLOCK_I, 1 << (n_out - 1).bit_length())
+    _kernel()[(n, -(-n_out // block))](y, h, out, y.stride(0), h.stride(0), out.stride(0), hidden, n_out, eps,
+                                       HB=1 << (hidden - 1).bit_length(), BI=block, GATE=gate, num_warps=4)
+    return out
 
 
 def scaled_gate_triton(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
-    """`scaled_gate_torch` as one Triton kernel: one program per (row, block of BLOCK_I activations), each
-    computing its row's r from h (a few kilobytes, from L2) before its block."""
-    _check_rows(gate_up, h, "scaled_gate")
-    n, two_i = gate_up.shape
-    if two_i % 2:
-        raise ValueError(f"scaled_gate needs gate_up [N, 2·I], got {two_i} columns")
-    hidden, inter = h.shape[-1], two_i // 2
-    out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(BLOCK_I, 1 << (inter - 1).bit_length())
-    gate_kernel, _ = _kernels()
-    gate_kernel[(n, -(-inter // block))](gate_up, h, out, gate_up.stride(0), h.stride(0), out.stride(0), hidden,
-                                         inter, eps, HB=1 << (hidden - 1).bit_length(), BI=block, num_warps=4)
-    return out
+    """`scaled_gate_torch` as one Triton kernel."""
+    return _scaled_rows(gate_up, h, eps, gate=True)
 
 
 def scale_rows_triton(y: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
-    """`scale_rows_torch` as one Triton kernel (one program per row and block of columns), for the PyTorch
-    decoding paths on CUDA: one launch where the unfolded path had its norm's."""
-    _check_rows(y, h, "scale_rows")
-    n, cols = y.shape
-    hidden = h.shape[-1]
-    out = torch.empty_like(y)
-    block = min(BLOCK_I, 1 << (cols - 1).bit_length())
-    _, scale_kernel = _kernels()
-    scale_kernel[(n, -(-cols // block))](y, h, out, y.stride(0), h.stride(0), out.stride(0), hidden, cols, eps,
-                                         HB=1 << (hidden - 1).bit_length(), BC=block, num_warps=4)
-    return out
+    """`scale_rows_torch` as one Triton kernel, for the PyTorch decoding paths on CUDA: one launch where the
+    unfolded path had its norm's."""
+    return _scaled_rows(y, h, eps, gate=False)
 
 
 def _kernel_path(t: torch.Tensor) -> bool:
