@@ -136,8 +136,8 @@ def test_stopping_chains_match_hf_generate(models, drafters, arch, stop):
     model = models[arch]
     prompt = prompt_of(11, seed=3)
     ref = hf_greedy(model, prompt, NEW)
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=drafters[arch],
-                        options=FastOptions(chain_stop=stop))
+    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5),
+                        drafter=drafters[arch], options=FastOptions(chain_stop=stop))
     res = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
     assert res.token_ids == ref
     depths = res.stats.drafted_depth_per_cycle
@@ -149,8 +149,8 @@ def test_a_stopping_chain_drafts_a_prefix_of_the_full_chain(models, drafters):
     """From one state, `draft_chain_until` proposes the first n tokens `draft` proposes for the full chain and
     marks the rest invalid; afterwards a full draft marks every node valid again."""
     model = models["llama"]
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=drafters["llama"],
-                        options=FastOptions(chain_stop=1e-3))
+    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5),
+                        drafter=drafters["llama"], options=FastOptions(chain_stop=1e-3))
     engine.generate(prompt_of(11, seed=3), max_new_tokens=9, eos_token_ids=[])
     core = engine.core
     core.draft()

@@ -87,7 +87,7 @@ def test_rope_kernel_applies_the_folded_scale(interpreted, head_norm, dtype, tol
     angles = (torch.rand(s, hd // 2, generator=gen) * 6).repeat(1, 2)
     cos, sin = rope_tables(angles.cos().to(dtype), angles.sin().to(dtype))
     pos, slots = torch.randint(0, s, (t,), generator=gen), torch.randperm(s, generator=gen)[:t]
-    norms = (torch.randn(hd, generator=gen).to(dtype), torch.randn(hd, generator=gen).to(dtype)) if head_norm else None
+    norms = tuple(torch.randn(hd, generator=gen).to(dtype) for _ in range(2)) if head_norm else None
     kv = torch.zeros(2 * nkv, s, hd, dtype=dtype)
     q = rope_into_cache(qkv, cos, sin, pos, slots, kv, nh, norms, eps, rms=h)
     x = (qkv.double() * rms_scale(h.double(), eps).double()).view(t, nh + 2 * nkv, hd).transpose(0, 1)
@@ -122,8 +122,9 @@ def forwards(target: FastTarget, seed: int = 0):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_folded_target_matches_the_unfolded_one(arch):
-    """fp32 on the CPU (the PyTorch paths scale the products' rows): the same logits and aux features within fp32
-    rounding over six layers (about 1e-5 of their size; a scale left out or applied twice is of order one), and unfolding rebuilds the fused matrices bit for bit."""
+    """fp32 on the CPU (the PyTorch paths scale the products' rows): the same logits and aux features within
+    fp32 rounding over six layers (about 1e-5 of their size; a scale left out or applied twice is of order one),
+    and unfolding rebuilds the fused matrices bit for bit."""
     model = build_tiny_target(arch)
     gen = torch.Generator().manual_seed(1)
     for name, w in model.named_parameters():  # norm weights start at one, where folding changes nothing
@@ -175,13 +176,13 @@ def test_gate_and_scale_kernels_in_bf16_on_a_gpu():
     gu = torch.randn(61, 2 * 14336, generator=gen).to(torch.bfloat16).cuda()
     h = (torch.randn(61, 4096, generator=gen) * 4).to(torch.bfloat16).cuda()
     out = scaled_gate(gu, h, 1e-5)
-    torch.testing.assert_close(out.float().cpu(), scaled_gate_torch(gu.cpu().double(), h.cpu().double(), 1e-5).float(),
-                               atol=2e-2, rtol=2e-2)
+    want = scaled_gate_torch(gu.cpu().double(), h.cpu().double(), 1e-5).float()
+    torch.testing.assert_close(out.float().cpu(), want, atol=2e-2, rtol=2e-2)
     assert torch.equal(scaled_gate(gu[5:6], h[5:6], 1e-5), out[5:6])
     y = gu[:, :6144].contiguous()
     scaled = scale_rows(y, h, 1e-5)
-    torch.testing.assert_close(scaled.float().cpu(), scale_rows_torch(y.cpu().double(), h.cpu().double(), 1e-5).float(),
-                               atol=2e-2, rtol=2e-2)
+    want = scale_rows_torch(y.cpu().double(), h.cpu().double(), 1e-5).float()
+    torch.testing.assert_close(scaled.float().cpu(), want, atol=2e-2, rtol=2e-2)
     assert torch.equal(scale_rows(y[5:6], h[5:6], 1e-5), scaled[5:6])
 
 

@@ -3,8 +3,8 @@ plain decoding and with EAGLE-3 (the bundled drafter), shows that the answers ar
 and prints tau and the measured speedup. Offline; CPU by default.
 
 On a CPU with native bf16 (AMX or AVX512-BF16) the demo runs in bf16 on the static-cache fast path with a chain
-of up to 6 that stops where the drafter is unsure; elsewhere in fp32 on the generic engine with a chain of 2 (why: the comments on `CPU_SPEC` and
-`CPU_BF16_SPEC`)."""
+of up to 6 that stops where the drafter is unsure; elsewhere in fp32 on the generic engine with a chain of 2 (why:
+the comments on `CPU_SPEC` and `CPU_BF16_SPEC`)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
 # all identical (docs/benchmarks.md). Since session 35 the chain stops where the drafter is unsure
 # (`FastOptions.chain_stop`): at most 6 tokens, none after the chain's joint draft probability falls below 0.2,
 # and only the drafted tokens verified. On this project's 2-core AMD EPYC that drafted 3.15 tokens a cycle (the
-# fixed chain of 3: 3.00) at tau 2.48 (2.26), and four alternating demo runs each gave 1.76-1.93x against 1.51-1.71x
-# for the fixed chain of 3, all identical (docs/benchmarks.md, "CPU demo").
+# fixed chain of 3: 3.00) at tau 2.48 (2.26), and eight alternating demo rounds each gave 1.74-1.93x (median 1.82x)
+# against 1.51-1.76x (median 1.68x) for the fixed chain of 3, all identical (docs/benchmarks.md, "CPU demo").
 CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=6)
 CPU_BF16_CHAIN_STOP = 0.2
 DEMO_DTYPES = ("auto", "float32", "bfloat16")
@@ -112,7 +112,8 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | Non
     eos = eos_token_ids(model, tok)
     engine = "fast path" if fast else "generic engine"
     print_fn(f"loaded SmolLM2-135M-Instruct and the EAGLE-3 drafter in {time.perf_counter() - t0:.1f}s "
-             f"(device {device}, {dtype}, {engine}, {torch.get_num_threads()} threads, {_shape(spec, chain_stop)})")
+             f"(device {device}, {dtype}, {engine}, {torch.get_num_threads()} threads, "
+             f"{_shape(spec, chain_stop)})")
     _, questions = load_prompts("mt_bench", limit=prompts)
     # warm-up, excluded from timing
     warm = encode_prompt(tok, chat="Hello!")
@@ -149,8 +150,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | Non
         print_fn(hint)
     summary = {"identical": all_same, "tau": round(tau, 3), "speedup": round(speedup, 3), "rows": rows,
                "spec": spec.__dict__, "chain_stop": chain_stop, "max_new_tokens": max_new_tokens, "dtype": dtype,
-               "engine": engine,
-               "device": str(device)}
+               "engine": engine, "device": str(device)}
     if record:
         write_json(run_record("demo", **summary), record)
         print_fn(f"run record: {record}")

@@ -187,8 +187,8 @@ class FastEngine:
             if not 0.0 < o.chain_stop < 1.0:
                 raise ConfigError(f"chain_stop {o.chain_stop}: expected a probability between 0 and 1")
             if (o.graphs and self.target.device.type == "cuda") or o.compile or self.core.drafting_compiled:
-                raise ConfigError("chain_stop (--chain-stop) needs cycles that run eagerly, where the host can read "
-                                  "each draft step: a CPU, or CUDA with graphs and compilation off")
+                raise ConfigError("chain_stop (--chain-stop) needs cycles that run eagerly, where the host can "
+                                  "read each draft step: a CPU, or CUDA with graphs and compilation off")
             self.core.chain_stop = o.chain_stop
         self.mode = mode
         self.device = self.target.device
@@ -271,7 +271,8 @@ class FastEngine:
         return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda", "compile": o.compile,
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
                 "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
-                "target_attention": self.target_attention, "norms_folded": self.target.folded}
+                "target_attention": self.target_attention, "norms_folded": self.target.folded,
+                "chain_stop": self.core.chain_stop}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -399,7 +400,7 @@ class FastEngine:
             stats.cycles += 1
             stats.accepted_per_cycle.append(n_acc)
             stats.drafted_depth_per_cycle.append(pkt[1])
-            stats.drafted_tokens += core.n_nodes if core.chain_stop is None else pkt[1]  # a stopped chain: its depth
+            stats.drafted_tokens += core.n_nodes if core.chain_stop is None else pkt[1]  # a stopped chain's depth
             finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
             if finish is not None:
                 return finish

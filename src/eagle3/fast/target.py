@@ -767,7 +767,9 @@ class FastTarget(nn.Module):
         x = h if self.folded else self.pointwise.norm(h, lw.ln2, self.eps)
         return self.add_linear(h, self.gated(x, lw), lw.w2, lw.b2)
 
-    def post_attention(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def post_attention(
+        self, i: int, h: torch.Tensor, o: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i after its attention: the output projection of `o` (attention output [N, nh·hd]) and its
         residual add, the MLP and its residual add, then the next norm (layer i+1's input norm, or the final norm
         after the last layer). Returns h [N, H] and that norm of it [N, H]; with folded norms, None instead of
@@ -780,7 +782,8 @@ class FastTarget(nn.Module):
                 return self.add_linear(h, self.gated(h, lw), lw.w2, lw.b2), None
             return self.add_linear_norm(h, self.gated(h, lw), lw.w2, lw.b2, self.norm)
         h, x = self.add_linear_norm(h, o, lw.wo, lw.bo, lw.ln2)
-        return self.add_linear_norm(h, self.gated(x, lw), lw.w2, lw.b2, self.norm if last else self.layers[i + 1].ln1)
+        after = self.norm if last else self.layers[i + 1].ln1
+        return self.add_linear_norm(h, self.gated(x, lw), lw.w2, lw.b2, after)
 
     def weight_bytes(self) -> int:
         """Bytes read per decoding step for weights: layers, final norm and lm_head (the embedding table is
