@@ -364,7 +364,8 @@ class FastCore(nn.Module):
                                   want_aux=self.drafter is not None)  # [m, V]
         if greedy:
             self.top[:m].copy_(self.target.argmax(logits))
-            self.top[m:].fill_(-1)
+            if rows is not None:
+                self.top[m:].fill_(-1)
         else:
             self.logits.copy_(logits.float())
         if aux is not None:

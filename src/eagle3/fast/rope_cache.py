@@ -102,7 +102,7 @@ def rope_into_cache(
     q = torch.empty(nh, t, hd, dtype=qkv.dtype, device=qkv.device)
     qn, kn = head_norms if head_norms is not None else (qkv, qkv)  # unread without head norms
     res = qkv if rms is None else rms  # unread without rms
-    n_res = res.shape[-1]
+    n_res = res.shape[-1] if rms is not None else 1
     _kernel()[(t, nh + two_nkv)](
         qkv, cos, signed_sin, pos, slots, q, kv, qn, kn, res,
         qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), res.stride(0), n_res,
