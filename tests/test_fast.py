@@ -578,23 +578,63 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
         assert engine.core.drafter.matmul_attention
         out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
         assert out.token_ids == hf_greedy(model, prompt, NEW)
-    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'sdpa', 'matmul', 'split'\)"):
+    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'sdpa', 'matmul', 'split', "
+                                          r"'prefix'\)"):
         FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
+
+
+def test_prefix_drafter_attention_keeps_trees_and_output(models, drafters):
+    """`FastOptions(drafter_attention="prefix")` (the default on a CPU): the drafter attends in fp32 over the
+    cache slots in use only (`prefix_attention`): in fp32 the same trees as with SDPA cycle after cycle, one
+    forward under a tree-like mask within rounding of SDPA's, HF's greedy tokens with a chain and a tree; CUDA
+    refuses it (the last slot is read on the host)."""
+    model, d = models["llama"], drafters["llama"]
+    prompt = prompt_of(20, seed=43)
+    runs = []
+    for prefix in (False, True):
+        fd = FastDrafter(d)
+        if prefix:
+            fd.use_prefix_attention()
+        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, depth=4, top_k=3,
+                        total_tokens=12)
+        runs.append(cycle_trees(core, prompt))
+    assert runs[0] == runs[1]
+    fd = FastDrafter(d)
+    fd.allocate(64)
+    g = torch.Generator().manual_seed(44)
+    t = 7
+    hidden, tokens = torch.randn(t, fd.hidden_size, generator=g), torch.randint(3, 200, (t,), generator=g)
+    pos = torch.arange(t) + 20
+    slots = pos + 5  # rows written above the prefix, as a tree's scratch rows are
+    mask = (torch.rand(t, 64, generator=g) < 0.5) & (torch.arange(64)[None, :] < 20)
+    mask[torch.arange(t), slots] = True
+    ref = fd(hidden, tokens, pos, slots, mask)
+    fd.use_prefix_attention()
+    torch.testing.assert_close(fd(hidden, tokens, pos, slots, mask), ref, rtol=1e-5, atol=1e-5)
+    for spec in (CHAIN, TREE):
+        engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d,
+                            options=FastOptions(drafter_attention="prefix"))
+        assert engine.core.drafter.prefix and engine.settings()["drafter_attention"] == "prefix"
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt,
+                                                                                                    NEW)
+    with pytest.raises(ConfigError, match="prefix reads the last slot in use on the host"):
+        drafter_attention_for("prefix", "cuda:0")
 
 
 def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
     """`--drafter-attention auto` (the default of `FastOptions`, generate, eval, bench, profile_step): split on
     CUDA where Triton imports and the head size is one the kernels take (measured faster on an H200, session
-    34), else matmul (session 30); sdpa on a CPU and wherever --sdpa-heads asks for SDPA heads; a named choice is
-    kept on any device (split needs CUDA), and the engine and `settings()` say which one runs."""
+    34), else matmul (session 30); prefix on a CPU (session 36); sdpa wherever --sdpa-heads asks for SDPA heads;
+    a named choice is kept on any device (split needs CUDA, prefix eager drafting off CUDA), and the engine and
+    `settings()` say which one runs."""
     from eagle3.fast.split_attention import triton_available
 
     resolve = drafter_attention_for
     split = "split" if triton_available() else "matmul"
     assert resolve("auto", "cuda:0") == resolve(None, torch.device("cuda"), head_dim=64) == split
     assert resolve("auto", "cuda:0", head_dim=96) == "matmul"  # not a head size of the kernels
-    assert resolve("auto", "cpu") == resolve(None, "cpu") == "sdpa"
-    assert resolve("auto", "cuda:0", sdpa_heads=True) == "sdpa"
+    assert resolve("auto", "cpu") == resolve(None, "cpu") == "prefix"
+    assert resolve("auto", "cuda:0", sdpa_heads=True) == resolve("auto", "cpu", sdpa_heads=True) == "sdpa"
     assert resolve("matmul", "cpu") == "matmul" and resolve("sdpa", "cuda") == "sdpa"
     if triton_available():
         assert resolve("split", "cuda") == "split"
@@ -602,8 +642,8 @@ def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
         resolve("split", "cpu")
     model, d = models["llama"], drafters["llama"]
     engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d)
-    assert engine.drafter_attention == "sdpa" and not engine.core.drafter.matmul_attention
-    assert engine.settings()["drafter_attention"] == "sdpa"
+    assert engine.drafter_attention == "prefix" and engine.core.drafter.prefix
+    assert not engine.core.drafter.matmul_attention and engine.settings()["drafter_attention"] == "prefix"
     engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d,
                         options=FastOptions(drafter_attention="matmul"))
     assert engine.settings()["drafter_attention"] == "matmul" and engine.core.drafter.matmul_attention

@@ -35,15 +35,16 @@ FUSE_POINTWISE_HELP = ("compile the target's elementwise work with inductor: ele
                        "also the norms and residual adds, which loses that identity; auto (default) = elementwise "
                        "on CUDA, off on a CPU, where compiled pieces outside CUDA graphs cost more than they save; "
                        "matrix products and attention stay with the vendor libraries")
-# One flag `--drafter-attention [auto|sdpa|matmul|split]` (generate, eval, bench, scripts/profile_step.py;
+# One flag `--drafter-attention [auto|sdpa|matmul|split|prefix]` (generate, eval, bench, scripts/profile_step.py;
 # `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`).
-DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split")
+DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split", "prefix")
 DRAFTER_ATTENTION_HELP = ("fast path: how the drafter attends: split = the target's split-KV Triton kernels "
                           "inside compiled drafting (H200, SmolLM2, 80 MT-bench prompts: tree 6,10,60 2,971 -> "
                           "3,032 tok/s against matmul); matmul = two batched products around an fp32 softmax, "
                           "which compiled drafting fuses with the mask; sdpa = scaled_dot_product_attention "
-                          "(cuDNN on CUDA); auto (default) = split on CUDA where Triton and the head size allow "
-                          "(else matmul), sdpa elsewhere. The drafter's rounding changes only what it proposes, "
+                          "(cuDNN on CUDA); prefix = fp32 products over the cache slots in use, for eager "
+                          "drafting on a CPU; auto (default) = split on CUDA where Triton and the head size allow "
+                          "(else matmul), prefix on a CPU. The drafter's rounding changes only what it proposes, "
                           "never the output")
 # One flag `--target-attention [auto|sdpa|split|matmul]` (generate, eval, bench, scripts/profile_step.py;
 # `FastOptions.target_attention`, resolved by `eagle3.fast.target.target_attention_for`).

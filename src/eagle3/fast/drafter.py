@@ -61,25 +61,57 @@ def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
 def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False,
                           head_dim: int | None = None) -> str:
     """`FastOptions.drafter_attention` (`--drafter-attention`) for a drafter on `device`: "sdpa", "matmul"
-    (`FastDrafter.use_matmul_attention`) or "split" (`FastDrafter.use_split_attention`). None or "auto": on CUDA
-    split where Triton imports and the head size `head_dim` is one the kernels take (None: not known, taken as
-    one), else matmul; sdpa elsewhere (on a CPU drafting runs eagerly and nothing fuses; untimed), and with
-    `sdpa_heads` (`--sdpa-heads`: the drafter's query heads as SDPA heads too).
+    (`FastDrafter.use_matmul_attention`), "split" (`FastDrafter.use_split_attention`) or "prefix"
+    (`prefix_attention`). None or "auto": on CUDA split where Triton imports and the head size `head_dim` is one
+    the kernels take (None: not known, taken as one), else matmul; prefix elsewhere, where drafting runs eagerly;
+    sdpa with `sdpa_heads` (`--sdpa-heads`: the drafter's query heads as SDPA heads too).
+
+    On this project's 2-core AMD EPYC (SmolLM2 bf16, the demo's chains; docs/results/session36_cpu/): SDPA over
+    the whole cache took ~120 us a draft step and bf16 batched products over the slots in use sometimes over a
+    millisecond, where `prefix_attention` took 60-90 us; drafting a cycle went from 4.3 to 3.7 ms.
 
     On one H200 at SmolLM2's shape (docs/results/session34_h200/): split against matmul, drafting a 6,10,60
     tree 330 -> 286 us (140 -> 122 launches), the tree cycle 1,420 -> 1,368 us; all 80 MT-bench prompts, tree
     6,10,60 2,971 -> 3,032 tok/s. Matmul had won against cuDNN's SDPA in session 30 (drafting 457 -> 404 us,
     docs/results/session30_h200/), because compiled drafting fuses its mask and softmax between two GEMMs."""
     if choice is None or choice == "auto":
-        if not on_for_device("auto", device) or sdpa_heads:
+        if sdpa_heads:
             return "sdpa"
+        if not on_for_device("auto", device):
+            return "prefix"
         takes = head_dim is None or split_attention.supports(head_dim, 1)
         return "split" if triton_available() and takes else "matmul"
     if choice not in DRAFTER_ATTENTION:
         raise ConfigError(f"drafter attention {choice!r}: expected one of {DRAFTER_ATTENTION}")
     if choice == "split" and (torch.device(device).type != "cuda" or not triton_available()):
         raise ConfigError("--drafter-attention split needs a CUDA device and Triton; use auto, matmul or sdpa")
+    if choice == "prefix" and torch.device(device).type == "cuda":
+        raise ConfigError("--drafter-attention prefix reads the last slot in use on the host, which CUDA graphs "
+                          "cannot; use auto, split, matmul or sdpa on CUDA")
     return choice
+
+
+def prefix_attention(
+    q: torch.Tensor,  # [nh, T, hd], heads first
+    k_cache: torch.Tensor,  # [nkv, S, hd]
+    v_cache: torch.Tensor,  # [nkv, S, hd]
+    mask: torch.Tensor,  # bool [T, S]: no row sees a slot beyond the last of `slots`
+    slots: torch.Tensor,  # [T] the slots this forward wrote
+    scale: float,
+) -> torch.Tensor:
+    """GQA attention over cache slots 0..max(slots) only, products and softmax in fp32, for drafting that runs
+    eagerly (the last slot is read on the host). On a CPU the drafter's rows see a few hundred of the cache's
+    slots, and bf16 batched products there were slow and uneven (`drafter_attention_for`).
+    Returns [T, nh·hd] in q's dtype."""
+    nh, t, hd = q.shape
+    nkv = k_cache.shape[0]
+    g = nh // nkv
+    n = int(slots.max()) + 1
+    qg = q.reshape(nkv, g * t, hd).float()  # row r·T + t: head kv·g + r, token t
+    scores = torch.bmm(qg, k_cache[:, :n].float().transpose(1, 2)) * scale  # [nkv, g·T, n]
+    scores = scores.masked_fill(~mask[:, :n].repeat(g, 1), float("-inf"))
+    o = torch.bmm(scores.softmax(dim=-1), v_cache[:, :n].float())  # [nkv, g·T, hd]
+    return o.reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd).to(q.dtype)
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -206,6 +238,7 @@ class FastDrafter(nn.Module):
         self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.matmul_attention = False  # `use_matmul_attention`
         self.split_op = None  # `use_split_attention`
+        self.prefix = False  # `use_prefix_attention`
         self.packed = pack_weights(self.device, self.dtype, [self.fc, self.wqkv, self.wo, self.w13, self.w2,
                                                              self.lm_head])  # `cpu_packs_weights`
 
@@ -242,14 +275,20 @@ class FastDrafter(nn.Module):
         self.use_matmul_attention()
         self.split_op = split_attention.split_attention_op()
 
+    def use_prefix_attention(self) -> None:
+        """Attend by `prefix_attention` in eager forwards (compiled ones keep SDPA); the default off CUDA."""
+        self.prefix = True
+
     def use_attention(self, choice: str | None, sdpa_heads: bool = False) -> str:
         """Attend as `choice` says (`drafter_attention_for` on this drafter's device; call before capturing
-        graphs); returns what it resolved to, "sdpa", "matmul" or "split"."""
+        graphs); returns what it resolved to, "sdpa", "matmul", "split" or "prefix"."""
         attention = drafter_attention_for(choice, self.device, sdpa_heads, self.hd)
         if attention == "matmul":
             self.use_matmul_attention()
         elif attention == "split":
             self.use_split_attention()
+        elif attention == "prefix":
+            self.use_prefix_attention()
         return attention
 
     @torch.no_grad()
@@ -316,6 +355,8 @@ class FastDrafter(nn.Module):
         if self.split_op is not None and t <= split_attention.MAX_ROWS and fixed:
             # rows see committed slots and their own (ancestors among) this forward's: none beyond the last
             o = self.split_op(q.reshape(nkv, -1, hd), self.k_cache, self.v_cache, mask, self.scale, slots)
+        elif self.prefix and not torch.compiler.is_compiling():
+            o = prefix_attention(q, self.k_cache, self.v_cache, mask, slots, self.scale)  # [T, nh·hd]
         else:
             stacked, groups = gqa_layout(self.stacked, nh, nkv)
             bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
