@@ -1,8 +1,9 @@
-"""Session 36 CPU experiment: the drafter attending by SDPA over the whole cache (before) against `prefix_attention`
-(fp32 over the slots in use, the new CPU default), on the demo's prompts and settings (SmolLM2 bf16, fast path,
-chain of up to 6 stopping below 0.2, 128 tokens), arms interleaved over rounds, with the cycle's pieces timed.
+"""Session 36 CPU experiment: session 35's drafting (the drafter attending by SDPA over the whole cache, every
+cycle feeding it all D+1 rows) against this session's (`prefix_attention`: fp32 over the slots in use; feeding only
+the accepted rows), each change alone too, on the demo's prompts and settings (SmolLM2 bf16, fast path, chain of
+up to 6 stopping below 0.2, 128 tokens), arms interleaved over rounds, with the cycle's pieces timed.
 
-    python drafter_attention_arms.py ROUNDS OUT.json
+    python drafter_attention_arms.py ROUNDS OUT.json [ARM,...]   # arms: sdpa+all prefix+all sdpa+accepted prefix+accepted
 """
 import collections
 import json
@@ -26,9 +27,31 @@ d = load_drafter(bundled_drafter(), target_config=model.config, target_embedding
                  device="cpu", dtype=torch.bfloat16)
 shared = FastTarget(model, d.config.aux_layer_ids)
 plain = FastEngine(model, draft="none", tokenizer=tok, target=shared)
+names = sys.argv[3].split(",") if len(sys.argv) > 3 else ["sdpa+all", "prefix+accepted"]
 arms = {a: FastEngine(model, draft="eagle3", spec=CPU_BF16_SPEC, drafter=d, tokenizer=tok, target=shared,
-                      options=FastOptions(chain_stop=CPU_BF16_CHAIN_STOP, drafter_attention=a))
-        for a in ("sdpa", "prefix")}
+                      options=FastOptions(chain_stop=CPU_BF16_CHAIN_STOP, drafter_attention=a.split("+")[0]))
+        for a in names}
+
+
+def feed_all(core):
+    """Session 35's `FastCore.feed`: all D+1 rows every cycle (the rows after n_acc are padding)."""
+
+    def feed():
+        length, keep, n_acc = core.length, core.keep, core.n_acc
+        dst = length + core.ar[: core.max_depth + 1]
+        hidden = core.drafter.combine(core.aux.index_select(0, keep))
+        mask = core.ar_sd[None, :] <= dst[:, None]
+        out = core.drafter(hidden, core.emitted, dst, dst, mask)
+        core.last_out.copy_(out.index_select(0, n_acc))
+        core.root.copy_(core.emitted.gather(0, n_acc))
+        core.length.add_(n_acc + 1)
+
+    core.feed = feed
+
+
+for a, e in arms.items():
+    if a.endswith("+all"):
+        feed_all(e.core)
 pieces = collections.defaultdict(float)
 
 

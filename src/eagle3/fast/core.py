@@ -413,14 +413,19 @@ class FastCore(nn.Module):
         self.piece("feed")
 
     def feed(self) -> None:
-        """Feed the drafter the accepted rows (EAGLE-3), advance root and length."""
+        """Feed the drafter the accepted rows (EAGLE-3), advance root and length. Fixed shapes feed all D+1 rows
+        (those after n_acc are padding, overwritten before any row reads them); eager drafting on a CPU, where
+        reading n_acc on the host costs nothing, feeds only the n_acc + 1 that count."""
         length, keep, n_acc = self.length, self.keep, self.n_acc
         if self.drafter is not None:
-            dst = length + self.ar[: self.max_depth + 1]  # [D+1]
-            hidden = self.drafter.combine(self.aux.index_select(0, keep))  # [D+1, H]
-            mask = self.ar_sd[None, :] <= dst[:, None]  # [D+1, Sd] committed rows + causal
-            out = self.drafter(hidden, self.emitted, dst, dst, mask)  # [D+1, H]; rows > n_acc are padding
-            self.last_out.copy_(out.index_select(0, n_acc))
+            m = self.max_depth + 1
+            if self.device.type == "cpu" and not torch.compiler.is_compiling():
+                m = int(n_acc) + 1
+            dst = length + self.ar[:m]  # [m]
+            hidden = self.drafter.combine(self.aux.index_select(0, keep[:m]))  # [m, H]
+            mask = self.ar_sd[None, :] <= dst[:, None]  # [m, Sd] committed rows + causal
+            out = self.drafter(hidden, self.emitted[:m], dst, dst, mask)  # [m, H]
+            self.last_out.copy_(out.index_select(0, n_acc))  # n_acc < m either way
         self.root.copy_(self.emitted.gather(0, n_acc))
         self.length.add_(n_acc + 1)
 

@@ -65,8 +65,9 @@ class FastOptions:
     compile_drafting: bool | None = None
     sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
     # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`),
-    # "split" (`FastDrafter.use_split_attention`) or None / "auto": split on CUDA where Triton and the head size
-    # allow, else matmul (H200, session 34: tree 6,10,60 2,971 -> 3,032 tok/s), sdpa elsewhere
+    # "split" (`FastDrafter.use_split_attention`), "prefix" (`prefix_attention`) or None / "auto": split on CUDA
+    # where Triton and the head size allow, else matmul (H200, session 34: tree 6,10,60 2,971 -> 3,032 tok/s),
+    # prefix elsewhere (a CPU, session 36: drafting 4.1 -> 3.9 ms a demo cycle)
     drafter_attention: str | None = None
     # the target's attention in decoding forwards (`target_attention_for`): "split" (`eagle3.fast.split_attention`),
     # "sdpa", "matmul", or None / "auto": split on CUDA where Triton imports, sdpa elsewhere. A shared target

@@ -1,0 +1,96 @@
+"""Session 36 CPU experiment: the drafter attending by SDPA over the whole cache (before) against `prefix_attention`
+(fp32 over the slots in use, the new CPU default), on the demo's prompts and settings (SmolLM2 bf16, fast path,
+chain of up to 6 stopping below 0.2, 128 tokens), arms interleaved over rounds, with the cycle's pieces timed.
+
+    python drafter_attention_arms.py ROUNDS OUT.json
+"""
+import collections
+import json
+import sys
+import time
+
+import torch
+
+from eagle3.config import SamplingConfig
+from eagle3.demo import CPU_BF16_CHAIN_STOP, CPU_BF16_SPEC, bundled_drafter
+from eagle3.evaluate import load_prompts
+from eagle3.fast import FastEngine, FastTarget
+from eagle3.fast.engine import FastOptions
+from eagle3.formats import load_drafter
+from eagle3.models import load_target
+from eagle3.runtime import encode_prompt, eos_token_ids
+
+rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+model, tok = load_target("smollm2", dtype="bfloat16", device="cpu")
+d = load_drafter(bundled_drafter(), target_config=model.config, target_embedding=model.get_input_embeddings().weight,
+                 device="cpu", dtype=torch.bfloat16)
+shared = FastTarget(model, d.config.aux_layer_ids)
+plain = FastEngine(model, draft="none", tokenizer=tok, target=shared)
+arms = {a: FastEngine(model, draft="eagle3", spec=CPU_BF16_SPEC, drafter=d, tokenizer=tok, target=shared,
+                      options=FastOptions(chain_stop=CPU_BF16_CHAIN_STOP, drafter_attention="prefix"))
+        for a in ("bf16", "int8")}
+fd = arms["int8"].core.drafter
+q = {}
+for w in [fd.wqkv, fd.wo, fd.w13, fd.w2, fd.lm_head]:
+    s_ = w.float().abs().amax(1).clamp_min(1e-8) / 127
+    q[(w.data_ptr(), tuple(w.shape))] = (torch.round(w.float() / s_[:, None]).clamp(-127, 127).to(torch.int8), s_.bfloat16())
+base_linear = fd.linear
+def linear(x, w, b=None):
+    k = q.get((w.data_ptr(), tuple(w.shape)))
+    if k is None or x.shape[0] > 1:
+        return base_linear(x, w, b)
+    y = torch._weight_int8pack_mm(x, k[0], k[1])
+    return y if b is None else y + b
+fd.linear = linear
+pieces = collections.defaultdict(float)
+
+
+def timed(core, name, arm):
+    fn = getattr(core, name)
+
+    def run(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        pieces[(arm, name)] += time.perf_counter() - t
+        return out
+
+    setattr(core, name, run)
+
+
+for arm, e in arms.items():
+    for name in ("draft_chain_until", "verify", "feed", "accept"):
+        timed(e.core, name, arm)
+eos = eos_token_ids(model, tok)
+_, qs = load_prompts("mt_bench", limit=3)
+ids = [encode_prompt(tok, chat=m) for m in qs]
+for e in [plain, *arms.values()]:
+    e.generate(encode_prompt(tok, chat="Hello!"), max_new_tokens=8, eos_token_ids=eos)
+pieces.clear()
+res = {name: {"s": 0.0, "tok": 0, "cyc": 0, "same": 0, "drafted": 0} for name in ["plain", *arms]}
+for r in range(rounds):
+    for p in ids:
+        a = plain.generate(p, max_new_tokens=128, sampling=SamplingConfig(), eos_token_ids=eos)
+        res["plain"]["s"] += a.stats.total_s
+        res["plain"]["tok"] += a.stats.new_tokens
+        for name, e in arms.items():
+            b = e.generate(p, max_new_tokens=128, sampling=SamplingConfig(), eos_token_ids=eos)
+            x = res[name]
+            x["s"] += b.stats.total_s
+            x["tok"] += b.stats.new_tokens
+            x["cyc"] += b.stats.cycles
+            x["same"] += a.token_ids == b.token_ids
+            x["drafted"] += b.stats.drafted_tokens
+    base = res["plain"]["tok"] / res["plain"]["s"]
+    line = [f"round {r}: plain {base:.1f} tok/s"]
+    for name in arms:
+        x = res[name]
+        line.append(f"{name} {x['tok'] / x['s']:.1f} ({x['tok'] / x['s'] / base:.2f}x, tau {x['tok'] / x['cyc']:.2f}, "
+                    f"drafting {pieces[(name, 'draft_chain_until')] / x['cyc'] * 1e3:.2f} ms, feed "
+                    f"{pieces[(name, 'feed')] / x['cyc'] * 1e3:.2f} ms, verify "
+                    f"{pieces[(name, 'verify')] / x['cyc'] * 1e3:.2f} ms a cycle, identical {x['same']})")
+    print(" | ".join(line), flush=True)
+out = {"results": res, "pieces_ms_per_cycle": {f"{a}.{n}": v / res[a]["cyc"] * 1e3 for (a, n), v in pieces.items()},
+       "rounds": rounds, "torch": torch.__version__}
+if len(sys.argv) > 2:
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f, indent=1)
