@@ -621,6 +621,45 @@ def test_prefix_drafter_attention_keeps_trees_and_output(models, drafters):
         drafter_attention_for("prefix", "cuda:0")
 
 
+def test_feeding_only_the_accepted_rows_keeps_the_drafter_state(models, drafters):
+    """`FastCore.feed_accepted_only` (on by default on a CPU, off elsewhere): feeding the drafter only the n_acc + 1
+    accepted rows gives the drafter's newest output, its committed cache rows and its next chain of feeding all
+    D + 1 (fp32, up to rounding), cycle after cycle. The chains are made to accept two of four tokens (the
+    target's own next two, then a wrong one), so that the two feeds differ in rows."""
+    model, d = models["llama"], drafters["llama"]
+    prompt = prompt_of(20, seed=45)
+    ref = hf_greedy(model, prompt, 40)
+    cores, outs = [], []
+    for trim in (False, True):
+        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d), depth=4, top_k=1,
+                        total_tokens=4)
+        assert core.feed_accepted_only  # a CPU
+        core.feed_accepted_only = trim
+        core.allocate(256)
+        logits, aux = core.prefill(prompt)
+        core.begin(prompt, aux, logits.argmax().view(1))
+        cores.append(core)
+        outs.append([int(logits.argmax())])
+    for _ in range(6):
+        drafted = []
+        for core, out in zip(cores, outs, strict=True):
+            core.draft()
+            drafted.append(core.tree_tokens.tolist())
+            nxt = ref[len(out) : len(out) + 3]
+            core.tree_tokens.copy_(torch.tensor([*nxt[:2], (nxt[2] + 1) % 300, nxt[2]]))
+            core.verify(greedy=True)
+            core.accept()
+            core.commit()
+            assert int(core.n_acc) == 2
+            out.extend(core.emitted[:3].tolist())
+        assert drafted[0] == drafted[1]
+        full, trimmed = cores
+        n = int(full.length)
+        assert int(trimmed.length) == n and outs[0] == outs[1] == ref[: len(outs[0])]
+        torch.testing.assert_close(trimmed.last_out, full.last_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(trimmed.drafter.k_cache[:, :n], full.drafter.k_cache[:, :n], rtol=1e-5, atol=1e-5)
+
+
 def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
     """`--drafter-attention auto` (the default of `FastOptions`, generate, eval, bench, profile_step): split on
     CUDA where Triton imports and the head size is one the kernels take (measured faster on an H200, session

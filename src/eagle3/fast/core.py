@@ -126,6 +126,9 @@ class FastCore(nn.Module):
         # drafted tokens are verified (`draft_chain_until`); None: every cycle drafts `depth` tokens. The host
         # reads each step's score, so only cycles that run eagerly take it (`FastOptions.chain_stop`: CPUs).
         self.chain_stop: float | None = None
+        # `feed` gives the drafter only the n_acc + 1 accepted rows, read on the host, instead of all D + 1: where
+        # cycles run eagerly on a CPU (the host read costs nothing there); fixed shapes everywhere else
+        self.feed_accepted_only = self.device.type == "cpu"
         self._valid_all = True  # tree_valid is all True (what `draft`'s trees assume)
 
     @property
@@ -414,12 +417,12 @@ class FastCore(nn.Module):
 
     def feed(self) -> None:
         """Feed the drafter the accepted rows (EAGLE-3), advance root and length. Fixed shapes feed all D+1 rows
-        (those after n_acc are padding, overwritten before any row reads them); eager drafting on a CPU, where
-        reading n_acc on the host costs nothing, feeds only the n_acc + 1 that count."""
+        (those after n_acc are padding, overwritten before any row reads them); with `feed_accepted_only` (eager
+        cycles on a CPU) only the n_acc + 1 that count."""
         length, keep, n_acc = self.length, self.keep, self.n_acc
         if self.drafter is not None:
             m = self.max_depth + 1
-            if self.device.type == "cpu" and not torch.compiler.is_compiling():
+            if self.feed_accepted_only and not torch.compiler.is_compiling():
                 m = int(n_acc) + 1
             dst = length + self.ar[:m]  # [m]
             hidden = self.drafter.combine(self.aux.index_select(0, keep[:m]))  # [m, H]

@@ -68,7 +68,7 @@ def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_h
 
     On this project's 2-core AMD EPYC (SmolLM2 bf16, the demo's chains; docs/results/session36_cpu/): SDPA over
     the whole cache took ~120 us a draft step and bf16 batched products over the slots in use sometimes over a
-    millisecond, where `prefix_attention` took 60-90 us; drafting a cycle went from 4.3 to 3.7 ms.
+    millisecond, where `prefix_attention` took 60-90 us; drafting a demo cycle went from 4.08 to 3.84-3.91 ms.
 
     On one H200 at SmolLM2's shape (docs/results/session34_h200/): split against matmul, drafting a 6,10,60
     tree 330 -> 286 us (140 -> 122 launches), the tree cycle 1,420 -> 1,368 us; all 80 MT-bench prompts, tree
