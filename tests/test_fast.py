@@ -538,6 +538,14 @@ def test_compiled_drafting_keeps_trees_and_output(models, drafters):
     assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
 
 
+def tree_core(model, d, use=None) -> FastCore:
+    """A depth-4, top-3, 12-node tree core whose drafter attends as `use(drafter)` sets (None: SDPA)."""
+    fd = FastDrafter(d)
+    if use is not None:
+        use(fd)
+    return FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, depth=4, top_k=3, total_tokens=12)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compiled):
     """`FastOptions(drafter_attention="matmul")`: the drafter attends by two batched products around a softmax
@@ -547,11 +555,7 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
     prompt = prompt_of(20, seed=41)
     runs = []
     for matmul in (False, True):
-        fd = FastDrafter(d)
-        if matmul:
-            fd.use_matmul_attention()
-        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, depth=4, top_k=3,
-                        total_tokens=12)
+        core = tree_core(model, d, FastDrafter.use_matmul_attention if matmul else None)
         if matmul and compiled:
             core.compile_drafting()
             core.ranked = True
@@ -590,15 +594,8 @@ def test_prefix_drafter_attention_keeps_trees_and_output(models, drafters):
     refuses it (the last slot is read on the host)."""
     model, d = models["llama"], drafters["llama"]
     prompt = prompt_of(20, seed=43)
-    runs = []
-    for prefix in (False, True):
-        fd = FastDrafter(d)
-        if prefix:
-            fd.use_prefix_attention()
-        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, depth=4, top_k=3,
-                        total_tokens=12)
-        runs.append(cycle_trees(core, prompt))
-    assert runs[0] == runs[1]
+    assert cycle_trees(tree_core(model, d), prompt) == cycle_trees(
+        tree_core(model, d, FastDrafter.use_prefix_attention), prompt)
     fd = FastDrafter(d)
     fd.allocate(64)
     g = torch.Generator().manual_seed(44)

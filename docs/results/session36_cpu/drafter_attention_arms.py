@@ -4,6 +4,10 @@ the accepted rows), each change alone too, on the demo's prompts and settings (S
 up to 6 stopping below 0.2, 128 tokens), arms interleaved over rounds, with the cycle's pieces timed.
 
     python drafter_attention_arms.py ROUNDS OUT.json [ARM,...]   # arms: sdpa+all prefix+all sdpa+accepted prefix+accepted
+
+An arm name ending in +int8 also multiplies the drafter's one-row products by int8 copies of its matrices (per-row
+scales, `torch._weight_int8pack_mm`): `int8_drafter_arms.json` is `prefix+all,prefix+all+int8` (named bf16 and
+int8 there) on commit bdc094b's code, before the feed was trimmed.
 """
 import collections
 import json
@@ -49,9 +53,30 @@ def feed_all(core):
     core.feed = feed
 
 
+def int8_products(fd):
+    """The drafter's one-row products by int8 copies of its matrices (per-row scales); others as before."""
+    packed = {}
+    for w in (fd.wqkv, fd.wo, fd.w13, fd.w2, fd.lm_head):
+        scale = w.float().abs().amax(1).clamp_min(1e-8) / 127
+        q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        packed[w.data_ptr()] = (q, scale.bfloat16())
+    linear = fd.linear
+
+    def int8_linear(x, w, b=None):
+        q = packed.get(w.data_ptr())
+        if q is None or x.shape[0] > 1:
+            return linear(x, w, b)
+        y = torch._weight_int8pack_mm(x, *q)
+        return y if b is None else y + b
+
+    fd.linear = int8_linear
+
+
 for a, e in arms.items():
-    if a.endswith("+all"):
+    if "+all" in a:
         feed_all(e.core)
+    if a.endswith("+int8"):
+        int8_products(e.core.drafter)
 pieces = collections.defaultdict(float)
 
 
