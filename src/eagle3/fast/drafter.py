@@ -103,15 +103,12 @@ def prefix_attention(
     eagerly (the last slot is read on the host). On a CPU the drafter's rows see a few hundred of the cache's
     slots, and bf16 batched products there were slow and uneven (`drafter_attention_for`).
     Returns [T, nh·hd] in q's dtype."""
-    nh, t, hd = q.shape
-    nkv = k_cache.shape[0]
-    g = nh // nkv
     n = int(slots.max()) + 1
-    qg = q.reshape(nkv, g * t, hd).float()  # row r·T + t: head kv·g + r, token t
-    scores = torch.bmm(qg, k_cache[:, :n].float().transpose(1, 2)) * scale  # [nkv, g·T, n]
-    scores = scores.masked_fill(~mask[:, :n].repeat(g, 1), float("-inf"))
-    o = torch.bmm(scores.softmax(dim=-1), v_cache[:, :n].float())  # [nkv, g·T, hd]
-    return o.reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd).to(q.dtype)
+    groups = q.shape[0] // k_cache.shape[0]
+    bias = attention_bias(mask[:, :n], groups, torch.float32)  # [1, 1, g·T, n]
+    o = grouped_attention(q.float(), k_cache[:, :n].float(), v_cache[:, :n].float(), bias, scale, stacked=True,
+                          exact=True)  # [T, nh·hd]: `rows_exact_attention`'s two products, here in fp32
+    return o.to(q.dtype)
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
