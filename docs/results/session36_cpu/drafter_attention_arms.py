@@ -10,7 +10,6 @@ scales, `torch._weight_int8pack_mm`): `int8_drafter_arms.json` is `prefix+all,pr
 int8 there) on commit bdc094b's code, before the feed was trimmed.
 """
 import collections
-import json
 import sys
 import time
 
@@ -23,6 +22,7 @@ from eagle3.fast import FastEngine, FastTarget
 from eagle3.fast.engine import FastOptions
 from eagle3.formats import load_drafter
 from eagle3.models import load_target
+from eagle3.record import run_record, write_json
 from eagle3.runtime import encode_prompt, eos_token_ids
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 4
@@ -124,8 +124,7 @@ for r in range(rounds):
                     f"{pieces[(name, 'feed')] / x['cyc'] * 1e3:.2f} ms, verify "
                     f"{pieces[(name, 'verify')] / x['cyc'] * 1e3:.2f} ms a cycle, identical {x['same']})")
     print(" | ".join(line), flush=True)
-out = {"results": res, "pieces_ms_per_cycle": {f"{a}.{n}": v / res[a]["cyc"] * 1e3 for (a, n), v in pieces.items()},
-       "rounds": rounds, "torch": torch.__version__}
-if len(sys.argv) > 2:
-    with open(sys.argv[2], "w") as f:
-        json.dump(out, f, indent=1)
+if len(sys.argv) > 2:  # the run record: git SHA, versions, device, argv (`eagle3.record.run_record`)
+    write_json(run_record("drafter_attention_arms", results=res, rounds=rounds,
+                          pieces_ms_per_cycle={f"{a}.{n}": v / res[a]["cyc"] * 1e3 for (a, n), v in pieces.items()}),
+               sys.argv[2])
