@@ -83,6 +83,36 @@ def test_bench_times_several_trees_against_one_plain_run(tmp_path, capsys):
                "--tree", "4,3,8", "4,3,8", "--out", str(tmp_path)])
 
 
+def test_bench_keeps_the_methods_measured_before_a_failure(tmp_path, monkeypatch):
+    """A run stopped part way (here the second method fails; on a device, a time limit) leaves the record of the
+    methods before it, marked incomplete; a finished run's record says complete."""
+    import eagle3.bench as bench_mod
+
+    real, made = bench_mod._engine_runner, []
+
+    def failing(*args, **kwargs):
+        made.append(1)
+        if len(made) > 1:
+            def run(ids):
+                raise RuntimeError("stopped")
+            return run
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_mod, "_engine_runner", failing)
+    argv = ["--target", "stories260k", "--drafter", "random", "--limit", "2", "--max-new-tokens", "8",
+            "--device", "cpu", "--methods", "plain,tree", "--tree", "4,3,8", "--out", str(tmp_path)]
+    with pytest.raises(RuntimeError, match="stopped"):
+        bench(argv)
+    rec = json.loads((tmp_path / "bench.json").read_text())
+    assert rec["complete"] is False and rec["bandwidth"] is None
+    assert [s["method"] for s in rec["summary"]] == ["plain"] and rec["methods"] == ["plain", "tree"]
+    assert rec["summary"][0]["tokens_per_s_median"] > 0 and len(rec["rows"]) == 2
+    monkeypatch.setattr(bench_mod, "_engine_runner", real)
+    assert bench(argv) == 0
+    rec = json.loads((tmp_path / "bench.json").read_text())
+    assert rec["complete"] is True and [s["method"] for s in rec["summary"]] == ["plain", "tree"]
+
+
 def test_overhead_tiny(tmp_path, capsys):
     assert bench(["--overhead", "--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "overhead.json").read_text())

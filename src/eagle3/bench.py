@@ -159,11 +159,14 @@ def run_bench(
     echo: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
     graph_prefill: bool | None = None,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it.
 
     Several tree shapes (`tree` a list) each get their own method, `tree-DEPTH,TOPK,TOTAL`, timed in the same run
-    against the same plain decoding: how to find the tree that pays best on a device.
+    against the same plain decoding: how to find the tree that pays best on a device. `on_progress` gets the
+    record of the methods done so far after each one (`complete` False, no bandwidth yet), so that a run stopped
+    part way, by a time limit say, keeps what it measured.
     """
     import transformers
 
@@ -231,9 +234,31 @@ def run_bench(
             return FastEngine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options, target=shared)
         return build_engine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options)
 
-    rows: list[dict] = []
     summary: list[dict] = []
     results: dict[str, list[dict]] = {}
+
+    def record(bandwidth: dict | None) -> dict:
+        """The run record of the methods done so far; `bandwidth` None while methods are still to run."""
+        ref_method = "plain" if "plain" in results else summary[0]["method"]
+        rows = _summarise(summary, results, prompts, ref_method)
+        return run_record(
+            "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=bool(getattr(tok, "chat_template", None)),
+            max_new_tokens=max_new_tokens, methods=[r[0] for r in runs], reference=ref_method,
+            spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
+                  "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
+            options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
+                     "pipeline": pipeline,
+                     "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
+                     "drafter_attention": drafter_attention_for(
+                         drafter_attention, dev, sdpa_heads, d.layers[0].self_attn.hd if d is not None else None),
+                     "target_attention": attention, "norms_folded": shared is not None and shared.folded,
+                     "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
+                     "warmup": warmup, "device": str(dev),
+                     "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                     "cache_slots": cache_len},
+            summary=summary, bandwidth=bandwidth, rows=rows, complete=bandwidth is not None,
+        )
+
     for m, kind, spec in runs:
         letter, label = METHODS[kind]
         if m != kind:
@@ -256,8 +281,25 @@ def run_bench(
                         "drafting_compiled": fast and engine.core.drafting_compiled})
         echo(f"({letter}) {label}: done ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
         del engine
+        if on_progress is not None:
+            on_progress(record(None))
 
-    ref_method = "plain" if "plain" in results else runs[0][0]
+    record(None)  # fills the summary, which the bandwidth's fraction of the floor reads
+    bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, _by_method(summary).get("plain"),
+                           copy_bandwidth)
+    return record(bandwidth)
+
+
+def _by_method(summary: list[dict]) -> dict[str, dict]:
+    return {s["method"]: s for s in summary}
+
+
+def _summarise(summary: list[dict], results: dict[str, list[dict]], prompts: list[list[int]],
+               ref_method: str) -> list[dict]:
+    """Fills each method's entry in `summary` from its per-prompt results (medians, aggregate, tau, identity with
+    `ref_method`, speedups) and returns the per-prompt rows. Idempotent: a partial run's record is rebuilt after
+    every method."""
+    rows: list[dict] = []
     ref = results[ref_method]
     for s in summary:
         res = results[s["method"]]
@@ -279,30 +321,12 @@ def run_bench(
         )
         decode = [(len(r["ids"]) - 1) / r["decode_s"] for r in res if r["decode_s"] and len(r["ids"]) > 1]
         s["decode_tokens_per_s_median"] = round(statistics.median(decode), 3) if decode else None
-    by = {s["method"]: s for s in summary}
+    by = _by_method(summary)
     for s in summary:
         for base in ("plain", "hf", "hf_static"):
             if base in by:
                 s[f"speedup_vs_{base}"] = round(s["tokens_per_s_median"] / by[base]["tokens_per_s_median"], 3)
-
-    bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, by.get("plain"), copy_bandwidth)
-    return run_record(
-        "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=bool(getattr(tok, "chat_template", None)),
-        max_new_tokens=max_new_tokens, methods=[r[0] for r in runs], reference=ref_method,
-        spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
-              "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
-        options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
-                 "pipeline": pipeline,
-                 "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
-                 "drafter_attention": drafter_attention_for(
-                     drafter_attention, dev, sdpa_heads, d.layers[0].self_attn.hd if d is not None else None),
-                 "target_attention": attention, "norms_folded": shared is not None and shared.folded,
-                 "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
-                 "warmup": warmup, "device": str(dev),
-                 "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                 "cache_slots": cache_len},
-        summary=summary, bandwidth=bandwidth, rows=rows,
-    )
+    return rows
 
 
 def _bandwidth(model, fast_target, prompts, max_new_tokens, dev, plain, copy_bandwidth) -> dict:
@@ -484,6 +508,9 @@ def cmd_bench(args) -> int:
     trees = [SpecConfig.parse_tree(t) for t in args.tree] if args.tree else [SpecConfig()]
     if len({t.tree_text for t in trees}) < len(trees):
         raise ConfigError(f"--tree {' '.join(args.tree)}: a shape is given twice")
+    def save(partial: dict) -> Path:  # after every method: a run stopped part way keeps them
+        return write_json(partial, out / "bench.json")
+
     record = run_bench(
         args.target, drafter=args.drafter, dataset=args.dataset, limit=args.limit,
         max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=trees,
@@ -491,9 +518,9 @@ def cmd_bench(args) -> int:
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
         compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
         drafter_attention=args.drafter_attention, target_attention=args.target_attention,
-        graph_prefill=AUTO_ON_OFF[args.graph_prefill],
+        graph_prefill=AUTO_ON_OFF[args.graph_prefill], on_progress=save,
     )
-    path = write_json(record, out / "bench.json")
+    path = save(record)
     png = plot_bench(record, out / "bench.png")
     print(format_table(record))
     print(f"record: {path}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
