@@ -281,10 +281,10 @@ def run_bench(
                         "drafting_compiled": fast and engine.core.drafting_compiled})
         echo(f"({letter}) {label}: done ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
         del engine
+        partial = record(None)  # also fills the summary, which the bandwidth's fraction of the floor reads
         if on_progress is not None:
-            on_progress(record(None))
+            on_progress(partial)
 
-    record(None)  # fills the summary, which the bandwidth's fraction of the floor reads
     bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, _by_method(summary).get("plain"),
                            copy_bandwidth)
     return record(bandwidth)
