@@ -62,6 +62,9 @@ def test_bench_methods_subset_and_no_drafter(tmp_path):
     assert rec["options"]["compile_drafting"] is False
     assert rec["options"]["graph_prefill"] is False  # --graph-prefill auto on a CPU: what ran
     assert rec["options"]["target_attention"] == "sdpa"  # --target-attention auto on a CPU
+    with pytest.raises(ConfigError, match="need --drafter"):  # only drafter methods, and no drafter
+        bench(["--target", "stories260k", "--limit", "1", "--device", "cpu", "--methods", "tree",
+               "--out", str(tmp_path / "none")])
 
 
 def test_bench_times_several_trees_against_one_plain_run(tmp_path, capsys):

@@ -198,6 +198,9 @@ def run_bench(
         if drafter is None:
             echo("no --drafter: skipping the EAGLE-3 methods (chain, tree); pass --drafter DIR or --drafter random")
             methods = [m for m in methods if m not in NEEDS_DRAFTER]
+            if not methods:
+                raise ConfigError("nothing to time: only EAGLE-3 methods (chain, tree) were asked for, and they need "
+                                  "--drafter DIR or --drafter random")
         else:
             d = drafter_for(model, None if drafter == "random" else drafter)
     reason = fast_support(model)
