@@ -1,6 +1,6 @@
 """Continuous-batching plain decoding (`eagle3.fast.batched.BatchedGenerator`, what `eagle3 regenerate --engine
 fast` runs): tokens per second with attention over spans that follow the rows in flight (the default), against
-attention over every row's whole cache (one span, as before spans existed), in the same run on the same device.
+attention over every row's whole cache (one span), in the same run on the same device.
 
 Answers the prompts of a bundled set or JSONL (chat template; `--repeat` times over, to fill many rows) with
 `--rows` rows, greedy, at most `--max-new-tokens` each, in a cache of `--max-prompt-tokens` + `--max-new-tokens`

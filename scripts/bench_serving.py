@@ -7,7 +7,7 @@ run record: git SHA, versions, device, argv, policy, per-level numbers) and `ben
 a table. Output tokens/s counts completion tokens over the level's wall time; TTFT is arrival to first
 content chunk; latency is arrival to the last chunk (p50 and p90 over requests).
 
-GPU (the issue's target; SmolLM2 + our drafter):
+GPU (SmolLM2 + a trained drafter):
     python scripts/bench_serving.py --target smollm2 --drafter runs/smollm2-drafter --out runs/bench-serving
 CPU smoke test (random drafter, seconds):
     python scripts/bench_serving.py --target stories260k --random-drafter --device cpu \\

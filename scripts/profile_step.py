@@ -156,8 +156,8 @@ def source_table(prof, cuda: bool, reps: int, n: int) -> list[dict]:
 
 def _stack_config(by_source: int) -> dict:
     """Profiler settings that keep Python frames: on CUDA builds of torch 2.11 `with_stack` alone recorded no
-    frames for operators (session 28, docs/results/session28_h200/stackprobe.log); the experimental config's
-    `verbose` brings them back. Empty where stacks are off or the config does not exist."""
+    frames for operators; the experimental config's `verbose` brings them back. Empty where stacks are off or
+    the config does not exist."""
     config = getattr(torch._C._profiler, "_ExperimentalConfig", None)
     return {"experimental_config": config(verbose=True)} if by_source and config is not None else {}
 

@@ -10,7 +10,7 @@
 #         ORACLE_TORCH="" bash scripts/setup_oracle_venv.sh   (let pip pick torch; a multi-GB CUDA build)
 #
 # By default torch is pinned to the CPU build (ORACLE_TORCH, default torch==2.13.0+cpu) when pip can find
-# it (this project's machines keep it in their pip find-links); the oracle runs on CPU only. If that build
+# it (e.g. through a pip find-links index); the oracle runs on CPU only. If that build
 # cannot be found, pip resolves torch as speculators asks (>=2.9,<=2.14.1), which is a CUDA build.
 set -euo pipefail
 

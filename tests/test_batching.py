@@ -605,8 +605,8 @@ def test_speed_gate_margin_and_affordable_probes():
 
 def test_lane_gate_probes_a_slower_mode_within_the_policys_share():
     """The fast lane's gate decides per request: after one speculative and one plain request it runs the faster
-    mode and probes the other no more often than `probe_share` of the time allows (before session 15 it probed
-    every 4 requests: a quarter of a one-client benchmark ran plain although speculation was 1.5-2x faster)."""
+    mode and probes the other no more often than `probe_share` of the time allows (a fixed probe every few
+    requests would run a large share of a one-client benchmark in the slower mode)."""
     from eagle3.serving.policy import SpecPolicy
 
     gate = SpecPolicy(probe_share=0.02).lane_gate()

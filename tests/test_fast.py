@@ -659,8 +659,8 @@ def test_feeding_only_the_accepted_rows_keeps_the_drafter_state(models, drafters
 
 def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
     """`--drafter-attention auto` (the default of `FastOptions`, generate, eval, bench, profile_step): split on
-    CUDA where Triton imports and the head size is one the kernels take (measured faster on an H200, session
-    34), else matmul (session 30); prefix on a CPU (session 36); sdpa wherever --sdpa-heads asks for SDPA heads;
+    CUDA where Triton imports and the head size is one the kernels take (faster on an H200), else matmul;
+    prefix on a CPU; sdpa wherever --sdpa-heads asks for SDPA heads;
     a named choice is kept on any device (split needs CUDA, prefix eager drafting off CUDA), and the engine and
     `settings()` say which one runs."""
     from eagle3.fast.split_attention import triton_available

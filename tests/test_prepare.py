@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError
+from eagle3.models import STORIES260K_DIR
 from eagle3.training import data as data_mod
 from eagle3.training.data import BadRow, ChatRenderer, iter_rows, normalize_conversation
 from eagle3.training.prepare import PreparedDataset, PrepareReport, prepare
@@ -32,7 +33,6 @@ from eagle3.training.vocab import (
     load_vocab_mapping,
 )
 
-STORIES_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "models" / "stories260k" / "hf"
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # SmolLM2-135M-Instruct's template (ChatML with a default system prompt), as stored in its GGUF.
@@ -107,9 +107,7 @@ def tiny_tok():
     """stories260k's tokenizer plus the special tokens the three templates use (add_bos_token stays on)."""
     from transformers import AutoTokenizer
 
-    if not STORIES_DIR.exists():
-        pytest.skip(f"stories260k tokenizer not found at {STORIES_DIR}")
-    tok = AutoTokenizer.from_pretrained(str(STORIES_DIR))
+    tok = AutoTokenizer.from_pretrained(str(STORIES260K_DIR))
     specials = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     tok.add_special_tokens({"additional_special_tokens": specials})
     tok.add_tokens(["<think>", "</think>"])  # added but not special, as in Qwen3

@@ -24,10 +24,9 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError
+from eagle3.models import STORIES260K_DIR
 from eagle3.training.regenerate import EndpointBackend, EndpointError, Generation, LocalBackend, regenerate
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-STORIES = DATA / "models" / "stories260k" / "hf"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -155,11 +154,9 @@ def test_input_formats_max_turns_and_skips(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not STORIES.is_dir():
-        pytest.skip(f"{STORIES} not found (shared test data)")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(STORIES)
+    tok = AutoTokenizer.from_pretrained(STORIES260K_DIR)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
     tok.pad_token = "<|im_end|>"  # as in SmolLM2: the pad id also occurs inside prompts

@@ -241,8 +241,8 @@ dist.destroy_process_group()
 '''
 
 
-# gloo's C++ side aborted a worker once in a full CI run (session 23: "terminate called without an active
-# exception", SIGABRT, no Python traceback; the same test passed alone 6 of 6 times): such a crash is run once more
+# gloo's C++ side can abort a worker ("terminate called without an active exception", SIGABRT, no Python
+# traceback) in a test that passes when run again: such a crash is run once more
 ABORTED = "terminate called without an active exception"
 
 
@@ -495,9 +495,8 @@ def test_training_lowers_the_loss(data_dir, tmp_path):
 
 
 def test_max_steps_decides_unless_epochs_is_given(data_dir, tmp_path, caplog):
-    """--max-steps alone runs that many steps over as many epochs as it needs (HF Trainer's rule: session 24's
-    continuation stopped after one epoch, 1,578 of its 2,767 steps); an explicit --epochs still caps it, with a
-    warning."""
+    """--max-steps alone runs that many steps over as many epochs as it needs (HF Trainer's rule; a run must not
+    stop after one epoch short of its steps); an explicit --epochs still caps it, with a warning."""
     one_epoch = train(base_cfg(data_dir, tmp_path / "e1", max_steps=None, save_every=0)).steps  # epochs=None: 1
     many = 2 * one_epoch + 1
     assert train(base_cfg(data_dir, tmp_path / "n", max_steps=many, save_every=0)).steps == many

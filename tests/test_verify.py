@@ -45,7 +45,7 @@ def reference_ancestors(parents: list[int]) -> torch.Tensor:
 
 
 def reference_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    """The sequential walk of the brief, for comparison with the vectorised implementation."""
+    """The plain sequential walk down the tree, for comparison with the vectorised implementation."""
     kids = tree.children()
     tokens = tree.tokens.tolist()
     node, path = 0, []

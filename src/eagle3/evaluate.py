@@ -12,6 +12,7 @@ coding, extraction, stem, humanities), tau per category: where a drafter is weak
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,11 +27,13 @@ BENCH_SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 
 
 def bench_path(name: str) -> Path:
-    return Path(str(resources.files("eagle3") / "assets" / "bench" / f"{name}.jsonl"))
+    """The bundled set `name` (one of BENCH_SETS), stored gzipped as `<name>.jsonl.gz`."""
+    return Path(str(resources.files("eagle3") / "assets" / "bench" / f"{name}.jsonl.gz"))
 
 
 def load_prompts(name_or_path: str, limit: int | None = None) -> tuple[str, list[list[dict]]]:
-    """(dataset name, list of chat message lists) from a bundled set name or a JSONL path."""
+    """(dataset name, list of chat message lists) from a bundled set name or a JSONL path (`.jsonl` or
+    gzipped `.jsonl.gz`)."""
     name, prompts, _ = load_prompt_rows(name_or_path, limit)
     return name, prompts
 
@@ -42,7 +45,8 @@ def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, 
         raise ConfigError(f"no benchmark set or file {name_or_path!r}; bundled sets: {', '.join(BENCH_SETS)}")
     out: list[list[dict]] = []
     categories: list[str | None] = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -69,7 +73,7 @@ def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, 
             categories.append(str(category) if category is not None else None)
             if limit and len(out) >= limit:
                 break
-    name = name_or_path if name_or_path in BENCH_SETS else path.stem
+    name = name_or_path if name_or_path in BENCH_SETS else Path(path.name.removesuffix(".gz")).stem
     return name, out, categories
 
 
