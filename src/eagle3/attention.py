@@ -4,9 +4,8 @@ With torch 2.11 on Hopper and Blackwell GPUs, `scaled_dot_product_attention` cal
 go to cuDNN first, and cuDNN builds an execution plan for every new shape (the fact and the switch are from
 modelscope/FunASR issue #3704 and pytorch/pytorch PR #155958). Our mask-carrying paths change shape all the
 time: the server's batch cache widens by one or more tokens every cycle, the generic engine's cache grows per
-cycle, and every training batch has its own padded length. Profiled on an H200 (`scripts/bench_scheduler.py`
-style, SmolLM2, plain batched decoding of 4 requests): 47 ms per cycle, 1.36 s of 2.93 s inside the 1,920 SDPA
-calls, i.e. 0.7 ms of host time per layer where the work is a few microseconds. Those paths run under
+cycle, and every training batch has its own padded length, so planning there costs far more host time than
+the attention itself. Those paths run under
 `varying_shape_attention`, which leaves cuDNN out; flash, memory-efficient and math kernels stay. On the
 static-cache fast path (`eagle3.fast`) only the prefill varies (one prompt length per request, one padded width
 per batched prefill) and runs under it; its decoding cycles have fixed shapes, captured once in CUDA graphs, and

@@ -1,6 +1,6 @@
 """`eagle3 bench`: one command, one device, one run: tokens/s and tau of eagle3 against HF baselines.
 
-Methods (letters as in the issue):
+Methods (with the letters the tables print):
 
     (a) hf         HF `generate`, default (dynamic cache, eager)
     (b) hf_static  HF `generate(cache_implementation="static")`: transformers compiles the decoding step itself
@@ -441,40 +441,44 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from eagle3.fast.overhead import SHAPES
 
     b = subparsers.add_parser("bench", help="tokens/s and tau of eagle3 vs HF generate, prompt lookup and the "
-                              "bandwidth floor; --overhead: per-cycle cost at the Llama-3.1-8B (or SmolLM2) shape")
-    b.add_argument("--target", default=None, help="the target model (required unless --overhead)")
-    b.add_argument("--drafter", default=None, help="drafter checkpoint directory, or 'random' (timing only)")
+                              "bandwidth floor; --overhead: per-cycle cost at the Llama-3.1-8B (or SmolLM2) shape",
+                              usage="%(prog)s --target MODEL [--drafter DIR] [options]\n"
+                                    "       %(prog)s --overhead [--shape SHAPE] [options]")
+    b.add_argument("--target", default=None, metavar="MODEL", help="the target model (required unless --overhead)")
+    b.add_argument("--drafter", default=None, metavar="DIR",
+                   help="drafter checkpoint directory, or 'random' (timing only)")
     b.add_argument("--dataset", default="mt_bench", help="bundled set name or JSONL file (default mt_bench)")
-    b.add_argument("--limit", type=int, default=None, help="first N prompts")
-    b.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    b.add_argument("--limit", type=int, default=None, metavar="N", help="first N prompts")
+    b.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N")
     b.add_argument("--methods", default="all",
                    help="comma list of hf,hf_static,hf_lookup,plain,ngram,chain,tree (or letters a-g); default all")
     b.add_argument("--chain", type=int, default=DEFAULT_CHAIN_LENGTH, metavar="K", help="EAGLE-3 chain length")
-    b.add_argument("--tree", nargs="+", default=None, metavar="DEPTH,TOPK,TOTAL",
-                   help="EAGLE-3 tree (default 6,10,60); several shapes are each timed in the same run, "
+    b.add_argument("--tree", nargs="+", default=None, metavar="D,K,N",
+                   help="EAGLE-3 tree DEPTH,TOPK,TOTAL (default 6,10,60); several shapes are each timed "
                         "against the same plain decoding")
-    b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, help="n-gram draft length (e)")
+    b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, metavar="N", help="n-gram draft length (e)")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     b.add_argument("--dtype", default="auto")
-    b.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
-    b.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
-    b.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                   help="fast path: " + FUSE_POINTWISE_HELP)
-    b.add_argument("--sdpa-heads", action="store_true", help="fast path: " + SDPA_HEADS_HELP)
-    b.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
-                   help=DRAFTER_ATTENTION_HELP)
-    b.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
-    b.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
-    b.add_argument("--eager-drafting", action="store_true", help="fast path: " + EAGER_DRAFTING_HELP)
-    b.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help="fast path: " + GRAPH_PREFILL_HELP)
-    b.add_argument("--warmup", type=int, default=1, help="warm-up runs per method on the longest prompt")
-    b.add_argument("--out", default="bench-out", help="folder for bench.json / bench.png (overhead.json)")
-    b.add_argument("--overhead", action="store_true", help="per-cycle cost with random weights (--shape)")
-    b.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES),
-                   help="--overhead: the random model's shape (default llama-3.1-8b)")
-    b.add_argument("--tiny", action="store_true", help="--overhead on a tiny random Llama (CPU tests)")
-    b.add_argument("--context", type=int, default=None, help="--overhead: cached context length (default 512)")
-    b.add_argument("--reps", type=int, default=None, help="--overhead: replays per timing (default 20)")
+    b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up runs per method on the longest prompt")
+    b.add_argument("--out", default="bench-out", metavar="DIR", help="folder for bench.json / bench.png (overhead.json)")
+    fp = b.add_argument_group("fast path")
+    fp.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
+    fp.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
+    fp.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
+                    help=FUSE_POINTWISE_HELP)
+    fp.add_argument("--sdpa-heads", action="store_true", help=SDPA_HEADS_HELP)
+    fp.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto", help=DRAFTER_ATTENTION_HELP)
+    fp.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
+    fp.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
+    fp.add_argument("--eager-drafting", action="store_true", help=EAGER_DRAFTING_HELP)
+    fp.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help=GRAPH_PREFILL_HELP)
+    ov = b.add_argument_group("--overhead")
+    ov.add_argument("--overhead", action="store_true", help="per-cycle cost with random weights (--shape)")
+    ov.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), metavar="SHAPE",
+                    help=f"the random model's shape: {', '.join(sorted(SHAPES))} (default llama-3.1-8b)")
+    ov.add_argument("--tiny", action="store_true", help="a tiny random Llama instead (CPU tests)")
+    ov.add_argument("--context", type=int, default=None, metavar="N", help="cached context length (default 512)")
+    ov.add_argument("--reps", type=int, default=None, metavar="N", help="replays per timing (default 20)")
     b.set_defaults(func=cmd_bench)
     return b
 
@@ -526,5 +530,5 @@ def cmd_bench(args) -> int:
     path = save(record)
     png = plot_bench(record, out / "bench.png")
     print(format_table(record))
-    print(f"record: {path}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+    print(f"record: {path}" + (f", chart: {png}" if png else " (pip install 'eagle3[bench]' for a chart)"))
     return 0

@@ -34,9 +34,9 @@ from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.evaluate import RunResult, load_prompts, method_name
 
-# below this the drafter is (nearly) never right: a misconfiguration, not a weak drafter. The bundled SmolLM2
-# drafter gives 1.76 at the default settings (chain 2); with vLLM's norm_before_residual default the v4 drafter
-# gave 1.02 and v5 1.13-1.15 (first position 0.11-0.12, docs/vllm-sglang.md).
+# below this the drafter is (nearly) never right: a misconfiguration, not a weak drafter. A working drafter is
+# well above it, a misconfigured one (e.g. loaded with the wrong norm_before_residual) barely above 1
+# (docs/vllm-sglang.md).
 MIN_TAU = 1.2
 PROFILE_TOLERANCE = 0.8  # a measured tau below this share of the profile's fails
 # what must match for a tau to be compared with the profile's (the prompts by content, not by file name)

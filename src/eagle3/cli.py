@@ -26,6 +26,7 @@ from eagle3.config import (
     ConfigError,
     SamplingConfig,
     SpecConfig,
+    help_formatter,
 )
 
 ENGINE_CHOICES = ("auto", "fast", "generic")
@@ -67,8 +68,8 @@ def layer_ids(text: str) -> list[int]:
 
 
 def _add_target(p) -> None:
-    p.add_argument("--target", required=True,
-                   help="local HF directory, hub id, .gguf file, or a bundled name (smollm2, stories260k)")
+    p.add_argument("--target", required=True, metavar="MODEL",
+                   help="local HF folder, hub id, .gguf file, or bundled name (smollm2, stories260k)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
 
@@ -278,7 +279,7 @@ def cmd_eval(args) -> int:
                         engine=settings() if settings is not None else {"engine": "generic"}, runs=runs)
     write_json(report, out / "eval.json")
     png = plot_report(report, out / "eval.png")
-    print(f"report: {out / 'eval.json'}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+    print(f"report: {out / 'eval.json'}" + (f", chart: {png}" if png else " (pip install 'eagle3[bench]' for a chart)"))
     return 0
 
 
@@ -302,33 +303,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text, with or without speculation")
+    g = sub.add_parser("generate", help="generate text, with or without speculation",
+                       usage="%(prog)s --target MODEL (--prompt TEXT | --chat TEXT) [--drafter DIR] [options]")
     _add_target(g)
-    g.add_argument("--drafter", default=None, help="drafter checkpoint directory (speculators or EAGLE format)")
+    g.add_argument("--drafter", default=None, metavar="DIR", help="drafter checkpoint directory (speculators or EAGLE format)")
     g.add_argument("--draft", choices=("eagle3", "ngram", "model", "none"), default=None,
                    help="draft method (default: eagle3 with --drafter, model with --draft-model, else none)")
-    g.add_argument("--draft-model", default=None,
+    g.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a small causal LM with the target's tokenizer as drafter (the target itself: always right)")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="raw text prompt (BOS added)")
-    src.add_argument("--chat", help="a user message, rendered with the target's chat template")
+    src.add_argument("--prompt", metavar="TEXT", help="raw text prompt (BOS added)")
+    src.add_argument("--chat", metavar="TEXT", help="a user message, rendered with the target's chat template")
     _add_decoding(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     g.add_argument("--fast", action="store_true", help="same as --engine fast")
-    g.add_argument("--no-graphs", action="store_true", help="fast engine: no CUDA graphs")
-    g.add_argument("--compile", action="store_true", help="fast engine: torch.compile the captured steps")
-    g.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                   help="fast engine: " + FUSE_POINTWISE_HELP)
-    g.add_argument("--sdpa-heads", action="store_true", help="fast engine: " + SDPA_HEADS_HELP)
-    g.add_argument("--eager-drafting", action="store_true", help="fast engine: " + EAGER_DRAFTING_HELP)
-    g.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto",
-                   help="fast engine: " + GRAPH_PREFILL_HELP)
-    g.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
-                   help=DRAFTER_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1))
-    g.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
-                   help=TARGET_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1))
+    fe = g.add_argument_group("fast engine")
+    fe.add_argument("--no-graphs", action="store_true", help="no CUDA graphs")
+    fe.add_argument("--compile", action="store_true", help="torch.compile the captured steps")
+    fe.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
+                    help=FUSE_POINTWISE_HELP)
+    fe.add_argument("--sdpa-heads", action="store_true", help=SDPA_HEADS_HELP)
+    fe.add_argument("--eager-drafting", action="store_true", help=EAGER_DRAFTING_HELP)
+    fe.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help=GRAPH_PREFILL_HELP)
+    fe.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto", help=DRAFTER_ATTENTION_HELP)
+    fe.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
@@ -357,9 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="use this drafter's draft vocabulary (to continue training it with `train --init`)")
     pr.add_argument("--system-prompt", default=None, help="added to conversations that have none")
     pr.add_argument("--workers", type=int, default=1,
-                    help="render in this many spawned processes (1: one process, whose tokenizer already uses all "
-                         "cores; on H200 hosts 12 workers took 155-175 s for 27 M tokens, mostly before their first "
-                         "result, and one process 45 s for 34 M)")
+                    help="render in this many spawned processes (default 1: one process, whose tokenizer already "
+                         "uses all cores)")
     pr.add_argument("--max-rows", type=int, default=None)
     pr.set_defaults(func=cmd_prepare)
 
@@ -405,94 +404,87 @@ def build_parser() -> argparse.ArgumentParser:
     # one set of defaults: the train flags read TrainConfig's
     from eagle3.training.trainer import TrainConfig as tc
 
-    t = sub.add_parser("train", help="train a drafter with training-time test (TTT); torchrun for several processes")
+    t = sub.add_parser("train", help="train a drafter with training-time test (TTT); torchrun for several processes",
+                       usage="%(prog)s --target MODEL --data DIR --out DIR [options]")
     _add_target(t)
-    t.add_argument("--data", required=True, help="a folder written by eagle3 prepare")
-    t.add_argument("--out", required=True)
-    t.add_argument("--init", default=None, help="continue from this drafter checkpoint")
-    t.add_argument("--intermediate-size", type=int, default=None,
+    t.add_argument("--data", required=True, metavar="DIR", help="a folder written by eagle3 prepare")
+    t.add_argument("--out", required=True, metavar="DIR")
+    t.add_argument("--init", default=None, metavar="DRAFTER", help="continue from this drafter checkpoint")
+    t.add_argument("--intermediate-size", type=int, default=None, metavar="N",
                    help="MLP width of a fresh drafter (default: the target's); with --init it must match")
     t.add_argument("--aux-layers", type=layer_ids, default=None, metavar="LOW,MID,HIGH",
-                   help="the three target layers whose input residual stream feeds a fresh drafter, in HF "
-                        "hidden_states / vLLM numbering (L = the last layer's output); default 2,L//2,L-3")
-    t.add_argument("--ttt-steps", type=int, default=tc.ttt_steps)
+                   help="target layers feeding a fresh drafter, in HF hidden_states / vLLM numbering "
+                        "(default 2,L//2,L-3 for L layers)")
+    t.add_argument("--ttt-steps", type=int, default=tc.ttt_steps, metavar="N")
     t.add_argument("--align-top-k", type=int, default=tc.align_top_k, metavar="K",
-                   help="score a TTT step's row only where every earlier step of that row had its next token among "
-                        "its K best draft tokens, as drafting needs to reach it (1: chains; the tree's top_k); "
-                        "0 (default) scores every row")
+                   help="score a TTT step's row only where every earlier step's next token was among its K best "
+                        "drafts (1: chains; a tree's top_k); 0 (default) scores every row")
     t.add_argument("--label-temperature", type=float, default=tc.label_temperature, metavar="T",
-                   help="soft labels softmax(target logits / T): 1 (default) the target's distribution as EAGLE-3 "
-                        "trains; below 1 sharper, towards the greedy choice; 0 the target's argmax as a hard label")
+                   help="soft labels softmax(target logits / T): 1 (default) as EAGLE-3 trains; below 1 sharper; "
+                        "0 the target's argmax as a hard label")
     t.add_argument("--step-decay", type=float, default=tc.step_decay, metavar="G",
-                   help="TTT step k's loss weighs G^k (default 0.8, EAGLE-3's); 1 weighs every step alike, so the "
-                        "deep draft positions a tree reaches count as much as the first")
+                   help="TTT step k's loss weighs G^k (default 0.8, EAGLE-3's); 1 weighs every step alike")
     t.add_argument("--lr", type=float, default=tc.lr)
-    t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio)
+    t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio, metavar="R")
     t.add_argument("--epochs", type=int, default=tc.epochs,
-                   help="epochs (default: 1, or as many as --max-steps needs; with --time-budget: the most it may run)")
-    t.add_argument("--max-steps", type=int, default=None)
-    t.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps (resume later)")
+                   help="epochs (default: 1, or as many as --max-steps needs; with --time-budget: the most)")
+    t.add_argument("--max-steps", type=int, default=None, metavar="N")
+    t.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop this run after N steps (resume later)")
     t.add_argument("--time-budget", type=duration_seconds, default=None, metavar="DURATION",
-                   help="train for about this long (1200, 90s, 20m, 1.5h; loading not counted): the step count "
-                        "is set from the speed of the first steps, at most what --epochs/--max-steps allow")
-    t.add_argument("--batch-size", type=int, default=None, help="rows per optimizer step (global)")
-    t.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per optimizer step (global)")
-    t.add_argument("--grad-accum", type=int, default=tc.grad_accum)
-    t.add_argument("--max-length", type=int, default=tc.max_length)
+                   help="train for about this long (1200, 90s, 20m, 1.5h; loading not counted), the step count "
+                        "set from the first steps' speed")
+    t.add_argument("--batch-size", type=int, default=None, metavar="ROWS", help="rows per optimizer step (global)")
+    t.add_argument("--batch-tokens", type=int, default=None, metavar="N",
+                   help="padded tokens per optimizer step (global)")
+    t.add_argument("--grad-accum", type=int, default=tc.grad_accum, metavar="N")
+    t.add_argument("--max-length", type=int, default=tc.max_length, metavar="N")
     t.add_argument("--packing", action="store_true")
     t.add_argument("--sort-window", type=int, default=tc.sort_window, metavar="ROWS",
-                   help="rows sorted by length together before batches are cut: wider pads less (default "
-                        f"{tc.sort_window}; checkpoints from before this option used 1024: pass that to "
-                        "--resume them)")
+                   help=f"rows sorted by length together before batches are cut: wider pads less (default "
+                        f"{tc.sort_window}; --resume needs the value the run started with)")
     t.add_argument("--seed", type=int, default=tc.seed)
-    t.add_argument("--save-every", type=int, default=tc.save_every)
-    t.add_argument("--log-every", type=int, default=tc.log_every)
+    t.add_argument("--save-every", type=int, default=tc.save_every, metavar="STEPS")
+    t.add_argument("--log-every", type=int, default=tc.log_every, metavar="STEPS")
     t.add_argument("--features", choices=("online", "offline"), default=tc.features)
-    t.add_argument("--feature-cache", default=None)
+    t.add_argument("--feature-cache", default=None, metavar="DIR")
     t.add_argument("--shard-target", action="store_true",
-                   help="under torchrun, shard the frozen target's weights over the processes (FSDP) for a target "
-                        "that does not fit one device; online features only")
+                   help="under torchrun, shard the frozen target over the processes (FSDP), for a target that does "
+                        "not fit one device; online features only")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--eager", action="store_true",
                    help="do not compile (default on CUDA: the target's layers and the drafter's norms and MLP are "
-                        "inductor-compiled, about 1.3x faster steps after a few seconds of compiling)")
+                        "inductor-compiled)")
     t.add_argument("--noise", type=float, default=tc.noise)
     t.add_argument("--tensorboard", action="store_true")
-    t.add_argument("--val-fraction", type=float, default=tc.val_fraction,
-                   help="hold out this share of the samples (e.g. 0.01) and write their loss and accuracy at every "
-                        "checkpoint to val_log.jsonl, to see whether more training still generalises")
+    t.add_argument("--val-fraction", type=float, default=tc.val_fraction, metavar="F",
+                   help="hold out this share of the samples (e.g. 0.01); their loss and accuracy go to "
+                        "val_log.jsonl at every checkpoint")
     t.set_defaults(func=cmd_train)
 
-    ev = sub.add_parser("eval", help="acceptance (tau, per position) on benchmark prompts; JSON report and chart")
+    ev = sub.add_parser("eval", help="acceptance (tau, per position) on benchmark prompts; JSON report and chart",
+                        usage="%(prog)s --target MODEL [--drafter DIR] --out DIR [options]")
     _add_target(ev)
-    ev.add_argument("--drafter", default=None)
+    ev.add_argument("--drafter", default=None, metavar="DIR")
     ev.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None)
-    ev.add_argument("--datasets", nargs="+", default=None,
+    ev.add_argument("--datasets", nargs="+", default=None, metavar="SET",
                     help="bundled sets (mt_bench humaneval gsm8k alpaca sum qa) or JSONL files; default all six")
     ev.add_argument("--limit", type=int, default=None, help="prompts per dataset")
-    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
-    ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T")
+    ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N")
     ev.add_argument("--seed", type=int, default=0)
     shape = ev.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
     shape.add_argument("--chain", type=int, default=None, metavar="K")
-    ev.add_argument("--out", required=True, help="folder for eval.json and eval.png")
+    ev.add_argument("--out", required=True, metavar="DIR", help="folder for eval.json and eval.png")
     ev.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     ev.add_argument("--fast", action="store_true", help="same as --engine fast")
-    ev.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto",
-                    help="fast engine: " + GRAPH_PREFILL_HELP + " (the first token can then differ from an eager "
-                    "prefill's after a near-tie, so compare taus measured the same way)")
-    ev.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                    help="fast engine: " + FUSE_POINTWISE_HELP + " (any level changes a few bf16 roundings and so "
-                    "can change answers after a near-tie: compare taus measured the same way)")
-    ev.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
-                    help=DRAFTER_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1) + " (matmul "
-                    "rounds the drafter otherwise than sdpa, so a near-tie in its proposals can change tau a "
-                    "little: compare taus measured the same way)")
-    ev.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto",
-                    help=TARGET_ATTENTION_HELP.replace("fast path: ", "fast engine: ", 1) + " (each choice rounds "
-                    "bf16 a little otherwise, so a near-tie can change an answer: compare taus measured the "
-                    "same way)")
+    fe = ev.add_argument_group("fast engine", "each of these rounds bf16 a little otherwise, so a near-tie can "
+                               "change an answer: compare taus measured with the same settings")
+    fe.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help=GRAPH_PREFILL_HELP)
+    fe.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
+                    help=FUSE_POINTWISE_HELP)
+    fe.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto", help=DRAFTER_ATTENTION_HELP)
+    fe.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "
@@ -522,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = help_formatter
     return p
 
 

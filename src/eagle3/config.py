@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,52 +29,33 @@ DEFAULT_NGRAM_MIN = 1
 # `eagle3.fast.target.Pointwise`): the levels that compile something, then the two that choose.
 FUSE_POINTWISE_LEVELS = ("elementwise", "all")  # their pieces: `eagle3.fast.target.FUSE_LEVELS`
 FUSE_POINTWISE_CHOICES = ("auto", "off", *FUSE_POINTWISE_LEVELS)
-FUSE_POINTWISE_HELP = ("compile the target's elementwise work with inductor: elementwise = RoPE (with the heads-first "
-                       "copy) and SwiGLU, whose rounding does not depend on how many tokens a forward runs, so bf16 "
-                       "chains stay identical to plain decoding (H200, SmolLM2, 80 MT-bench prompts: 80/80; plain "
-                       "+12 %%, tree +15 %% tok/s; 8-20 s more warm-up for the compiling); all (the flag alone) = "
-                       "also the norms and residual adds, which loses that identity; auto (default) = elementwise "
-                       "on CUDA, off on a CPU, where compiled pieces outside CUDA graphs cost more than they save; "
-                       "matrix products and attention stay with the vendor libraries")
+FUSE_POINTWISE_HELP = ("elementwise: compile RoPE, SwiGLU (bf16 chains stay identical to plain decoding); "
+                       "all (the flag alone): also norms, residual adds; auto: elementwise on CUDA")
 # One flag `--drafter-attention [auto|sdpa|matmul|split|prefix]` (generate, eval, bench, scripts/profile_step.py;
 # `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`).
 DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split", "prefix")
-DRAFTER_ATTENTION_HELP = ("fast path: how the drafter attends: split = the target's split-KV Triton kernels "
-                          "inside compiled drafting (H200, SmolLM2, 80 MT-bench prompts: tree 6,10,60 2,971 -> "
-                          "3,032 tok/s against matmul); matmul = two batched products around an fp32 softmax, "
-                          "which compiled drafting fuses with the mask; sdpa = scaled_dot_product_attention "
-                          "(cuDNN on CUDA); prefix = fp32 products over the cache slots in use, for eager "
-                          "drafting on a CPU; auto (default) = split on CUDA where Triton and the head size allow "
-                          "(else matmul), prefix on a CPU. The drafter's rounding changes only what it proposes, "
-                          "never the output")
+DRAFTER_ATTENTION_HELP = ("how the drafter attends; auto: split (split-KV Triton kernels) on CUDA where the head "
+                          "size allows, else matmul; prefix on a CPU (never changes the output)")
 # One flag `--target-attention [auto|sdpa|split|matmul]` (generate, eval, bench, scripts/profile_step.py;
 # `FastOptions.target_attention`, resolved by `eagle3.fast.target.target_attention_for`).
 TARGET_ATTENTION = ("auto", "sdpa", "split", "matmul")
-TARGET_ATTENTION_HELP = ("fast path: how the target attends in decoding steps and verifications (prefills and "
-                         "--compile keep SDPA): split = Triton kernels that split the cached slots over programs "
-                         "(flash-decoding) and write the output in the projection's layout, each row's rounding "
-                         "independent of the rows beside it, so bf16 chains stay identical to plain decoding (H200, "
-                         "SmolLM2, 80 MT-bench prompts: plain 673 -> 880 tok/s, tree 6,10,60 1,946 -> 2,468); "
-                         "with it RoPE and the KV-cache write run as one Triton kernel per layer and the RMSNorms "
-                         "as a row-wise Triton kernel (plain 978 tok/s, tree 2,762, session 33); "
-                         "sdpa = scaled_dot_product_attention (cuDNN on CUDA) with torch's norms; matmul = two "
-                         "batched products around an fp32 softmax (an experiment); auto (default) = split on CUDA "
-                         "where Triton is installed, sdpa elsewhere")
+TARGET_ATTENTION_HELP = ("how the target attends when decoding; auto: split (flash-decoding Triton kernels, bf16 "
+                         "chains stay identical to plain decoding) on CUDA with Triton, else sdpa")
 
-# One help text for `--sdpa-heads` (generate, bench): `eagle3.fast.target.stack_query_heads`.
-SDPA_HEADS_HELP = ("attend with the query heads as SDPA heads (enable_gqa) instead of stacked per KV head: faster plain "
-                   "decoding on CUDA (+18 %% on SmolLM2, H200), but bf16 chains then round differently from plain "
-                   "decoding")
+# One help text for `--sdpa-heads` (generate, bench, serve): `eagle3.fast.target.stack_query_heads`.
+SDPA_HEADS_HELP = ("query heads as SDPA heads (enable_gqa): faster plain decoding on CUDA, but bf16 chains then "
+                   "round differently from plain decoding")
 # One help text for `--eager-drafting` (generate, bench, serve): `eagle3.fast.core.FastCore.compile_drafting`.
-EAGER_DRAFTING_HELP = ("do not inductor-compile the cycle's drafting and bookkeeping (compiled by default on CUDA; "
-                       "the target's forward is never compiled by it, so emitted tokens are the same either way)")
+EAGER_DRAFTING_HELP = "do not inductor-compile the cycle's drafting (same tokens either way)"
 
 # One help text for `--graph-prefill` (generate, eval, bench, serve, scripts/bench_serving.py):
 # `eagle3.fast.engine.FastOptions.graph_prefill`.
-GRAPH_PREFILL_HELP = ("prefill each prompt padded to a power of two (at least 16 tokens), one CUDA graph per width "
-                      "captured at start-up, instead of launching an eager prefill's kernels one by one before the "
-                      "first token (H200, SmolLM2, one client: first token 6 ms instead of 15-23 ms). auto: on for "
-                      "CUDA, off on a CPU, where the padding costs compute and there are no launches to save")
+GRAPH_PREFILL_HELP = "prefill via CUDA graphs (prompts padded to powers of two); auto: on for CUDA"
+
+
+def help_formatter(prog: str) -> argparse.HelpFormatter:
+    """The `eagle3 <command> --help` layout: a flag of up to 26 characters keeps its help on its own line."""
+    return argparse.HelpFormatter(prog, max_help_position=30)
 
 
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as an optional bool (None: auto)
@@ -90,6 +72,18 @@ def on_for_device(choice: str, device) -> bool:
 
 class ConfigError(ValueError):
     """A configuration is invalid or does not fit its target; the message says which field and what to do."""
+
+
+def require_extra(extra: str, modules: tuple[str, ...], what: str) -> None:
+    """Raise a `ConfigError` that names the pip extra to install when one of `modules` (an optional
+    dependency of `what`, e.g. "eagle3 serve") cannot be imported."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise ConfigError(f"{what} needs the {extra} extra: pip install 'eagle3[{extra}]'") from None
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -173,7 +167,7 @@ class DrafterConfig:
         if self.num_hidden_layers != 1:
             raise ConfigError(
                 f"num_hidden_layers={self.num_hidden_layers}: only 1-layer EAGLE-3 drafters are supported "
-                "(multi-layer weight names differ between vLLM and SGLang; see docs/formats.md)"
+                "(multi-layer weight names differ between vLLM and SGLang; see docs/vllm-sglang.md)"
             )
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act={self.hidden_act!r}: the EAGLE-3 drafter MLP is SwiGLU ('silu')")

@@ -23,23 +23,18 @@ from eagle3.record import run_record, write_json
 from eagle3.runtime import encode_prompt, eos_token_ids
 from eagle3.target import Target
 
-# In fp32 a CPU verifies more than 2 tokens at 1.6-2.2x the cost of one (its fp32 GEMMs are compute-bound for a
-# few rows where a GPU is bandwidth-bound). With the v2 drafter on 2 cores (`eagle3 demo --chain K / --tree
-# ...`): chain 1 1.28x, chain 2 1.28x, chain 3 0.98x, tree 3,2,4 1.03x (docs/benchmarks.md). So the CPU default
-# is a chain of 2 in fp32.
+# In fp32 a CPU verifies more than 2 tokens at well over the cost of one (its fp32 GEMMs are compute-bound for a
+# few rows where a GPU is bandwidth-bound), so longer chains and trees gain nothing there (docs/benchmarks.md):
+# the CPU default is a chain of 2 in fp32.
 CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
 # In bf16 a CPU with native bf16 verifies a few tokens for about the cost of one, and on the fast path a chain's
 # verification gives each row the bits of a one-token step: its rows see the same cache slots in the same order,
 # and on a CPU without AMX the fast path picks kernels whose rows do not depend on the row count
 # (`eagle3.fast.target.exact_rows`). So chains stay identical to bf16 plain decoding; trees do not reliably (a node's
-# ancestors sit at scattered slots: 2 of 20 random tree rows rounded differently from the same row in a chain). On
-# 2 cores, 3 MT-bench prompts x 128 tokens: with AMX (session 14) chain 3 1.64x, chain 4 1.57x, chain 5 1.52x bf16
-# plain; with AVX512-BF16 (AMD EPYC, session 20) chain 2 1.72x, chain 3 1.65-1.80x, chain 4 1.77x, chain 5 1.70x;
-# all identical (docs/benchmarks.md). Since session 35 the chain stops where the drafter is unsure
-# (`FastOptions.chain_stop`): at most 6 tokens, none after the chain's joint draft probability falls below 0.2,
-# and only the drafted tokens verified. On this project's 2-core AMD EPYC that drafted 3.15 tokens a cycle (the
-# fixed chain of 3: 3.00) at tau 2.48 (2.26), and eight alternating demo rounds each gave 1.74-1.93x (median 1.82x)
-# against 1.51-1.76x (median 1.68x) for the fixed chain of 3, all identical (docs/benchmarks.md, "CPU demo").
+# ancestors sit at scattered slots, so some tree rows round differently from the same row in a chain). The chain
+# stops where the drafter is unsure (`FastOptions.chain_stop`): at most 6 tokens, none after the chain's joint
+# draft probability falls below 0.2, and only the drafted tokens verified, which beats any fixed chain length
+# there (docs/benchmarks.md, "CPU demo").
 CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=6)
 CPU_BF16_CHAIN_STOP = 0.2
 DEMO_DTYPES = ("auto", "float32", "bfloat16")

@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter: fuse three target layers, run one Llama-style decoder layer, predict the next token.
 
-Forward pass for one row (docs: ../shared eagle3-reference §A.2; SafeAILab/EAGLE `eagle/model/cnets.py`):
+Forward pass for one row (SafeAILab/EAGLE `eagle/model/cnets.py`):
 
     h  = fc(cat[h_low, h_mid, h_high])                      # [T, 3Ht] -> [T, H]   (first draft step)
     h  = previous pre-norm drafter output                   # [T, H]               (later draft steps)

@@ -11,7 +11,7 @@ Attention reads only the first `span` slots of every row, the smallest of `span_
 from `min_span`, then S) that holds the furthest position any active row reaches in the next window: one
 captured graph per span. With the whole cache read at every step, the K/V bytes of a step grow with S however
 short the answers are: for SmolLM2 at 512 rows and S = 1,664 slots (`eagle3 regenerate --max-prompt-tokens
-1280 --max-new-tokens 384`) that is 19.6 GB a step, about 5 ms at an H200's bandwidth, however few slots the
+1280 --max-new-tokens 384`) that is 19.6 GB a step, milliseconds even at HBM bandwidth, however few slots the
 rows in flight have filled (prompts are served longest first, so the rows in flight have similar lengths).
 
 Greedy output equals plain greedy decoding of the same weights (tested against HF on CPU in fp32); sampling draws

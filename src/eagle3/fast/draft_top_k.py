@@ -2,10 +2,8 @@
 
 Each draft step of a tree takes, for each of its k frontier rows, the k best draft-vocabulary tokens and their
 log-probabilities. As PyTorch work (a log-softmax over [k, Vd] and `eagle3.fast.drafter.top_k_last`), compiled by
-inductor, that is about ten kernels per step, several of them reductions that run one program per row: on one H200
-at SmolLM2's shape 61 such kernels took 103 us of a 6,10,60 tree's 409 us of drafting
-(docs/results/session32_h200/b/profile/pieces.log); with these kernels drafting took 346 us
-(docs/results/session33_h200/). Log-probabilities are logits minus the row's log-sum-exp, so
+inductor, that is about ten kernels per step, several of them reductions that run one program per row, a
+large share of a tree's drafting time. Log-probabilities are logits minus the row's log-sum-exp, so
 the best k log-probabilities are the best k logits shifted, and two short kernels do it all:
 - `chunk_kernel`, one program per (row, chunk of the vocabulary): the chunk's maximum, its sum of exp(x - max),
   and its k best logits (k passes of max and lowest index among equals).

@@ -31,8 +31,7 @@ from eagle3.fast.target import (
 )
 
 # Two-stage top-k above this width: torch.topk over a few long rows runs one thread block per row; top-k within
-# chunks first spreads the work over many blocks (on an H200, [10, 8192] -> 10: 40.0 us against 29.0 us in two
-# stages, five times per 6,10,60 tree cycle; docs/results/session14_h200/topk.log).
+# chunks first spreads the work over many blocks.
 TOPK_CHUNK = 256
 # `ranked` top-k: candidates come from the k chunks of this width with the largest maxima.
 RANK_CHUNK = 64
@@ -40,17 +39,16 @@ RANK_CHUNK = 64
 
 def ranked_top_k(device: torch.device | str) -> bool:
     """Whether compiled drafting pieces (`FastCore.compile_drafting`) pick their top-k and rerank by ranking
-    (`top_k_last(..., ranked=True)`, `top_n_in_order(..., ranked=True)`): on CUDA, where each torch.topk costs ~10 us however small its input (a radix select in passes;
-    205 us of a SmolLM2 tree cycle's 497 us of drafting kernels, docs/results/session16_h200/) while inductor fuses
-    the ranking's comparisons and sums into a few short kernels (chain 5's drafting 291 -> 214 us, the 6,10,60
-    tree's 565 -> 529 us). Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more kernels, not
-    fewer."""
+    (`top_k_last(..., ranked=True)`, `top_n_in_order(..., ranked=True)`): on CUDA, where each torch.topk is a
+    radix select in several passes however small its input, while inductor fuses the ranking's comparisons and
+    sums into a few short kernels. Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more
+    kernels, not fewer."""
     return torch.device(device).type == "cuda"
 
 
 def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
     """`eagle3.fast.draft_top_k`'s op for drafting the top `k` with `drafter`, where it runs (CUDA with Triton, k
-    within the kernels' bounds), else None. One H200, SmolLM2's shape: see that module's docstring."""
+    within the kernels' bounds), else None."""
     if drafter is None or drafter.device.type != "cuda" or not triton_available():
         return None
     from eagle3.fast import draft_top_k
@@ -66,14 +64,10 @@ def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_h
     the kernels take (None: not known, taken as one), else matmul; prefix elsewhere, where drafting runs eagerly;
     sdpa with `sdpa_heads` (`--sdpa-heads`: the drafter's query heads as SDPA heads too).
 
-    On this project's 2-core AMD EPYC (SmolLM2 bf16, the demo's chains; docs/results/session36_cpu/): SDPA over
-    the whole cache took ~120 us a draft step and bf16 batched products over the slots in use sometimes over a
-    millisecond, where `prefix_attention` took 60-90 us; drafting a demo cycle went from 4.08 to 3.84-3.91 ms.
-
-    On one H200 at SmolLM2's shape (docs/results/session34_h200/): split against matmul, drafting a 6,10,60
-    tree 330 -> 286 us (140 -> 122 launches), the tree cycle 1,420 -> 1,368 us; all 80 MT-bench prompts, tree
-    6,10,60 2,971 -> 3,032 tok/s. Matmul had won against cuDNN's SDPA in session 30 (drafting 457 -> 404 us,
-    docs/results/session30_h200/), because compiled drafting fuses its mask and softmax between two GEMMs."""
+    On a CPU, eager drafting attends fastest over only the slots in use in fp32 (`prefix_attention`), rather
+    than SDPA over the whole cache or bf16 products. On CUDA, split launches fewer kernels than matmul, and matmul
+    beats cuDNN's SDPA because compiled drafting fuses its mask and softmax between two GEMMs
+    (docs/benchmarks.md)."""
     if choice is None or choice == "auto":
         if sdpa_heads:
             return "sdpa"
@@ -123,8 +117,8 @@ def _place(slot: torch.Tensor, n: int) -> torch.Tensor:
     """Indices [..., n]: out[..., slot[i]] = i for every slot[i] < n (each slot below n taken once; 0 where none).
 
     By comparisons ([..., n, R], summed) rather than a scatter: inductor leaves an int64 or bool scatter on CUDA
-    to a separate aten kernel (about 2.7 us, 25 of them in a SmolLM2 tree cycle on an H200,
-    docs/results/session27_h200/), while comparisons and sums fuse with the ranking around them."""
+    to a separate aten kernel (tens of them per tree cycle), while comparisons and sums fuse with the ranking
+    around them."""
     ar_r = torch.arange(slot.shape[-1], device=slot.device)
     ar_n = torch.arange(n, device=slot.device)
     return ((slot[..., None, :] == ar_n[:, None]) * ar_r).sum(dim=-1)  # [..., n]
@@ -176,8 +170,7 @@ def top_n_in_order(scores: torch.Tensor, n: int, ranked: bool = False) -> torch.
 
     With `ranked` (`ranked_top_k`) without sorting: the kept are those ranked below n (`_ranks`: R x R
     comparisons, 260k for a 6,10,60 tree's 510 records), each placed by the running count of kept ones before it.
-    Identical keeps (tests/test_fast.py); compiled on an H200, a SmolLM2 tree cycle took the same time either way
-    (2,932 against 2,934 us, docs/results/session16_h200/).
+    Identical keeps (tests/test_fast.py); compiled, it costs the same time as sorting.
     """
     if not ranked:
         order = torch.sort(-scores, dim=-1, stable=True).indices[..., :n]  # best first; parents before children
@@ -253,12 +246,11 @@ class FastDrafter(nn.Module):
 
     def use_matmul_attention(self) -> None:
         """Attend by two batched matrix products around an fp32 softmax (`rows_exact_attention`) instead of SDPA,
-        with the query heads stacked; call before capturing graphs. The default on CUDA (`FastOptions.
-        drafter_attention`, `drafter_attention_for`): on an H200 each of a tree cycle's six drafter forwards
-        spent about 16 us in cuDNN's attention and 2 us building its bias (docs/results/session29_h200/),
-        where compiled drafting fuses the bias and softmax into one kernel between two small GEMMs (the cycle
-        60 us shorter, session 30). The drafter's rounding only changes which tokens are proposed, never what
-        the target emits."""
+        with the query heads stacked; call before capturing graphs. The default on CUDA where the split kernels
+        do not apply (`FastOptions.drafter_attention`, `drafter_attention_for`): compiled drafting fuses the bias
+        and softmax into one kernel between two small GEMMs, where cuDNN's attention needs its own kernels and a
+        bias built apart. The drafter's rounding only changes which tokens are proposed, never what the target
+        emits."""
         self.stacked = True
         self.matmul_attention = True
 
@@ -340,8 +332,7 @@ class FastDrafter(nn.Module):
         u = torch.cat([rms_norm(emb, self.input_layernorm, self.eps), normed], dim=-1)  # [T, 2H]
         qkv = self.linear(u, self.wqkv, self.bqkv)  # [T, (nh + 2·nkv)·hd]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
-        # tokens first here: compiled drafting fuses the copies, and the heads-first copy made its tree cycle
-        # 14 us slower on one H200 (docs/results/session17_h200/cycle_exp4.log)
+        # tokens first here: compiled drafting fuses the copies, and a heads-first copy made its cycle slower
         q = apply_rope(qkv[:, : nh * hd].view(t, nh, hd), cos, sin).transpose(0, 1)  # [nh, T, hd]
         k = apply_rope(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd), cos, sin)
         v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)

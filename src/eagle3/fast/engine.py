@@ -56,18 +56,17 @@ class FastOptions:
     compile: bool = False  # inductor-compile the step functions before capture (slower start, fewer kernels)
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
     # compile only the target's elementwise work (`Pointwise`, `fuse_level`): "elementwise" (no norms: bf16
-    # rounding alike at every row count), "all" (True) or "off" (False); None or "auto": elementwise on CUDA
-    # (H200, session 29: plain +12 %, tree +15 %, chains 80/80), off on a CPU. A shared target stays as it is.
+    # rounding alike at every row count), "all" (True) or "off" (False); None or "auto": elementwise on CUDA,
+    # off on a CPU (`fuse_level`). A shared target stays as it is.
     fuse_pointwise: bool | str | None = None
     # compile the cycle's pieces that do not run the target (`FastCore.compile_drafting`; emitted tokens unchanged).
-    # None: on CUDA, where the compiled kernels are captured in the cycle's graph (a tree cycle went from 1.98 to
-    # 1.64 plain steps on an H200); not on a CPU, where compiling takes 10-20 s and the target dominates a cycle.
+    # None: on CUDA, where the compiled kernels are captured in the cycle's graph and shorten it; not on a CPU,
+    # where compiling takes seconds and the target dominates a cycle.
     compile_drafting: bool | None = None
     sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
     # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`),
     # "split" (`FastDrafter.use_split_attention`), "prefix" (`prefix_attention`) or None / "auto": split on CUDA
-    # where Triton and the head size allow, else matmul (H200, session 34: tree 6,10,60 2,971 -> 3,032 tok/s),
-    # prefix elsewhere (a CPU, session 36: drafting 4.1 -> 3.9 ms a demo cycle)
+    # where Triton and the head size allow, else matmul; prefix elsewhere
     drafter_attention: str | None = None
     # the target's attention in decoding forwards (`target_attention_for`): "split" (`eagle3.fast.split_attention`),
     # "sdpa", "matmul", or None / "auto": split on CUDA where Triton imports, sdpa elsewhere. A shared target
@@ -76,10 +75,8 @@ class FastOptions:
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
     # run each prompt's prefill (target, then drafter) padded to a power of two of at least PREFILL_MIN_WIDTH
     # tokens, a fixed-shape function captured per width like the cycles: an eager prefill launches every kernel
-    # from Python (about 550 for SmolLM2) while the request waits for its first token (H200, session 24: first
-    # token 6 ms instead of 15-23 ms in `eagle3 serve`). None: on CUDA (`graph_prefill_by_default`), as in the
-    # server since session 24 and in `eagle3 generate` / `bench` since session 27 (an eager prefill was about
-    # 24 ms of each 256-token MT-bench request's 195-500 ms there, docs/results/session27_h200/).
+    # from Python (hundreds of launches) while the request waits for its first token. None: on CUDA
+    # (`graph_prefill_by_default`), in the server, `eagle3 generate` and `bench` alike.
     graph_prefill: bool | None = None
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     # chains only, cycles that run eagerly (a CPU, or graphs off): stop drafting once the chain's joint draft

@@ -2,9 +2,8 @@
 
 After its fused q/k/v projection a layer of the fast target rotates q and k and writes the new K and V into the
 static cache at the forward's slots. As PyTorch work that is two kernels per layer, a compiled copy-and-rotate
-(`eagle3.fast.target.heads_first_rope`) and an index copy into the cache: on one H200 at SmolLM2's shape the
-index copies alone took 51 us of a 1,118 us plain step and 87 us of a 61-token tree's verification
-(docs/results/session32_h200/b/profile/pieces.log). Here one program per (token, head) reads its head's slice of
+(`eagle3.fast.target.heads_first_rope`) and an index copy into the cache, each a launch per layer on the
+decoding path. Here one program per (token, head) reads its head's slice of
 the projections, rotates it when it is a q or k head, and stores it where attention reads it: q heads first
 `[nh, T, hd]` (the stacked layout `eagle3.fast.split_attention` takes), K and V straight into the layer's cache
 `[2·n_kv, S, hd]` at the token's slot.
@@ -13,11 +12,9 @@ The rotation is `eagle3.fast.target.apply_rope_heads` (rotate-half layout with t
 x·cos + roll(x, hd/2)·signed_sin, computed in fp32 and rounded once, as inductor's compiled piece does. Qwen3's
 RMSNorm over each q and k head comes first (fp32, one rounding, as `F.rms_norm`). Each token is rotated on its
 own, so a row's values do not depend on the rows beside it (bf16 chains stay identical to plain decoding).
-Where the layer's input norm is folded into its q/k/v matrix (`eagle3.fast.norm_fold`, the default on CUDA since
-session 35), each program first computes its token's rsqrt(mean(h²) + eps) from the residual row (`rms`) and
-scales its head by it, in fp32, so the norm needs no kernel of its own.
-On one H200 the kernel took 62 us off a SmolLM2 plain step and 111 us off a 6,10,60 tree cycle
-(docs/results/session33_h200/).
+Where the layer's input norm is folded into its q/k/v matrix (`eagle3.fast.norm_fold`, the default on CUDA),
+each program first computes its token's rsqrt(mean(h²) + eps) from the residual row (`rms`) and scales its head
+by it, in fp32, so the norm needs no kernel of its own.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Greedy token ids as two Triton kernels, for CUDA: the argmax of each row of the target's logits
 (`eagle3.fast.core.FastCore.verify` where the target attends by splits, `FastTarget.argmax`).
 
-torch's argmax reduces one row in one thread block: on one H200 13 us for SmolLM2's 49,152 logits and 35 us
-for Llama-3.1-8B's 128,256, once per plain step and once per verification (docs/results/session33_h200/), while
-the row is 96 or 250 KB. Here `argmax_chunk_kernel` runs one program per (row, chunk of the vocabulary) and writes the
-chunk's maximum and where it is; `argmax_merge_kernel`, one program per row, takes the best of those. Among equal
+torch's argmax reduces one row in one thread block, which leaves most of the GPU idle for a vocabulary-wide
+row (once per plain step and once per verification). Here `argmax_chunk_kernel` runs one program per (row,
+chunk of the vocabulary) and writes the chunk's maximum and where it is; `argmax_merge_kernel`, one program per row, takes the best of those. Among equal
 values the lowest index wins and NaN counts as the largest (the first NaN of a row wins), as in torch.argmax,
 so the ids are the same.
 """

@@ -11,9 +11,9 @@ bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
                  (`feed_window` of them per row) instead of being fed to the drafter one cycle at a time; a
                  feed step gives the drafter every held token of every row in one batched forward, before the
                  next speculative cycle or when a row's window is full. So a bucket can switch between plain
-                 and speculative cycles at any time, and a plain cycle costs within 0.8-2.1 % of a drafter-less
-                 one (feeding the drafter in every plain cycle cost 4.6-6.0 % of SmolLM2's on an H200,
-                 `scripts/bench_rows.py --feed-windows 0 32`). `feed_window=0` feeds it in every plain cycle.
+                 and speculative cycles at any time, and a plain cycle costs about what a drafter-less one does
+                 (feeding the drafter in every plain cycle costs noticeably more: `scripts/bench_rows.py
+                 --feed-windows 0 32`). `feed_window=0` feeds it in every plain cycle.
 
 State per row: length [B] (committed tokens), root [B] (last emitted token, not yet cached), last_out [B, H]
 (drafter output of the newest committed row, once held tokens are fed), held_n [B] (tokens held back for the
@@ -22,9 +22,9 @@ held_tok [B, W]). The host reads packet [nb, D+3] = [n_acc, drafted depth, emitt
 
 Admission (`add_many`) prefills R prompts right-padded to T tokens into a staging cache of that shape, rounded
 up to a prefill bucket (R to a batch bucket, T to a power of two), and copies the result into the rows' caches.
-Every bucket up to `prefill_tokens` padded tokens is a fixed-shape function replayed as a CUDA graph too: an
-eager prefill of SmolLM2 took about 20 ms on an H200 while every running row waited. Rows [n, nb) of a bucket are idle: they decode garbage into their own caches, their
-lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
+Every bucket up to `prefill_tokens` padded tokens is a fixed-shape function replayed as a CUDA graph too, since
+every running row waits while an eager prefill launches its kernels one by one. Rows [n, nb) of a bucket are
+idle: they decode garbage into their own caches, their lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
 Sampled rows: a row may carry its own temperature, top-p, top-k and seed (`add_many(..., sampling=)`). Its
 tokens are then the position-keyed draws of `eagle3.serving.sampling` (the noise of position p depends only on
 the seed and p), so verification stays "accept the draft where it equals the target's choice", per row, and a

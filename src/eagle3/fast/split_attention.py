@@ -2,20 +2,16 @@
 
 A plain step, a chain's verification and a tree's verification attend a few query rows to the whole static cache
 under a `[T, S]` visibility mask. cuDNN's SDPA kernel runs such a call as one program per KV head that walks all
-S slots in turn: on one H200 about 13.7 us per layer at SmolLM2's shape and 19 us at Llama-3.1-8B's, for a few
-hundred kilobytes of K/V (docs/results/session31_h200/). Splitting the slots over programs (flash-decoding, as
-Dao, Haziza, Massa and Sizov's "Flash-Decoding for long-context inference", 2023, describes it) keeps the GPU busy
-instead: on one H200 a SmolLM2 plain step went from 1,420 to 1,119 us and a 6,10,60 tree cycle from 2,144 to
-1,743 us (docs/results/session32_h200/).
+S slots in turn, which leaves most of the GPU idle for a few hundred kilobytes of K/V. Splitting the slots over
+programs (flash-decoding, as Dao, Haziza, Massa and Sizov's "Flash-Decoding for long-context inference", 2023,
+describes it) keeps the GPU busy instead (docs/benchmarks.md).
 
 Two kernels:
 - `split_kernel`, one program per (KV head, block of 16 stacked query rows, split of the slots): an online
   softmax over its split's key blocks up to the forward's last slot (`last`; blocks past it no row sees); it
   writes its rows' partial (max, sum, weighted V), or, when one split covers the cache, the normalised output
-  itself. Each block's K and V loads go out beside its mask's: until session 33 a block's reads waited for a
-  check that some row sees it, which put three dependent loads in a row; without that wait and with one key
-  block per split a SmolLM2 plain step took 907 us instead of 1,007, a Llama-3.1-8B-shape step 4,620 instead
-  of 4,747 (one H200, docs/results/session34_h200/).
+  itself. Each block's K and V loads go out beside its mask's rather than waiting for a check that some row
+  sees the block, which would put three dependent loads in a row.
 - `combine_kernel`, one program per (KV head, stacked row): merges the splits in order and writes the row into
   the `[T, nh·hd]` output, the layout the output projection reads (no transposing copy after attention).
 Products take fp32 operands at full precision (`input_precision="ieee"`, not TF32), bf16 and fp16 as they are.
@@ -41,9 +37,8 @@ BLOCK_M = 16  # stacked query rows per program: the smallest tile `tl.dot` takes
 BLOCK_N = 64  # slots per key block
 MAX_SPLITS = 64  # the combine kernel holds one row's partials of every split at once
 MAX_ROWS = 128  # tokens per forward this kernel serves (a 100-token tree's verification and less)
-# Key blocks per split at least. One H200, context 512 (768 slots), session 34 (docs/results/session34_h200/): at
-# SmolLM2's shape 1 / 2 / 4 blocks gave plain steps of 907 / 946 / 1,013 us; at Llama-3.1-8B's 2 / 4 / 8 gave
-# 4,653 / 4,755 / 4,960 us. Shorter splits are more programs, each with a shorter chain of dependent loads.
+# Key blocks per split at least: shorter splits are more programs, each with a shorter chain of dependent loads,
+# which was fastest at both the SmolLM2 and the Llama-3.1-8B shape.
 MIN_SPLIT_BLOCKS = 1
 
 

@@ -142,10 +142,9 @@ def stack_query_heads() -> bool:
     Stacked: each KV head's g query heads go along the query axis, q [n_kv, g·T, hd] against k [n_kv, S, hd]:
     one plain batched attention, K/V never repeated. The other layout (`FastTarget.use_sdpa_heads`, opt-in) keeps
     the query heads as SDPA heads, q [1, nh, T, hd] (no stacking copy for any T) against k [1, n_kv, S, hd]
-    with `enable_gqa`. On one H200 it made SmolLM2's plain decoding 18 % faster (518 -> 613 tok/s, MT-bench x 80)
-    but the speculative cycles only 1-4 %, and cuDNN then runs one query row with other kernels than several, so
-    bf16 chains were no longer identical to plain decoding (15/80 answers instead of 80/80;
-    docs/results/session16_h200/). Stacked it stays by default.
+    with `enable_gqa`. That makes plain decoding on CUDA faster but the speculative cycles barely, and cuDNN then
+    runs one query row with other kernels than several, so bf16 chains are no longer identical to plain decoding
+    (docs/benchmarks.md). Stacked it stays by default.
     """
     return True
 
@@ -261,12 +260,9 @@ def target_attention_for(choice: str | None, device: torch.device | str, head_di
 def residual_in_gemm(device: torch.device | str) -> bool:
     """Whether a new `FastTarget` adds each residual in the epilogue of the product before it (`Tensor.addmm_`
     on the residual: h += x·Wᵀ in one cuBLAS kernel, accumulated in fp32 and rounded once, where a product and
-    then an add round twice): on CUDA. There it takes away two elementwise kernels per decoder layer. On one
-    H200 at SmolLM2's shape a plain step went from 1,524 to 1,423 us (420 -> 360 launches) and a 6,10,60 tree
-    cycle from 2,257 to 2,171 us, the products taking the same time (docs/results/session31_h200/). In place
-    because the out-of-place `torch.addmm` first copies h into its result: a copy kernel for each add, and
-    1,519 -> 1,502 us only. On this project's 2-core CPU (bf16, SmolLM2's shapes, 2 rows) the fused product
-    was 10 us faster for 576 -> 576 and 8 us slower for 1,536 -> 576, so CPUs keep the separate add.
+    then an add round twice): on CUDA, where it takes away two elementwise kernels per decoder layer. In place,
+    because the out-of-place `torch.addmm` first copies h into its result (a copy kernel for each add). CPUs
+    keep the separate add, which costs no more there.
     The rows of a product keep their bits whichever way the residual is added (the epilogue is elementwise), so
     bf16 chains and plain decoding round alike either way; against HF's own forward, which rounds twice, bf16
     values can differ by one unit in the last place."""
@@ -293,24 +289,19 @@ def exact_rows(device: torch.device, dtype: torch.dtype) -> bool:
     rather than by the vendor's.
 
     CPUs in bf16/fp16 without AMX. torch multiplies a single row with a matrix-vector kernel and several rows with
-    oneDNN's GEMM, and its CPU SDPA kernel blocks queries by their count. On a CPU with AMX both agreed row for row
-    (bf16 chains identical to plain decoding in every demo run and test of sessions 14-19, so the vendor's kernels
-    stay there), but on one without (AMD EPYC with AVX512-BF16, this project's 2-core machine in session 20) the
-    two products rounded SmolLM2's down projection (K = 1,536) differently in 4 of 80 random rows and SDPA 7 of 120
-    query rows, so a chain's verification drifted from plain decoding: 1 of 8 MT-bench answers stayed identical. GEMMs of 2..8
-    rows agree row for row there, a one-row product fed as two rows costs the same (bf16: 43 us against 45 for
-    1,536 -> 576), and attention as two batched GEMMs agreed in 120 of 120 rows at +16-19 us a layer (SmolLM2's
-    shape, 256 slots). Plain decoding pays for it: SmolLM2 bf16 on that CPU ran 7-9 % slower than with the
-    vendor's kernels (docs/benchmarks.md). On CUDA the vendor kernels already agree (80/80 bf16 chains identical on
-    an H200), and in fp32 greedy output stays identical without it (tests/test_fast.py)."""
+    oneDNN's GEMM, and its CPU SDPA kernel blocks queries by their count. On a CPU with AMX both agree row for row,
+    so the vendor's kernels stay there; on one without (e.g. AMD EPYC with AVX512-BF16) the two products and SDPA
+    round some rows differently, so a chain's verification drifts from plain decoding. GEMMs of 2..8 rows agree
+    row for row there, a one-row product fed as two rows costs about the same, and attention as two batched GEMMs
+    agrees row for row; plain decoding pays a little for it (docs/benchmarks.md). On CUDA the vendor kernels
+    already agree, and in fp32 greedy output stays identical without it (tests/test_fast.py)."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not cpu_has_amx()
 
 
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     """Greedy token ids: argmax over the last dimension of logits [..., V] -> [...].
 
-    On a CPU torch's bf16/fp16 argmax is several times slower than its fp32 one (SmolLM2's 4 x 49,152 logits on
-    this project's 2-core AMD CPU: 319 us against 65 us with the upcast, 0.25 ms of a 25 ms cycle); the upcast is
+    On a CPU torch's bf16/fp16 argmax is several times slower than its fp32 one; the upcast is
     exact and both return the first maximum, so the ids are the same. Elsewhere the logits are used as they are."""
     if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
@@ -330,20 +321,18 @@ def cpu_has_amx() -> bool:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD
-    Zen 4 and later, some Intel). There a bf16 product of a few rows costs about what one row does, and on this
-    project's 2-core machines bf16 plain decoding ran 31-55 tok/s against 23-30 in fp32; elsewhere bf16 is
-    emulated and slow."""
+    Zen 4 and later, some Intel). There a bf16 product of a few rows costs about what one row does, and bf16
+    decoding is faster than fp32; elsewhere bf16 is emulated and slow."""
     return cpu_has_amx() or _cpu_probe("_is_avx512_bf16_supported")
 
 
 def cpu_packs_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a new `FastTarget` / `FastDrafter` multiplies by its matrices packed once into oneDNN's blocked
     layout (`PackedWeights`): in bf16 on CPUs with AVX512-BF16 and no AMX, where `exact_rows` runs every forward
-    on two rows or more. There torch's bf16 `F.linear` took twice the time of the same product over a packed
-    weight, with the same bits (this project's 2-core Intel Xeon, 2 rows: SmolLM2's 576 -> 3,072 in 329 against
-    174 us, 1,536 -> 576 in 166 against 84, its 49,152-row lm_head in 3,253 against 1,468; 10.8 against 20.3 GB/s
-    for the first), and the packed product's rows agree whether it gets 2, 3, 4 or 8 of them. CPUs with AMX keep
-    torch's kernels, whose one-row and many-row products agree there (`exact_rows`); CUDA never packs."""
+    on two rows or more. There torch's bf16 `F.linear` takes about twice the time of the same product over a
+    packed weight, with the same bits, and the packed product's rows agree whether it gets 2, 3, 4 or 8 of them.
+    CPUs with AMX keep torch's kernels, whose one-row and many-row products agree there (`exact_rows`); CUDA
+    never packs."""
     dev = torch.device(device)
     return (dev.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16() and not cpu_has_amx()
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -379,7 +368,7 @@ def pack_weights(device: torch.device, dtype: torch.dtype, weights: list[torch.T
 # on how many tokens share the forward whichever kernel inductor generates for that count (a specialised one for
 # one token, a dynamic one for many), so a one-token step and a many-token verification round alike. The norms
 # reduce over the hidden size, and inductor may split a one-row reduction where it does not split 61 rows: with
-# them compiled, bf16 chains parted from plain decoding (20/80 identical, session 13, docs/benchmarks.md).
+# them compiled, bf16 chains part from plain decoding (docs/benchmarks.md).
 POINTWISE_PIECES = ("norm", "add_norm", "rope", "rope_heads", "gate", "qkv_rope")
 ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
 # `--fuse-pointwise` levels (`FastOptions.fuse_pointwise`, read by `fuse_level`): the pieces each compiles.
@@ -388,11 +377,11 @@ FUSE_LEVELS = dict(zip(FUSE_POINTWISE_LEVELS, (ELEMENTWISE_PIECES, POINTWISE_PIE
 
 def fuse_level(value: bool | str | None, device: torch.device | str) -> str | None:
     """`FastOptions.fuse_pointwise` (or `--fuse-pointwise`) for a target on `device`, as a `FUSE_LEVELS` key or
-    None (off). None or "auto": "elementwise" on CUDA (measured on an H200: plain decoding +12 %, the tree +15 %,
-    bf16 chains still 80/80 identical to plain decoding, docs/results/session29_h200/), off elsewhere (the auto of
+    None (off). None or "auto": "elementwise" on CUDA (faster, and bf16 chains stay identical to plain decoding),
+    off elsewhere (the auto of
     every auto/on/off option, `eagle3.config.on_for_device`: on a CPU compiled pieces run outside CUDA graphs and
-    their call overhead costs more than they save); False or "off": off; True: "all" (the flag alone, as before
-    it took a level); a level: itself."""
+    their call overhead costs more than they save); False or "off": off; True: "all" (the flag alone); a
+    level: itself."""
     if value is None or value == "auto":
         return "elementwise" if on_for_device("auto", device) else None
     if value is False or value == "off":
@@ -407,13 +396,12 @@ class Pointwise:
     """The elementwise work of a decoder layer (norms, residual adds, RoPE, SwiGLU), eager or compiled.
 
     Compiled (`backend` given; `pieces`, default all of them), each piece becomes one or two inductor kernels, while
-    the matrix products and the attention stay with the vendor libraries (cuBLAS, cuDNN): on one H200 the
-    Llama-3.1-8B-shaped plain step then took 5,133 us instead of 5,784 us, where compiling the whole step lost to
-    eager (docs/benchmarks.md). The pieces compile for the first shapes they see and, once the number of tokens
-    changes, for any number of tokens (dynamo's automatic dynamic shapes), so prefills of any length reuse them
-    while the model's own sizes stay constants in the kernels. With `dynamic=True` those sizes were runtime values
-    too, and every index went through integer divisions by them (visible in inductor's CPU code): on an H200 the
-    compiled SwiGLU took 2.4 us at 61 tokens against 0.9 us at one (session 29).
+    the matrix products and the attention stay with the vendor libraries (cuBLAS, cuDNN), which beats both eager
+    and compiling the whole step (docs/benchmarks.md). The pieces compile for the first shapes they see and,
+    once the number of tokens changes, for any number of tokens (dynamo's automatic dynamic shapes), so prefills
+    of any length reuse them while the model's own sizes stay constants in the kernels. With `dynamic=True` those
+    sizes would be runtime values too, and every index would go through integer divisions by them (visible in
+    inductor's CPU code), which makes the kernels slower.
     Inductor may round a one-row step (a specialised kernel) differently from a many-row verification where a
     piece reduces (the norms; `ELEMENTWISE_PIECES` do not); in fp32 greedy output stays identical
     (tests/test_fast.py), and in bf16 the share of identical answers is what `eagle3 bench` reports.
@@ -535,9 +523,8 @@ class FastTarget(nn.Module):
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
         self.packed = pack_weights(self.device, self.dtype, self.matrices())  # `cpu_packs_weights`
         # How decoding forwards attend (`target_attention_for`, `use_attention`). "matmul" (`rows_exact_attention`
-        # in every forward, not only with `exact_rows`) is an experiment; on one H200 it lost to cuDNN's SDPA:
-        # SmolLM2's shape, plain step 1,540 against 1,519 us; the 8B shape, 5,552 against 5,603 us but a tree
-        # cycle of 8,079 against 7,901 us (docs/results/session31_h200/).
+        # in every forward, not only with `exact_rows`) is an experiment; on CUDA it is no faster than cuDNN's
+        # SDPA.
         self.attention = target_attention_for("auto", self.device, self.hd)
         # Forwards that attend by splits also rotate q and k and write K and V in one kernel per layer
         # (`eagle3.fast.rope_cache`); False (`scripts/profile_step.py --target-rope torch`) keeps the compiled
@@ -582,8 +569,7 @@ class FastTarget(nn.Module):
         path): each layer's two norm weights go into its q/k/v and gate/up matrices and the kernels after those
         products apply the rows' scale (`eagle3.fast.norm_fold`); not where those products have biases (Qwen2), nor
         with compiled norms (`fuse_pointwise` "all"). The final norm, and every norm otherwise, is
-        `eagle3.fast.row_norm` ("on", or "auto"/"fold" on that path: on one H200 it took a SmolLM2 plain step from
-        1,069 to 1,000 us, a Llama-3.1-8B-shape step from 4,976 to 4,703 us, docs/results/session33_h200/), else
+        `eagle3.fast.row_norm` ("on", or "auto"/"fold" on that path, where it is faster than `F.rms_norm`), else
         `rms_norm`; compiled norms stay."""
         if self.norm_kernel not in ("auto", "fold", "on", "off"):
             raise ConfigError(f"norm_kernel {self.norm_kernel!r}: expected auto, fold, on or off")
@@ -631,8 +617,8 @@ class FastTarget(nn.Module):
         if level is None:
             return
         if self.device.type != "cuda":
-            # Without CUDA graphs every compiled call pays its guard checks in Python, about 120 per step: on a
-            # 2-core CPU SmolLM2's plain decoding fell from 25.5 to 19.9 tok/s (docs/benchmarks.md).
+            # Without CUDA graphs every compiled call pays its guard checks in Python, about 120 per step, which
+            # makes CPU decoding slower (docs/benchmarks.md).
             log.warning("--fuse-pointwise on %s: compiled pieces are not captured in graphs here, and their call "
                         "overhead makes decoding slower; it is meant for CUDA", self.device)
         self.pointwise = Pointwise(backend, FUSE_LEVELS[level])
@@ -690,7 +676,7 @@ class FastTarget(nn.Module):
 
         Once per forward, so that RoPE's products and sum in every layer run on operands of one shape and layout
         (vectorized kernels) instead of broadcasting [N, hd] over the heads, which the generic elementwise kernel
-        does at about twice the time for a 61-token verification on an H200 (docs/results/session27_h200/)."""
+        does at about twice the time for a verification's tokens."""
         heads = self.nh + self.nkv
         return tuple(t[pos].expand(heads, -1, -1).contiguous() for t in (self.cos, self.sin))
 
@@ -705,9 +691,7 @@ class FastTarget(nn.Module):
         One copy brings all heads of q, k and v in front (none for N = 1: a single row already lies that way), and
         RoPE writes its results back into that copy, so q is a view and K and V sit next to each other for one
         cache write. Stacked attention views q as [nkv, g·N, hd]; the copy replaces the one `torch.roll` makes of a
-        strided input and the transposing copy of q per layer. (On one H200 at SmolLM2's shape a 2-token
-        verification ran 90 such copies more than a plain step, docs/results/session17_h200/; v joined the copy
-        in session 27.)"""
+        strided input and the transposing copy of q per layer."""
         n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
         pw = self.pointwise
         if lw.q_norm is None and "qkv_rope" in pw.fused:  # the copy and RoPE in one compiled kernel

@@ -12,19 +12,18 @@ from pathlib import Path
 from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
-    EAGER_DRAFTING_HELP,
     FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
-    GRAPH_PREFILL_HELP,
-    SDPA_HEADS_HELP,
     ConfigError,
     SpecConfig,
     on_for_device,
+    require_extra,
 )
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
 
-__all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "fast_rows", "load_server"]
+__all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "fast_rows", "load_server",
+           "served_model_name"]
 
 log = logging.getLogger("eagle3")
 
@@ -32,75 +31,89 @@ log = logging.getLogger("eagle3")
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser(
         "serve", help="OpenAI-compatible server with batched speculative decoding",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Requests "
-                    "decode together (continuous batching); speculation adapts to the batch size.")
-    s.add_argument("--target", required=True,
-                   help="local HF directory, hub id, .gguf file, or a bundled name (smollm2, stories260k)")
-    s.add_argument("--drafter", default=None, help="EAGLE-3 drafter checkpoint (speculators or EAGLE format)")
-    s.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None,
-                   help="draft method (default: eagle3 with --drafter, else none = plain batched decoding)")
+        usage="%(prog)s --target MODEL [--drafter DIR] [--port N] [options]",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
+    s.add_argument("--target", required=True, metavar="MODEL",
+                   help="local HF folder, hub id, .gguf file, or bundled name (smollm2, stories260k)")
+    s.add_argument("--drafter", default=None, metavar="DIR",
+                   help="EAGLE-3 drafter checkpoint (speculators or EAGLE format)")
+    s.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None, metavar="KIND",
+                   help="eagle3, ngram or none (default: eagle3 with --drafter, else none)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="model id in /v1/models and responses, which requests must name (default: --target; "
+                        "for a local path, its folder name or .gguf file stem)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file, for targets whose tokenizer has none")
-    s.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size, help="rows decoded together")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + completion token limit (default: the target's max_position_embeddings)")
-    s.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    b = s.add_argument_group("batching")
+    b.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size, metavar="N",
+                   help="rows decoded together")
+    b.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="prompt + completion tokens (default: the target's max_position_embeddings)")
+    b.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                    help="completion length when a request sets no max_tokens")
-    s.add_argument("--max-prefill-tokens", type=int, default=ServeConfig.max_prefill_tokens,
+    b.add_argument("--max-prefill-tokens", type=int, default=ServeConfig.max_prefill_tokens, metavar="N",
                    help="padded prompt tokens per batched prefill")
-    s.add_argument("--admit-wait", type=float, default=ServeConfig.admit_wait,
-                   help="while rows decode, a new request waits up to this many (measured) prefill durations "
-                        "for others to share its prefill, which stalls the whole batch (0: admit at once)")
-    s.add_argument("--stream-interval", type=int, default=ServeConfig.stream_interval,
-                   help="stream a chunk every N tokens (the first and the last at once); larger values save host "
-                        "time at high concurrency")
-    s.add_argument("--max-waiting", type=int, default=ServeConfig.max_waiting,
+    b.add_argument("--admit-wait", type=float, default=ServeConfig.admit_wait, metavar="X",
+                   help="wait up to X prefill durations for others to share a new prefill (0: none)")
+    b.add_argument("--stream-interval", type=int, default=ServeConfig.stream_interval, metavar="N",
+                   help="stream a chunk every N tokens (the first and the last at once)")
+    b.add_argument("--max-waiting", type=int, default=ServeConfig.max_waiting, metavar="N",
                    help="queued requests before answering 503")
-    s.add_argument("--shutdown-timeout", type=float, default=ServeConfig.shutdown_timeout,
+    b.add_argument("--shutdown-timeout", type=float, default=ServeConfig.shutdown_timeout, metavar="S",
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
-    shape = s.add_mutually_exclusive_group()
+    sp = s.add_argument_group("speculation")
+    shape = sp.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
                        help="largest draft tree, used at small batch sizes (default 6,10,60)")
     shape.add_argument("--chain", type=int, default=None, metavar="K",
                        help=f"draft chains of at most K tokens instead of trees (e.g. {DEFAULT_CHAIN_LENGTH})")
-    s.add_argument("--no-spec", action="store_true", help="plain batched decoding (load no drafter)")
-    s.add_argument("--spec-budget", type=int, default=None,
-                   help="verified tokens per batched forward, B*(N+1) (default 256 on GPU, 32 on CPU; 512 on "
-                        "the fast rows)")
-    s.add_argument("--spec-max-batch", type=int, default=None, help="no speculation above this batch size")
-    s.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept,
-                   help="a row whose running mean of accepted drafts per cycle falls below this stops drafting")
-    s.add_argument("--spec-retry-after", type=int, default=SpecPolicy.retry_after,
-                   help="cycles after which a row that stopped drafting tries again (0: never)")
-    s.add_argument("--no-spec-gate", action="store_true",
-                   help="speculate wherever the budget allows, even where it measures slower than plain cycles")
-    s.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
-                   help="a greedy request that finds the server idle decodes on the batch-1 static-cache path "
-                        "(CUDA graphs) and joins the batch when another request arrives; costs a second, fused "
-                        "copy of the target's weights. auto: on for CUDA targets of the fast-path families")
-    s.add_argument("--compile", action="store_true",
-                   help="inductor-compile the fast lane's steps before capturing them (fewer, fused kernels: faster "
-                        "batch-1 decoding, about a minute more at start-up); the fast rows stay uncompiled")
-    s.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                   help="fast lane and fast rows: " + FUSE_POINTWISE_HELP)
-    s.add_argument("--sdpa-heads", action="store_true", help="fast lane and fast rows: " + SDPA_HEADS_HELP)
-    s.add_argument("--eager-drafting", action="store_true", help="fast lane: " + EAGER_DRAFTING_HELP)
-    s.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
-                   help="fast lane: " + GRAPH_PREFILL_HELP)
-    s.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
-                   help="requests (greedy or sampled) decode as rows of a static-cache batch (one CUDA graph per "
-                        "batch-size bucket, plain or speculative cycles) instead of the generic batch. auto: on for "
-                        "CUDA targets of the fast-path families")
-    s.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len,
-                   help="cache slots per fast row; longer requests use the generic batch")
-    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    sp.add_argument("--no-spec", action="store_true", help="plain batched decoding (load no drafter)")
+    sp.add_argument("--spec-budget", type=int, default=None, metavar="N",
+                    help="verified tokens per batched forward (default 256 GPU, 32 CPU, 512 fast rows)")
+    sp.add_argument("--spec-max-batch", type=int, default=None, metavar="B",
+                    help="no speculation above this batch size")
+    sp.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept, metavar="X",
+                    help="a row whose mean accepted drafts per cycle falls below X stops drafting")
+    sp.add_argument("--spec-retry-after", type=int, default=SpecPolicy.retry_after, metavar="N",
+                    help="cycles after which such a row drafts again (0: never)")
+    sp.add_argument("--no-spec-gate", action="store_true",
+                    help="speculate wherever the budget allows, even where measured slower")
+    fp = s.add_argument_group("static-cache fast paths (auto: on for CUDA targets of the Llama/Mistral/Qwen "
+                              "families)")
+    fp.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
+                    help="a greedy request on an idle server decodes on the batch-1 CUDA-graph path (costs a "
+                         "second, fused copy of the target's weights)")
+    fp.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
+                    help="requests decode as rows of a static-cache batch, one CUDA graph per batch size")
+    fp.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len, metavar="N",
+                    help="cache slots per fast row; longer requests use the generic batch")
+    fp.add_argument("--compile", action="store_true",
+                    help="inductor-compile the fast lane's steps before capture (longer start-up)")
+    fp.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
+                    help="fast lane: prefill via CUDA graphs; auto: on for CUDA")
+    fp.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
+                    help=FUSE_POINTWISE_HELP)
+    # comparison knobs, kept out of --help: `SDPA_HEADS_HELP`, `EAGER_DRAFTING_HELP`
+    fp.add_argument("--sdpa-heads", action="store_true", help=argparse.SUPPRESS)
+    fp.add_argument("--eager-drafting", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
     return s
+
+
+def served_model_name(target: str) -> str:
+    """The model id `--served-model-name` defaults to: `target` as given for a hub id or a bundled name; for a
+    local path, the folder's name, or the file's stem for a .gguf (clients never see the server's paths)."""
+    path = Path(target).expanduser()
+    if path.is_file():
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name or target
+    return target
 
 
 def _spec(args) -> SpecConfig:
@@ -136,7 +149,7 @@ def load_server(args):
             raise ConfigError(f"--chat-template {path}: no such file")
         template = path.read_text(encoding="utf-8")
     config = ServeConfig(
-        model_name=args.served_model_name or args.target, max_batch_size=args.max_batch_size,
+        model_name=args.served_model_name or served_model_name(args.target), max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
         max_prefill_tokens=args.max_prefill_tokens, admit_wait=args.admit_wait, max_waiting=args.max_waiting,
         stream_interval=args.stream_interval,
@@ -280,6 +293,7 @@ def describe(sched) -> str:
 def cmd_serve(args) -> int:
     import sys
 
+    require_extra("serve", ("fastapi", "uvicorn"), "eagle3 serve")
     import uvicorn
 
     sched, app = load_server(args)

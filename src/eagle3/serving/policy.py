@@ -40,9 +40,8 @@ GPU_TOKEN_BUDGET = 256
 CPU_TOKEN_BUDGET = 32
 
 
-# FastRows (the static-cache batch) verifies a wider tree for the same cost: `scripts/bench_rows.py` on an H200
-# with SmolLM2 gave 1.64x / 1.65x plain at 32 / 64 rows with 512 tokens per cycle against 1.54x / 1.55x with
-# 256, the same at 1-16 rows, and 1.21x / 1.50x with 2,048 (docs/benchmarks.md).
+# FastRows (the static-cache batch) verifies a wider tree for the same cost: 512 tokens per cycle beat 256 at 32
+# and 64 rows, tied at 1-16, and 2,048 lost (`scripts/bench_rows.py`, docs/benchmarks.md).
 FAST_ROWS_TOKEN_BUDGET = 512
 
 
@@ -155,7 +154,7 @@ class SpecPolicy:
         """A `SpeedGate` for the fast lane, which decides per request (a whole request speculative or plain, each
         request one sample): probes every 4 requests at first, at most every 64 while confirmed, and never more
         often than `probe_share` of the time allows. Without that bound a lane twice as fast speculating ran a plain
-        probe every 4-8 requests: a third of an H200 one-client benchmark's cycles were plain (session 15)."""
+        probe every 4-8 requests, a large share of a single client's cycles."""
         return SpeedGate(probe_every=4, ema=self.ema, max_probe_every=64, probe_share=self.probe_share)
 
     def keep_drafting(self, acc: RowAcceptance) -> bool:
@@ -180,15 +179,13 @@ class SpeedGate:
     Buckets: batch sizes share one per power of two (1, 2-3, 4-7, ...), split by the share of rows that want to
     draft (up to a quarter, a half, three quarters, all): every row pays the wider verification and the drafting
     steps of a speculative cycle, but only the drafting rows gain from it, so a cycle where few rows draft can
-    lose where one where all draft wins. On an H200 with 16 clients, 36 % of row-cycles drafting, the speculative
-    server's cycles cost 36.5 ms against 26.3 ms for plain ones and the batch took as many cycles as plain
-    decoding. In each bucket: try speculation first, then
+    lose where one where all draft wins. In each bucket: try speculation first, then
     time a plain cycle; afterwards run the faster mode and give the slower one a probe of `probe_cycles` cycles
     every `probe_every` cycles, so a change in acceptance or load is noticed. A probe that confirms the choice by more
     than twice the noise of the two rates doubles the bucket's interval (up to `max_probe_every`); one that
     overturns it resets the interval; one within the noise leaves it. A probe of the
-    slower mode costs more than the cycle it replaces (on an H200 a speculative probe of the eager serving path
-    cost several plain cycles), so fixed probing every 16 cycles alone kept serving below plain decoding.
+    slower mode can cost several cycles it replaces, so fixed probing every 16 cycles alone kept serving below
+    plain decoding.
     Rates are tokens / (rows * seconds) over whole cycles (drafting, verification, bookkeeping and emission
     included), as the ratio of two decayed sums (each cycle's share weighted `ema`, the older ones fading by
     1 - `ema`): a mean of per-cycle rates would be noisier and biased, since a speculative cycle's tokens vary
@@ -199,19 +196,17 @@ class SpeedGate:
 
     - `settle`: the first `settle` cycles after every change of mode are not measured, and a probe runs that
       many cycles more. The cycle after a switch carries the switch: the first speculative cycle after plain
-      ones feeds the drafter what they held back, and on an H200 with sampled requests a plain cycle right
-      after speculative ones gave a median 140 tokens per row-second at 64 clients against 160 for plain
-      cycles after plain ones (256 against 338 at 16 clients). With single-cycle probes every plain sample in a
-      speculating bucket was such a cycle (plain estimated at 103-107 tokens per row-second where the plain
-      server's cycles gave 123-142; docs/benchmarks.md).
+      ones feeds the drafter what they held back, and a plain cycle right after speculative ones is slower than
+      plain cycles after plain ones. With single-cycle probes every plain sample in a speculating bucket would
+      be such a cycle, underestimating plain decoding (docs/benchmarks.md).
     - `margin`: speculation must beat plain cycles by this fraction, so noise near parity settles on plain.
     - `probe_share`: probes may cost at most this share of the time: a probe of a mode k times slower per cycle
-      waits proportionally longer (on a 2-core CPU a speculative probe of 8 rows with 60-token trees cost 30
-      plain cycles, and probing every 16-64 cycles halved throughput).
+      waits proportionally longer (on a CPU a speculative probe of a few rows with wide trees can cost tens of
+      plain cycles).
 
     `probe_cycles`: measured cycles per probe. One speculative cycle emits anywhere from 1 to depth + 1 tokens,
-    so single-cycle probes with a fast-fading average misjudged speculation (H200, sampled requests, one client:
-    speculation gave 23 % more tokens per second in the cycles it ran, yet the gate ran 88 % plain cycles).
+    so single-cycle probes with a fast-fading average misjudge speculation (a gate can then choose plain cycles
+    although speculation emits more tokens per second).
     """
 
     def __init__(self, probe_every: int = 16, ema: float = 0.25, max_probe_every: int = 512, settle: int = 0,

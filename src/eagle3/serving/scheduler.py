@@ -769,8 +769,7 @@ class Scheduler:
     def _flush_deferred(self, rows: list[_Row]) -> None:
         """Feed the drafter what plain cycles held back for the rows drafting now, so its cache covers their
         text again. A resting row keeps what it holds until it drafts again: dropped here, its drafter would
-        resume with a gap in its cache and propose from a stale text (it was dropped whenever another row
-        drafted while it rested, until session 30: a test failed so in 1 of 10 runs on a loaded machine)."""
+        resume with a gap in its cache and propose from a stale text."""
         counts = [len(r.pending_tokens) if r.drafting else 0 for r in rows]
         if any(counts):
             ref = next((r.pending_aux[0] for r in rows if r.pending_aux), None)  # None: the drafter needs no aux

@@ -42,7 +42,7 @@ class ServerThread:
         self.app, self.host = app, host
         # IPPROTO_TCP, not the default 0: asyncio only sets TCP_NODELAY on accepted sockets whose proto says TCP
         # (asyncio.base_events._set_nodelay). Without it, Nagle's algorithm holds each streamed chunk after the
-        # first until the client's delayed ACK (40 ms on Linux): measured as a 40 ms floor on time to first token.
+        # first until the client's delayed ACK (40 ms on Linux), a floor on time to first token.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets

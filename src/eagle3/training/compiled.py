@@ -2,10 +2,8 @@
 
 A training step at SmolLM2 size spends most of its time in memory-bound elementwise kernels (RMSNorm's fp32
 round trips, SwiGLU, RoPE, dtype casts) between small matmuls. Compiling the forward of those modules fuses
-them. Measured on one H200 (docs/results/session15_train/, 32,768-token batches, random SmolLM2-shaped target,
-the bundled drafter): the target's feature pass 55-60 ms -> 28-33 ms, the drafter's norms and MLP another
-~10 ms, a whole step 159-168 ms -> 116-130 ms. Compiling the drafter's whole layer (attention with the TTT
-slots, the cache) bought nothing more and took a minute to compile, so it stays eager.
+them, which shortens a step on CUDA (docs/benchmarks.md). Compiling the drafter's whole layer (attention with
+the TTT slots, the cache) bought nothing more and took a minute to compile, so it stays eager.
 
 Shapes change with every batch (rows x padded length), so the forwards compile with `dynamic=True`: one
 compilation serves all lengths (one more for a batch of one row, which dynamo specialises). Only each module's

@@ -288,8 +288,8 @@ def _require_pyarrow(path: Path) -> Any:
         import pyarrow
     except ImportError:
         raise ConfigError(
-            f"--data {path}: reading parquet/arrow data needs the 'pyarrow' package (pip install pyarrow), "
-            "or convert the data to JSONL first"
+            f"--data {path}: reading parquet/arrow data needs pyarrow, in the data extra: "
+            "pip install 'eagle3[data]' (or convert the data to JSONL first)"
         ) from None
     return pyarrow
 

@@ -24,11 +24,10 @@ import torch
 from eagle3.config import ConfigError
 from eagle3.training.prepare import MASK_FILE, TOKENS_FILE, PreparedDataset
 
-# Rows sorted by length together before batches are cut. Wider windows pad less: on recipe v6's data (97,562
-# samples, median 311 tokens) 1,024 rows filled 0.884 of a 32,768-token batch with real tokens and 0.821 of a
-# 65,536-token one; 16,384 rows fill 0.981 and 0.973 (all rows at once: 0.988, 0.987;
-# docs/results/session21_cpu/batch_fill.py). Batches stay random: rows enter windows in shuffled order and the
-# batch order is shuffled. Runs before session 21 used 1,024 (`LEGACY_SORT_WINDOW_ROWS`).
+# Rows sorted by length together before batches are cut. Wider windows pad less: 16,384 rows fill batches with
+# real tokens almost as well as sorting all rows at once. Batches stay random: rows enter windows in shuffled
+# order and the batch order is shuffled. Checkpoints that do not record a window used 1,024
+# (`LEGACY_SORT_WINDOW_ROWS`).
 SORT_WINDOW_ROWS = 16384
 LEGACY_SORT_WINDOW_ROWS = 1024
 HOLD_OUT_STREAM = 0x5EED0FF  # the held-out set's random stream [seed, this]; epoch plans use [seed, epoch]

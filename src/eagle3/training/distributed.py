@@ -59,10 +59,9 @@ class Dist:
 
 
 # A CUDA training step leaves the host little to do (collating the batch, launching kernels), yet torch's intra-op
-# pool has a thread per core. Two trainings side by side on one host then ran at half speed (one process showed
-# 2,400 % CPU: most likely the pools' threads competing with the kernel-launching ones). Measured on a 2 x H200
-# host with 32 cores (docs/results/session23_h200/): two `eagle3 train` processes at the default 32 threads
-# trained a median 81-86k tokens/s each, at 8 threads 205-213k each, as fast as one alone (a median 204k).
+# pool has a thread per core. Two trainings side by side on one host then run at about half speed, most likely
+# the pools' threads competing with the kernel-launching ones; with 8 threads each, each runs as fast as one
+# alone.
 CUDA_HOST_THREADS = 8
 
 

@@ -1,7 +1,7 @@
 """Regenerate the assistant turns of chat data with the target itself: the EAGLE-3 data recipe.
 
 A drafter learns to predict what the *target* says, so the assistant turns of the training data are
-replaced by the target's own answers (EAGLE-3 paper; +~10% acceptance length in SpecForge PR#223). Every
+replaced by the target's own answers (EAGLE-3 paper; sgl-project/SpecForge PR #223). Every
 user turn is answered multi-turn and on-policy: the prompt for turn i holds the target's own answers to
 turns 0..i-1, never the dataset's original ones (as vllm-project/speculators
 `scripts/response_regeneration/script.py` and sgl-project/SpecForge `scripts/regenerate_train_data.py` do).

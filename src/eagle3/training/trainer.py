@@ -85,12 +85,9 @@ _RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS, "align_top_k": 0, "lab
 # A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
 # invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
 # then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
-# BUDGET_LATE_STEPS after those, because early step times are not yet the run's. On an H200 the first estimate
-# was 0.94-0.98 s/step, the run's average about 0.6 s, and a 1,000 s budget ended after 650 s (before the
-# second sizing); with the compiled trainer the second sizing planned for 0.201 s/step, and the loop of 5,306
-# steps ended after 1,017 s of a 1,080 s budget, validation included (docs/results/drafter_v4_h200, before the
-# third). Each later sizing moves the cosine by a few percent of its length, early, where the learning rate is
-# near its peak. Validation time is left out of the timing; checkpoint writes are in it.
+# BUDGET_LATE_STEPS after those, because early step times are not yet the run's (the first ones are slower, so a
+# schedule sized from them alone ends well before the budget). Each later sizing moves the cosine by a few
+# percent of its length, early, where the learning rate is near its peak. Validation time is left out of the timing; checkpoint writes are in it.
 BUDGET_SKIP_STEPS = 3
 BUDGET_CALIBRATION_STEPS = 20
 BUDGET_RECALIBRATION_STEPS = 100
