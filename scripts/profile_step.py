@@ -230,7 +230,7 @@ def profile_pieces(core: FastCore, saved: torch.Tensor, dev: torch.device, pool,
         core.commit()
         core.length.copy_(saved)
 
-    pieces = {"draft": partial(core.piece, "draft"), "verify": partial(core.verify, greedy=True),
+    pieces = {"draft": partial(core.piece, "draft"), "verify": core.verify,
               "accept": partial(core.piece, "accept"), "commit": commit}
     out = {name: profile(f"piece {name}", fn, dev, pool, reps, runners, all_kernels=all_kernels)
            for name, fn in pieces.items()}
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
         return core
 
     plain = ready(FastCore(target, "none"))
-    results["plain_step"] = profile("plain step", partial(plain.verify, greedy=True), dev, pool, args.reps, runners,
+    results["plain_step"] = profile("plain step", plain.verify, dev, pool, args.reps, runners,
                                     args.by_source, args.all_kernels)
     wbytes, bw = target.weight_bytes(), copy_bandwidth(dev)
     step_s = results["plain_step"]["wall_us"] / 1e6
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
         saved = core.length.clone()
 
         def cycle():
-            core.cycle_greedy()
+            core.cycle()
             core.length.copy_(saved)  # the same state every repetition
 
         results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners,

@@ -21,14 +21,14 @@ from doubles import ScriptedProposer, SelfTreeProposer
 from eagle3.config import ConfigError, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.decoding.sampling import exponential_noise, race_sample
 from eagle3.decoding.tree import DraftTree
-from eagle3.decoding.verify import accept_greedy
+from eagle3.decoding.verify import accept
 from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
 from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate, TreeShape
-from eagle3.serving.sampling import exponential_noise, race_sample
 from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler, SchedulerUnavailable, _Row
 from eagle3.target import Target
 
@@ -299,7 +299,7 @@ def test_batched_eagle3_drafter_matches_per_row_proposer(stories260k):
 
 
 # -- batched acceptance ------------------------------------------------------------------------
-def test_accept_greedy_batch_matches_accept_greedy():
+def test_accept_greedy_batch_matches_accept():
     g = torch.Generator().manual_seed(0)
     trees = []
     for n in [0, 1, 5, 9]:
@@ -310,7 +310,7 @@ def test_accept_greedy_batch_matches_accept_greedy():
         logits = torch.randn(len(trees), tokens.shape[1] + 1, 4, generator=g)
         paths, nxt = accept_greedy_batch(tokens, parents, batch_ancestors(parents), logits.argmax(-1))
         for i, t in enumerate(trees):
-            single = accept_greedy(t, logits[i, : t.n + 1])
+            single = accept(t, logits[i, : t.n + 1].argmax(-1))
             assert (paths[i], nxt[i]) == (single.path, single.next_token), f"trial {trial} tree {i}"
 
 

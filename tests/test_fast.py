@@ -3,7 +3,7 @@
 - greedy output equals HF `generate(do_sample=False)` on tiny Llama/Mistral/Qwen2/Qwen3 and on stories260K, for
   plain decoding, EAGLE-3 chains and trees (random drafter), n-gram, and the test doubles (scripted partial
   acceptance, always-right self-drafting) plugged in as host proposers;
-- the device tree expansion equals `Eagle3Proposer.propose`; device acceptance equals `accept_greedy`;
+- the device tree expansion equals `Eagle3Proposer.propose`; device acceptance equals `accept`;
   KV compaction moves exactly the accepted slots;
 - the step functions run on the meta device (no host sync, no tensor created off-device: what CUDA graph
   capture needs) and trace with `torch.compile(fullgraph=True)`;
@@ -24,8 +24,9 @@ from doubles import ScriptedProposer, SelfTreeProposer
 from eagle3.config import ConfigError, SamplingConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
+from eagle3.decoding.sampling import FILTERED, TEMPERATURE
 from eagle3.decoding.tree import DraftTree
-from eagle3.decoding.verify import accept_greedy
+from eagle3.decoding.verify import accept
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
 from eagle3.fast.core import prefix_and_window
 from eagle3.fast.drafter import drafter_attention_for, top_k_last, top_n_in_order
@@ -160,7 +161,7 @@ def test_a_stopping_chain_drafts_a_prefix_of_the_full_chain(models, drafters):
     assert torch.equal(core.tree_tokens[:n], full[:n]) and not core.tree_tokens[n:].any()
     assert core.tree_valid.tolist() == [True] * n + [False] * (5 - n)
     core.chain_stop = None
-    core.cycle_greedy()
+    core.cycle()
     assert core.tree_valid.all()
 
 
@@ -376,7 +377,7 @@ def _random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_device_acceptance_equals_accept_greedy(models, seed):
+def test_device_acceptance_equals_accept(models, seed):
     g = torch.Generator().manual_seed(seed)
     n_max, vocab = 10, 6  # a small vocabulary makes long accepted paths likely
     core = FastCore(FastTarget(models["llama"]), "host", max_nodes=n_max)
@@ -392,7 +393,7 @@ def test_device_acceptance_equals_accept_greedy(models, seed):
     core.top.copy_(top)
     core.anc.copy_(core._ancestors())
     core.accept()
-    ref = accept_greedy(tree, logits)
+    ref = accept(tree, logits.argmax(-1))
     a = int(core.n_acc)
     assert a == ref.n_accepted
     assert core.keep[1 : a + 1].tolist() == ref.path
@@ -410,7 +411,9 @@ def test_kv_compaction_moves_the_accepted_slots(models):
     t.v_cache.copy_(-slots[None, None, :, None].expand_as(t.v_cache))
     length = 20
     core.length.fill_(length)
-    core.set_acceptance([2, 5, 6], [7, 8, 9, 10])  # N+1 indices of the accepted path, then its tokens + bonus
+    core.keep.copy_(torch.tensor([0, 2, 5, 6, 0, 0, 0]))  # root, then N+1 indices of the accepted path
+    core.n_acc.fill_(3)
+    core.emitted.copy_(torch.tensor([7, 8, 9, 10, 0, 0, 0]))  # its tokens, then the bonus token
     core.commit()
     k = t.k_cache[:, :, :, 0]  # [L, nkv, S] holds the slot each entry came from
     expect = [*range(length), length + 0, length + 2, length + 5, length + 6]
@@ -433,10 +436,9 @@ def test_step_functions_are_capture_safe(arch):
              FastCore(FastTarget(model), "none"), FastCore(FastTarget(model), "host", max_nodes=5)]
     for core in cores:
         core.allocate(256)
-        core.cycle_greedy()
-        core.enable_sampling()
-        core.cycle_logits()
-        core.commit()
+        core.cycle()
+        core.cycle(TEMPERATURE)
+        core.cycle(FILTERED)
         core.allocate_prefill()  # `graph_prefill`'s two captured functions
         core.prefill_fixed(64)
         core.begin_fixed(64)
@@ -453,7 +455,7 @@ def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
                         options=opts)
     res = engine.generate(prompt, max_new_tokens=12, eos_token_ids=[])
     assert res.token_ids == ref
-    assert engine._runners["cycle"].compiled, "dynamo could not trace the cycle as one graph"
+    assert engine._runners["cycle_0"].compiled, "dynamo could not trace the cycle as one graph"
 
 
 @pytest.mark.parametrize("ranked", [False, True])
@@ -510,7 +512,7 @@ def cycle_trees(core: FastCore, prompt: torch.Tensor, cycles: int = 5) -> list[t
     core.begin(prompt, aux, logits.argmax().view(1))
     trees = []
     for _ in range(cycles):
-        core.cycle_greedy()
+        core.cycle()
         trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
     return trees
 
@@ -644,7 +646,7 @@ def test_feeding_only_the_accepted_rows_keeps_the_drafter_state(models, drafters
             drafted.append(core.tree_tokens.tolist())
             nxt = ref[len(out) : len(out) + 3]
             core.tree_tokens.copy_(torch.tensor([*nxt[:2], (nxt[2] + 1) % 300, nxt[2]]))
-            core.verify(greedy=True)
+            core.verify()
             core.accept()
             core.commit()
             assert int(core.n_acc) == 2

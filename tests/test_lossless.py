@@ -1,9 +1,11 @@
-"""Greedy speculative decoding equals HF `generate(do_sample=False)` token for token (fp32, CPU).
+"""Speculative decoding emits exactly what plain decoding emits (fp32, CPU): greedy output equals HF
+`generate(do_sample=False)` token for token, and sampled output equals plain sampling with the same seed.
 
 Three kinds of drafter on every supported architecture and on the real stories260K: the target drafting for
 itself (always right), a random EAGLE-3 drafter (almost never right), and a scripted drafter right exactly
 k times per cycle (partial acceptance and cache compaction). Chains and trees; short and long prompts (the
-long one passes Gemma-3's sliding window); max_new_tokens reached mid-cycle; EOS inside an accepted run.
+long one passes Gemma-3's sliding window); max_new_tokens reached mid-cycle; EOS inside an accepted run. (That the
+sampled tokens follow the target's distribution is tests/test_sampling_stats.py.)
 Run: pytest tests/test_lossless.py
 """
 
@@ -14,7 +16,7 @@ import torch
 
 from conftest import ARCHS, TINY_SLIDING_WINDOW, build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import SpecConfig
+from eagle3.config import SamplingConfig, SpecConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer
 from eagle3.runtime import eos_token_ids, init_drafter
@@ -74,6 +76,29 @@ def test_greedy_matches_hf_generate(models, arch, prompt_kind, mode, kind):
         k = int(kind.split("-")[1])
         # every full cycle accepts exactly k drafts (the last cycle may stop early at max_new_tokens)
         assert all(a == k for a in res.stats.accepted_per_cycle[:-1])
+
+
+SAMPLED = SamplingConfig(temperature=0.9, top_p=0.95, top_k=50, seed=7)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("kind", ["self", "random", "scripted-2"])
+def test_sampled_equals_plain_sampling_with_the_same_seed(models, arch, mode, kind):
+    model = models[arch]
+    prompt = random_prompt(PROMPTS["long"], seed=len(arch) + 1)
+    target = Target(model, init_drafter(model, seed=1).config.aux_layer_ids)
+    try:
+        plain = SpeculativeEngine(target, NoDraftProposer()).generate(prompt, max_new_tokens=NEW, sampling=SAMPLED)
+        greedy = SpeculativeEngine(target, NoDraftProposer()).generate(prompt, max_new_tokens=NEW)
+        prop = proposers(model, kind, mode, plain.token_ids, model.config.vocab_size)
+        res = SpeculativeEngine(target, prop).generate(prompt, max_new_tokens=NEW, sampling=SAMPLED)
+    finally:
+        target.close()
+    assert plain.token_ids != greedy.token_ids  # the sampled run does sample
+    assert res.token_ids == plain.token_ids
+    if kind.startswith("scripted"):  # drafts that are right twice a cycle are accepted twice a cycle
+        assert all(a == 2 for a in res.stats.accepted_per_cycle[:-1])
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram"])

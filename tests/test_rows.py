@@ -19,10 +19,10 @@ import torch
 
 from conftest import build_tiny_target
 from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.decoding.sampling import race_sample
 from eagle3.fast import FastEngine, FastTarget
 from eagle3.fast.rows import FILTERED, GREEDY, TEMPERATURE, FastRows, RowShape
 from eagle3.runtime import init_drafter
-from eagle3.serving.sampling import race_sample
 
 TREE = RowShape(depth=4, top_k=3, total=12)
 

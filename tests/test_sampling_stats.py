@@ -3,10 +3,12 @@
 A synthetic target LM over a tiny vocabulary (V = 5..6) gives the next-token distribution as a fixed random
 table keyed by the last two tokens, so the exact joint distribution of the first L emitted tokens is a
 product of table rows. A deterministic drafter (the top-ranked tokens of another table, or of the target
-itself) proposes chains and trees; each sample runs verification rounds from a fixed context until L tokens
-are out. The empirical joint over all V**L cells must match the exact one within a bound derived from the
-sample count, and deliberately wrong acceptance rules (negative controls) must fail the same check.
-Modelled on vLLM `tests/v1/sample/test_rejection_sampler.py`; the code here is our own.
+itself) proposes chains and trees; each sample, with its own seed, runs verification rounds from a fixed
+context until L tokens are out: the target's choice after every node is its position-keyed draw
+(`eagle3.decoding.sampling.choose`) and `eagle3.decoding.verify.accept` follows the drafts that equal it. The
+empirical joint over all V**L cells must match the exact one within a bound derived from the sample count, and
+deliberately wrong rules (negative controls) must fail the same check. Modelled on vLLM
+`tests/v1/sample/test_rejection_sampler.py`; the code here is our own.
 
 Run: pytest tests/test_sampling_stats.py -q
 """
@@ -21,9 +23,10 @@ import pytest
 import torch
 
 from eagle3.config import SamplingConfig
-from eagle3.decoding.sampling import filter_scores, filter_scores_rows, process_logits, sample
+from eagle3.decoding import sampling as S
+from eagle3.decoding.sampling import choose, filter_scores, filter_scores_rows, process_logits
 from eagle3.decoding.tree import DraftTree
-from eagle3.decoding.verify import Acceptance, accept, accept_from_probs
+from eagle3.decoding.verify import Acceptance, accept
 
 DELTA = 1e-6  # allowed probability that a correct implementation fails one check (union over its cells)
 START = (0, 1)  # the context tail every sample starts from
@@ -79,8 +82,7 @@ class Round:
     tree: DraftTree
     tokens: list[int]  # tree.tokens on the host
     logits: torch.Tensor  # [N+1, V] raw target logits after the root and each node
-    probs: torch.Tensor  # [N+1, V] target distributions after filtering
-    draft_probs: torch.Tensor  # [N+1, V] drafter softmax at the root and each node (negative control only)
+    offsets: torch.Tensor  # [N+1] depth of the root and each node (the root at 0)
 
 
 @dataclass
@@ -104,10 +106,7 @@ class Scenario:
         tree = DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents))
         tree.validate()
         logits = torch.stack([self.target[c] for c in ctxs])  # [N+1, V]
-        s = self.sampling
-        probs = process_logits(logits, s.temperature, s.top_p, s.top_k)  # [N+1, V]
-        draft_probs = torch.stack([self.draft[c].softmax(-1) for c in ctxs])  # [N+1, V]
-        return Round(tree, tokens, logits, probs, draft_probs)
+        return Round(tree, tokens, logits, tree.position_offsets())
 
     def exact_joint(self) -> torch.Tensor:
         """[V**L] exact probability of each sequence of the first L tokens under the filtered target."""
@@ -122,30 +121,29 @@ class Scenario:
         return joint
 
 
-AcceptFn = Callable[[Scenario, Round, torch.Generator], Acceptance]
+# (scenario, round, the request's seed, position of the round's root) -> the round's outcome
+AcceptFn = Callable[[Scenario, Round, int, int], Acceptance]
 
 
-def real_accept(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """The implementation under test, end to end from raw logits (filtering included)."""
-    return accept(rnd.tree, rnd.logits, scen.sampling, gen)
-
-
-def real_accept_from_probs(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """The implementation under test, from precomputed filtered probabilities (faster, same walk)."""
-    return accept_from_probs(rnd.tree, rnd.probs, gen)
+def real_accept(scen: Scenario, rnd: Round, seed: int, root_pos: int) -> Acceptance:
+    """The implementation under test: the target's choice after each node, at the position its token takes
+    (root + depth + 1, as the engines compute it), then acceptance against those choices."""
+    s = scen.sampling
+    top = choose(rnd.logits, root_pos + rnd.offsets + 1, s.temperature, s.top_p, s.top_k, seed=seed)  # [N+1]
+    return accept(rnd.tree, top)
 
 
 def simulate(scen: Scenario, accept_fn: AcceptFn, n_samples: int, seed: int) -> torch.Tensor:
-    """Counts [V**L] of the first L emitted tokens over n_samples independent speculative runs."""
-    gen = torch.Generator().manual_seed(seed)
+    """Counts [V**L] of the first L emitted tokens over n_samples speculative runs, run i with seed seed + i."""
     rounds: dict[tuple[int, int], Round] = {}
     counts = [0] * scen.vocab**scen.emitted
-    for _ in range(n_samples):
+    for i in range(n_samples):
         ctx, out = START, []
         while len(out) < scen.emitted:
             rnd = rounds.get(ctx) or rounds.setdefault(ctx, scen.round_for(ctx))
-            acc = accept_fn(scen, rnd, gen)
-            emitted = [rnd.tokens[i - 1] for i in acc.path] + [acc.next_token]
+            root_pos = len(START) + len(out) - 1  # the last token so far is the root
+            acc = accept_fn(scen, rnd, seed + i, root_pos)
+            emitted = [rnd.tokens[j - 1] for j in acc.path] + [acc.next_token]
             out += emitted
             ctx = (*ctx, *emitted)[-2:]
         cell = 0
@@ -217,29 +215,26 @@ def scenario(name: str) -> Scenario:
 # ---------------------------------------------------------------------------------------------
 # The implementation passes
 # ---------------------------------------------------------------------------------------------
-# scenario -> (accept function, samples). End-to-end `accept` where filtering matters. ~8k samples each
-# keeps this file near 12 s of CPU. With n = 8k and 36 cells of p ~ 1/36 the bound is ~0.012 absolute
-# (~40% relative); the negative controls below exceed it 3-17x with only 4k samples, and so do single-line
-# mutations of verify.py (no residual, no renormalisation, duplicates not skipped).
+# scenario -> samples. ~8k samples each keeps this file near 15 s of CPU. With n = 8k and 36 cells of p ~ 1/36
+# the bound is ~0.012 absolute (~40% relative); the negative controls below exceed it with 4k samples.
 CASES = {
-    "chain": (real_accept_from_probs, 8_000),
-    "chain_draft_is_target_argmax": (real_accept_from_probs, 8_000),
-    "tree_siblings": (real_accept_from_probs, 8_000),
-    "tree_duplicate_siblings": (real_accept_from_probs, 8_000),
-    "tree_depth3_first3": (real_accept_from_probs, 10_000),
-    "disjoint_support": (real_accept_from_probs, 8_000),
-    "one_hot_target": (real_accept_from_probs, 8_000),
-    "temperature_top_p": (real_accept, 8_000),
-    "temperature_top_k": (real_accept, 8_000),
-    "top_k_top_p_draft_is_target": (real_accept, 8_000),
+    "chain": 8_000,
+    "chain_draft_is_target_argmax": 8_000,
+    "tree_siblings": 8_000,
+    "tree_duplicate_siblings": 8_000,
+    "tree_depth3_first3": 10_000,
+    "disjoint_support": 8_000,
+    "one_hot_target": 8_000,
+    "temperature_top_p": 8_000,
+    "temperature_top_k": 8_000,
+    "top_k_top_p_draft_is_target": 8_000,
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_speculative_sampling_matches_the_target(name):
     scen = scenario(name)
-    fn, n = CASES[name]
-    verdict = check(simulate(scen, fn, n, seed=11), scen.exact_joint())
+    verdict = check(simulate(scen, real_accept, CASES[name], seed=11), scen.exact_joint())
     assert verdict.passed, f"{name}: emitted tokens do not follow the target ({verdict})"
 
 
@@ -249,12 +244,11 @@ def test_scenarios_are_not_vacuous(name):
     scen = scenario(name)
     exact = scen.exact_joint()
     assert int((exact > 0.005).sum()) >= 8 and float(exact.max()) < 0.5, (name, exact)
-    gen = torch.Generator().manual_seed(5)
     lengths = set()
     for a in range(scen.vocab):
         for b in range(scen.vocab):
             rnd = scen.round_for((a, b))
-            lengths |= {len(real_accept(scen, rnd, gen).path) for _ in range(10)}
+            lengths |= {len(real_accept(scen, rnd, seed, 5).path) for seed in range(10)}
     deepest = 1 if name == "disjoint_support" else 2  # there only one depth-1 draft can ever be accepted
     assert 0 in lengths and max(lengths) >= deepest, (name, lengths)
 
@@ -262,85 +256,45 @@ def test_scenarios_are_not_vacuous(name):
 # ---------------------------------------------------------------------------------------------
 # Negative controls: wrong rules must fail the same check
 # ---------------------------------------------------------------------------------------------
-def _walk(rnd: Round, gen: torch.Generator, accept_prob, residual) -> Acceptance:
-    """A sequential tree walk with pluggable acceptance probability and residual update.
-
-    `p` is the (unnormalised) residual at the current node, `p0` that node's full distribution, `q` the
-    drafter's softmax there. The right rule is `accept_prob = p[x] / p.sum()`, `residual: p[x] = 0`.
-    """
-    kids = rnd.tree.children()
-    node, path = 0, []
-    while True:
-        p0, q = rnd.probs[node], rnd.draft_probs[node]
-        p = p0.clone()
-        for child in kids[node]:
-            tok = rnd.tokens[child - 1]
-            if float(torch.rand(1, generator=gen)) < accept_prob(p0, p, q, tok):
-                node = child
-                path.append(node)
-                break
-            p = residual(p, q, tok)
-        else:
-            return Acceptance(path=path, next_token=int(sample(p / p.sum(), gen)))
+def _choices_at(scen: Scenario, rnd: Round, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    s = scen.sampling
+    return choose(rnd.logits, positions, s.temperature, s.top_p, s.top_k, seed=seed)
 
 
-def _zero(p: torch.Tensor, q: torch.Tensor, tok: int) -> torch.Tensor:
-    p = p.clone()
-    p[tok] = 0.0
-    return p
+def wrong_noise_by_node(scen: Scenario, rnd: Round, seed: int, root_pos: int) -> Acceptance:
+    """Noise keyed by node index instead of position: every round reuses the draws of the round before."""
+    return accept(rnd.tree, _choices_at(scen, rnd, seed, torch.arange(rnd.tree.n + 1)))
 
 
-def reference_rule(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """The right rule through the same harness: shows the controls fail because of their rule."""
-    return _walk(rnd, gen, lambda p0, p, q, tok: float(p[tok] / p.sum()), _zero)
+def wrong_one_position_per_round(scen: Scenario, rnd: Round, seed: int, root_pos: int) -> Acceptance:
+    """Every node drawn with the root's next position: a child reuses its parent's draw."""
+    return accept(rnd.tree, _choices_at(scen, rnd, seed, torch.full((rnd.tree.n + 1,), root_pos + 1)))
 
 
-def wrong_argmax_always(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """Accept with probability 1 whenever the draft is the target's argmax (greedy thinking at T > 0)."""
-    return _walk(
-        rnd, gen, lambda p0, p, q, tok: 1.0 if tok == int(p0.argmax()) else float(p[tok] / p.sum()), _zero
-    )
+def wrong_argmax_drafts_always(scen: Scenario, rnd: Round, seed: int, root_pos: int) -> Acceptance:
+    """A draft that is the target's argmax is accepted outright (greedy thinking at T > 0)."""
+    top = _choices_at(scen, rnd, seed, root_pos + rnd.offsets + 1)
+    argmax = rnd.logits.argmax(dim=-1)  # [N+1]
+    drafted = torch.cat([torch.tensor([-1]), rnd.tree.tokens])  # [N+1] each node's own token
+    parent1 = torch.cat([torch.tensor([0]), rnd.tree.parents + 1])
+    for j in range(1, rnd.tree.n + 1):  # a node that is its parent's argmax becomes the parent's choice
+        if int(drafted[j]) == int(argmax[parent1[j]]):
+            top[parent1[j]] = drafted[j]
+    return accept(rnd.tree, top)
 
 
-def wrong_draft_softmax_as_q(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """Textbook speculative sampling with q = drafter softmax, although drafts were not sampled from q."""
-
-    def residual(p, q, tok):
-        r = (p / p.sum() - q).clamp_min(0)
-        return r if r.sum() > 0 else p
-
-    return _walk(rnd, gen, lambda p0, p, q, tok: min(1.0, float(p[tok] / p.sum() / q[tok])), residual)
-
-
-def wrong_no_residual(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """Right first acceptance probability, but rejected drafts are not removed (nor resampling restricted)."""
-    return _walk(rnd, gen, lambda p0, p, q, tok: float(p[tok]), lambda p, q, tok: p)
-
-
-def wrong_no_renormalise(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """Rejected drafts are zeroed, but later siblings are accepted with p(x), not p(x) / remaining mass."""
-    return _walk(rnd, gen, lambda p0, p, q, tok: float(p[tok]), _zero)
-
-
-def wrong_duplicate_second_chance(scen: Scenario, rnd: Round, gen: torch.Generator) -> Acceptance:
-    """A duplicated sibling is judged on the full distribution again after its twin was rejected."""
-    return _walk(rnd, gen, lambda p0, p, q, tok: min(1.0, float(p0[tok] / p.sum())), _zero)
-
-
-def test_reference_rule_passes_in_the_control_harness():
-    scen = scenario("tree_duplicate_siblings")
-    verdict = check(simulate(scen, reference_rule, 4_000, seed=13), scen.exact_joint())
-    assert verdict.passed, f"the harness of the negative controls is broken ({verdict})"
+def wrong_one_seed_for_all(scen: Scenario, rnd: Round, seed: int, root_pos: int) -> Acceptance:
+    """Every run draws with the same seed: the runs are not independent."""
+    return real_accept(scen, rnd, 0, root_pos)
 
 
 @pytest.mark.parametrize(
     ("wrong", "name"),
     [
-        (wrong_argmax_always, "chain_draft_is_target_argmax"),
-        (wrong_draft_softmax_as_q, "chain"),
-        (wrong_no_residual, "tree_siblings"),
-        (wrong_no_renormalise, "tree_siblings"),
-        (wrong_duplicate_second_chance, "tree_duplicate_siblings"),
+        (wrong_noise_by_node, "chain"),
+        (wrong_one_position_per_round, "tree_siblings"),
+        (wrong_argmax_drafts_always, "chain_draft_is_target_argmax"),
+        (wrong_one_seed_for_all, "chain"),
     ],
 )
 def test_negative_controls_fail_the_check(wrong, name):
@@ -350,7 +304,7 @@ def test_negative_controls_fail_the_check(wrong, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# process_logits and sample
+# process_logits and the position-keyed draws
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"),
@@ -406,7 +360,7 @@ def test_filter_scores_rows_equals_filter_scores_row_by_row():
 def test_race_sample_rows_equals_race_sample_and_argmax():
     """Batched position-keyed sampling: sampled rows draw what `race_sample` draws for their seed and positions,
     rows at temperature 0 take the argmax."""
-    from eagle3.serving.sampling import race_sample, race_sample_rows, seed_hash, vocab_hash
+    from eagle3.decoding.sampling import race_sample, race_sample_rows, seed_hash, vocab_hash
 
     g = torch.Generator().manual_seed(2)
     settings = [*ROW_SETTINGS, (0.0, 0, 1.0), (0.0, 5, 0.3)]
@@ -432,8 +386,6 @@ def test_race_sample_rows_equals_race_sample_and_argmax():
 def test_fused_race_draws_the_same_tokens(caplog):
     """The compiled draw (one inductor kernel) picks the same tokens as the eager ops, with and without the
     filters, batched and for one request; if compiling fails, sampling goes on eagerly and says so."""
-    from eagle3.serving import sampling as S
-
     g = torch.Generator().manual_seed(5)
     settings = [*ROW_SETTINGS, (0.0, 0, 1.0)]
     r, m, v = len(settings), 6, 300
@@ -455,7 +407,7 @@ def test_fused_race_draws_the_same_tokens(caplog):
     saved = S._fused_draw
     S._fused_draw = broken
     try:
-        with caplog.at_level("WARNING", logger="eagle3.serving"):
+        with caplog.at_level("WARNING", logger="eagle3.decoding"):
             assert torch.equal(S.race_sample_rows(*args, filters=False, fused=True),
                                S.race_sample_rows(*args, filters=False))
         assert "sampling eagerly" in caplog.text and not S.fused_draw_available()
@@ -470,13 +422,3 @@ def test_process_logits_rejects_bad_arguments():
         process_logits(torch.zeros(3), 1.0, top_p=0.0)
     with pytest.raises(ValueError, match="top_k"):
         process_logits(torch.zeros(3), 1.0, top_k=-1)
-
-
-def test_sample_is_seeded_and_respects_zeros():
-    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    a = sample(probs.expand(200, 2, 4), torch.Generator().manual_seed(9))
-    b = sample(probs.expand(200, 2, 4), torch.Generator().manual_seed(9))
-    assert a.shape == (200, 2) and torch.equal(a, b)
-    assert set(a[:, 0].tolist()) == {1, 2}
-    assert set(a[:, 1].tolist()) == {0}
-    assert sample(probs[0], torch.Generator().manual_seed(1)).shape == ()

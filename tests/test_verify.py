@@ -1,4 +1,4 @@
-"""DraftTree bookkeeping and greedy / sampling acceptance on hand-made trees and logits.
+"""DraftTree bookkeeping, and acceptance against the target's choices on hand-made trees.
 
 Run: pytest tests/test_verify.py -q
 """
@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from eagle3.config import SamplingConfig
+from eagle3.decoding.sampling import choose
 from eagle3.decoding.tree import DraftTree
-from eagle3.decoding.verify import Acceptance, accept, accept_from_probs, accept_greedy, accept_sampling
+from eagle3.decoding.verify import Acceptance, accept
 
 # The DraftTree docstring example:  root -> the(1) -> cat(3) -> sat(5);  the(1) -> dog(4);  root -> a(2)
 THE, A, CAT, DOG, SAT = 10, 11, 12, 13, 14
@@ -23,12 +23,9 @@ def example_tree() -> DraftTree:
     return DraftTree(tokens=torch.tensor([THE, A, CAT, DOG, SAT]), parents=torch.tensor([-1, -1, 0, 0, 2]))
 
 
-def logits_with_argmax(argmax_per_row: list[int], vocab: int = V) -> torch.Tensor:
-    """[len, vocab] random logits whose row r has its maximum at argmax_per_row[r]."""
-    g = torch.Generator().manual_seed(len(argmax_per_row))
-    logits = torch.randn(len(argmax_per_row), vocab, generator=g)  # [R, V]
-    logits[torch.arange(len(argmax_per_row)), argmax_per_row] = 10.0
-    return logits
+def choices(per_row: list[int]) -> torch.Tensor:
+    """The target's choice after the root and after each node, as `accept` takes it: long [N+1]."""
+    return torch.tensor(per_row, dtype=torch.long)
 
 
 def reference_ancestors(parents: list[int]) -> torch.Tensor:
@@ -44,13 +41,13 @@ def reference_ancestors(parents: list[int]) -> torch.Tensor:
     return mask
 
 
-def reference_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+def reference_walk(tree: DraftTree, top: torch.Tensor) -> Acceptance:
     """The plain sequential walk down the tree, for comparison with the vectorised implementation."""
     kids = tree.children()
     tokens = tree.tokens.tolist()
     node, path = 0, []
     while True:
-        t = int(logits[node].argmax())
+        t = int(top[node])
         nxt = next((c for c in kids[node] if tokens[c - 1] == t), None)
         if nxt is None:
             return Acceptance(path=path, next_token=t)
@@ -147,134 +144,97 @@ def test_malformed_tensors_raise():
 
 
 # ---------------------------------------------------------------------------------------------
-# Greedy acceptance
+# Acceptance
 # ---------------------------------------------------------------------------------------------
-def test_greedy_full_acceptance_to_a_leaf():
+def test_full_acceptance_to_a_leaf():
     # rows: root, the, a, cat, dog, sat -> root->the, the->cat, cat->sat, bonus 3 after sat
-    logits = logits_with_argmax([THE, CAT, 0, SAT, 0, 3])
-    acc = accept_greedy(example_tree(), logits)
+    acc = accept(example_tree(), choices([THE, CAT, 0, SAT, 0, 3]))
     assert acc == Acceptance(path=[1, 3, 5], next_token=3)
     assert acc.emitted(example_tree()) == [THE, CAT, SAT, 3]
     assert acc.n_accepted == 3
 
 
-def test_greedy_partial_acceptance():
+def test_partial_acceptance():
     # root->the accepted, then the target wants DOG after "the": dog (node 4) accepted, bonus after dog
-    logits = logits_with_argmax([THE, DOG, 0, 0, 7, 0])
-    assert accept_greedy(example_tree(), logits) == Acceptance(path=[1, 4], next_token=7)
+    assert accept(example_tree(), choices([THE, DOG, 0, 0, 7, 0])) == Acceptance(path=[1, 4], next_token=7)
     # the target wants 2 after "the": no child matches, correction token 2
-    logits = logits_with_argmax([THE, 2, 0, 0, 0, 0])
-    assert accept_greedy(example_tree(), logits) == Acceptance(path=[1], next_token=2)
+    assert accept(example_tree(), choices([THE, 2, 0, 0, 0, 0])) == Acceptance(path=[1], next_token=2)
 
 
-def test_greedy_no_acceptance():
-    logits = logits_with_argmax([5, CAT, 0, SAT, 0, 3])  # deeper rows would match, but the first does not
-    acc = accept_greedy(example_tree(), logits)
+def test_no_acceptance():
+    acc = accept(example_tree(), choices([5, CAT, 0, SAT, 0, 3]))  # deeper rows would match, the first does not
     assert acc == Acceptance(path=[], next_token=5)
     assert acc.emitted(example_tree()) == [5]
 
 
-def test_greedy_second_sibling_matches():
-    logits = logits_with_argmax([A, 0, 9, 0, 0, 0])  # "a" is node 2, the second child of the root
-    assert accept_greedy(example_tree(), logits) == Acceptance(path=[2], next_token=9)
+def test_second_sibling_matches():
+    # "a" is node 2, the second child of the root
+    assert accept(example_tree(), choices([A, 0, 9, 0, 0, 0])) == Acceptance(path=[2], next_token=9)
 
 
-def test_greedy_duplicate_siblings_follow_the_first():
+def test_duplicate_siblings_follow_the_first():
     tree = DraftTree(tokens=torch.tensor([4, 4, 6]), parents=torch.tensor([-1, -1, 1]))
-    logits = logits_with_argmax([4, 8, 6, 1])  # after the first 4 the target says 8; the second 4 has child 6
-    assert accept_greedy(tree, logits) == Acceptance(path=[1], next_token=8)
+    # after the first 4 the target says 8; the second 4 has child 6
+    assert accept(tree, choices([4, 8, 6, 1])) == Acceptance(path=[1], next_token=8)
 
 
-def test_greedy_empty_tree():
-    assert accept_greedy(DraftTree.empty(), logits_with_argmax([3])) == Acceptance(path=[], next_token=3)
+def test_empty_tree():
+    assert accept(DraftTree.empty(), choices([3])) == Acceptance(path=[], next_token=3)
 
 
 @pytest.mark.parametrize("n", [1, 5, 20, 60])
-def test_greedy_matches_the_sequential_walk_on_random_trees(n):
+def test_acceptance_matches_the_sequential_walk_on_random_trees(n):
     rng = random.Random(1000 + n)
     vocab = 4  # small, so matches and duplicated siblings are common
     for trial in range(15):
         tree = random_tree(rng, n, vocab)
         g = torch.Generator().manual_seed(trial)
-        logits = torch.randn(n + 1, vocab, generator=g)  # [N+1, V]
-        assert accept_greedy(tree, logits) == reference_greedy(tree, logits)
+        top = torch.randint(0, vocab, (n + 1,), generator=g)  # [N+1]
+        assert accept(tree, top) == reference_walk(tree, top)
 
 
-def test_logits_shape_is_checked():
-    with pytest.raises(ValueError, match=r"\[N\+1, V\]"):
-        accept_greedy(example_tree(), torch.zeros(5, V))
-    with pytest.raises(ValueError, match=r"\[N\+1, V\]"):
-        accept_sampling(example_tree(), torch.zeros(6), SamplingConfig(temperature=1.0), None)
-
-
-def test_accept_dispatches_on_temperature():
-    logits = logits_with_argmax([THE, CAT, 0, SAT, 0, 3])
-    assert accept(example_tree(), logits, SamplingConfig()) == accept_greedy(example_tree(), logits)
-    with pytest.raises(ValueError, match="temperature > 0"):
-        accept_sampling(example_tree(), logits, SamplingConfig(), torch.Generator())
+def test_choices_shape_is_checked():
+    with pytest.raises(ValueError, match=r"\[N\+1\]"):
+        accept(example_tree(), choices([1, 2, 3, 4, 5]))
+    with pytest.raises(ValueError, match=r"\[N\+1\]"):
+        accept(example_tree(), torch.zeros(6, V, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling acceptance: properties that hold with probability 1 (distributions: test_sampling_stats.py)
+# The target's choices: properties that hold with probability 1 (distributions: test_sampling_stats.py)
 # ---------------------------------------------------------------------------------------------
-def test_sampling_one_hot_target_accepts_its_token_and_nothing_else():
+def test_greedy_choice_is_the_argmax():
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(choose(logits, torch.arange(6), temperature=0.0, seed=5), logits.argmax(-1))
+
+
+def test_one_hot_target_accepts_its_token_at_every_temperature():
     # the target is certain of THE, then CAT, then SAT, then 3: the drafts on that path are always accepted
     logits = torch.full((6, V), -1e9)
     for row, tok in enumerate([THE, CAT, 0, SAT, 0, 3]):
         logits[row, tok] = 0.0
-    gen = torch.Generator().manual_seed(0)
     for temperature in (0.5, 1.0, 2.0):
-        for _ in range(50):
-            acc = accept(example_tree(), logits, SamplingConfig(temperature=temperature), gen)
-            assert acc == Acceptance(path=[1, 3, 5], next_token=3)
+        for seed in range(50):
+            top = choose(logits, torch.arange(6) + 40, temperature, seed=seed)
+            assert accept(example_tree(), top) == Acceptance(path=[1, 3, 5], next_token=3)
 
 
-def test_sampling_never_accepts_zero_probability_drafts_nor_resamples_rejected_ones():
-    probs = torch.zeros(6, V)
-    probs[0, [THE, A, 2]] = torch.tensor([0.3, 0.0, 0.7])  # "a" has probability 0
-    probs[1:] = 1.0 / V
-    gen = torch.Generator().manual_seed(1)
-    seen_paths = set()
-    for _ in range(400):
-        acc = accept_from_probs(example_tree(), probs, gen)
-        assert 2 not in acc.path  # node 2 ("a") has target probability 0
-        if not acc.path:
-            assert acc.next_token == 2  # THE was rejected and A has mass 0: only token 2 is left
-        seen_paths.add(tuple(acc.path[:1]))
-    assert seen_paths == {(), (1,)}
+def test_filtered_tokens_are_never_chosen():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, V, generator=g)
+    logits[:, 2] = float("-inf")  # probability 0
+    for seed in range(200):
+        top = choose(logits, torch.arange(6), 1.5, top_k=3, seed=seed)
+        top3 = logits.topk(3, dim=-1).indices  # [6, 3]
+        assert (top3 == top[:, None]).any(dim=-1).all() and not (top == 2).any()
 
 
-def test_sampling_duplicate_sibling_is_never_accepted():
-    tree = DraftTree(tokens=torch.tensor([4, 4, 5]), parents=torch.tensor([-1, -1, -1]))
-    probs = torch.zeros(4, 8)
-    probs[0, [4, 5, 6]] = torch.tensor([0.5, 0.25, 0.25])
-    probs[1:] = 1.0 / 8
-    gen = torch.Generator().manual_seed(2)
-    outcomes = set()
-    for _ in range(300):
-        acc = accept_from_probs(tree, probs, gen)
-        assert acc.path != [2]  # the second 4 has residual probability 0 once the first 4 is rejected
-        if not acc.path:
-            assert acc.next_token == 6  # 4 and 5 both rejected
-        outcomes.add(tuple(acc.path))
-    assert outcomes == {(), (1,), (3,)}
-
-
-def test_sampling_last_remaining_token_is_always_accepted():
-    # once THE (0.3) is rejected, A holds all remaining mass and must be accepted despite float rounding
-    probs = torch.zeros(6, V)
-    probs[0, THE], probs[0, A] = 0.3, 0.7
-    probs[1:] = 1.0 / V
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(300):
-        assert accept_from_probs(example_tree(), probs, gen).path[:1] in ([1], [2])
-
-
-def test_sampling_is_reproducible_with_a_seeded_generator():
+def test_choices_depend_only_on_seed_and_position():
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(4))
-    cfg = SamplingConfig(temperature=0.8, top_p=0.9, top_k=8)
-    runs = []
-    for _ in range(2):
-        gen = torch.Generator().manual_seed(123)
-        runs.append([accept(example_tree(), logits, cfg, gen) for _ in range(20)])
-    assert runs[0] == runs[1]
+    pos = torch.tensor([9, 10, 10, 11, 11, 12])  # siblings predict the same position
+    a = choose(logits, pos, 0.8, top_p=0.9, top_k=8, seed=123)
+    assert torch.equal(a, choose(logits, pos, 0.8, top_p=0.9, top_k=8, seed=123))
+    # one row at a time, or with other rows beside it: the same tokens
+    assert all(int(choose(logits[i : i + 1], pos[i : i + 1], 0.8, 0.9, 8, seed=123)) == int(a[i]) for i in range(6))
+    draws = {tuple(choose(logits, pos, 0.8, top_p=0.9, top_k=8, seed=s).tolist()) for s in range(20)}
+    assert len(draws) > 10  # other seeds, other draws

@@ -16,7 +16,7 @@ import torch
 from eagle3.attention import varying_shape_attention
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from eagle3.decoding.proposers import Proposer
-from eagle3.decoding.sampling import process_logits, sample
+from eagle3.decoding.sampling import choose, new_seed
 from eagle3.decoding.verify import accept
 from eagle3.target import Target
 
@@ -108,7 +108,7 @@ class Request:
     sampling: SamplingConfig
     eos: set[int]
     stream: _Stream
-    generator: torch.Generator | None
+    seed: int  # the position-keyed draws' seed (`eagle3.decoding.sampling`); unused when greedy
 
     @classmethod
     def check(cls, prompt_ids, max_new_tokens: int, sampling: SamplingConfig | None, eos_token_ids,
@@ -121,12 +121,14 @@ class Request:
             raise ValueError("empty prompt: give at least one token (e.g. BOS)")
         if (stop_strings or on_text is not None) and tokenizer is None:
             raise ValueError("stop strings and streaming need a tokenizer")
-        gen = None
-        if not sampling.greedy:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        seed = sampling.seed if sampling.seed is not None else new_seed()
         return cls(prompt=prompt, sampling=sampling, eos={int(e) for e in eos_token_ids},
-                   stream=_Stream(tokenizer, on_text, stop_strings), generator=gen)
+                   stream=_Stream(tokenizer, on_text, stop_strings), seed=seed)
+
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """The target's token after each row of logits [M, V], predicting the tokens at `positions` [M]: [M]."""
+        s = self.sampling
+        return choose(logits, positions, s.temperature, s.top_p, s.top_k, self.seed, fused=fused)
 
 
 class SpeculativeEngine:
@@ -140,12 +142,6 @@ class SpeculativeEngine:
     def _sync(self) -> None:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
-
-    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, gen) -> int:
-        if sampling.greedy:
-            return int(logits.argmax())
-        probs = process_logits(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-        return int(sample(probs, gen))
 
     @torch.inference_mode()
     def generate(
@@ -164,14 +160,15 @@ class SpeculativeEngine:
         dev = self.target.device
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer, dev)
-        sampling, eos, stream, gen = req.sampling, req.eos, req.stream, req.generator
+        eos, stream = req.eos, req.stream
         prompt = req.prompt.to(dev).view(1, -1)  # [1, T]
         stats = GenerationStats()
         t0 = time.perf_counter()
 
         cache = self.target.new_cache()
         logits, aux = self.target.forward(prompt, cache, logits_to_keep=1)
-        first = self._choose(logits[0, -1], sampling, gen)
+        t = prompt.shape[1]
+        first = int(req.choose(logits[0, -1:], torch.tensor([t], device=dev))[0])  # the token at position t
         out: list[int] = [first]
         finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
         self.proposer.begin(prompt[0], aux if self.proposer.needs_aux else None, first)
@@ -186,11 +183,10 @@ class SpeculativeEngine:
             root = torch.tensor([out[-1]], device=dev)
             ids = torch.cat([root, tree.tokens.to(dev)])[None]  # [1, N+1]
             past = cache.get_seq_length()
-            logits, aux = self.target.forward(
-                ids, cache, tree_mask=tree.attention_mask().to(dev),
-                position_offsets=tree.position_offsets().to(dev),
-            )
-            acc = accept(tree, logits[0], sampling, gen)
+            offsets = tree.position_offsets().to(dev)  # [N+1] depth of each node, the root at 0
+            logits, aux = self.target.forward(ids, cache, tree_mask=tree.attention_mask().to(dev),
+                                              position_offsets=offsets)
+            acc = accept(tree, req.choose(logits[0], past + offsets + 1))  # choices at the predicted positions
             keep = torch.tensor([0, *acc.path], dtype=torch.long, device=dev)  # root + accepted nodes
             Target.compact(cache, past, keep)
             new = [int(tree.tokens[p - 1]) for p in acc.path] + [acc.next_token]

@@ -8,7 +8,8 @@ tensors. With N draft nodes and a maximum accepted depth D:
                root [1]       last emitted token: verified this cycle, not yet in the cache
                last_out [1,H] drafter output of the newest committed row (EAGLE-3 only)
     tree       tree_tokens [N], tree_parents1 [N+1] (N+1 indexing, root's parent is itself), tree_valid [N]
-    verify     top [N+1] (argmax after each node) or logits [N+1, V]; aux [N+1, 3·Ht]; anc [N+1, N+1]
+    verify     top [N+1] (the target's choice after each node: argmax, or the request's position-keyed draw,
+               `eagle3.decoding.sampling`); aux [N+1, 3·Ht]; anc [N+1, N+1]
     accept     keep [D+1] (N+1 indices of root + accepted path, padded with 0), n_acc [1],
                emitted [D+1] (accepted tokens, then the bonus token at index n_acc, padded)
                packet [D+3] = [n_acc, deepest drafted depth, emitted...]: the one thing the host reads per cycle
@@ -36,6 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
@@ -102,7 +104,6 @@ class FastCore(nn.Module):
         self.register_buffer("tree_valid", torch.ones(n, dtype=torch.bool, device=dev), persistent=False)
         self.register_buffer("earlier", torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1), persistent=False)
         self.register_buffer("top", torch.zeros(n + 1, dtype=torch.long, device=dev), persistent=False)
-        self.register_buffer("logits", None, persistent=False)  # [N+1, V] fp32, allocated for sampling
         self.register_buffer("anc", torch.zeros(n + 1, n + 1, dtype=torch.bool, device=dev), persistent=False)
         self.register_buffer("keep", torch.zeros(d + 1, dtype=torch.long, device=dev), persistent=False)
         self.register_buffer("n_acc", torch.zeros(1, dtype=torch.long, device=dev), persistent=False)
@@ -117,6 +118,9 @@ class FastCore(nn.Module):
         self.register_buffer("ar_sd", None, persistent=False)
         for name in ("pre_ids", "pre_len", "pre_first", "pre_logits", "pre_aux"):  # `allocate_prefill`
             self.register_buffer(name, None, persistent=False)
+        # the request's sampling settings (one row), read by cycles captured for a sampled mode
+        self.sampling = SamplingRows(1, target.vocab_size, dev)
+        self.fused_sampling = dev.type == "cuda"  # the draw as one compiled kernel inside the captured cycle
         self.pieces = CompiledPieces(self)  # `compile_drafting`
         self.ranked = False  # how drafting picks its top-k: ranked where it is compiled on CUDA (`ranked_top_k`)
         # the draft steps' log-softmax and top-k as two Triton kernels (`eagle3.fast.draft_top_k`) where they can
@@ -159,10 +163,6 @@ class FastCore(nn.Module):
     def alloc_ids(self) -> tuple[int, int]:
         """Changes whenever a cache this core uses was reallocated (graphs captured before are stale)."""
         return self.target.alloc_id, (self.drafter.alloc_id if self.drafter is not None else 0)
-
-    def enable_sampling(self) -> None:
-        if self.logits is None:
-            self.logits = torch.zeros(self.n_nodes + 1, self.target.vocab_size, device=self.device)
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -357,26 +357,30 @@ class FastCore(nn.Module):
         mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors and itself
         return ids, pos, slots, mask, anc
 
-    def verify(self, greedy: bool = True, rows: int | None = None) -> None:
-        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N]; with
-        `rows` (greedy, a chain drafted by `draft_chain_until`), over the first `rows` of them only, the others'
-        argmax left at -1 (no token)."""
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, mode: int) -> torch.Tensor:
+        """The target's token after each of logits [M, V], predicting `positions` [M]: the argmax (GREEDY) or
+        the request's position-keyed draw (`self.sampling`). [M]."""
+        if mode == GREEDY:
+            return self.target.argmax(logits)
+        return self.sampling.draw(logits[None], positions[None], mode, self.fused_sampling)[0]
+
+    def verify(self, mode: int = GREEDY, rows: int | None = None) -> None:
+        """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N], and the
+        target's choice after each node; with `rows` (a chain drafted by `draft_chain_until`), over the first
+        `rows` of them only, the others' choice left at -1 (no token)."""
         ids, pos, slots, mask, anc = self.piece("tree_inputs")
         m = ids.shape[0] if rows is None else rows
         logits, aux = self.target(ids[:m], pos[:m], slots[:m], mask[:m],
                                   want_aux=self.drafter is not None)  # [m, V]
-        if greedy:
-            self.top[:m].copy_(self.target.argmax(logits))
-            if rows is not None:
-                self.top[m:].fill_(-1)
-        else:
-            self.logits.copy_(logits.float())
+        self.top[:m].copy_(self.choose(logits, pos[:m] + 1, mode))  # node j predicts the token at pos[j] + 1
+        if rows is not None:
+            self.top[m:].fill_(-1)
         if aux is not None:
             self.aux[:m].copy_(aux)
         self.anc.copy_(anc)
 
     def accept(self) -> None:
-        """Greedy acceptance on device (same rule as `eagle3.decoding.verify.accept_greedy`)."""
+        """Acceptance against the target's choices, on device (the rule of `eagle3.decoding.verify.accept`)."""
         n, d = self.n_nodes, self.max_depth
         top = self.top  # [N+1]
         if n == 0:
@@ -387,7 +391,7 @@ class FastCore(nn.Module):
             return
         tok = self.tree_tokens  # [N]
         par = self.tree_parents1[1:]  # [N] parent in N+1 indexing
-        match = (tok == top[par]) & self.tree_valid  # [N] draft equals the argmax after its parent
+        match = (tok == top[par]) & self.tree_valid  # [N] draft equals the choice after its parent
         same = (par[:, None] == par[None, :]) & (tok[:, None] == tok[None, :])  # [N, N] sibling, same token
         ok = match & ~(same & self.earlier).any(dim=-1)  # [N] the first of equal siblings only
         anc = self.anc[1:, 1:]  # [N, N]
@@ -433,7 +437,8 @@ class FastCore(nn.Module):
         self.length.add_(n_acc + 1)
 
     # -- whole cycles (what the engine captures) ----------------------------------------------
-    def cycle_greedy(self) -> None:
+    def cycle(self, mode: int = GREEDY) -> None:
+        """Draft, verify, accept, commit: one whole cycle, choosing tokens by `mode` (what the engine captures)."""
         rows = None
         if self.mode == "eagle3" and self.chain_stop is not None and self.top_k == 1:
             rows = self.draft_chain_until() + 1  # root and the drafted tokens
@@ -442,15 +447,9 @@ class FastCore(nn.Module):
                 self.tree_valid.fill_(True)
                 self._valid_all = True
             self.piece("draft")
-        self.verify(greedy=True, rows=rows)
+        self.verify(mode, rows=rows)
         self.piece("accept")
         self.commit()
-
-    def cycle_logits(self) -> None:
-        """Draft (EAGLE-3) and verify, leaving fp32 logits for host-side sampling acceptance."""
-        if self.mode == "eagle3":
-            self.piece("draft")
-        self.verify(greedy=False)
 
     # -- host-side helpers (outside graphs) -------------------------------------------------
     def load_tree(self, tokens: list[int], parents: list[int]) -> None:
@@ -466,13 +465,3 @@ class FastCore(nn.Module):
         self.tree_tokens.copy_(host[:n])
         self.tree_parents1.copy_(host[n : 2 * n + 1])
         self.tree_valid.copy_(host[2 * n + 1 :].bool())
-
-    def set_acceptance(self, path: list[int], emitted: list[int]) -> None:
-        """Write a host-side acceptance (sampling): path in N+1 indexing, emitted = path tokens + next token."""
-        d = self.max_depth
-        a = len(path)
-        host = torch.tensor([0, *path, *([0] * (d - a)), a, *emitted, *([0] * (d - a))], dtype=torch.long)
-        host = host.to(self.device)
-        self.keep.copy_(host[: d + 1])
-        self.n_acc.copy_(host[d + 1 : d + 2])
-        self.emitted.copy_(host[d + 2 :])

@@ -8,8 +8,8 @@ GPU does not wait for the host; when generation stops, the extra cycle's work is
 
 Draft kinds: "none" (plain decoding), "eagle3" (chain or EAGLE-2 tree drafted on device), "ngram" and any
 `eagle3.decoding.proposers.Proposer` (drafted on the host, padded to a fixed node count; one host round trip per
-cycle). Sampling (temperature > 0) verifies on device and accepts with the generic lossless rule of
-`eagle3.decoding.verify` on the host (two small syncs per cycle: the tree and the acceptance walk).
+cycle). Sampled requests (temperature > 0) run the same cycles: the target's choice after each node is the
+request's position-keyed draw (`eagle3.decoding.sampling`) instead of the argmax, computed inside the cycle.
 
 `build_engine` returns a `FastEngine` when the target is a Llama/Mistral/Qwen2/Qwen3 model, else the generic
 engine with a logged notice.
@@ -34,14 +34,12 @@ from eagle3.config import (
 )
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
 from eagle3.decoding.proposers import NgramProposer, Proposer
-from eagle3.decoding.sampling import process_logits, sample
-from eagle3.decoding.tree import DraftTree
-from eagle3.decoding.verify import accept
+from eagle3.decoding.sampling import GREEDY, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter, drafter_attention_for
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, argmax_ids, fast_support
+from eagle3.fast.target import FastTarget, fast_support
 
 log = logging.getLogger("eagle3.fast")
 
@@ -81,7 +79,7 @@ class FastOptions:
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     # chains only, cycles that run eagerly (a CPU, or graphs off): stop drafting once the chain's joint draft
     # probability falls below this and verify only the drafted tokens (`FastCore.draft_chain_until`); None: draft
-    # the full chain every cycle. Greedy only (sampled cycles draft the full chain).
+    # the full chain every cycle.
     chain_stop: float | None = None
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
 
@@ -221,28 +219,26 @@ class FastEngine:
 
     def _runner(self, name: str) -> StepRunner:
         if name not in self._runners:
-            kind, _, width = name.partition("_")  # "prefill_64": `prefill_fixed(64)`
-            fn = {"cycle": self.core.cycle_greedy, "logits": self.core.cycle_logits, "commit": self.core.commit,
-                  "prefill": lambda: self.core.prefill_fixed(int(width)),
-                  "begin": lambda: self.core.begin_fixed(int(width))}[kind]
+            kind, _, arg = name.partition("_")  # "prefill_64": `prefill_fixed(64)`; "cycle_1": `cycle(1)`
+            fn = {"cycle": lambda: self.core.cycle(int(arg)),
+                  "prefill": lambda: self.core.prefill_fixed(int(arg)),
+                  "begin": lambda: self.core.begin_fixed(int(arg))}[kind]
             o = self.options
             r = StepRunner(fn, self.device, graphs=o.graphs, pool=self._pool, name=name,
                            compile=o.compile and kind not in ("prefill", "begin"),  # one compile per width: no
                            compile_backend=o.compile_backend)
-            if name == "logits":
-                self.core.enable_sampling()
             r.prepare()
             self.core.reset()
             self._runners[name] = r
         return self._runners[name]
 
     @torch.no_grad()
-    def prepare(self, prompt_len: int, max_new_tokens: int, greedy: bool = True) -> float:
-        """Allocate and capture everything a request of this size needs; returns the seconds it took."""
+    def prepare(self, prompt_len: int, max_new_tokens: int, mode: int = GREEDY) -> float:
+        """Allocate and capture everything a request of this size and sampling mode (`sampling_mode`) needs;
+        returns the seconds it took."""
         t0 = time.perf_counter()
         self.reserve(prompt_len, max_new_tokens)
-        for name in (("cycle",) if greedy else ("logits", "commit")):
-            self._runner(name)
+        self._runner(f"cycle_{mode}")
         if self.options.graph_prefill:  # every width that fits and a prompt of up to prompt_len tokens can need
             w = PREFILL_MIN_WIDTH
             while w <= self.seq_len and (w == PREFILL_MIN_WIDTH or w // 2 < prompt_len):
@@ -297,19 +293,18 @@ class FastEngine:
         finally:
             self._on_tokens = None
 
-    @staticmethod
-    def _first_token(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:
-        """The first new token [1] from the prefill's logits [V]: argmax, or a draw with `sampling`."""
-        if sampling.greedy:
-            return argmax_ids(logits).view(1)
-        return sample(process_logits(logits.float(), sampling.temperature, sampling.top_p, sampling.top_k),
-                      gen).view(1)
+    def _first_token(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
+        """The first new token [1] from the prefill's logits [V], at position T of a T-token prompt."""
+        t = req.prompt.numel()
+        return self.core.choose(logits[None], torch.tensor([t], device=self.device), self._mode(req))
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer, self.device)
-        sampling, eos, stream, gen, prompt = req.sampling, req.eos, req.stream, req.generator, req.prompt
-        self.prepare(prompt.numel(), max_new_tokens, greedy=sampling.greedy)
+        eos, stream, prompt = req.eos, req.stream, req.prompt
+        mode = self._mode(req)
+        self.prepare(prompt.numel(), max_new_tokens, mode)
+        self.core.sampling.set(0, [replace(req.sampling, seed=req.seed)])
         stats = GenerationStats()
         t0 = time.perf_counter()
 
@@ -321,13 +316,13 @@ class FastEngine:
             core.pre_ids[: prompt.numel()].copy_(dev_prompt)
             core.pre_len.fill_(prompt.numel())
             run_prefill()
-            core.pre_first.copy_(self._first_token(core.pre_logits, sampling, gen))
+            core.pre_first.copy_(self._first_token(core.pre_logits, req))
             run_begin()
             first_t = core.pre_first
         else:
             with varying_shape_attention(self.device):  # the prompt length is new per request; cycles are fixed
                 logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
-                first_t = self._first_token(logits, sampling, gen)
+                first_t = self._first_token(logits, req)
                 core.begin(dev_prompt, aux, first_t)
         out = [int(first_t)]
         if self._on_tokens is not None and self._on_tokens(list(out)):
@@ -341,12 +336,11 @@ class FastEngine:
 
         t1 = time.perf_counter()
         if finish is None:
-            if not sampling.greedy:
-                finish = self._loop_sampling(out, stats, sampling, gen, eos, max_new_tokens, stream, stop_strings)
-            elif self.mode == "host":
-                finish = self._loop_host(out, stats, eos, max_new_tokens, stream, stop_strings)
+            cycle = self._runner(f"cycle_{mode}")
+            if self.mode == "host":
+                finish = self._loop_host(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
             else:
-                finish = self._loop_device(out, stats, eos, max_new_tokens, stream, stop_strings)
+                finish = self._loop_device(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
         self._sync()
         stats.verify_s = time.perf_counter() - t1  # cycles are fused: drafting time is inside verify_s
 
@@ -372,9 +366,14 @@ class FastEngine:
                 return finish
         return None
 
-    def _loop_device(self, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
-        """Greedy, drafting on device: one graph and one packet read per cycle, optionally pipelined."""
-        core, cycle = self.core, self._runner("cycle")
+    @staticmethod
+    def _mode(req: Request) -> int:
+        s = req.sampling
+        return sampling_mode(s.temperature, s.top_p, s.top_k)
+
+    def _loop_device(self, cycle, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
+        """Drafting on device: one graph and one packet read per cycle, optionally pipelined."""
+        core = self.core
         cuda = self.device.type == "cuda"
         pipeline = cuda and self.options.pipeline
         bufs = [torch.empty(core.packet.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
@@ -406,9 +405,9 @@ class FastEngine:
                 launch(i + 1)
             i += 1
 
-    def _loop_host(self, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
-        """Greedy with a host proposer: write its tree, run the cycle graph, read the packet."""
-        core, cycle = self.core, self._runner("cycle")
+    def _loop_host(self, cycle, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
+        """A host proposer: write its tree, run the cycle graph, read the packet."""
+        core = self.core
         while True:
             tree = self.proposer.propose()
             tree.validate()
@@ -425,34 +424,6 @@ class FastEngine:
             if finish is not None:
                 return finish
             self.proposer.accept(None, torch.tensor(new))
-
-    def _loop_sampling(self, out, stats, sampling, gen, eos, max_new_tokens, stream, stop_strings) -> str:
-        """Temperature > 0: device draft + verify, host-side lossless acceptance (eagle3.decoding.verify)."""
-        core = self.core
-        verify, commit = self._runner("logits"), self._runner("commit")
-        while True:
-            if self.mode == "host":
-                tree = self.proposer.propose()
-                tree.validate()
-                core.load_tree(tree.tokens.tolist(), tree.parents.tolist())
-            verify()
-            if self.mode == "eagle3":
-                tree = DraftTree(tokens=core.tree_tokens.clone(), parents=core.tree_parents1[1:] - 1)
-            elif self.mode == "none":
-                tree = DraftTree.empty(self.device)
-            acc = accept(tree, core.logits[: tree.n + 1], sampling, gen)
-            new = acc.emitted(tree)
-            core.set_acceptance(acc.path, new)
-            commit()
-            stats.cycles += 1
-            stats.accepted_per_cycle.append(acc.n_accepted)
-            stats.drafted_depth_per_cycle.append(int(tree.depths().max()) if tree.n else 0)
-            stats.drafted_tokens += tree.n
-            finish = self._emit(out, new, eos, max_new_tokens, stream, stop_strings)
-            if finish is not None:
-                return finish
-            if self.mode == "host":
-                self.proposer.accept(None, torch.tensor(new))
 
 
 def build_engine(

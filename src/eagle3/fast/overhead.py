@@ -163,7 +163,7 @@ def measure_overhead(
     plain = FastCore(target, "none")
     plain.allocate(seq_len)
     begin_random(plain, context, vocab)
-    t_step = time_step(runner(partial(plain.verify, greedy=True), "target-step"), dev, reps)
+    t_step = time_step(runner(plain.verify, "target-step"), dev, reps)
     wbytes = target.weight_bytes()
     kv_ctx = target.kv_bytes(context)
     bw = copy_bandwidth(dev)
@@ -205,13 +205,13 @@ def measure_overhead(
 
         def cycle(core=core, book=book, draft=draft):
             draft()
-            core.verify(greedy=True)
+            core.verify()
             book()
 
         name = f"{kind}-{depth},{top_k},{core.n_nodes}"
         t_draft = time_step(runner(draft, name + " draft"), dev, reps)
-        t_verify = time_step(runner(partial(core.verify, greedy=True), name + " verify"), dev, reps)
-        core.verify(greedy=True)
+        t_verify = time_step(runner(core.verify, name + " verify"), dev, reps)
+        core.verify()
         t_book = time_step(runner(book, name + " bookkeeping"), dev, reps)
         t_cycle = time_step(runner(cycle, name + " cycle"), dev, reps)
         row = {"kind": kind, "depth": depth, "top_k": top_k, "tokens": core.n_nodes, "draft_steps": depth,

@@ -26,9 +26,9 @@ Every bucket up to `prefill_tokens` padded tokens is a fixed-shape function repl
 every running row waits while an eager prefill launches its kernels one by one. Rows [n, nb) of a bucket are
 idle: they decode garbage into their own caches, their lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
 Sampled rows: a row may carry its own temperature, top-p, top-k and seed (`add_many(..., sampling=)`). Its
-tokens are then the position-keyed draws of `eagle3.serving.sampling` (the noise of position p depends only on
+tokens are then the position-keyed draws of `eagle3.decoding.sampling` (the noise of position p depends only on
 the seed and p), so verification stays "accept the draft where it equals the target's choice", per row, and a
-request gets the same text here as on the server's generic batch. Buckets that hold a sampled row run their own
+request gets the same text here as anywhere else. Buckets that hold a sampled row run their own
 captured cycles that compute those draws (`race_sample_rows`): one set for rows that only set a temperature, one
 that also applies top-p / top-k (two sorts over the vocabulary per predicted token); all-greedy buckets keep the
 argmax cycles. Prefills always compute the draws (small next to the prefill itself).
@@ -42,61 +42,16 @@ from collections.abc import Callable
 import torch
 
 from eagle3.config import ConfigError, SamplingConfig
+from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter, top_k_last, top_n_in_order
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, argmax_ids
-from eagle3.serving.sampling import race_sample_rows, seed_hash, vocab_hash
 
 __all__ = ["FastRows", "RowShape", "buckets"]
 
 MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
 FEED_WINDOW = 32  # plain-cycle tokens a row holds back for the drafter before a feed step
-GREEDY, TEMPERATURE, FILTERED = 0, 1, 2  # how a row chooses its tokens (cycle variants: the largest in the bucket)
-
-
-def sampling_mode(s: SamplingConfig | None) -> int:
-    """GREEDY, TEMPERATURE (sampled, no top-p / top-k) or FILTERED for a row's settings."""
-    if s is None or s.temperature == 0:
-        return GREEDY
-    return TEMPERATURE if s.top_p >= 1.0 and s.top_k == 0 else FILTERED
-
-
-class _SamplingRows:
-    """Per-row sampling settings on the device: temperature [R] (0 = greedy), top_p [R], top_k [R], seed hash [R]."""
-
-    def __init__(self, r: int, device: torch.device):
-        self.temp = torch.zeros(r, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(r, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(r, dtype=torch.long, device=device)
-        self.seed_h = torch.zeros(r, dtype=torch.long, device=device)
-
-    def set(self, lo: int, settings: list[SamplingConfig | None]) -> None:
-        """Rows lo, lo+1, ... get `settings` (None or temperature 0: greedy), in one copy per buffer."""
-        hi = lo + len(settings)
-        greedy = SamplingConfig()
-        rows = [s if s is not None and s.temperature > 0 else greedy for s in settings]
-        self.temp[lo:hi].copy_(torch.tensor([s.temperature for s in rows], dtype=torch.float32))
-        self.top_p[lo:hi].copy_(torch.tensor([s.top_p for s in rows], dtype=torch.float32))
-        self.top_k[lo:hi].copy_(torch.tensor([s.top_k for s in rows], dtype=torch.long))
-        self.seed_h[lo:hi].copy_(torch.tensor([seed_hash(s.seed or 0) for s in rows], dtype=torch.long))
-
-    def move(self, dst: int, src: int) -> None:
-        for buf in (self.temp, self.top_p, self.top_k, self.seed_h):
-            buf[dst] = buf[src]
-
-    def choose(self, logits: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor, mode: int,
-               fused: bool = False) -> torch.Tensor:
-        """The token after each of logits [nb, M, V] (positions [nb, M] of the predicted tokens): argmax for greedy
-        rows, the position-keyed draw for sampled ones (`mode` FILTERED applies their top-p / top-k; `fused`
-        compiles the draw into one kernel). [nb, M]."""
-        if mode == GREEDY:
-            return argmax_ids(logits)
-        nb = logits.shape[0]
-        return race_sample_rows(logits, positions, self.seed_h[:nb], self.temp[:nb], self.top_p[:nb],
-                                self.top_k[:nb], vocab_h, filters=mode == FILTERED, fused=fused)
-
-
 class RowShape:
     """A draft shape: `depth` steps, `top_k` branching, `total` nodes kept (chain: top_k 1, total = depth)."""
 
@@ -123,7 +78,7 @@ class _Prefill:
     def __init__(self, rows: FastRows, r: int, t: int, shared: bool = True):
         dev, tg = rows.device, rows.t
         self.r, self.t = r, t
-        self.sampling = _SamplingRows(r, dev)  # each prompt's settings
+        self.sampling = SamplingRows(r, tg.vocab_size, dev)  # each prompt's settings
         self.ids = torch.zeros(r, t, dtype=torch.long, device=dev)  # [R, T] right-padded prompts
         self.lens = torch.ones(r, dtype=torch.long, device=dev)  # [R] (padding rows: 1)
         self.root = torch.zeros(r, dtype=torch.long, device=dev)  # [R] a first token known in advance
@@ -189,10 +144,9 @@ class FastRows:
         self.packet = torch.zeros(capacity, d_max + 3, dtype=torch.long, device=dev)
         self.sampling = sampling  # sampled rows allowed: their cycles are captured too
         # sampled draws compiled into one kernel (None: on CUDA, where the cycles are graphs; the noise is ~30 eager
-        # passes over [rows, positions, V] otherwise; eagle3.serving.sampling)
+        # passes over [rows, positions, V] otherwise; eagle3.decoding.sampling)
         self.fused_sampling = dev.type == "cuda" if fused_sampling is None else fused_sampling
-        self.row_sampling = _SamplingRows(capacity, dev)
-        self.vocab_h = vocab_hash(target.vocab_size, dev)  # [V]
+        self.row_sampling = SamplingRows(capacity, target.vocab_size, dev)
         self._modes: list[int] = []  # host mirror: how active row i chooses its tokens
         if self.d is not None:
             fd = self.d
@@ -309,7 +263,7 @@ class FastRows:
         logits, aux = self.t.forward_rows(p.ids, pos, pos, mask, p.k, p.v, self.rope, logits_at=p.lens - 1,
                                           want_aux=self.d is not None)  # [R, 1, V], [R, T, 3·Ht]
         mode = FILTERED if self.sampling else GREEDY  # the first new token sits at position lens
-        tok = p.sampling.choose(logits, p.lens[:, None], self.vocab_h, mode, self.fused_sampling)[:, 0]  # [R]
+        tok = self._choose(p.sampling, logits, p.lens[:, None], mode)[:, 0]  # [R]
         p.first.copy_(torch.where(p.has_root, p.root, tok))
         if self.d is not None:
             nxt = torch.cat([p.ids[:, 1:], p.ids[:, :1]], dim=1).scatter(1, (p.lens - 1)[:, None], p.first[:, None])
@@ -353,7 +307,7 @@ class FastRows:
         r, i = len(prompts), self.n
         roots = roots or [None] * r
         sampling = sampling or [None] * r
-        modes = [sampling_mode(s) for s in sampling]
+        modes = [GREEDY if s is None else sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling]
         if any(modes) and not self.sampling:
             raise ConfigError("these FastRows were built with sampling=False; sampled requests need sampling=True")
         for s, mode in zip(sampling, modes, strict=True):
@@ -477,6 +431,13 @@ class FastRows:
         return self.shapes[self.bucket(max(1, n))]
 
     # -- device steps (fixed shapes for a bucket of nb rows) ------------------------------------------
+    def _choose(self, rows: SamplingRows, logits: torch.Tensor, positions: torch.Tensor, mode: int) -> torch.Tensor:
+        """The token after each of logits [nb, M, V], predicting `positions` [nb, M]: argmax in greedy buckets,
+        else each row's own choice (`SamplingRows.draw`). [nb, M]."""
+        if mode == GREEDY:
+            return argmax_ids(logits)
+        return rows.draw(logits, positions, mode, self.fused_sampling)
+
     def _advance(self, nb: int, n_acc: torch.Tensor, new_root: torch.Tensor) -> None:
         self.root[:nb].copy_(new_root)
         last = self.seq_len - self.margin  # idle rows stay inside their caches; active rows never get here
@@ -489,7 +450,7 @@ class FastRows:
         logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=self.d is not None)  # [nb, 1, V]
         # [nb]: the token at length + 1
-        tok = self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode, self.fused_sampling)[:, 0]
+        tok = self._choose(self.row_sampling, logits, pos + 1, mode)[:, 0]
         if self.feed_window:  # hold (features, next token) back for `_feed_held`
             rows = torch.arange(nb, device=self.device)
             j = self.held_n[:nb].clamp(max=self.feed_window - 1)  # idle rows may reach the end: they stay there
@@ -601,7 +562,7 @@ class FastRows:
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
         # node j predicts the token at pos[j] + 1
-        top = self.row_sampling.choose(logits, pos + 1, self.vocab_h, mode, self.fused_sampling)  # [nb, N+1]
+        top = self._choose(self.row_sampling, logits, pos + 1, mode)  # [nb, N+1]
         return anc, top, aux
 
     def _accept(self, nb: int, tokens, parents1, anc, top):

@@ -230,7 +230,7 @@ def accept_greedy_batch(
 ) -> tuple[list[list[int]], list[int]]:
     """Per row: the accepted path (N+1 indexing, root to deepest) and the next token; one host sync.
 
-    The batched form of `eagle3.decoding.verify.accept_greedy`: follow from the root the child whose token
+    The batched form of `eagle3.decoding.verify.accept`: follow from the root the child whose token
     equals the target's choice after its parent; the first of equal siblings wins.
     """
     b, n = tokens.shape

@@ -8,7 +8,7 @@ Each loop iteration:
 3. run one cycle over all rows: the policy picks a draft shape for this batch size, the drafter proposes
    a tree for each drafting row, ONE batched target forward verifies every row's [root, tree] (padded to
    N+1 tokens), each row accepts its own path (greedy, or position-keyed sampling, see
-   `eagle3.serving.sampling`), the batch KV cache keeps each row's prefix + root + accepted nodes, the
+   `eagle3.decoding.sampling`), the batch KV cache keeps each row's prefix + root + accepted nodes, the
    drafter is extended with the accepted features, and tokens are emitted to the clients;
 4. finished rows (EOS, stop string, max_tokens) leave the batch.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -45,12 +44,12 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import SamplingConfig
+from eagle3.decoding.sampling import new_seed, race_sample
 from eagle3.serving.batch import BatchKV, accept_greedy_batch, batch_ancestors, batched_forward, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import BatchDrafter
 from eagle3.serving.metrics import Metrics
 from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate
-from eagle3.serving.sampling import race_sample
 from eagle3.target import Target
 
 if TYPE_CHECKING:
@@ -97,7 +96,7 @@ class RequestHandle:
         self.params = params
         self.sink = sink
         self.id = uuid.uuid4().hex
-        self.seed = params.seed if params.seed is not None else secrets.randbits(32)
+        self.seed = params.seed if params.seed is not None else new_seed()
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.cancelled = False
