@@ -123,7 +123,7 @@ def test_eval_reports_each_prompt_and_tau_by_category(capsys, random_drafter, tm
                  "--max-new-tokens", "12", "--chain", "3", "--temperatures", "0", "--out", str(out)]) == 0
     assert "by category: story" in capsys.readouterr().out
     report = json.loads((out / "eval.json").read_text())
-    assert report["engine"] == {"engine": "generic"}  # what ran is in the record (auto on a CPU: generic)
+    assert report["engine_settings"] == {"engine": "generic"}  # what ran is in the record (auto on a CPU: generic)
     run = report["runs"][0]
     per = run["per_prompt"]
     assert [r["category"] for r in per] == ["story", "story", "animal"] and run["prompts"] == 3

@@ -625,7 +625,9 @@ def test_resume_accepts_a_checkpoint_from_before_newer_fields(data_dir, tmp_path
 def test_budget_steps_fills_the_time_left_within_the_limits():
     assert budget_steps(23, 100.0, 0.5, upper=1000) == 223
     assert budget_steps(23, 100.0, 0.5, upper=100) == 100  # epochs / max_steps still cap the run
-    assert budget_steps(23, -5.0, 0.5, upper=1000) == 24  # over budget already: one more step, then stop
+    assert budget_steps(23, 100.2, 0.5, upper=1000) == 223  # to the nearest step: within half a step of the budget
+    assert budget_steps(23, -5.0, 0.5, upper=1000) == 23  # over budget already: stop now
+    assert budget_steps(0, -5.0, 0.5, upper=1000) == 1  # but one step at least
 
 
 class FakeClock:
@@ -660,20 +662,20 @@ def run_with_clock(monkeypatch, clock: FakeClock, cfg: TrainConfig):
 
 def test_time_budget_sizes_the_schedule_and_a_resume_keeps_it(data_dir, tmp_path, monkeypatch, capsys):
     # 24 rows, 4 per step: 6 steps per epoch, 10 epochs allow 60. At 1 s per step a 40 s budget gives 40 steps:
-    # 3 untimed + 20 timed steps measure 1 s/step with 23 s spent, and 17 more fit.
+    # after 3 untimed + 20 timed steps, 1 s/step with 23 s spent, and 17 more fit.
     kw = dict(epochs=10, max_steps=None, time_budget=40.0, warmup_steps=None, save_every=10)
     out = tmp_path / "budget"
     res = run_with_clock(monkeypatch, FakeClock(1.0), base_cfg(data_dir, out, **kw))
     assert res.steps == 40 and (out / "drafter").exists()
-    assert "1.000 s/step over the last 20 steps -> 40 steps in all" in capsys.readouterr().err
+    assert "1.000 s/step -> 40 steps in all" in capsys.readouterr().err
     recs = [json.loads(x) for x in (out / LOG_FILE).read_text().splitlines()]
     assert recs[-1]["step"] == 40 and recs[-1]["lr"] < 1e-5  # the cosine ran to its end at step 40
-    # interrupted after calibration and resumed on a machine 5x slower: the step count chosen first is kept,
-    # and the weights equal the uninterrupted run's
+    # interrupted and resumed at the same speed: the weights equal the uninterrupted run's (a slower machine:
+    # tests/test_time_budget.py)
     out2 = tmp_path / "budget_resumed"
     first = run_with_clock(monkeypatch, FakeClock(1.0), base_cfg(data_dir, out2, stop_after=30, **kw))
     assert first.steps == 30
-    second = run_with_clock(monkeypatch, FakeClock(5.0), base_cfg(data_dir, out2, resume=True, **kw))
+    second = run_with_clock(monkeypatch, FakeClock(1.0), base_cfg(data_dir, out2, resume=True, **kw))
     assert second.steps == 40
     assert_same_weights(weights(out), weights(out2), atol=0.0)
 
@@ -690,52 +692,19 @@ def test_time_budget_flag_parses_durations():
         TrainConfig(target="t", data="d", out="o", time_budget=0).validate()
 
 
-def run_with_slow_start(data_dir, tmp_path, monkeypatch, budget: float, slow_steps: int, late_steps: int = 500):
-    """A time-budgeted run whose steps 1..slow_steps take 2 s and later ones 1 s; sizing windows of 20, 10 and
-    `late_steps` steps after 3 untimed ones."""
-    import eagle3.training.trainer as trainer_mod
-
-    monkeypatch.setattr(trainer_mod, "BUDGET_RECALIBRATION_STEPS", 10)
-    monkeypatch.setattr(trainer_mod, "BUDGET_LATE_STEPS", late_steps)
-    cfg = base_cfg(data_dir, tmp_path / "o", epochs=20, max_steps=None, time_budget=budget, warmup_steps=None,
-                   save_every=0)
-    return run_with_clock(monkeypatch, FakeClock(1.0, early_seconds=2.0, early_steps=slow_steps), cfg)
-
-
-def test_time_budget_sizes_again_when_the_first_steps_were_slow(data_dir, tmp_path, monkeypatch, capsys):
-    # steps 1-23 take 2 s. First sizing at step 23: 46 s spent, 2 s/step -> 23 + 54 / 2 = 50.
-    # Second sizing 10 steps later: 56 s spent, 1 s/step -> 33 + 44 = 77 steps (the third would come at 533).
-    res = run_with_slow_start(data_dir, tmp_path, monkeypatch, budget=100.0, slow_steps=23)
-    err = capsys.readouterr().err
-    assert "2.000 s/step over the last 20 steps -> 50 steps" in err
-    assert "1.000 s/step over the last 10 steps -> 77 steps" in err
-    assert res.steps == 77
-
-
-def test_time_budget_sizes_a_third_time_after_the_late_window(data_dir, tmp_path, monkeypatch, capsys):
-    # steps 1-33 take 2 s. Step 23: 46 s spent, 2 s/step -> 23 + 74 / 2 = 60. Step 33: 66 s, 2 s/step ->
-    # 33 + 54 / 2 = 60. Step 43: 76 s spent, 1 s/step -> 43 + 44 = 87: the third sizing uses the time left.
-    res = run_with_slow_start(data_dir, tmp_path, monkeypatch, budget=120.0, slow_steps=33, late_steps=10)
-    err = capsys.readouterr().err
-    assert "2.000 s/step over the last 20 steps -> 60 steps" in err
-    assert "2.000 s/step over the last 10 steps -> 60 steps" in err
-    assert "76 s spent: 1.000 s/step over the last 10 steps -> 87 steps" in err
-    assert res.steps == 87
-
-
 def test_time_budget_under_torchrun_sizes_every_rank_alike(data_dir, tmp_path):
     """With a real clock each rank measures its own speed; the sizing uses the mean over ranks, so both stop at
     the same step (were they to differ, the rank still training would wait in DDP's all-reduce forever)."""
     out = tmp_path / "ddp_budget"
-    cfg = base_cfg(data_dir, out, epochs=10, max_steps=None, time_budget=2.0, warmup_steps=None, save_every=0)
+    cfg = base_cfg(data_dir, out, epochs=10, max_steps=None, time_budget=0.5, warmup_steps=None, save_every=0)
     worker = ("import json, sys\nfrom eagle3.training.trainer import TrainConfig, train\n"
               "train(TrainConfig(**json.loads(sys.argv[1])))\n")
     torchrun2(tmp_path, worker, json.dumps(cfg.to_dict()))
     steps = [json.loads(x)["step"] for x in (out / LOG_FILE).read_text().splitlines()]
-    assert (out / "drafter").exists() and 24 <= steps[-1] <= 60
+    assert (out / "drafter").exists() and 1 <= steps[-1] < 60
     printed = (tmp_path / f"worker_{abs(hash(worker))}.log").read_text()
-    assert printed.count("eagle3 train: time budget 2 s") == 1  # rank 0 says it, once (sized after 23 steps)
-    assert f"-> {steps[-1]} steps in all" in printed
+    assert printed.count("eagle3 train: time budget 0.5 s: stopped after") == 1  # rank 0 says it, once
+    assert f"stopped after {steps[-1]} steps" in printed
 
 
 def test_compiled_training_matches_eager(data_dir, straight_run, tmp_path, caplog, capsys):

@@ -206,6 +206,9 @@ def run_bench(
     reason = fast_support(model)
     if reason is not None:
         echo(f"fast path unavailable ({reason}): methods d-g use the generic engine")
+    engine_name = "fast" if reason is None else "generic"  # for methods d-g (a-c: HF generate)
+    model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    echo(f"eagle3 bench: {engine_name} engine, {model_dtype} on {dev}")
     chain_spec = SpecConfig(mode="chain", chain_length=chain)
     ngram_spec = SpecConfig(mode="chain", chain_length=ngram_tokens)
     max_nodes = max(*(t.total_tokens for t in trees), chain, ngram_tokens)
@@ -244,8 +247,9 @@ def run_bench(
         """The run record of the methods done so far; `bandwidth` None while methods are still to run."""
         ref_method = "plain" if "plain" in results else summary[0]["method"]
         rows = _summarise(summary, results, prompts, ref_method)
-        return run_record(
+        rec = run_record(
             "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=bool(getattr(tok, "chat_template", None)),
+            engine=engine_name, dtype=model_dtype,
             max_new_tokens=max_new_tokens, methods=[r[0] for r in runs], reference=ref_method,
             spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
                   "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
@@ -261,6 +265,8 @@ def run_bench(
                      "cache_slots": cache_len},
             summary=summary, bandwidth=bandwidth, rows=rows, complete=bandwidth is not None,
         )
+        rec["device"]["torch_device"] = str(dev)  # "device" also describes the machine (run_record)
+        return rec
 
     for m, kind, spec in runs:
         letter, label = METHODS[kind]
@@ -279,10 +285,11 @@ def run_bench(
         results[m] = [run(ids) for ids in prompts]
         fast = isinstance(engine, FastEngine)
         compiled = (kind == "hf_static" and dev.type == "cuda") or (fast and engine.compiled)
-        summary.append({"method": m, "letter": letter, "label": label, "warmup_s": round(warm_s, 3),
+        ran = "hf" if engine is None else ("fast" if fast else "generic")
+        summary.append({"method": m, "letter": letter, "label": label, "engine": ran, "warmup_s": round(warm_s, 3),
                         "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed,
                         "drafting_compiled": fast and engine.core.drafting_compiled})
-        echo(f"({letter}) {label}: done ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
+        echo(f"({letter}) {label}: done on the {ran} engine ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
         del engine
         partial = record(None)  # also fills the summary, which the bandwidth's fraction of the floor reads
         if on_progress is not None:

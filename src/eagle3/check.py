@@ -4,6 +4,9 @@ The costly failures of EAGLE-3 deployments are silent: a drafter loaded with the
 `d2t`, the wrong target or an untrained head still runs, and only the acceptance (tau near 1) gives it away.
 This command loads the pair the way every eagle3 command does (refusing what cannot match), then:
 
+0. **tokenizer**: encodes a short text and compares what the tokenizer adds (BOS, EOS) and whether it has a chat
+   template with what the target's files say (a GGUF's metadata, a folder's tokenizer config); a difference is a
+   warning, since a model fed text without its BOS degrades while both decodings still agree.
 1. **lossless**: answers a few prompts greedily with plain decoding and with the drafter; the token ids must be
    identical. In float32 any difference is a failure; in bf16/fp16 a difference can be a rounding near-tie (the
    verification of many tokens at once reduces in another order), so it is a warning that says so.
@@ -45,7 +48,7 @@ PROFILE_SETTINGS = ("prompts_sha256", "max_new_tokens", "spec", "dtype")
 
 @dataclass
 class Finding:
-    check: str  # "load" | "lossless" | "acceptance" | "profile"
+    check: str  # "tokenizer" | "load" | "lossless" | "acceptance" | "profile"
     status: str  # "pass" | "warn" | "fail"
     message: str
 
@@ -94,12 +97,18 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     (None when loading failed). Settings not given come from the drafter's profile, else the defaults."""
     from eagle3.demo import CPU_SPEC
     from eagle3.formats import load_drafter
-    from eagle3.models import load_target
+    from eagle3.models import load_target, tokenizer_expectations
     from eagle3.runtime import encode_messages, eos_token_ids
     from eagle3.target import Target
+    from eagle3.tokenizer_facts import tokenizer_findings
 
     report = CheckReport()
     model, tok = load_target(target, dtype=dtype, device=device)
+    # a tokenizer that lost its BOS passes every other check (both decodings share it): compare with the files.
+    # Agreement is told on the load line; each disagreement is a "tokenizer" warning after it
+    tokenizer = tokenizer_findings(tok, tokenizer_expectations(target))
+    tokenizer_ok = "; ".join(m for s, m in tokenizer if s == "pass")
+    tokenizer_warnings = [m for s, m in tokenizer if s != "pass"]
     collect = _Collect()
     formats_log = logging.getLogger("eagle3.formats")
     formats_log.addHandler(collect)
@@ -108,6 +117,8 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
                          device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
     except ConfigError as e:
         report.add("load", "fail", f"the drafter does not fit this target: {e}")
+        for message in tokenizer_warnings:
+            report.add("tokenizer", "warn", message)
         return report, None
     finally:
         formats_log.removeHandler(collect)
@@ -116,7 +127,10 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     concerns = [m for m in collect.messages if "torch_dtype" not in m]
     report.add("load", "warn" if concerns else "pass",
                f"aux layers {cfg.aux_layer_ids} of {cfg.target_num_layers}, draft vocabulary {cfg.draft_vocab_size} "
-               f"of {cfg.vocab_size}" + "".join(f"; {m}" for m in collect.messages))
+               f"of {cfg.vocab_size}" + "".join(f"; {m}" for m in collect.messages)
+               + (f"; tokenizer: {tokenizer_ok}" if tokenizer_ok else ""))
+    for message in tokenizer_warnings:
+        report.add("tokenizer", "warn", message)
 
     profile = cfg.acceptance_profile or {}
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -58,6 +58,16 @@ def duration_seconds(text: str) -> float:
     return value
 
 
+def draft_vocab_size(text: str) -> int:
+    """'32000' -> 32000, 'full' or '0' -> 0 (the full vocabulary; argparse type for init-drafter)."""
+    t = text.strip().lower()
+    if t == "full":
+        return 0
+    if not t.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of tokens (e.g. 32000), or full")
+    return int(t)
+
+
 def layer_ids(text: str) -> list[int]:
     """'2,15,29' -> [2, 15, 29] (argparse type for --aux-layers; range and order are checked against the target)."""
     parts = [p.strip() for p in text.split(",")]
@@ -124,6 +134,18 @@ def _engine(rt, args):
     return fast_engine_for(rt, options)
 
 
+def _ran_with(rt, engine) -> dict:
+    """What decoding ran on: {"engine": "fast" | "generic", "dtype", "device"} (for text and JSON output)."""
+    param = next(rt.model.parameters())
+    settings = getattr(engine, "settings", None)
+    return {"engine": settings()["engine"] if settings is not None else "generic",
+            "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device)}
+
+
+def _ran_with_line(ran: dict) -> str:
+    return f"{ran['engine']} engine, {ran['dtype']} on {ran['device']}"
+
+
 def cmd_generate(args) -> int:
     from eagle3.runtime import encode_prompt, load_runtime
 
@@ -136,11 +158,14 @@ def cmd_generate(args) -> int:
     ids = encode_prompt(rt.tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     engine = _engine(rt, args)
+    ran = _ran_with(rt, engine)
+    print(f"eagle3 generate: {_ran_with_line(ran)}", file=sys.stderr, flush=True)  # stdout keeps the text alone
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                              eos_token_ids=rt.eos_token_ids, stop_strings=args.stop or (), on_text=stream)
     st = res.stats
     if args.json:
         print(json.dumps({
+            **ran,
             "text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
             "tau": round(st.tau, 4), "acceptance_per_position": [round(a, 4) for a in st.acceptance_per_position],
             "tokens_per_s": round(st.tokens_per_s, 2), "new_tokens": st.new_tokens, "cycles": st.cycles,
@@ -158,10 +183,14 @@ def cmd_init_drafter(args) -> int:
     from eagle3.formats import save_drafter
     from eagle3.models import load_target
     from eagle3.runtime import init_drafter
+    from eagle3.training.vocab import initial_draft_ids
 
     model, _ = load_target(args.target, dtype="float32", device="cpu")
-    d = init_drafter(model, draft_vocab_size=args.draft_vocab_size, seed=args.seed)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids, how = initial_draft_ids(vocab, args.draft_vocab_size, args.data, default=DEFAULT_DRAFT_VOCAB_SIZE)
+    d = init_drafter(model, seed=args.seed, draft_ids=ids)
     save_drafter(d, args.out, format="speculators")
+    print(f"draft vocabulary: {how}; --draft-vocab-size N or full changes it", file=sys.stderr)
     print(f"wrote a random drafter for {args.target} to {args.out} "
           f"(aux layers {d.config.aux_layer_ids}, draft vocab {d.config.draft_vocab_size})")
     return 0
@@ -170,45 +199,86 @@ def cmd_init_drafter(args) -> int:
 def cmd_export(args) -> int:
     from eagle3.formats import export_drafter
 
-    export_drafter(args.drafter, args.format, args.out)
+    export_drafter(args.drafter, args.format, args.out, verifier_name=args.verifier_name)
     print(f"wrote {args.format} checkpoint to {args.out}")
     return 0
 
 
 def cmd_prepare(args) -> int:
     from eagle3.models import load_tokenizer
+    from eagle3.training.inputs import at_least, check_data, check_out_dir, resolve_chat_template
     from eagle3.training.prepare import prepare
 
+    template = resolve_chat_template(args.chat_template)  # inputs and flags first: the tokenizer may download
+    at_least("--max-length", args.max_length, 2)
+    at_least("--draft-vocab-size", args.draft_vocab_size, 1)
+    at_least("--workers", args.workers, 1)
+    at_least("--max-rows", args.max_rows, 1)
+    check_data(args.data, "prepare")
+    check_out_dir(args.out)
     tok, vocab_size = load_tokenizer(args.target)
     mapping = None
     if args.vocab_from:
         from eagle3.formats import read_vocab_mapping
 
         mapping = read_vocab_mapping(args.vocab_from)
+    draft_vocab = args.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
     report = prepare(tok, args.data, args.out, max_length=args.max_length, length_policy=args.length_policy,
-                     draft_vocab_size=args.draft_vocab_size, system_prompt=args.system_prompt,
+                     draft_vocab_size=draft_vocab, system_prompt=args.system_prompt,
                      num_workers=args.workers, vocab_size=vocab_size, max_rows=args.max_rows,
-                     vocab_mapping=mapping)
+                     vocab_mapping=mapping, chat_template=template)
     print(json.dumps(report.to_dict() if hasattr(report, "to_dict") else report.__dict__, indent=2, default=str))
     return 0
 
 
 def cmd_regenerate(args) -> int:
+    from eagle3.training.data import PLAIN
+    from eagle3.training.inputs import (
+        at_least,
+        check_data,
+        check_out_file,
+        needs_template_error,
+        resolve_chat_template,
+    )
     from eagle3.training.regenerate import EndpointBackend, LocalBackend, regenerate
 
+    # every input and flag before the model loads
+    template = resolve_chat_template(args.chat_template)
+    if args.endpoint and not args.model:
+        raise ConfigError("--endpoint needs --model NAME (the model name the server serves)")
+    if not args.endpoint and not args.target:
+        raise ConfigError("give --target (local generation) or --endpoint URL --model NAME")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--concurrency", args.concurrency), ("--max-turns", args.max_turns),
+                        ("--max-prompt-tokens", args.max_prompt_tokens), ("--limit", args.limit)):
+        at_least(flag, value, 1)
+    check_out_file(args.out)
+    if any(Path(d).resolve() == Path(args.out).resolve() for d in args.data):
+        raise ConfigError(f"the output {args.out} is also an input; write to a new file")
+    kinds = check_data(args.data, "regenerate")
+    if kinds["chat"] and kinds["completion"]:
+        raise ConfigError("--data mixes conversations and completion rows (prompt/text, .txt); regenerate each "
+                          "kind in a run of its own")
     if args.endpoint:
-        if not args.model:
-            raise ConfigError("--endpoint needs --model NAME (the model name the server serves)")
+        if kinds["completion"]:
+            raise ConfigError("completion rows (prompt/text, .txt) are continued as raw text by a local --target; "
+                              "an --endpoint answers conversations only")
+        if template is not None:
+            raise ConfigError("--chat-template applies to local generation (--target); the server uses its own")
         backend = EndpointBackend(args.endpoint, args.model, concurrency=args.concurrency,
                                   api_key=os.environ.get("OPENAI_API_KEY"))
     else:
-        if not args.target:
-            raise ConfigError("give --target (local generation) or --endpoint URL --model NAME")
-        from eagle3.models import load_target
+        from eagle3.models import load_target, load_tokenizer
 
+        if kinds["completion"]:
+            template = PLAIN  # completion rows are raw text, whatever the model's template
+        elif template is None and not (tok := load_tokenizer(args.target)[0]).chat_template:
+            raise needs_template_error(tok, "regenerate")
         model, tok = load_target(args.target, dtype=args.dtype, device=args.device or _default_device())
         backend = LocalBackend(model, tok, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                               engine=args.engine)
+                               engine=args.engine, chat_template=template)
     report = regenerate(args.data, args.out, backend, temperature=args.temperature,
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         max_turns=args.max_turns, limit=args.limit)
@@ -253,18 +323,29 @@ def cmd_eval(args) -> int:
     from eagle3.evaluate import BENCH_SETS, load_prompt_rows, plot_report, run_dataset
     from eagle3.record import run_record, write_json
     from eagle3.runtime import load_runtime
+    from eagle3.training.data import PLAIN
+    from eagle3.training.inputs import at_least, check_out_dir, resolve_chat_template
 
     out = Path(args.out)
     spec = _spec_from_args(args)
-    datasets = args.datasets or list(BENCH_SETS)
+    # every input and flag before the model loads
+    template = resolve_chat_template(args.chat_template)
+    at_least("--limit", args.limit, 1)
+    at_least("--max-new-tokens", args.max_new_tokens, 1)
+    at_least("--temperatures", min(args.temperatures), 0)
+    check_out_dir(out)
+    datasets = [load_prompt_rows(ds, limit=args.limit) for ds in args.datasets or list(BENCH_SETS)]
     rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
                       dtype=args.dtype)
+    if template is not None:  # plain: no template, prompts as raw text (runtime.encode_messages)
+        rt.tokenizer.chat_template = None if template == PLAIN else template
     rt.engine = _engine(rt, args)
+    ran = _ran_with(rt, rt.engine)
+    print(f"eagle3 eval: {_ran_with_line(ran)}", flush=True)
     runs = []
     for temp in args.temperatures:
         sampling = SamplingConfig(temperature=temp, seed=args.seed)
-        for ds in datasets:
-            name, prompts, categories = load_prompt_rows(ds, limit=args.limit)
+        for name, prompts, categories in datasets:
             r = run_dataset(rt, name, prompts, sampling, args.max_new_tokens, categories=categories)
             runs.append(r.to_dict())
             print(f"{name:10s} {r.method:22s} T={temp:<4} tau {r.tau:.3f}  "
@@ -276,7 +357,9 @@ def cmd_eval(args) -> int:
     settings = getattr(rt.engine, "settings", None)
     report = run_record("eval", target=args.target, drafter=str(args.drafter), draft=rt.draft,
                         spec=rt.spec.__dict__, max_new_tokens=args.max_new_tokens, limit=args.limit,
-                        engine=settings() if settings is not None else {"engine": "generic"}, runs=runs)
+                        engine=ran["engine"], dtype=ran["dtype"],
+                        engine_settings=settings() if settings is not None else {"engine": "generic"}, runs=runs)
+    report["device"]["torch_device"] = ran["device"]  # "device" also describes the machine (run_record)
     write_json(report, out / "eval.json")
     png = plot_report(report, out / "eval.png")
     print(f"report: {out / 'eval.json'}" + (f", chart: {png}" if png else " (pip install 'eagle3[bench]' for a chart)"))
@@ -299,6 +382,8 @@ def _default_device() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from eagle3.training.inputs import CHAT_TEMPLATE_HELP
+
     p = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 speculative decoding for HF models")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
@@ -334,7 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
     _add_target(i)
     i.add_argument("--out", required=True)
-    i.add_argument("--draft-vocab-size", type=int, default=None)
+    i.add_argument("--data", default=None, metavar="DIR",
+                   help="a folder written by eagle3 prepare: take its draft vocabulary (its most frequent tokens)")
+    i.add_argument("--draft-vocab-size", type=draft_vocab_size, default=None, metavar="N|full",
+                   help=f"tokens the drafter can propose (default: --data's, else the first {DEFAULT_DRAFT_VOCAB_SIZE}"
+                        " ids, at most the target's); full or 0: the whole vocabulary")
     i.add_argument("--seed", type=int, default=0)
     i.set_defaults(func=cmd_init_drafter)
 
@@ -342,17 +431,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--drafter", required=True)
     e.add_argument("--format", choices=("speculators", "eagle"), required=True)
     e.add_argument("--out", required=True)
+    e.add_argument("--verifier-name", default=None, metavar="NAME",
+                   help="the target as `vllm serve` should load it (hub id or path), recorded as the config's "
+                        "verifier.name_or_path (default: the name the drafter was made with; a GGUF target's is "
+                        "the hub repository its metadata names, else the .gguf path)")
     e.set_defaults(func=cmd_export)
 
-    pr = sub.add_parser("prepare", help="tokenize conversations with the target's chat template, build loss masks "
-                        "and the draft vocabulary")
+    pr = sub.add_parser("prepare", help="tokenize conversations with the target's chat template (or raw text for a "
+                        "base model), build loss masks and the draft vocabulary")
     pr.add_argument("--target", required=True, help="the target whose tokenizer and chat template to use")
-    pr.add_argument("--data", nargs="+", required=True, help="ShareGPT/OpenAI JSON or JSONL files (also "
-                    ".json.gz/.jsonl.gz), parquet, or HF datasets folders")
+    pr.add_argument("--data", nargs="+", required=True, help="ShareGPT/OpenAI conversations or text/prompt+completion "
+                    "rows: JSON/JSONL (also .gz), parquet, HF datasets folders, or .txt (blank-line-separated documents)")
+    pr.add_argument("--chat-template", default=None, metavar="FILE|NAME", help=CHAT_TEMPLATE_HELP)
     pr.add_argument("--out", required=True)
     pr.add_argument("--max-length", type=int, default=2048)
     pr.add_argument("--length-policy", choices=("drop", "truncate"), default="drop")
-    pr.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE)
+    pr.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                    help=f"default {DEFAULT_DRAFT_VOCAB_SIZE}, or the target's vocabulary where that is smaller")
     pr.add_argument("--vocab-from", default=None, metavar="DRAFTER",
                     help="use this drafter's draft vocabulary (to continue training it with `train --init`)")
     pr.add_argument("--system-prompt", default=None, help="added to conversations that have none")
@@ -367,8 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL (vLLM, SGLang, eagle3 serve)")
     rg.add_argument("--model", default=None, help="model name at the endpoint")
     rg.add_argument("--concurrency", type=int, default=16)
-    rg.add_argument("--data", nargs="+", required=True, help="conversations to answer: the formats prepare reads "
-                    "(JSON/JSONL, also gzipped, parquet, HF datasets folders)")
+    rg.add_argument("--data", nargs="+", required=True, help="conversations to answer, or prompt/text rows and .txt "
+                    "files for a base model to continue: the formats prepare reads")
+    rg.add_argument("--chat-template", default=None, metavar="FILE|NAME", help=CHAT_TEMPLATE_HELP)
     rg.add_argument("--out", required=True, help="output JSONL (resumable: rerun the same command to continue)")
     rg.add_argument("--temperature", type=float, default=0.0)
     rg.add_argument("--max-new-tokens", type=int, default=512)
@@ -431,8 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-steps", type=int, default=None, metavar="N")
     t.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop this run after N steps (resume later)")
     t.add_argument("--time-budget", type=duration_seconds, default=None, metavar="DURATION",
-                   help="train for about this long (1200, 90s, 20m, 1.5h; loading not counted), the step count "
-                        "set from the first steps' speed")
+                   help="1200, 90s, 20m, 1.5h: from the first step to the written drafter (loading not counted), "
+                        "within half a step; the cosine ends with it")
     t.add_argument("--batch-size", type=int, default=None, metavar="ROWS", help="rows per optimizer step (global)")
     t.add_argument("--batch-tokens", type=int, default=None, metavar="N",
                    help="padded tokens per optimizer step (global)")
@@ -467,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--drafter", default=None, metavar="DIR")
     ev.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None)
     ev.add_argument("--datasets", nargs="+", default=None, metavar="SET",
-                    help="bundled sets (mt_bench humaneval gsm8k alpaca sum qa) or JSONL files; default all six")
+                    help="bundled sets (mt_bench humaneval gsm8k alpaca sum qa), JSONL or .txt files; default all six")
+    ev.add_argument("--chat-template", default=None, metavar="FILE|NAME", help=CHAT_TEMPLATE_HELP)
     ev.add_argument("--limit", type=int, default=None, help="prompts per dataset")
     ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T")
     ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N")

@@ -2,7 +2,9 @@
 
 The bundled sets are the EAGLE-3 paper's evaluation prompts (SafeAILab/EAGLE `eagle/data/*/question.jsonl`,
 Apache-2.0): mt_bench, humaneval, gsm8k, alpaca, sum (CNN/DM), qa (Natural Questions). Any JSONL whose rows
-have `turns` (first turn used), `prompt`, `question` or OpenAI `messages` works too.
+have `turns` (first turn used), `prompt`, `question`, `text` or OpenAI `messages` works too, and a `.txt` file
+(one prompt per blank-line-separated block). A target without a chat template (a base model) gets each prompt
+as raw text; `eagle3 eval --chat-template plain` does that for any target.
 
 tau is aggregated over all cycles of a run (tokens emitted / target verification forwards, bonus included);
 per-position acceptance is aggregated the same way (see eagle3.decoding.engine). Each run also keeps one row per
@@ -47,11 +49,11 @@ def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, 
     categories: list[str | None] = []
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+        for lineno, line in enumerate(f, 1) if path.suffix.lower() != ".txt" else _text_blocks(path):
+            if isinstance(line, str) and not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line) if isinstance(line, str) else line
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{lineno}: not JSON ({e.msg})") from None
             if "messages" in row:
@@ -63,18 +65,27 @@ def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, 
                     raise ConfigError(f"{path}:{lineno}: 'conversations' holds no human turn with text")
                 msgs = [{"role": "user", "content": text}]
             else:
-                text = (row.get("turns") or [None])[0] or row.get("prompt") or row.get("question")
+                text = (row.get("turns") or [None])[0] or row.get("prompt") or row.get("question") or row.get("text")
                 if not isinstance(text, str) or not text.strip():
-                    raise ConfigError(
-                        f"{path}:{lineno}: needs 'turns', 'prompt', 'question', 'messages' or 'conversations'")
+                    raise ConfigError(f"{path}:{lineno}: needs 'turns', 'prompt', 'question', 'text', 'messages' or "
+                                      f"'conversations'; found fields {', '.join(row)}")
                 msgs = [{"role": "user", "content": text}]
             out.append(msgs)
             category = row.get("category")
             categories.append(str(category) if category is not None else None)
             if limit and len(out) >= limit:
                 break
+    if not out:
+        raise ConfigError(f"{path}: no prompts in it")
     name = name_or_path if name_or_path in BENCH_SETS else Path(path.name.removesuffix(".gz")).stem
     return name, out, categories
+
+
+def _text_blocks(path: Path):
+    """(block number, {"text": block}) for each blank-line-separated block of a `.txt` file."""
+    from eagle3.training.data import _iter_text_blocks
+
+    return enumerate(_iter_text_blocks(path), 1)
 
 
 @dataclass

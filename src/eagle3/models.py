@@ -17,6 +17,7 @@ The returned model is a plain float `PreTrainedModel` with SDPA attention, in ev
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -41,6 +42,7 @@ from transformers import (
 )
 
 from eagle3.config import ConfigError
+from eagle3.tokenizer_facts import hf_expectations, match_gguf_tokenizer, read_gguf_facts
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +67,9 @@ _DTYPE_NAMES = {
     "half": torch.float16,
 }
 _CACHE_DONE = "eagle3_gguf.json"  # written last: a cache folder without it is incomplete
+# Part of the cache key with the transformers and gguf versions: bump it when `_convert_gguf` writes something
+# different, so copies made by the old code are converted anew instead of reused.
+GGUF_CONVERSION_VERSION = 2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,9 +93,10 @@ def load_target(
     else:
         kwargs = {"local_files_only": True} if source.local_only else {}
         model, tokenizer = _from_hub(source, lambda: _load_hf(source.where, torch_dtype, dev, **kwargs))
-    if source.served_as:
-        # exported drafters record the verifier by name; the hub id is what vLLM/SGLang users serve
-        model.config._name_or_path = source.served_as
+    # exported drafters record the verifier by this name: what vLLM/SGLang users serve, never eagle3's cache
+    public = source.served_as or (gguf_public_name(source.where) if source.kind == "gguf" else None)
+    if public:
+        model.config._name_or_path = public
     return model, tokenizer
 
 
@@ -104,10 +110,14 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> tuple[PreTrainedTokenizerBas
     if source.kind == "gguf":
         src = Path(source.where).expanduser().resolve()
         prefix = _gguf_cache_prefix(src)
-        converted = sorted(d for d in prefix.parent.glob(f"{prefix.name}-*") if (d / _CACHE_DONE).is_file())
+        converted = sorted(d for d in prefix.parent.glob(f"{prefix.name}-*") if _cache_record(d) is not None)
         where, kwargs = (converted[0], {}) if converted else (src.parent, {"gguf_file": src.name})
         tokenizer = AutoTokenizer.from_pretrained(str(where), **kwargs)
         config = AutoConfig.from_pretrained(str(where), **kwargs)
+        changes = match_gguf_tokenizer(tokenizer, _gguf_facts(src), src)
+        if changes:
+            log.warning("the tokenizer of %s disagreed with its GGUF metadata (%s); corrected", where,
+                        "; ".join(changes))
     else:
         kwargs = {"local_files_only": True} if source.local_only else {}
         tokenizer, config = _from_hub(
@@ -119,6 +129,16 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> tuple[PreTrainedTokenizerBas
         )
     text_config = getattr(config, "text_config", None) or config
     return tokenizer, int(text_config.vocab_size)
+
+
+def tokenizer_expectations(spec: str | os.PathLike[str]) -> dict:
+    """What the target's own files say its tokenizer does (see `eagle3.tokenizer_facts`), for `eagle3 check`:
+    a GGUF's metadata, or a Hugging Face folder's tokenizer and generation configs. Loads nothing."""
+    source = _resolve(spec)
+    if source.kind == "gguf":
+        src = Path(source.where).expanduser().resolve()
+        return {**_gguf_facts(src), "source": f"the GGUF metadata of {src.name}", "ids_define_tokenizer": True}
+    return hf_expectations(source.where)
 
 
 def select_device(device: str | torch.device | None = None) -> torch.device:
@@ -182,9 +202,34 @@ def load_gguf(
     if not src.is_file():
         raise ConfigError(f"GGUF file {src} does not exist")
     out = _gguf_cache_folder(src, torch_dtype)
-    if not (out / _CACHE_DONE).is_file():
+    if _cache_record(out) is None:
         _convert_gguf(src, out, torch_dtype)
-    return _load_hf(out, torch_dtype, dev, local_files_only=True)
+    model, tokenizer = _load_hf(out, torch_dtype, dev, local_files_only=True)
+    changes = match_gguf_tokenizer(tokenizer, _gguf_facts(src), src)
+    if changes:  # conversion checked it; a copy edited since, or written by other code, may still be off
+        log.warning("the converted copy %s has a tokenizer that disagrees with %s (%s); corrected for this run. "
+                    "Delete that folder to convert again", out, src.name, "; ".join(changes))
+    return model, tokenizer
+
+
+def gguf_public_name(path: str | os.PathLike[str]) -> str:
+    """The name a GGUF target goes by outside eagle3: the hub repository its metadata says it was converted
+    from, else the path as given. Exported drafters record it as their verifier (`vllm serve` reads it), so it
+    is never eagle3's private converted copy."""
+    src = Path(path).expanduser()
+    facts = _gguf_facts(src.resolve())
+    if facts.get("repository"):
+        return facts["repository"]
+    return str(src)
+
+
+def public_name_of_cache(name: str) -> str | None:
+    """For a verifier name that is a folder of eagle3's GGUF cache (drafters made before names were public):
+    the public name of the GGUF it was converted from, if its record says which and that file still exists;
+    else None."""
+    record = _cache_record(Path(name), any_version=True)
+    source = Path(record["source"]) if record and record.get("source") else None
+    return gguf_public_name(source) if source is not None and source.is_file() else None
 
 
 class DecoderStack(NamedTuple):
@@ -326,10 +371,44 @@ def _get_path(obj: object, dotted: str) -> object | None:
 
 
 def _gguf_cache_prefix(src: Path) -> Path:
-    """`<cache>/gguf/<stem>-<fingerprint>`; the fingerprint is path, size and mtime (no full read)."""
+    """`<cache>/gguf/<stem>-<fingerprint>`; the fingerprint is path, size and mtime (no full read) and the
+    versions of the code that converts (`_gguf_versions`): another version converts anew."""
     st = src.stat()
-    fingerprint = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    versions = json.dumps(_gguf_versions(), sort_keys=True)
+    fingerprint = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}|{versions}".encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{src.stem}-{fingerprint}"
+
+
+def _gguf_versions() -> dict[str, object]:
+    """What shapes a converted copy besides the file: transformers and gguf build the weights and tokenizer,
+    `GGUF_CONVERSION_VERSION` is eagle3's own part (the dtype is in the folder name)."""
+    try:
+        gguf_version = importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
+        gguf_version = None
+    return {"transformers": transformers.__version__, "gguf": gguf_version, "eagle3": GGUF_CONVERSION_VERSION}
+
+
+def _cache_record(folder: Path, any_version: bool = False) -> dict | None:
+    """The record of a complete converted copy, made by the current versions unless `any_version`; else None."""
+    try:
+        record = json.loads((folder / _CACHE_DONE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or (not any_version and record.get("versions") != _gguf_versions()):
+        return None
+    return record
+
+
+def _gguf_facts(src: Path) -> dict:
+    """`read_gguf_facts(src)`, from a current converted copy's record when there is one (reading a GGUF's
+    header parses its whole vocabulary, seconds for a large one)."""
+    prefix = _gguf_cache_prefix(src)
+    for folder in sorted(prefix.parent.glob(f"{prefix.name}-*")):
+        record = _cache_record(folder)
+        if record and isinstance(record.get("gguf_facts"), dict):
+            return record["gguf_facts"]
+    return read_gguf_facts(src)
 
 
 def _gguf_cache_folder(src: Path, dtype: torch.dtype) -> Path:
@@ -367,6 +446,7 @@ def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
     on the meta device (no second copy of the weights), assign the dequantized tensors, and save that; the
     cache then reloads as an ordinary model.
     """
+    facts = read_gguf_facts(src)  # first: a file that is not a GGUF is a clear error, not a loader traceback
     log.warning("converting %s to %s safetensors (one time) in %s", src.name, dtype, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -389,8 +469,20 @@ def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
         clean.save_pretrained(tmp)
         del clean, gguf_model
 
+        # transformers versions have differed on the tokenizer they build from a GGUF (some dropped BOS):
+        # make it do what the file's metadata says, and check that the saved copy still does
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        changes = match_gguf_tokenizer(tokenizer, facts, src)
+        if changes:
+            log.warning("transformers %s built a tokenizer for %s that disagrees with its metadata (%s); corrected",
+                        transformers.__version__, src.name, "; ".join(changes))
         tokenizer.save_pretrained(tmp)
+        if match_gguf_tokenizer(AutoTokenizer.from_pretrained(str(tmp)), facts, src):
+            raise ConfigError(
+                f"the tokenizer saved for {src.name} reloads differently from what its GGUF metadata says, under "
+                f"transformers {transformers.__version__}; install another transformers 5.x version, or load the "
+                "original Hugging Face model instead of the GGUF"
+            )
 
         record = {
             "source": str(src),
@@ -398,13 +490,15 @@ def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
             "size": src.stat().st_size,
             "dtype": str(dtype).removeprefix("torch."),
             "transformers": transformers.__version__,
+            "versions": _gguf_versions(),
+            "gguf_facts": facts,
         }
         (tmp / _CACHE_DONE).write_text(json.dumps(record, indent=2) + "\n")
         try:
             tmp.rename(out)
         except OSError:
             # another process finished the same conversion first, or a stale incomplete folder is in the way
-            if (out / _CACHE_DONE).is_file():
+            if _cache_record(out) is not None:
                 return
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)

@@ -142,13 +142,16 @@ def drafter_for(model, path: str | Path | None) -> Eagle3Drafter:
                         device=param.device, dtype=param.dtype)
 
 
-def init_drafter(model, draft_vocab_size: int | None = None, seed: int = 0, **overrides) -> Eagle3Drafter:
-    """A randomly initialised drafter shaped for `model`, with the target's embedding and an identity-prefix
-    draft vocabulary (the first `draft_vocab_size` ids; `eagle3 prepare` computes a frequency-based one)."""
+def init_drafter(model, draft_vocab_size: int | None = None, seed: int = 0, draft_ids: torch.Tensor | None = None,
+                 **overrides) -> Eagle3Drafter:
+    """A randomly initialised drafter shaped for `model`, with the target's embedding and the draft vocabulary
+    `draft_ids` (ascending target ids), else an identity prefix (the first `draft_vocab_size` ids; None: all)."""
     torch.manual_seed(seed)
+    if draft_ids is not None:
+        draft_vocab_size = draft_ids.numel()
     cfg = DrafterConfig.for_target(model.config, draft_vocab_size=draft_vocab_size, **overrides)
     d = Eagle3Drafter(cfg)
     d.load_target_embedding(model.get_input_embeddings().weight.detach().float().cpu())
     if cfg.uses_draft_vocab:
-        d.set_vocab_mapping(torch.arange(cfg.draft_vocab_size))
+        d.set_vocab_mapping(draft_ids if draft_ids is not None else torch.arange(cfg.draft_vocab_size))
     return d

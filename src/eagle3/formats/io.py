@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -306,22 +307,55 @@ def save_drafter(
     return out_dir
 
 
+# a folder of eagle3's GGUF cache: `<cache>/gguf/<stem>-<16 hex>-<dtype>` (models._gguf_cache_folder)
+_GGUF_CACHE_NAME = re.compile(r"[\\/]gguf[\\/][^\\/]+-[0-9a-f]{16}-(?:float32|bfloat16|float16)[\\/]?$")
+
+
+def _set_verifier_name(cfg: DrafterConfig, name: str | None) -> None:
+    """Record the verifier as `name`, or replace a private GGUF cache path with the public name (see export)."""
+    if name is not None:
+        if not name.strip():
+            raise ConfigError("--verifier-name is empty; give the target's hub id or path, as `vllm serve` takes it")
+        cfg.verifier_name_or_path = name.strip()
+        return
+    recorded = cfg.verifier_name_or_path
+    if not recorded or not _GGUF_CACHE_NAME.search(recorded):
+        return
+    from eagle3.models import public_name_of_cache
+
+    public = public_name_of_cache(recorded)
+    if public:
+        log.warning("the drafter names eagle3's converted GGUF copy %s as its verifier; exporting %s instead",
+                    recorded, public)
+        cfg.verifier_name_or_path = public
+    else:
+        log.warning(
+            "the drafter names %s as its verifier, eagle3's private converted copy of a GGUF whose source is not "
+            "known here; `vllm serve` would load that folder. Export with --verifier-name HUB_ID_OR_PATH", recorded
+        )
+
+
 def export_drafter(
     src: str | os.PathLike | Eagle3Drafter,
     fmt: str,
     out_dir: str | os.PathLike,
     include_embedding: bool | None = None,
     dtype: torch.dtype | str | None = None,
+    verifier_name: str | None = None,
 ) -> Path:
     """Convert a checkpoint directory (either format) or an in-memory drafter to format `fmt` in `out_dir`.
 
     `include_embedding=None` keeps the source's choice (a directory without an embedding stays without one).
+    `verifier_name` replaces the recorded target name (`verifier.name_or_path`, what `vllm serve` loads); without
+    it, a name that is eagle3's private GGUF cache (drafters made before names were public) becomes the GGUF's.
     """
     if isinstance(src, Eagle3Drafter):
+        _set_verifier_name(src.config, verifier_name)
         return save_drafter(
             src, out_dir, fmt, include_embedding if include_embedding is not None else True, dtype
         )
     cfg, sd, _ = read_checkpoint(src)
+    _set_verifier_name(cfg, verifier_name)
     has_embedding = "embed_tokens.weight" in sd
     if include_embedding and not has_embedding:
         raise ConfigError(f"{src} has no embed_tokens.weight to export; export with include_embedding=False")

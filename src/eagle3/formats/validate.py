@@ -96,4 +96,6 @@ def validate_against_target(
         )
     t_dtype = _dtype_name(getattr(tc, "dtype", None) or getattr(tc, "torch_dtype", None))
     if t_dtype and cfg.torch_dtype and t_dtype != cfg.torch_dtype:
-        log.warning("drafter torch_dtype=%s differs from target dtype=%s", cfg.torch_dtype, t_dtype)
+        # nothing to act on: the loaders cast the drafter to the dtype it runs in (the target's)
+        log.debug("drafter torch_dtype=%s (as saved) differs from the target's %s; it is cast", cfg.torch_dtype,
+                  t_dtype)

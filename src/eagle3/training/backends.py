@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError
+from eagle3.training.data import PLAIN
 
 try:  # POSIX advisory lock: two runs must not append to the same output
     import fcntl
@@ -67,6 +68,8 @@ class LocalBackend:
 
     Sampling knobs other than temperature (top_p, top_k, repetition_penalty) come from the model's
     `generation_config`, as vLLM applies a model's generation_config.json by default.
+    `chat_template="plain"` (`raw_text`): no template, for a base model; a prompt is its messages' texts back to
+    back, tokenised as a raw prompt (with the tokenizer's BOS), and the answer is the text that continues it.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class LocalBackend:
         self._fast = None  # BatchedGenerator, built on first use and rebuilt when the batch shape grows
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.raw_text = chat_template == PLAIN
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ConfigError(
@@ -152,6 +156,8 @@ class LocalBackend:
         return batch_size * (16 if self.engine == "fast" else 4)
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        if self.raw_text:
+            return "".join(m["content"] for m in messages)
         return self.tokenizer.apply_chat_template(
             messages,
             tokenize=False,
@@ -192,9 +198,23 @@ class LocalBackend:
         return ids[0] if ids and ids[0] in special else None
 
     def encode(self, messages: list[Message]) -> list[int]:
-        """Prompt token ids: the chat template with the generation prompt (its BOS text included once)."""
+        """Prompt token ids: the chat template with the generation prompt (its BOS text included once); raw text
+        with the tokenizer's own specials (BOS) under the plain template."""
         text = self._render(messages, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=self.raw_text)["input_ids"]
+        if not ids and self.raw_text and self.tokenizer.bos_token_id is not None:
+            ids = [self.tokenizer.bos_token_id]
+        return ids
+
+    def _decode(self, answer: list[int], prompt: list[int]) -> str:
+        """An answer's text; under the plain template the exact continuation of the prompt's text (a tokenizer
+        drops the leading space of text decoded on its own)."""
+        if self.raw_text and prompt:
+            head = self.tokenizer.decode(prompt, skip_special_tokens=True)
+            full = self.tokenizer.decode(list(prompt) + list(answer), skip_special_tokens=True)
+            if full.startswith(head):
+                return full[len(head):]
+        return self.tokenizer.decode(answer, skip_special_tokens=True)
 
     def _encode_checked(
         self, messages: list[Message], limit: int | None
@@ -266,10 +286,10 @@ class LocalBackend:
             gen = self._fast = BatchedGenerator(self.model, rows=rows, max_seq_len=need)
         return gen
 
-    def _to_generation(self, out: Any) -> Generation:
+    def _to_generation(self, out: Any, prompt: list[int] = ()) -> Generation:
         stopped = out.finish_reason == "stop"
         return Generation(
-            text=self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+            text=self._decode(out.tokens, list(prompt)),
             num_tokens=len(out.tokens) + stopped,  # the end-of-turn token counts, as in the hf engine
             finish_reason=out.finish_reason,
         )
@@ -277,8 +297,8 @@ class LocalBackend:
     def _generate_fast(self, encoded, results, temperature: float, max_new_tokens: int, rows: int) -> None:
         gen = self._fast_generator(max(len(ids) for _, ids in encoded), max_new_tokens, rows)
         outs = gen.generate([ids for _, ids in encoded], max_new_tokens, self.eos_ids, temperature=temperature)
-        for (i, _), out in zip(encoded, outs, strict=True):
-            results[i] = self._to_generation(out)
+        for (i, ids), out in zip(encoded, outs, strict=True):
+            results[i] = self._to_generation(out, ids)
 
     def answer_chains(
         self,
@@ -311,11 +331,13 @@ class LocalBackend:
 
         chain_of: list[int] = []  # generator prompt index -> chain
         first: list[list[int]] = []
+        prompt_of: list[list[int]] = []  # generator prompt index -> its token ids
         for k, messages in enumerate(prompts):
             ids = admit(k, messages)
             if ids is not None:
                 chain_of.append(k)
                 first.append(ids)
+                prompt_of.append(ids)
         if not first:
             return
         gen = self._fast_generator(max(len(ids) for ids in first), max_new_tokens, batch_size)
@@ -324,9 +346,10 @@ class LocalBackend:
 
         def done(i: int, out: Any) -> list[int] | None:
             k = chain_of[i]
-            ids = admit(k, on_answer(k, self._to_generation(out)))
+            ids = admit(k, on_answer(k, self._to_generation(out, prompt_of[i])))
             if ids is not None:
                 chain_of.append(k)
+                prompt_of.append(ids)
             return ids
 
         gen.generate(first, max_new_tokens, self.eos_ids, temperature=temperature, on_done=done)
@@ -361,12 +384,12 @@ class LocalBackend:
             )  # [B, T + n]
         stops = set(self.eos_ids)
         gens = []
-        for row in out[:, width:].tolist():
+        for prompt, row in zip(batch, out[:, width:].tolist(), strict=True):
             end = next((k for k, tok in enumerate(row) if tok in stops), None)
             answer = row if end is None else row[:end]
             gens.append(
                 Generation(
-                    text=self.tokenizer.decode(answer, skip_special_tokens=True),
+                    text=self._decode(answer, prompt),
                     num_tokens=len(row) if end is None else end + 1,
                     finish_reason="length" if end is None else "stop",
                 )

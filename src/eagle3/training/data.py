@@ -8,6 +8,11 @@ Three steps, each usable alone:
 * `normalize_conversation(row)` turns a ShareGPT (`conversations`/`from`/`value`) or OpenAI (`messages`/
   `role`/`content`) row into a clean `[{"role", "content"}]` list, or raises `BadRow(reason)`.
 * `ChatRenderer.encode(...)` renders with the chat template and builds the assistant-only loss mask.
+* Completion rows, for base models (`completion_segments`): `{"text"}` (all of it trained on) or
+  `{"prompt", "completion"}` (the completion trained on), and `.txt` files (one document per blank-line-separated
+  block, read as `{"text"}` rows). They are tokenised as raw text, the way a raw prompt is (the tokenizer's own
+  BOS, no end-of-text token), with no template; so are conversations under the `plain` template (`PLAIN`): their
+  messages' texts back to back, the assistant ones trained on.
 
 How the loss mask is found, without `{% generation %}` markers (HF `return_assistant_tokens_mask` needs them
 and silently returns an all-zero mask otherwise). For each assistant message i:
@@ -71,7 +76,14 @@ BAD_REASONS = (
     "template_error",  # the chat template raised (e.g. "roles must alternate", "system role not supported")
     "prefix_mismatch",  # no assistant turn passed the prefix-rendering check (see module docstring)
     "content_not_found",  # the template changed the assistant text beyond whitespace in every turn
+    "no_chat_template",  # a conversation, but the tokenizer has no chat template and none was given
 )
+
+# `--chat-template plain`: no template; conversations are raw text (see the module docstring)
+PLAIN = "plain"
+# Fields of a completion row (`completion_segments`); a conversation has `conversations` or `messages`.
+COMPLETION_FIELDS = ("text", "prompt", "completion")
+CHAT_FIELDS = ("conversations", "messages")
 
 # Turn-level outcomes (the report's `turns` counter).
 TURN_SUPERVISED = "supervised"
@@ -191,7 +203,9 @@ def iter_rows(path: str | os.PathLike[str], problems: Counter[str] | None = None
         yield from _iter_dir(p, problems)
         return
     suffix = _data_suffix(p)
-    if suffix == ".parquet":
+    if suffix == ".txt":
+        yield from _iter_text_blocks(p)
+    elif suffix == ".parquet":
         yield from _iter_parquet(p)
     elif suffix == ".arrow":
         yield from _iter_arrow_file(p)
@@ -210,9 +224,23 @@ def iter_rows(path: str | os.PathLike[str], problems: Counter[str] | None = None
             )
     else:
         raise ConfigError(
-            f"--data {p}: unknown file type {suffix!r}; use one of {', '.join(_SUPPORTED_SUFFIXES)} "
+            f"--data {p}: unknown file type {suffix!r}; use one of {', '.join(_SUPPORTED_SUFFIXES)}, .txt "
             "or a folder written by datasets' save_to_disk"
         )
+
+
+def _iter_text_blocks(path: Path) -> Iterator[dict[str, str]]:
+    """A plain-text file as `{"text": block}` rows: one per block of lines between blank lines."""
+    block: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                block.append(line.rstrip("\r\n"))
+            elif block:
+                yield {"text": "\n".join(block)}
+                block = []
+    if block:
+        yield {"text": "\n".join(block)}
 
 
 def _first_non_space_char(path: Path) -> str:
@@ -367,6 +395,22 @@ def _message_text(content: Any) -> str:
     raise BadRow("non_text_content", f"content of type {type(content).__name__}")
 
 
+def completion_segments(row: Any) -> list[tuple[str, bool]] | None:
+    """A completion row as (text, trained on?) pieces: `{"prompt", "completion"}` or `{"text"}`; None for a row
+    that is not one (a conversation, or neither field set). Empty text is a `BadRow("empty_turn")`."""
+    if not isinstance(row, dict) or any(k in row for k in (*CHAT_FIELDS, "conversation")):
+        return None
+    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        segments = [(row["prompt"], False), (row["completion"], True)]
+    elif isinstance(row.get("text"), str):
+        segments = [(row["text"], True)]
+    else:
+        return None
+    if not any(text.strip() for text, trained in segments if trained):
+        raise BadRow("empty_turn", "empty completion text")
+    return segments
+
+
 def normalize_conversation(
     row: Any, system_prompt: str | None = None, repairs: Counter[str] | None = None
 ) -> list[dict[str, str]]:
@@ -461,12 +505,15 @@ class _Spans:
 class ChatRenderer:
     """Renders conversations with one tokenizer's chat template and finds the supervised character spans.
 
-    `chat_template` overrides the tokenizer's; `template_kwargs` go to every render (e.g.
-    `{"enable_thinking": False}` for Qwen3). Picklable, so worker processes can hold a copy.
+    `chat_template` overrides the tokenizer's (`PLAIN`: conversations as raw text); `template_kwargs` go to every
+    render (e.g. `{"enable_thinking": False}` for Qwen3). Completion rows (`completion_segments`) never use the
+    template. With `require_template=False` a missing template is no error: conversations become
+    `BadRow("no_chat_template")`. Picklable, so worker processes can hold a copy.
     """
 
     def __init__(
-        self, tokenizer: Any, chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None
+        self, tokenizer: Any, chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+        require_template: bool = True,
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(
@@ -476,13 +523,14 @@ class ChatRenderer:
         template = chat_template if chat_template is not None else tokenizer.chat_template
         if isinstance(template, dict):
             template = template.get("default")
-        if not template:
+        if not template and require_template:
             raise ConfigError(
                 f"tokenizer {tokenizer.name_or_path!r} has no chat template; pass chat_template= (a Jinja "
-                "string, e.g. the target's tokenizer_config.json 'chat_template')"
+                "string, e.g. the target's tokenizer_config.json 'chat_template'; or \"plain\" for raw text)"
             )
         self.tokenizer = tokenizer
-        self.chat_template: str = template
+        self.chat_template: str | None = template or None
+        self.plain = template == PLAIN
         self.template_kwargs = dict(template_kwargs or {})
         specials = {str(t) for t in tokenizer.all_special_tokens}
         specials |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
@@ -490,6 +538,10 @@ class ChatRenderer:
 
     # -- rendering -------------------------------------------------------------------------------
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        if self.chat_template is None:
+            raise BadRow("no_chat_template")
+        if self.plain:
+            return "".join(m["content"] for m in messages)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -574,25 +626,30 @@ class ChatRenderer:
 
     # -- tokenising -----------------------------------------------------------------------------
     def encode_many(self, rows: list[Any], system_prompt: str | None = None) -> list[EncodedRow | BadRow]:
-        """Normalise, render and tokenise a batch of raw rows (one batched tokenizer call)."""
+        """Normalise, render and tokenise a batch of raw rows (one batched tokenizer call per kind: templated
+        text, whose template writes its own specials, and raw text, which gets the tokenizer's)."""
         results: list[EncodedRow | BadRow | None] = [None] * len(rows)
-        texts: list[str] = []
-        pending: list[tuple[int, _Spans, Counter[str]]] = []
+        pending: dict[bool, list[tuple[int, _Spans, Counter[str]]]] = {False: [], True: []}  # raw? -> rows
         for k, row in enumerate(rows):
             repairs: Counter[str] = Counter()
             try:
-                messages = normalize_conversation(row, system_prompt, repairs)
-                spans = self.supervised_spans(messages)
+                segments = completion_segments(row)
+                if segments is None:
+                    messages = normalize_conversation(row, system_prompt, repairs)
+                    if self.plain:
+                        segments = [(m["content"], m["role"] == "assistant") for m in messages]
+                if segments is not None:
+                    pending[True].append((k, _raw_spans(segments), repairs))
+                else:
+                    pending[False].append((k, self.supervised_spans(messages), repairs))
             except BadRow as e:
                 results[k] = e
+        for raw, batch in pending.items():
+            if not batch:
                 continue
-            pending.append((k, spans, repairs))
-            texts.append(spans.text)
-        if texts:
-            enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-            for (k, spans, repairs), ids, offsets in zip(
-                pending, enc["input_ids"], enc["offset_mapping"], strict=True
-            ):
+            enc = self.tokenizer([spans.text for _, spans, _ in batch], add_special_tokens=raw,
+                                 return_offsets_mapping=True, verbose=False)
+            for (k, spans, repairs), ids, offsets in zip(batch, enc["input_ids"], enc["offset_mapping"], strict=True):
                 mask = _token_mask(len(spans.text), spans.spans, offsets)
                 results[k] = EncodedRow(np.asarray(ids, dtype=np.int32), mask, spans.turns, repairs)
         return results  # type: ignore[return-value]
@@ -605,6 +662,16 @@ class ChatRenderer:
         if isinstance(result, BadRow):
             raise result
         return result
+
+
+def _raw_spans(segments: list[tuple[str, bool]]) -> _Spans:
+    """Raw text pieces back to back; the trained ones are the supervised spans."""
+    spans, at = [], 0
+    for text, trained in segments:
+        if trained and text:
+            spans.append((at, at + len(text)))
+        at += len(text)
+    return _Spans("".join(text for text, _ in segments), spans, Counter({TURN_SUPERVISED: len(spans)}))
 
 
 def _find_exact(turn: str, content: str, tail_ok: Any) -> tuple[int, int] | None:

@@ -1,4 +1,5 @@
 """`eagle3 prepare`: conversations -> tokenised, loss-masked training rows, token counts and a draft vocabulary.
+Completion rows (`text`, `prompt` + `completion`, `.txt` files; for base models) are read as raw text (data.py).
 
 Output folder (every file written to a temporary name and renamed into place; `report.json` comes last, so
 its presence means the folder is complete):
@@ -93,6 +94,7 @@ class PrepareReport:
     coverage_by_draft_vocab_size: dict[str, float] = field(default_factory=dict)
     tokenizer: dict[str, Any] = field(default_factory=dict)  # data.tokenizer_fingerprint
     chat_template_sha256: str = ""
+    chat_template_source: str = "tokenizer"  # "tokenizer", "given" (chat_template=), or "none" (raw text only)
     system_prompt: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     data_files: list[str] = field(default_factory=list)
@@ -204,11 +206,17 @@ def prepare(
             f"draft_vocab_size={draft_vocab_size} must be in [1, {vocab}] (the target vocabulary); "
             f"{vocab} means no reduction"
         )
+    from eagle3.training.inputs import check_data, check_out_dir, needs_template_error
+
     for p in paths:
         if not p.exists():
             raise ConfigError(f"--data {p}: no such file or folder")
-    renderer = ChatRenderer(tokenizer, chat_template=chat_template, template_kwargs=template_kwargs)
     out = Path(out_dir)
+    check_out_dir(out, "--out")
+    renderer = ChatRenderer(tokenizer, chat_template=chat_template, template_kwargs=template_kwargs,
+                            require_template=False)
+    if renderer.chat_template is None and check_data(paths, "prepare").get("chat"):
+        raise needs_template_error(tokenizer, "prepare")  # raw text only, without a template
     out.mkdir(parents=True, exist_ok=True)
 
     report = PrepareReport(
@@ -217,7 +225,9 @@ def prepare(
         vocab_size=vocab,
         draft_vocab_size=draft_vocab_size,
         tokenizer=tokenizer_fingerprint(tokenizer),
-        chat_template_sha256=text_sha256(renderer.chat_template),
+        chat_template_sha256=text_sha256(renderer.chat_template) if renderer.chat_template else "",
+        chat_template_source="none" if renderer.chat_template is None else (
+            "given" if chat_template is not None else "tokenizer"),
         system_prompt=system_prompt,
         template_kwargs=dict(template_kwargs or {}),
         data_files=[str(p) for p in paths],
@@ -317,8 +327,8 @@ def _warnings(report: PrepareReport, renderer: ChatRenderer) -> list[str]:
     bos = tok.bos_token
     adds_bos = bool(bos) and tok("x", verbose=False)["input_ids"][:1] == [tok.bos_token_id]
     try:
-        writes_bos = renderer.render([{"role": "user", "content": "x"}]).startswith(bos or "")
-    except BadRow:  # a template that refuses a lone user message: no verdict
+        writes_bos = renderer.plain or renderer.render([{"role": "user", "content": "x"}]).startswith(bos or "")
+    except BadRow:  # a template that refuses a lone user message, or none (raw text only): no verdict
         writes_bos = True
     if adds_bos and not writes_bos:
         out.append(
@@ -501,6 +511,8 @@ class PreparedDataset(torch.utils.data.Dataset):
                 f"{getattr(tokenizer, 'name_or_path', '?')!r} differs (hash {theirs[:12]}); re-run `eagle3 prepare` "
                 "with this target"
             )
+        if self.report.chat_template_source != "tokenizer" and chat_template is None:
+            return  # raw text, or a template chosen at prepare time (--chat-template)
         template = chat_template if chat_template is not None else tokenizer.chat_template
         if isinstance(template, str) and text_sha256(template) != self.report.chat_template_sha256:
             raise ConfigError(

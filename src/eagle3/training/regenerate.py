@@ -28,7 +28,9 @@ Input: whatever `eagle3.training.data.iter_rows` reads (a JSON array, also one c
 ShareGPT dump on PyPI; JSONL; parquet; arrow; a `save_to_disk` folder), with rows holding ShareGPT
 `conversations` ({from, value}), OpenAI `messages` ({role, content}) or FastChat benchmark `turns` (a list
 of user strings). Unlike `data.normalize_conversation`, which prepares rows for training, a trailing user
-turn is kept (it gets answered) and a row needs no assistant turn.
+turn is kept (it gets answered) and a row needs no assistant turn. A completion row (`prompt` or `text`, or a
+block of a `.txt` file; for a base model) is a prompt the target continues as raw text: it needs a backend with
+`raw_text` (`LocalBackend(chat_template="plain")`) and is written as `{"id", "row", "prompt", "completion"}`.
 
 Output: one line per conversation, in completion order::
 
@@ -96,6 +98,18 @@ class _Row:
     id: str
     messages: list[Message] | None
     skip: str | None = None
+    raw: bool = False  # a completion row: messages is one user turn, the prompt to continue
+
+
+RAW_ROW_SKIPPED = "a completion row (prompt/text): continue those in a run of their own, with a raw-text backend"
+
+
+def completion_prompt(row: Any) -> str | None:
+    """The text a base model continues, for a row with `prompt` or `text` (and no conversation); else None."""
+    if not isinstance(row, dict) or any(k in row for k in ("conversations", "messages", "turns")):
+        return None
+    text = row.get("prompt", row.get("text"))
+    return text if isinstance(text, str) and text.strip() else None
 
 
 def _text(content: Any) -> str:
@@ -154,6 +168,11 @@ def _load_rows(paths: Sequence[Path], limit: int | None, problems: Counter[str])
             if limit is not None and len(rows) >= limit:
                 return rows
             index = len(rows)
+            prompt = completion_prompt(obj)
+            if prompt is not None:
+                messages = [{"role": "user", "content": prompt}]
+                rows.append(_Row(index, _row_id(obj, index, messages), messages, raw=True))
+                continue
             try:
                 messages = normalise_conversation(obj)
                 rows.append(_Row(index, _row_id(obj, index, messages), messages))
@@ -352,6 +371,10 @@ class _Conversation:
         return False
 
     def record(self) -> dict[str, Any]:
+        if self.row.raw:
+            rec: dict[str, Any] = {"id": self.row.id, "row": self.row.index, "prompt": self.messages[0]["content"],
+                                   "completion": self.messages[1]["content"]}
+            return {**rec, "finish_reason": "length"} if self.cut else rec
         turns = []
         for k, m in enumerate(self.messages[: self.committed]):
             turn: dict[str, Any] = {"from": SHAREGPT_FROM[m["role"]], "value": m["content"]}
@@ -531,6 +554,10 @@ def regenerate(
     out = Path(out_path)
     if any(p.resolve() == out.resolve() for p in paths):
         raise ConfigError(f"the output {out} is also an input; write to a new file")
+    from eagle3.training.inputs import check_data, check_out_file
+
+    check_out_file(out)
+    check_data(paths, "regenerate")  # before any output is created: a file with no usable row is an error
     problems: Counter[str] = Counter()
     rows = _load_rows(paths, limit, problems)
     report = RegenerateReport(
@@ -568,8 +595,8 @@ def regenerate(
         for row in rows:
             if row.index in output.done:
                 continue
-            if row.skip is not None:
-                run.skip(row.skip)
+            if row.skip is not None or (row.raw and not getattr(backend, "raw_text", False)):
+                run.skip(row.skip or RAW_ROW_SKIPPED)
                 pbar.update(1)
                 continue
             convs.append(_Conversation(row, max_turns))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -82,16 +81,13 @@ _RESUME_FIXED = ("data", "seed", "batch_size", "batch_tokens", "packing", "sort_
 # what runs used before a field of _RESUME_FIXED existed (their checkpoints do not name it)
 _RESUME_LEGACY = {"sort_window": LEGACY_SORT_WINDOW_ROWS, "align_top_k": 0, "label_temperature": 1.0,
                   "step_decay": DEFAULT_STEP_DECAY}
-# A time-budgeted run times steps BUDGET_SKIP_STEPS+1 .. BUDGET_SKIP_STEPS+BUDGET_CALIBRATION_STEPS of its first
-# invocation (the very first ones pay allocator warm-up and compilation) and sizes its schedule from their mean;
-# then it times the next BUDGET_RECALIBRATION_STEPS and sizes it again, and once more after the
-# BUDGET_LATE_STEPS after those, because early step times are not yet the run's (the first ones are slower, so a
-# schedule sized from them alone ends well before the budget). Each later sizing moves the cosine by a few
-# percent of its length, early, where the learning rate is near its peak. Validation time is left out of the timing; checkpoint writes are in it.
+# A time-budgeted run (`_Budget`) sizes its schedule again after every step: the steps that fit into the time
+# left, at the mean time of its last BUDGET_WINDOW steps (each invocation's first BUDGET_SKIP_STEPS steps, which
+# pay allocator warm-up and compilation, only until later ones exist), so the cosine ends when the budget does,
+# also where the speed changes under way (a shared machine). It stops at the first step after which the next
+# one and the closing writes would not fit.
 BUDGET_SKIP_STEPS = 3
-BUDGET_CALIBRATION_STEPS = 20
-BUDGET_RECALIBRATION_STEPS = 100
-BUDGET_LATE_STEPS = 500
+BUDGET_WINDOW = 20
 
 
 @dataclass
@@ -126,7 +122,8 @@ class TrainConfig:
     grad_clip: float = 0.5  # 0 disables
     epochs: int | None = None  # None: 1, or as many as max_steps needs (max_steps then decides, as in HF Trainer)
     max_steps: int | None = None  # caps the run (and sets the schedule length) when given
-    time_budget: float | None = None  # seconds of training (after loading): the schedule is sized to end then
+    time_budget: float | None = None  # seconds from the first step to the written drafter (loading and an
+    # offline cache build not counted; steps, logs, validation and checkpoints are): the schedule ends then
     stop_after: int | None = None  # end this invocation (with a checkpoint) after this many steps; resume later
     batch_size: int | None = None
     batch_tokens: int | None = None
@@ -283,8 +280,9 @@ def _build_drafter(cfg: TrainConfig, model: nn.Module, d2t: torch.Tensor, t2d: t
                                                                draft_ids_to_target(d2t)):
             raise ConfigError(
                 f"--init {cfg.init} has a draft vocabulary of {d.config.draft_vocab_size} ids that differs from the "
-                f"data's ({vd} ids in vocab.safetensors); prepare the data with that drafter's vocabulary or "
-                "train from scratch"
+                f"data's ({vd} ids in {cfg.data}/vocab.safetensors); prepare the data with the drafter's vocabulary "
+                f"(eagle3 prepare --vocab-from {cfg.init}), make the drafter with the data's (eagle3 init-drafter "
+                f"--data {cfg.data}), or train from scratch (without --init)"
             )
         if cfg.aux_layer_ids and list(cfg.aux_layer_ids) != list(d.config.aux_layer_ids):
             raise ConfigError(
@@ -326,10 +324,41 @@ def _lr_lambda(cfg: TrainConfig, total: list[int]):
 
 
 def budget_steps(done: int, seconds_left: float, step_seconds: float, upper: int) -> int:
-    """Total optimizer steps of a time-budgeted run: the `done` ones plus as many as fit into `seconds_left` at
-    `step_seconds` each, at least done + 1 and at most `upper` (what epochs and max_steps allow)."""
-    more = int(max(0.0, seconds_left) / max(step_seconds, 1e-9))
-    return max(done + 1, min(upper, done + more))
+    """Total optimizer steps of a time-budgeted run: the `done` ones plus `seconds_left` / `step_seconds` rounded
+    to the nearest (the run ends within half a step of its budget), at most `upper` (what epochs and max_steps
+    allow); `done` (stop now) when none fits, but at least 1."""
+    more = int(max(0.0, seconds_left) / max(step_seconds, 1e-9) + 0.5)
+    return max(done, 1, min(upper, done + more))
+
+
+class _Budget:
+    """The clock of a time-budgeted run: seconds per step (the mean of the last BUDGET_WINDOW, measured anew by
+    each invocation: a resumed run may run on another machine), of the last checkpoint write and per held-out
+    batch (these two kept in checkpoints)."""
+
+    def __init__(self, seconds: float, state: dict[str, Any] | None = None):
+        state = state or {}
+        self.seconds = seconds
+        self.window: list[float] = []
+        self.early: list[float] = []  # this invocation's first steps (warm-up, compilation)
+        self.save_s = float(state.get("save_s", 0.0))
+        self.val_batch_s = float(state.get("val_batch_s", 0.0))  # 0: no validation measured yet
+        self.agreed: list[float] | None = None  # (elapsed, step, save, val batch) seconds, alike on every rank
+        self.pending: torch.Tensor | None = None  # the last step's all-reduced clock (several ranks), unread
+        self.said = False
+
+    def add_step(self, seconds: float) -> None:
+        if len(self.early) < BUDGET_SKIP_STEPS:
+            self.early.append(seconds)
+        else:
+            self.window = [*self.window, seconds][-BUDGET_WINDOW:]
+
+    def step_seconds(self) -> float:
+        times = self.window or self.early
+        return sum(times) / len(times) if times else 0.0
+
+    def state(self) -> dict[str, Any]:
+        return {"save_s": self.save_s, "val_batch_s": self.val_batch_s}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,8 +405,13 @@ class _Trainer:
             self._summary_writer = SummaryWriter
 
     # -- setup ----------------------------------------------------------------------------------------
-    def _setup(self) -> None:
+    def _load_data(self) -> None:
+        """Read and check the prepared data: before the output folder is made or the target loads."""
         cfg = self.cfg
+        if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+            raise ConfigError(f"--out {cfg.out} is a file; give a folder for the drafter and its checkpoints")
+        if cfg.init is not None and not Path(cfg.init).exists():
+            raise ConfigError(f"--init {cfg.init}: no such drafter folder")
         self.data = TrainData(cfg.data, cfg.max_length)
         if len(self.data.trainable_ids) == 0:
             raise ConfigError(
@@ -385,6 +419,9 @@ class _Trainer:
                 f"within max_length={cfg.max_length}; check the chat template and loss masks (`eagle3 prepare`)"
             )
         self.val_ids = self.data.hold_out(cfg.val_fraction, cfg.seed) if cfg.val_fraction > 0 else None
+
+    def _setup(self) -> None:
+        cfg = self.cfg
         self.sharded_target = cfg.shard_target and self.ctx.world > 1
         if cfg.shard_target and not self.sharded_target and self.ctx.main:
             log.warning("shard_target: one process, so --shard-target has no effect (it shards the target over the "
@@ -466,7 +503,7 @@ class _Trainer:
             log.warning("max_steps=%d exceeds %d epochs (%d steps); training stops after the epochs",
                         cfg.max_steps, epochs, sum(self.plan_sizes))
         self.upper = self.total  # a time budget can only shorten the run
-        self.budget_sizings = 0  # how often a time-budgeted run has sized its schedule so far
+        self.budget = _Budget(cfg.time_budget) if cfg.time_budget is not None else None
         self.train_seconds = 0.0  # training-loop time over all invocations (a resume adds to it)
         self.schedule_total = [self.total]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.schedule_total))
@@ -572,10 +609,10 @@ class _Trainer:
         with torch.no_grad():
             for n, t in state["drafter"].items():
                 params[n].copy_(t)
-        if self.cfg.time_budget is not None and state.get("budget_sized"):
-            # keep the length the first invocation chose (sized one or more times; a resume does not size again)
+        if self.budget is not None and state.get("budget_sized"):
+            # the length and step times the last invocation had; sizing goes on from there
             self._set_total(int(state["total_steps"]))
-            self.budget_sizings = len(self._calibration_points)
+            self.budget = _Budget(self.cfg.time_budget, state.get("budget_clock"))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -592,7 +629,8 @@ class _Trainer:
             "epoch": epoch,
             "batch_in_epoch": batch_in_epoch,
             "total_steps": self.total,
-            "budget_sized": self.cfg.time_budget is not None and self.budget_sizings > 0,
+            "budget_sized": self.budget is not None,
+            "budget_clock": self.budget.state() if self.budget is not None else None,
             "train_seconds": self.train_seconds,
             "drafter": {n: p.detach().cpu().clone() for n, p in self.drafter.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(),
@@ -689,22 +727,24 @@ class _Trainer:
         return metrics, tokens, grad_norm, lr
 
     @torch.no_grad()
-    def _validate(self, step: int, epoch: float, bar=None) -> dict[str, Any]:
+    def _validate(self, step: int, epoch: float, bar=None, limit: int | None = None) -> dict[str, Any]:
         """The TTT objective's loss and accuracies on the held-out samples (no gradients), summed over every rank
         and appended to val_log.jsonl. Every rank runs every batch (a zero-weight row where it has none), as a
-        sharded target needs."""
+        sharded target needs. `limit`: only the first that many batches (what a time budget leaves room for)."""
         cfg, ctx = self.cfg, self.ctx
         w = torch.zeros(METRIC_ROWS, cfg.ttt_steps, device=self.device)
         pad = self.pad_multiple
+        plan = self.val_plan[:limit]
         with varying_shape_attention(self.device):
-            for rows in self.val_plan:
+            for rows in plan:
                 den = self._denominators(rows)
                 mine = shard_rows(rows, ctx.rank, ctx.world)
                 batch, scored = self._micro_batch(mine or rows[:1], pad, zero=not mine)
                 _, *sums = self._objective(batch, scored, den, self.model)
                 w += torch.stack(sums)
         ctx.all_reduce(w)
-        rec = {"step": step, "epoch": round(epoch, 4), "samples": len(self.val_ids), **self._metrics(w.cpu())}
+        samples = len(self.val_ids) if len(plan) == len(self.val_plan) else sum(len(r) for b in plan for r in b)
+        rec = {"step": step, "epoch": round(epoch, 4), "samples": samples, **self._metrics(w.cpu())}
         if ctx.main:
             with open(self.out / VAL_LOG_FILE, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -726,6 +766,7 @@ class _Trainer:
                 f"{self.out} holds checkpoints of an earlier run ({latest_checkpoint(self.out).name}); pass "
                 "resume=True (--resume) to continue it, or choose a new output directory"
             )
+        self._load_data()
         if ctx.main:
             self.out.mkdir(parents=True, exist_ok=True)
         ctx.barrier()
@@ -752,7 +793,8 @@ class _Trainer:
         plan = self._plan(epoch) if step < self.total else []
         first = step
         end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
-        loop_start, seconds_before, timer = time.perf_counter(), self.train_seconds, None
+        clock_start = time.perf_counter() - self.train_seconds  # the budget's clock (it goes on over a resume)
+        mark = time.perf_counter()
         while step < end:
             if bi >= len(plan):
                 epoch, bi = epoch + 1, 0
@@ -760,19 +802,11 @@ class _Trainer:
                 continue
             metrics, tokens, grad_norm, lr = self._step(plan[bi])  # queued: the host does not wait here
             step, bi = step + 1, bi + 1
-            self.train_seconds = seconds_before + time.perf_counter() - loop_start
-            if not self._sized and step - first == BUDGET_SKIP_STEPS:
-                self._wait()
-                timer = time.perf_counter()
-            elif timer is not None and step - first in self._calibration_points:
-                self._wait()  # steps are queued: time what the device finished, not what the host handed it
-                n = self._calibration_windows[self.budget_sizings]
-                self._calibrate((time.perf_counter() - timer) / n, step, bar)
-                timer = None if self._sized else time.perf_counter()
+            if self.budget is not None:
+                self.budget.add_step(time.perf_counter() - mark)
+                self._size_budget(step, clock_start, bar)
                 end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
-                if bar is not None:
-                    bar.total = self.total
-                    bar.refresh()
+            self.train_seconds = time.perf_counter() - clock_start
             window += metrics
             window_tokens += tokens
             if bar is not None:
@@ -798,15 +832,21 @@ class _Trainer:
                 window.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
             if (cfg.save_every and step % cfg.save_every == 0) or step == end:
-                if self.val_plan:  # validation time counts neither in the time budget nor in its step timing
-                    self._wait()
-                    t_val = time.perf_counter()
-                    last_val = self._validate(step, epoch + bi / max(1, len(plan)), bar)
-                    spent = time.perf_counter() - t_val
-                    loop_start += spent
-                    timer = None if timer is None else timer + spent
+                t_val = time.perf_counter()
+                if self.val_plan:
+                    limit = self._val_limit(step == end)
+                    last_val = self._validate(step, epoch + bi / max(1, len(plan)), bar, limit)
+                    if self.budget is not None:
+                        self._wait()
+                        n = len(self.val_plan[:limit])
+                        self.budget.val_batch_s = (time.perf_counter() - t_val) / max(1, n)
+                t_save = time.perf_counter()
+                self.train_seconds = t_save - clock_start
                 last_ckpt = save_checkpoint(ctx, self.out, step, self.drafter, self._state(step, epoch, bi),
                                              cfg.keep_checkpoints)
+                if self.budget is not None:
+                    self.budget.save_s = time.perf_counter() - t_save
+            mark = time.perf_counter()
         if bar is not None:
             bar.close()
         drafter_dir = self.out / "drafter"
@@ -815,6 +855,10 @@ class _Trainer:
 
             if step >= self.total:  # a run cut short by stop_after leaves only its checkpoint
                 save_drafter(self.drafter, drafter_dir, format="speculators")
+            if self.budget is not None:
+                spent = time.perf_counter() - clock_start
+                _say(f"eagle3 train: time budget {self.cfg.time_budget:g} s: stopped after {step} steps, "
+                     f"{spent:.1f} s spent (steps, logs, validation and checkpoints)")
             if self.tb is not None:
                 self.tb.close()
         ctx.barrier()
@@ -832,34 +876,52 @@ class _Trainer:
             val=last_val,
         )
 
-    @property
-    def _sized(self) -> bool:
-        """True when the schedule's length is final: no time budget, or every sizing done (or resumed)."""
-        return self.cfg.time_budget is None or self.budget_sizings >= len(self._calibration_points)
-
-    @property
-    def _calibration_windows(self) -> tuple[int, ...]:
-        """How many steps each sizing of a time-budgeted run times."""
-        return (BUDGET_CALIBRATION_STEPS, BUDGET_RECALIBRATION_STEPS, BUDGET_LATE_STEPS)
-
-    @property
-    def _calibration_points(self) -> tuple[int, ...]:
-        """Steps of this invocation (counted from its first) at which a time-budgeted run sizes its schedule."""
-        return tuple(BUDGET_SKIP_STEPS + s for s in itertools.accumulate(self._calibration_windows))
-
-    def _calibrate(self, step_seconds: float, step: int, bar=None) -> None:
-        """Size a time-budgeted run from the measured seconds per step (mean over ranks); the last sizing is
-        final. A run that ends before a sizing point keeps the length chosen before it."""
-        t = torch.tensor([step_seconds, self.train_seconds], dtype=torch.float64, device=self.device)
-        step_seconds, spent = (self.ctx.all_reduce(t) / self.ctx.world).tolist()
-        self._set_total(budget_steps(step, self.cfg.time_budget - spent, step_seconds, self.upper))
-        self.budget_sizings += 1
-        if self.ctx.main:
-            n = self._calibration_windows[self.budget_sizings - 1]
+    def _size_budget(self, step: int, clock_start: float, bar=None) -> None:
+        """Size a time-budgeted run after `step`: the steps done plus those that fit into the time left, less what
+        closing takes (a held-out pass, the last checkpoint and the drafter, as long as they last took). Under
+        torchrun the ranks use their mean clock, all-reduced one step late, so the host does not wait for the
+        device and every rank stops at the same step."""
+        b, ctx = self.budget, self.ctx
+        clock = [time.perf_counter() - clock_start, b.step_seconds(), b.save_s, b.val_batch_s]
+        if ctx.world > 1:
+            t = ctx.all_reduce(self._to_device(torch.tensor(clock, dtype=torch.float64)))
+            prev, b.pending = b.pending, t
+            if prev is None:
+                return
+            clock = (prev / ctx.world).tolist()
+            clock[0] += clock[1]  # the step queued since
+        elif self.device.type == "cuda" and b.agreed is not None and self.total - step <= 2:
+            self._wait()  # near the end, time what the device finished, not what the host handed it
+            clock[0] = time.perf_counter() - clock_start
+        b.agreed = clock
+        elapsed, step_s, save_s, _ = clock
+        val_s = self._val_seconds(len(self.val_plan))
+        per_step = step_s + ((save_s + val_s) / self.cfg.save_every if self.cfg.save_every else 0.0)
+        self._set_total(budget_steps(step, b.seconds - elapsed - val_s - 2 * save_s, per_step, self.upper))
+        if bar is not None:
+            bar.total = self.total
+            bar.refresh()
+        if self.ctx.main and not b.said and (len(b.window) >= BUDGET_WINDOW or self.total <= step):
+            b.said = True
             epochs = self.total / max(1, self.plan_sizes[0])
-            _say(f"eagle3 train: time budget {self.cfg.time_budget:.0f} s, {spent:.0f} s spent: "
-                 f"{step_seconds:.3f} s/step over the last {n} steps -> {self.total} steps in all "
-                 f"(about {epochs:.2f} epochs; {self.upper} without the budget)", bar)
+            _say(f"eagle3 train: time budget {b.seconds:g} s, {elapsed:.0f} s spent: {step_s:.3f} s/step -> "
+                 f"{self.total} steps in all (about {epochs:.2f} epochs; {self.upper} without the budget), sized "
+                 "again after every step", bar)
+
+    def _val_seconds(self, batches: int) -> float:
+        """What `batches` held-out batches take: as long as the last validation's, or at most a training step."""
+        b = self.budget
+        per = b.agreed[3] if b.agreed and b.agreed[3] > 0 else (b.agreed[1] if b.agreed else 0.0)
+        return batches * per
+
+    def _val_limit(self, closing: bool) -> int | None:
+        """How many held-out batches fit into the budget's time left (None: all; at least 1)."""
+        if self.budget is None or self.budget.agreed is None:
+            return None
+        elapsed, _, save_s, _ = self.budget.agreed
+        left = self.budget.seconds - elapsed - save_s * (2 if closing else 1)
+        per = self._val_seconds(1)
+        return None if per <= 0 else max(1, min(len(self.val_plan), int(left / per)))
 
     def _metrics(self, w: torch.Tensor) -> dict[str, Any]:
         """Loss and accuracies from summed metrics w [METRIC_ROWS, K] (on the CPU)."""

@@ -129,3 +129,54 @@ def load_vocab_mapping(path: str | os.PathLike[str]) -> tuple[torch.Tensor, torc
         )
     check_vocab_mapping(tensors["d2t"], tensors["t2d"])
     return tensors["d2t"], tensors["t2d"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A fresh drafter's vocabulary (`eagle3 init-drafter`)
+# ---------------------------------------------------------------------------------------------
+def initial_draft_ids(vocab_size: int, size: int | None, data: str | os.PathLike[str] | None = None,
+                      default: int = 32000) -> tuple[torch.Tensor | None, str]:
+    """The draft vocabulary of a fresh drafter: ascending target ids [Vd] (None: the full vocabulary) and a
+    sentence saying how they were chosen.
+
+    `size` None: with `data` (a folder written by `eagle3 prepare`) its vocab.safetensors, so `train --init`
+    accepts the drafter with that data; without, the first min(`default`, V) ids. 0: the full vocabulary. N: the
+    N most frequent tokens of the data's token_freq.safetensors, or without data the first N ids. Without data
+    the low ids are the sensible guess: BPE vocabularies number tokens in merge order and SentencePiece ones by
+    score, so the common tokens come first. A drafter trained from scratch on prepared data takes that data's.
+    """
+    if size is not None and size < 0:
+        raise ConfigError(f"--draft-vocab-size {size}: give a positive number of tokens, or full (0)")
+    if size is not None and size > vocab_size:
+        raise ConfigError(f"--draft-vocab-size {size} is larger than the target's vocabulary ({vocab_size} ids); "
+                          f"give at most {vocab_size}, or full")
+    if size == 0 or (size is None and data is None and default >= vocab_size):
+        return None, f"the full vocabulary ({vocab_size} ids)"
+    if data is None:
+        n = size if size is not None else default
+        return torch.arange(n), (f"the first {n} of {vocab_size} target ids (tokenizers number common tokens "
+                                 "first; --data DIR picks the most frequent tokens of prepared data)")
+    folder = Path(data)
+    if size is None:
+        path = folder / "vocab.safetensors"
+        if not path.exists():
+            raise ConfigError(f"{path} does not exist: --data takes a folder written by `eagle3 prepare`")
+        d2t, t2d = load_vocab_mapping(path)
+        _check_data_vocab(t2d.numel(), vocab_size, data)
+        return draft_ids_to_target(d2t), (f"the {d2t.numel()} ids of {path} (what `eagle3 prepare "
+                                          "--draft-vocab-size` chose from its token frequencies)")
+    path = folder / "token_freq.safetensors"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: --data takes a folder written by `eagle3 prepare`")
+    freq = load_token_freq(path)
+    _check_data_vocab(freq.numel(), vocab_size, data)
+    d2t, t2d = build_vocab_mapping(freq, size)
+    return draft_ids_to_target(d2t), (f"the {size} most frequent target ids of {path} ({100 * coverage(freq, t2d):.1f}"
+                                      " % of its trained tokens; train --init needs data prepared with this "
+                                      "drafter's vocabulary: prepare --vocab-from)")
+
+
+def _check_data_vocab(data_vocab: int, vocab_size: int, data) -> None:
+    if data_vocab != vocab_size:
+        raise ConfigError(f"{data} was prepared for a vocabulary of {data_vocab} ids, the target has {vocab_size}; "
+                          "give the folder `eagle3 prepare --target` wrote for this target")
