@@ -86,6 +86,19 @@ def test_bench_times_several_trees_against_one_plain_run(tmp_path, capsys):
                "--tree", "4,3,8", "4,3,8", "--out", str(tmp_path)])
 
 
+def test_bench_samples_with_one_seed_per_prompt(tmp_path):
+    """`--temperature`: every eagle3 method draws prompt i with seed --seed + i, so their sampled answers are the
+    same tokens (compared with plain decoding as for greedy runs), and the record says how it sampled."""
+    argv = ["--target", "stories260k", "--drafter", "random", "--limit", "2", "--max-new-tokens", "16",
+            "--device", "cpu", "--methods", "plain,chain,tree", "--chain", "3", "--tree", "4,3,8"]
+    assert bench([*argv, "--temperature", "0.9", "--seed", "5", "--out", str(tmp_path)]) == 0
+    sampled = json.loads((tmp_path / "bench.json").read_text())
+    assert (sampled["temperature"], sampled["seed"]) == (0.9, 5)
+    assert all(s["identical"] == 2 for s in sampled["summary"])
+    with pytest.raises(ConfigError, match="temperature"):
+        bench([*argv, "--temperature", "-1", "--out", str(tmp_path / "x")])
+
+
 def test_bench_keeps_the_methods_measured_before_a_failure(tmp_path, monkeypatch):
     """A run stopped part way (here the second method fails; on a device, a time limit) leaves the record of the
     methods before it, marked incomplete; a finished run's record says complete."""
@@ -96,7 +109,7 @@ def test_bench_keeps_the_methods_measured_before_a_failure(tmp_path, monkeypatch
     def failing(*args, **kwargs):
         made.append(1)
         if len(made) > 1:
-            def run(ids):
+            def run(ids, seed):
                 raise RuntimeError("stopped")
             return run
         return real(*args, **kwargs)

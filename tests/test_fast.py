@@ -931,6 +931,30 @@ def test_cuda_graphs_on_a_second_gpu_that_is_not_current():
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
+def test_cuda_sampled_cycles_match_plain_sampling(kind):
+    """On a GPU: sampled requests run captured cycles with the position-keyed draw compiled inside them, and emit
+    exactly what eager plain sampling emits with the same seed (temperature alone, and with top-p / top-k)."""
+    model = build_tiny_target("llama").cuda()
+    d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
+    prompt = prompt_of(9, seed=13)
+    draft, spec = {"none": ("none", None), "chain": ("eagle3", CHAIN), "tree": ("eagle3", TREE),
+                   "ngram": ("ngram", CHAIN)}[kind]
+    for sampling in (SamplingConfig(temperature=0.9, seed=3), SamplingConfig(temperature=1.1, top_p=0.9, top_k=40,
+                                                                              seed=4)):
+        plain = FastEngine(model, draft="none", options=FastOptions(graphs=False)).generate(
+            prompt, max_new_tokens=NEW, eos_token_ids=[], sampling=sampling).token_ids
+        assert plain != hf_greedy(model, prompt.cuda(), NEW)
+        for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graph_prefill=True)):
+            engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
+            for _ in range(2):
+                assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[], sampling=sampling).token_ids \
+                    == plain
+            assert engine.graphed
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
     the elementwise work compiled (`fuse_pointwise`: elementwise by default on CUDA, all) inside the captured

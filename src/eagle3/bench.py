@@ -45,6 +45,7 @@ from eagle3.config import (
     TARGET_ATTENTION,
     TARGET_ATTENTION_HELP,
     ConfigError,
+    SamplingConfig,
     SpecConfig,
 )
 
@@ -91,9 +92,13 @@ def _sync(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------------
 # method runners: ids -> (new token ids, seconds, accepted tokens per forward info)
 # ------------------------------------------------------------------------------------------------
-def _hf_runner(model, kind: str, max_new_tokens: int, eos: list[int], pad: int, cache_len: int):
+def _hf_runner(model, kind: str, max_new_tokens: int, eos: list[int], pad: int, cache_len: int,
+               temperature: float = 0.0):
     device = next(model.parameters()).device
-    kw: dict = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None, pad_token_id=pad)
+    kw: dict = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=eos or None,
+                    pad_token_id=pad)
+    if temperature > 0:  # HF's own sampler: the same distribution, other draws
+        kw.update(temperature=temperature, top_p=1.0, top_k=0)
     if kind == "hf_static":
         kw["cache_implementation"] = "static"
         if hasattr(model.generation_config, "max_cache_len"):  # one cache size for every prompt: no recompiles
@@ -102,10 +107,11 @@ def _hf_runner(model, kind: str, max_new_tokens: int, eos: list[int], pad: int, 
         kw["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
     count = kind != "hf_static"  # a Python hook inside a compiled call would break its graph
 
-    def run(ids: list[int]) -> dict:
+    def run(ids: list[int], seed: int) -> dict:
         calls = [0]
         hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if count else None
         x = torch.tensor([ids], device=device)
+        torch.manual_seed(seed)
         try:
             _sync(device)
             t0 = time.perf_counter()
@@ -123,9 +129,10 @@ def _hf_runner(model, kind: str, max_new_tokens: int, eos: list[int], pad: int, 
     return run
 
 
-def _engine_runner(engine, max_new_tokens: int, eos: list[int]):
-    def run(ids: list[int]) -> dict:
-        res = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+def _engine_runner(engine, max_new_tokens: int, eos: list[int], temperature: float = 0.0):
+    def run(ids: list[int], seed: int) -> dict:
+        sampling = SamplingConfig(temperature=temperature, seed=seed)
+        res = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos, sampling=sampling)
         st = res.stats
         return {"ids": res.token_ids, "seconds": st.total_s, "cycles": st.cycles,
                 "emitted_in_cycles": sum(st.accepted_per_cycle) + st.cycles, "decode_s": st.verify_s}
@@ -160,13 +167,16 @@ def run_bench(
     compile_drafting: bool | None = None,
     graph_prefill: bool | None = None,
     on_progress: Callable[[dict], None] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it.
 
     Several tree shapes (`tree` a list) each get their own method, `tree-DEPTH,TOPK,TOTAL`, timed in the same run
     against the same plain decoding: how to find the tree that pays best on a device. `on_progress` gets the
     record of the methods done so far after each one (`complete` False, no bandwidth yet), so that a run stopped
-    part way, by a time limit say, keeps what it measured.
+    part way, by a time limit say, keeps what it measured. At `temperature` > 0 prompt i samples with seed
+    `seed + i` in every eagle3 method, so their answers are the same draws and still compared token for token.
     """
     import transformers
 
@@ -250,7 +260,8 @@ def run_bench(
         rec = run_record(
             "bench", target=target, drafter=drafter, dataset=name, prompts=len(prompts), chat_template=bool(getattr(tok, "chat_template", None)),
             engine=engine_name, dtype=model_dtype,
-            max_new_tokens=max_new_tokens, methods=[r[0] for r in runs], reference=ref_method,
+            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, methods=[r[0] for r in runs],
+            reference=ref_method,
             spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
                   "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
             options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
@@ -273,16 +284,16 @@ def run_bench(
         if m != kind:
             label = label.replace("tree", f"tree {spec.tree_text}")
         if kind.startswith("hf"):
-            run = _hf_runner(model, kind, max_new_tokens, eos, pad, cache_len)
+            run = _hf_runner(model, kind, max_new_tokens, eos, pad, cache_len, temperature)
             engine = None
         else:
             engine = engine_for(kind, spec)
-            run = _engine_runner(engine, max_new_tokens, eos)
+            run = _engine_runner(engine, max_new_tokens, eos, temperature)
         t0 = time.perf_counter()
         for _ in range(warmup):
-            run(longest)
+            run(longest, seed)
         warm_s = time.perf_counter() - t0
-        results[m] = [run(ids) for ids in prompts]
+        results[m] = [run(ids, seed + i) for i, ids in enumerate(prompts)]
         fast = isinstance(engine, FastEngine)
         compiled = (kind == "hf_static" and dev.type == "cuda") or (fast and engine.compiled)
         ran = "hf" if engine is None else ("fast" if fast else "generic")
@@ -466,6 +477,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, metavar="N", help="n-gram draft length (e)")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     b.add_argument("--dtype", default="auto")
+    b.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sample at T (prompt i with seed --seed + i); default 0, greedy")
+    b.add_argument("--seed", type=int, default=0, metavar="S", help="first prompt's seed when sampling")
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", metavar="DIR", help="folder for bench.json / bench.png (overhead.json)")
     fp = b.add_argument_group("fast path")
@@ -519,6 +533,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("eagle3 bench needs --target (or --overhead for the random 8B-shape measurement)")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    SamplingConfig(temperature=args.temperature)  # a ConfigError for a temperature out of range
     trees = [SpecConfig.parse_tree(t) for t in args.tree] if args.tree else [SpecConfig()]
     if len({t.tree_text for t in trees}) < len(trees):
         raise ConfigError(f"--tree {' '.join(args.tree)}: a shape is given twice")
@@ -532,7 +547,8 @@ def cmd_bench(args) -> int:
         fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
         compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
         drafter_attention=args.drafter_attention, target_attention=args.target_attention,
-        graph_prefill=AUTO_ON_OFF[args.graph_prefill], on_progress=save,
+        graph_prefill=AUTO_ON_OFF[args.graph_prefill], on_progress=save, temperature=args.temperature,
+        seed=args.seed,
     )
     path = save(record)
     png = plot_bench(record, out / "bench.png")
