@@ -357,12 +357,12 @@ class FastCore(nn.Module):
         mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors and itself
         return ids, pos, slots, mask, anc
 
-    def choose(self, logits: torch.Tensor, positions: torch.Tensor, mode: int) -> torch.Tensor:
-        """The target's token after each of logits [M, V], predicting `positions` [M]: the argmax (GREEDY) or
-        the request's position-keyed draw (`self.sampling`). [M]."""
+    def choose(self, logits: torch.Tensor, pos: torch.Tensor, mode: int) -> torch.Tensor:
+        """The target's token after each of logits [M, V] at RoPE positions `pos` [M] (each predicts the token at
+        pos + 1): the argmax (GREEDY) or the request's position-keyed draw (`self.sampling`). [M]."""
         if mode == GREEDY:
             return self.target.argmax(logits)
-        return self.sampling.draw(logits[None], positions[None], mode, self.fused_sampling)[0]
+        return self.sampling.draw(logits[None], (pos + 1)[None], mode, self.fused_sampling)[0]
 
     def verify(self, mode: int = GREEDY, rows: int | None = None) -> None:
         """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N], and the
@@ -372,7 +372,7 @@ class FastCore(nn.Module):
         m = ids.shape[0] if rows is None else rows
         logits, aux = self.target(ids[:m], pos[:m], slots[:m], mask[:m],
                                   want_aux=self.drafter is not None)  # [m, V]
-        self.top[:m].copy_(self.choose(logits, pos[:m] + 1, mode))  # node j predicts the token at pos[j] + 1
+        self.top[:m].copy_(self.choose(logits, pos[:m], mode))
         if rows is not None:
             self.top[m:].fill_(-1)
         if aux is not None:

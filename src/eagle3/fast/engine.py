@@ -294,9 +294,9 @@ class FastEngine:
             self._on_tokens = None
 
     def _first_token(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
-        """The first new token [1] from the prefill's logits [V], at position T of a T-token prompt."""
-        t = req.prompt.numel()
-        return self.core.choose(logits[None], torch.tensor([t], device=self.device), self._mode(req))
+        """The first new token [1] from the prefill's logits [V]: the token at position T of a T-token prompt."""
+        last = req.prompt.numel() - 1  # the RoPE position of the prompt's last token
+        return self.core.choose(logits[None], torch.tensor([last], device=self.device), self._mode(req))
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
