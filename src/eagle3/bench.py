@@ -463,13 +463,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                               usage="%(prog)s --target MODEL [--drafter DIR] [options]\n"
                                     "       %(prog)s --overhead [--shape SHAPE] [options]")
     b.add_argument("--target", default=None, metavar="MODEL", help="the target model (required unless --overhead)")
+    from eagle3.cli import add_trust_remote_code  # here: eagle3.cli imports this module inside build_parser
+
+    add_trust_remote_code(b)
     b.add_argument("--drafter", default=None, metavar="DIR",
                    help="drafter checkpoint directory, or 'random' (timing only)")
     b.add_argument("--dataset", default="mt_bench", help="bundled set name or JSONL file (default mt_bench)")
     b.add_argument("--limit", type=int, default=None, metavar="N", help="first N prompts")
     b.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N")
     b.add_argument("--methods", default="all",
-                   help="comma list of hf,hf_static,hf_lookup,plain,ngram,chain,tree (or letters a-g); default all")
+                   help="comma list: hf,hf_static,hf_lookup,plain,ngram,chain,tree or a-g (default all)")
     b.add_argument("--chain", type=int, default=DEFAULT_CHAIN_LENGTH, metavar="K", help="EAGLE-3 chain length")
     b.add_argument("--tree", nargs="+", default=None, metavar="D,K,N",
                    help="EAGLE-3 tree DEPTH,TOPK,TOTAL (default 6,10,60); several shapes are each timed "

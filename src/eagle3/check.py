@@ -275,6 +275,9 @@ def add_check_parser(sub) -> None:
     c = sub.add_parser("check", help="pre-flight check of a drafter against a target: loads, lossless, acceptance "
                                      "(against the drafter's stored profile)")
     c.add_argument("--target", required=True, help="local HF directory, hub id, .gguf file, or a bundled name")
+    from eagle3.cli import add_trust_remote_code  # here: eagle3.cli imports this module inside build_parser
+
+    add_trust_remote_code(c)
     c.add_argument("--drafter", required=True, help="a drafter folder (speculators or EAGLE format)")
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     c.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")

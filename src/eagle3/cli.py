@@ -77,9 +77,16 @@ def layer_ids(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def add_trust_remote_code(p) -> None:
+    """`--trust-remote-code`, for every command that loads a target (main passes it to eagle3.models)."""
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the target repository's own Python code run (auto_map models)")
+
+
 def _add_target(p) -> None:
     p.add_argument("--target", required=True, metavar="MODEL",
                    help="local HF folder, hub id, .gguf file, or bundled name (smollm2, stories260k)")
+    add_trust_remote_code(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
 
@@ -197,9 +204,10 @@ def cmd_init_drafter(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from eagle3.formats import export_drafter
+    from eagle3.formats import export_drafter, load_target_config
 
-    export_drafter(args.drafter, args.format, args.out, verifier_name=args.verifier_name)
+    target_config = load_target_config(args.target) if args.target else None  # config only, no weights
+    export_drafter(args.drafter, args.format, args.out, verifier_name=args.verifier_name, target_config=target_config)
     print(f"wrote {args.format} checkpoint to {args.out}")
     return 0
 
@@ -435,11 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target as `vllm serve` should load it (hub id or path), recorded as the config's "
                         "verifier.name_or_path (default: the name the drafter was made with; a GGUF target's is "
                         "the hub repository its metadata names, else the .gguf path)")
+    e.add_argument("--target", default=None, metavar="MODEL",
+                   help="the target (folder, hub id, .gguf or bundled name; only its config is read): gives the "
+                        "layer count and, for drafters whose config names no aux layers, the EAGLE-3 default "
+                        "[2, L//2, L-3]; the drafter is checked against it")
     e.set_defaults(func=cmd_export)
 
     pr = sub.add_parser("prepare", help="tokenize conversations with the target's chat template (or raw text for a "
                         "base model), build loss masks and the draft vocabulary")
     pr.add_argument("--target", required=True, help="the target whose tokenizer and chat template to use")
+    add_trust_remote_code(pr)
     pr.add_argument("--data", nargs="+", required=True, help="ShareGPT/OpenAI conversations or text/prompt+completion "
                     "rows: JSON/JSONL (also .gz), parquet, HF datasets folders, or .txt (blank-line-separated documents)")
     pr.add_argument("--chat-template", default=None, metavar="FILE|NAME", help=CHAT_TEMPLATE_HELP)
@@ -459,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rg = sub.add_parser("regenerate", help="answer every user turn with the target (on-policy training data)")
     rg.add_argument("--target", default=None, help="local generation with this model")
+    add_trust_remote_code(rg)
     rg.add_argument("--endpoint", default=None, help="an OpenAI-compatible server URL (vLLM, SGLang, eagle3 serve)")
     rg.add_argument("--model", default=None, help="model name at the endpoint")
     rg.add_argument("--concurrency", type=int, default=16)
@@ -484,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy = sub.add_parser("synthesize", help="let the target write user prompts (for regenerate to answer) from "
                         "its chat template's user-turn header")
     sy.add_argument("--target", required=True)
+    add_trust_remote_code(sy)
     sy.add_argument("--count", type=int, required=True, help="unique prompts wanted in --out")
     sy.add_argument("--out", required=True, help="output JSONL, ShareGPT rows (resumable: rerun to continue)")
     sy.add_argument("--system", default=None, help="system prompt before the user turn (default: the template's)")
@@ -519,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="soft labels softmax(target logits / T): 1 (default) as EAGLE-3 trains; below 1 sharper; "
                         "0 the target's argmax as a hard label")
     t.add_argument("--step-decay", type=float, default=tc.step_decay, metavar="G",
-                   help="TTT step k's loss weighs G^k (default 0.8, EAGLE-3's); 1 weighs every step alike")
+                   help="TTT step k's loss weighs G^k (default 0.8, EAGLE-3's); 1: all steps alike")
     t.add_argument("--lr", type=float, default=tc.lr)
     t.add_argument("--warmup-ratio", type=float, default=tc.warmup_ratio, metavar="R")
     t.add_argument("--epochs", type=int, default=tc.epochs,
@@ -620,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "trust_remote_code", False):
+        from eagle3.models import set_trust_remote_code
+
+        set_trust_remote_code(True)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -145,6 +145,9 @@ class DrafterConfig:
     # acceptance measured by `eagle3 check --write-profile` (settings and tau), so a later check can tell a
     # misconfigured deployment from a weak drafter; kept through save, load and export
     acceptance_profile: dict[str, Any] | None = None
+    # config.json keys eagle3 does not interpret, kept so export writes them back verbatim: {"top": {...},
+    # "layer": {...}} (speculators top level / `transformer_layer_config`; see eagle3.formats.configs)
+    kept_keys: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -228,16 +231,16 @@ class DrafterConfig:
         tc = getattr(target_config, "text_config", None) or target_config
         num_layers = tc.num_hidden_layers
         vocab = tc.vocab_size
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         # MoE targets: use the dense FFN size if any, else the expert size times the routed top-k
-        inter = getattr(tc, "intermediate_size", None)
+        inter = _global_attr(tc, "intermediate_size")
         if not inter:
-            inter = getattr(tc, "moe_intermediate_size", 4 * tc.hidden_size)
+            inter = _global_attr(tc, "moe_intermediate_size") or 4 * tc.hidden_size
+        heads, kv_heads, head_dim = drafter_attention_shape(tc)
         kw: dict[str, Any] = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=inter,
-            num_attention_heads=tc.num_attention_heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
             draft_vocab_size=min(draft_vocab_size or vocab, vocab),
@@ -254,6 +257,57 @@ class DrafterConfig:
         )
         kw.update(overrides)
         return cls(**kw)
+
+
+def _global_attr(tc: Any, name: str, default: Any = None) -> Any:
+    """`tc.<name>`, also where transformers marks it per-layer (Gemma-4 `head_dim`, read through `per_layer_config`,
+    raises on the global config): the top-level value, which is what the layers without an override use."""
+    try:
+        return getattr(tc, name, default)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError)
+        d = tc.to_dict() if hasattr(tc, "to_dict") else {}
+        return d.get(name, default)
+
+
+# Published drafters for these targets use 128-wide heads, whatever the target's own head size.
+DRAFTER_HEAD_DIM = 128
+
+
+def drafter_attention_shape(tc: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of a new drafter for the text config `tc`.
+
+    Most targets: their own heads, KV heads and head size. Two families differ, shaped like the drafters
+    published for them:
+
+    * MLA targets (DeepSeek-V3, Kimi-K2/K2.5: `kv_lora_rank` set). HF's `head_dim` there is the RoPE part
+      (`qk_rope_head_dim`, 64), not a head size; the drafter keeps the target's query heads with head size
+      `v_head_dim` (128) and as many KV heads (plain MHA: MLA has no grouped KV). Facts relied on:
+      sgl-project/SpecForge `configs/kimi-k25-eagle3.json` (the lightseekorg/kimi-k2.5-eagle3 shape):
+      hidden_size 7168, num_attention_heads 64, num_key_value_heads 64, head_dim 128, for Kimi-K2.5's 64 heads
+      with v_head_dim 128.
+    * Gemma-4 (`per_layer_config`: full-attention layers override `head_dim` with `global_head_dim`). The
+      drafter reads the top-level (sliding-layer) head size, then splits the query width heads x head_dim into
+      128-wide heads, keeping the target's KV heads. Fact relied on: SpecForge `configs/gemma4-26b-a4b-eagle3.json`:
+      32 heads of 128 and 8 KV heads for gemma-4-26B-A4B's 16 heads of 256 and 8 KV heads.
+
+    Rule, for both: query width = target heads x head size; where it divides by 128 the drafter uses width/128
+    heads of 128 (tiny test targets keep their own split); KV heads fall back to the query heads when they do not
+    divide them.
+    """
+    heads = int(tc.num_attention_heads)
+    mla = _global_attr(tc, "kv_lora_rank") is not None and _global_attr(tc, "v_head_dim") is not None
+    gemma4 = str(getattr(tc, "model_type", "")).startswith("gemma4")
+    if mla:
+        head_dim = int(_global_attr(tc, "v_head_dim"))
+        kv = heads
+    else:
+        head_dim = int(_global_attr(tc, "head_dim") or tc.hidden_size // heads)
+        kv = int(_global_attr(tc, "num_key_value_heads") or heads)
+    if (mla or gemma4) and head_dim != DRAFTER_HEAD_DIM and (heads * head_dim) % DRAFTER_HEAD_DIM == 0:
+        heads, head_dim = heads * head_dim // DRAFTER_HEAD_DIM, DRAFTER_HEAD_DIM
+    if heads % kv:
+        kv = heads
+    return heads, kv, head_dim
 
 
 def _rope_theta(tc: Any) -> float:

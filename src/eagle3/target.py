@@ -9,6 +9,7 @@ the training feature pass, on an HF `DynamicCache` that `compact` shrinks to the
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ class Target:
         if attn not in ("sdpa", "eager"):
             raise ConfigError(
                 f"attention implementation {attn!r} cannot take a tree mask; load the target with "
-                "attn_implementation='sdpa' (eagle3.models.load_target does)"
+                "attn_implementation='sdpa', or 'eager' where sdpa is unsupported (eagle3.models.load_target does)"
             )
         self._additive_mask = attn == "eager"
         # transformers >= 5.2x renames `past_key_values` to `cache`; 5.17 only knows the old name
@@ -69,15 +70,43 @@ class Target:
             module = self.final_norm if k == self.num_layers else self.layers[k]
             self._hooks.append(module.register_forward_pre_hook(self._capture(k), with_kwargs=True))
         self.layer_types = list(getattr(self.config, "layer_types", None) or [])
+        # Llama-4 `chunked_attention` layers: a query sees only keys of its own chunk of this many positions
+        self.chunk_size = getattr(self.config, "attention_chunk_size", None)
+        self._query_scale = _slot_order_query_scale(self.config, self.layers)  # Llama-4 NoPE temperature
+        self._query_ratio: torch.Tensor | None = None  # [B, N], set by `_set_query_ratio`, read by q_proj hooks
+        if self._query_scale is not None:
+            for layer in self.layers:
+                if not getattr(getattr(layer, "self_attn", None), "use_rope", True):
+                    self._hooks.append(layer.self_attn.q_proj.register_forward_hook(self._rescale_queries))
         self.sliding_window = getattr(self.config, "sliding_window", None)
         if getattr(self.config, "use_sliding_window", True) is False:
             self.sliding_window = None
+        # Gemma-4 KV-shared layers (`num_kv_shared_layers`) run only the last `logits_to_keep` rows when that is a
+        # positive int (transformers `models/gemma4/modeling_gemma4.py`, `_maybe_slice_kv_shared_inputs`), so taps
+        # there would see one row: such targets compute every row and the logits are sliced here instead.
+        self._all_rows = bool(getattr(self.config, "num_kv_shared_layers", 0))
 
     def _capture(self, k: int):
         def hook(_module, args, kwargs):
             self._captured[k] = args[0] if args else kwargs["hidden_states"]
 
         return hook
+
+    def _rescale_queries(self, _module, _args, out: torch.Tensor) -> torch.Tensor | None:
+        """q_proj output [B, N, H·d] of a Llama-4 NoPE layer, times scale(position) / scale(slot) per token."""
+        if self._query_ratio is None:
+            return None
+        return (out.float() * self._query_ratio[..., None]).to(out.dtype)
+
+    def _set_query_ratio(self, positions: torch.Tensor, first_slot: int) -> None:
+        """Before a forward writing new tokens at positions [B, N] into cache slots first_slot + 0..N-1: the
+        NoPE query correction of `_slot_order_query_scale` (None where every ratio is exactly 1). Callers reset
+        `_query_ratio` to None after the forward."""
+        if self._query_scale is None:
+            return
+        slots = torch.arange(first_slot, first_slot + positions.shape[-1], device=positions.device)
+        ratio = self._query_scale(positions) / self._query_scale(slots)
+        self._query_ratio = None if bool((ratio == 1).all()) else ratio
 
     def close(self) -> None:
         for h in self._hooks:
@@ -123,13 +152,26 @@ class Target:
 
         visible: bool [B, N, K] (query i may see key j, before any sliding window); q_pos: [B, N] and
         kv_pos: [B, K] absolute positions. Sliding-window layers also hide keys `sliding_window` or more
-        positions back; a target mixing both kinds (Gemma-3) gets a dict keyed by layer type. Returns
+        positions back; chunked layers (Llama-4) hide keys outside the query's chunk of `attention_chunk_size`
+        positions; a target mixing kinds (Gemma-3, gpt-oss, Llama-4) gets a dict keyed by layer type. Returns
         [B, 1, N, K] masks, boolean for sdpa and additive for eager attention.
         """
         dev = visible.device
 
         def windowed(window: int) -> torch.Tensor:
             return visible & (q_pos[:, :, None] - kv_pos[:, None, :] < window)
+
+        def chunked(size: int) -> torch.Tensor:
+            # transformers `masking_utils.py` `chunked_overlay` (used by `models/llama4/modeling_llama4.py`):
+            # key k is seen from query q iff k // size == q // size, on top of causality
+            return visible & (q_pos[:, :, None] // size == kv_pos[:, None, :] // size)
+
+        def local(layer_type: str) -> torch.Tensor:
+            if layer_type == "sliding_attention" and self.sliding_window:
+                return windowed(self.sliding_window)
+            if layer_type == "chunked_attention" and self.chunk_size:
+                return chunked(self.chunk_size)
+            return visible
 
         def finish(m: torch.Tensor) -> torch.Tensor:
             m = m[:, None]  # [B, 1, N, K]
@@ -138,10 +180,10 @@ class Target:
             return m
 
         types = set(self.layer_types)
-        if "sliding_attention" in types and self.sliding_window:
-            return {t: finish(windowed(self.sliding_window) if t == "sliding_attention" else visible) for t in types}
-        if self.sliding_window and not self.layer_types:
-            return finish(windowed(self.sliding_window))
+        if ("sliding_attention" in types and self.sliding_window) or ("chunked_attention" in types and self.chunk_size):
+            return {t: finish(local(t)) for t in types}
+        if not self.layer_types and (self.sliding_window or self.chunk_size):  # one kind for every layer
+            return finish(local("sliding_attention" if self.sliding_window else "chunked_attention"))
         return finish(visible)
 
     # -- forward -------------------------------------------------------------------------------
@@ -168,16 +210,21 @@ class Target:
         kwargs = {self._cache_kw: cache}
         if tree_mask is not None:
             kwargs["attention_mask"] = self._tree_mask(past, tree_mask, positions)
+        self._set_query_ratio(positions[None], past)
         self._captured.clear()
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions[None],
-            cache_position=torch.arange(past, past + n, device=dev),
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
-        return out.logits.float(), self._aux()
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions[None],
+                cache_position=torch.arange(past, past + n, device=dev),
+                use_cache=True,
+                logits_to_keep=0 if self._all_rows else logits_to_keep,
+                **kwargs,
+            )
+        finally:
+            self._query_ratio = None
+        logits = out.logits[:, -logits_to_keep:] if self._all_rows and logits_to_keep else out.logits
+        return logits.float(), self._aux()
 
     def _aux(self) -> torch.Tensor | None:
         if not self.aux_layer_ids:
@@ -194,7 +241,7 @@ class Target:
         """Training pass without a cache: aux [B, T, 3·Ht] and logits [B, T, V] (target dtype)."""
         self._captured.clear()
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                         logits_to_keep=0 if with_logits else 1)
+                         logits_to_keep=0 if with_logits or self._all_rows else 1)
         return self._aux(), (out.logits if with_logits else None)
 
     # -- cache maintenance ---------------------------------------------------------------------
@@ -217,6 +264,36 @@ class Target:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
+
+
+def _slot_order_query_scale(config, layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Llama-4's NoPE query temperature as a function of position, when the model derives it from cache slots.
+
+    transformers `models/llama4/modeling_llama4.py` (`Llama4TextAttention.forward`) multiplies the queries of
+    layers without RoPE by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 with p = cache length + row
+    index (`cache_position` in older 5.x): the slot, not `position_ids`. A tree node sits at slot past + i but
+    at position past + depth, so across a floor_scale multiple it would get another scale than sequential
+    decoding gives (vLLM `model_executor/models/llama4.py` uses positions). `Target.forward` multiplies those
+    nodes' q_proj rows by scale(position) / scale(slot). None for other targets, or a model reading positions.
+    """
+    floor_scale = getattr(config, "floor_scale", None)
+    if not getattr(config, "attn_temperature_tuning", False) or not floor_scale:
+        return None
+    nope = [layer.self_attn for layer in layers if not getattr(getattr(layer, "self_attn", None), "use_rope", True)]
+    if not nope:
+        return None
+    try:
+        source = inspect.getsource(type(nope[0]).forward)
+    except (OSError, TypeError):
+        source = ""
+    if "position_ids" in source and "get_seq_length" not in source and "cache_position" not in source:
+        return None
+    attn_scale = float(config.attn_scale)
+
+    def scale(positions: torch.Tensor) -> torch.Tensor:  # the model's own formula, in fp32 as there
+        return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+    return scale
 
 
 def _cache_layers(cache: DynamicCache):

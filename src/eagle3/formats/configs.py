@@ -6,12 +6,18 @@ layer ids in vLLM convention. `config_from_dict` reads either format, including 
 SpecForge and SafeAILab/EAGLE, and rejects flags eagle3's drafter cannot honour.
 
 Aux layer ids. eagle3 uses the vLLM convention everywhere: id k is HF `hidden_states[k]`, the residual stream
-entering decoder layer k. speculators configs store ids that way. A native config's `eagle_config` list may come
-from SGLang/SpecForge, which write "output of decoder layer X" (= HF `hidden_states[X+1]`, SpecForge default
-`[1, L//2-1, L-4]`). The rule used here is SGLang's own since its PR #25454: a native list whose first id is 1 is
-SGLang-style and gets +1; any other list is taken verbatim (vLLM reads it verbatim too). A missing list means the
-EAGLE-3 default `default_aux_layer_ids(L)`. eagle3 writes native lists in vLLM convention and warns when that list
-starts with 1 (ambiguous to SGLang); its own `"eagle3"` key always settles the ids for eagle3.
+entering decoder layer k. Lists written by others may instead number "output of decoder layer X" (= HF
+`hidden_states[X+1]`): NVIDIA ModelOpt (default `[1, L//2-1, L-4]`) and SGLang/SpecForge do, and RedHat's
+speculators copy of NVIDIA's Maverick drafter kept ModelOpt's `[1, 23, 44]`. The rule, SGLang's own since its
+PR #25454, is applied to native and speculators lists alike: a list whose first id is 1 gets +1, any other list is
+taken verbatim. So both files of that drafter read as [2, 24, 45]. A missing list means the EAGLE-3 default
+`default_aux_layer_ids(L)` of the target's depth. eagle3 writes lists in vLLM convention and warns when a native
+list starts with 1 (ambiguous to SGLang); its own `"eagle3"` key always settles the ids for eagle3.
+
+Keys eagle3 does not interpret (`auto_map`, ModelOpt's `eagle_config` flags, ...) are kept in
+`DrafterConfig.kept_keys` and written back where each format keeps them (also under `"eagle3"."kept"`, so a
+second conversion restores keys the intermediate format interprets); those that might change the computation are
+named in one warning.
 
 Flags whose default differs between loaders are always written: vLLM's speculators path defaults a missing
 `norm_before_residual` to True (`vllm/transformers_utils/configs/speculators/algos.py`), its native path to False.
@@ -57,6 +63,128 @@ def _text_config(target_config: Any) -> Any:
         target_config = SimpleNamespace(**target_config)
     tc = getattr(target_config, "text_config", None) or target_config
     return SimpleNamespace(**tc) if isinstance(tc, dict) else tc
+
+
+# ---------------------------------------------------------------------------------------------
+# keys eagle3 does not interpret: kept verbatim (`DrafterConfig.kept_keys`) and written back on export
+# ---------------------------------------------------------------------------------------------
+# keys eagle3 reads or writes itself, per place; every other key is kept
+_LAYER_KEYS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "hidden_act", "attention_bias", "mlp_bias", "tie_word_embeddings", "torch_dtype",
+    "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "use_sliding_window", "layer_types", "logit_scale",
+})  # fmt: skip
+_SPECULATORS_KEYS = frozenset({
+    "architectures", "speculators_model_type", "speculators_version", "draft_vocab_size", "norm_before_residual",
+    "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad", "target_hidden_size",
+    "eagle_aux_hidden_state_layer_ids", "transformer_layer_config", "speculators_config", "torch_dtype", "dtype",
+    EXTRAS_KEY,
+})  # fmt: skip
+_NATIVE_KEYS = _LAYER_KEYS | {
+    "architectures", "draft_vocab_size", "use_cache", "eagle_config", "norm_before_residual", "norm_before_fc",
+    "fc_norm", "norm_output", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", EXTRAS_KEY,
+}  # fmt: skip
+_EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state"})
+# kept keys that cannot change what the drafter computes (metadata, training-only settings): not warned about
+_METADATA_KEYS = frozenset({
+    "auto_map", "transformers_version", "_name_or_path", "initializer_range", "pretraining_tp", "attention_dropout",
+    "use_cache", "has_no_defaults_at_init", "base_model_ep_plan",
+})  # fmt: skip
+_WARNED: set[tuple[str, ...]] = set()  # key sets already warned about in this process
+
+
+def _pretrained_config_keys() -> set[str]:
+    from transformers import LlamaConfig
+
+    return set(LlamaConfig().to_dict())
+
+
+def _kept_keys(config: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """The keys of `config` eagle3 does not interpret, as {"top": {...}, "layer": {...}} (empty buckets dropped).
+
+    speculators: unknown top-level keys and unknown `transformer_layer_config` keys. Native (flat): unknown keys
+    that are Llama config attributes go to "layer", the rest to "top"; unknown `eagle_config` flags (ModelOpt's
+    `use_last_layernorm`, ...) to top["eagle_config"], so each format's writer puts them back where they were.
+    """
+    top: dict[str, Any] = {}
+    layer: dict[str, Any] = {}
+    if fmt == "speculators":
+        top = {k: v for k, v in config.items() if k not in _SPECULATORS_KEYS}
+        inner = config.get("transformer_layer_config") or {}
+        layer = {k: v for k, v in inner.items() if k not in _LAYER_KEYS}
+    else:
+        llama = _pretrained_config_keys()
+        for k, v in config.items():
+            if k not in _NATIVE_KEYS:
+                (layer if k in llama else top)[k] = v
+        eagle_config = config.get("eagle_config")
+        flags = {k: v for k, v in (eagle_config or {}).items() if k not in _EAGLE_CONFIG_KEYS}
+        if flags:
+            top["eagle_config"] = flags
+    return {name: bucket for name, bucket in (("top", top), ("layer", layer)) if bucket}
+
+
+def _merge_kept(earlier: dict[str, Any] | None, found: dict[str, Any]) -> dict[str, Any] | None:
+    """Keys kept by an earlier export (`"eagle3"."kept"`) overlaid with those found in this file now."""
+    out: dict[str, Any] = {}
+    for name in ("top", "layer"):
+        bucket = {**((earlier or {}).get(name) or {}), **found.get(name, {})}
+        flags = {**(((earlier or {}).get(name) or {}).get("eagle_config") or {}),
+                 **(found.get(name, {}).get("eagle_config") or {})}  # fmt: skip
+        if flags:
+            bucket["eagle_config"] = flags
+        if bucket:
+            out[name] = bucket
+    return out or None
+
+
+def _warn_ignored(kept: dict[str, Any] | None) -> None:
+    """Warn once per process about kept keys that may change the drafter's computation (eagle3 ignores them)."""
+    if not kept:
+        return
+    metadata = _METADATA_KEYS | _pretrained_config_keys() - _LAYER_KEYS
+    names = []
+    for name in ("top", "layer"):
+        for k, v in (kept.get(name) or {}).items():
+            if k == "eagle_config" and name == "top" and isinstance(v, dict):
+                names += [f"eagle_config.{f}" for f in v]
+            elif k not in metadata:
+                names.append(k if name == "top" else f"transformer_layer_config.{k}")
+    key = tuple(sorted(set(names)))
+    if key and key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(
+            "config.json keys %s are not interpreted by eagle3 (nor by vLLM's or SGLang's EAGLE-3 Llama drafter): "
+            "the drafter runs without them, and export writes them back unchanged",
+            list(key),
+        )
+
+
+def _write_kept(d: dict[str, Any], cfg: DrafterConfig, fmt: str) -> dict[str, Any]:
+    """`d` (a writer's config dict) with `cfg.kept_keys` put back where `fmt` keeps them; eagle3's own keys win."""
+    kept = cfg.kept_keys or {}
+    if not kept:
+        return d
+    extras = d.pop(EXTRAS_KEY)
+    top = dict(kept.get("top") or {})
+    flags = top.pop("eagle_config", None)
+    layer = kept.get("layer") or {}
+    if fmt == "speculators":
+        for k, v in layer.items():
+            d["transformer_layer_config"].setdefault(k, v)
+        for k, v in top.items():
+            d.setdefault(k, v)
+        if flags:
+            d.setdefault("eagle_config", flags)  # ModelOpt flags: no speculators equivalent; vLLM ignores the key
+    else:
+        for k, v in {**layer, **top}.items():
+            d.setdefault(k, v)
+        for k, v in (flags or {}).items():
+            d["eagle_config"].setdefault(k, v)
+    extras["kept"] = kept  # restores keys the other format interprets after a second conversion
+    d[EXTRAS_KEY] = extras
+    return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +238,7 @@ def speculators_config_dict(cfg: DrafterConfig, dtype: torch.dtype | str | None 
         "torch_dtype": dtype_name,
         **_token_ids(cfg),
     }
-    return {
+    d = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_FORMAT_VERSION,
@@ -142,6 +270,7 @@ def speculators_config_dict(cfg: DrafterConfig, dtype: torch.dtype | str | None 
         "torch_dtype": dtype_name,
         EXTRAS_KEY: _extras(cfg),
     }
+    return _write_kept(d, cfg, "speculators")
 
 
 def native_config_dict(cfg: DrafterConfig, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
@@ -191,17 +320,20 @@ def native_config_dict(cfg: DrafterConfig, dtype: torch.dtype | str | None = Non
     }
     if cfg.target_hidden_size is not None:
         d["target_hidden_size"] = cfg.target_hidden_size
-    return d
+    return _write_kept(d, cfg, "eagle")
 
 
 # ---------------------------------------------------------------------------------------------
 # reading config.json
 # ---------------------------------------------------------------------------------------------
 def native_aux_ids_to_vllm(ids: list[int]) -> list[int]:
-    """Convert a native `eagle_config` aux list to vLLM convention: +1 when it starts with 1 (SGLang style).
+    """Convert an aux list written without eagle3's key to vLLM convention: +1 when it starts with 1.
 
-    SpecForge writes `[1, L//2-1, L-4]` for "outputs of layers 1, L//2-1, L-4" = HF `hidden_states[2, L//2, L-3]`
-    (sgl-project/SpecForge `specforge/algorithms/model_providers.py`); SGLang adds 1 to such lists (PR #25454).
+    A first id of 1 means "output of decoder layer X" (= HF `hidden_states[X+1]`): NVIDIA ModelOpt's default
+    `[1, L//2-1, L-4]` (`modelopt/torch/speculative/plugins/transformers.py`, forward hooks on `layers[X]`) and
+    SpecForge's; SGLang adds 1 to such lists (PR #25454). No EAGLE-3 trainer taps `hidden_states[1]` by default.
+    Applied to native lists and to speculators lists alike (RedHat's speculators copy of NVIDIA's Maverick
+    drafter keeps ModelOpt's `[1, 23, 44]`), so both files of one drafter read as the same layers.
     """
     ids = [int(i) for i in ids]
     return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
@@ -298,16 +430,37 @@ def _layer_fields(layer: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _infer_num_layers(ids: list[int]) -> int:
-    """The smallest target depth whose EAGLE-3 default is `ids`, else the least depth the ids allow."""
+def _infer_num_layers(ids: list[int]) -> tuple[int, bool]:
+    """(depth, exact): the smallest target depth whose EAGLE-3 default is `ids` (exact), else the least depth
+    the ids allow (a guess: non-default ids say nothing about the depth)."""
     top = max(ids)
     for num_layers in range(max(top, 3), top + 5):
         try:
             if default_aux_layer_ids(num_layers) == list(ids):
-                return num_layers
+                return num_layers, True
         except ConfigError:
             continue
-    return max(top, 3)
+    return max(top, 3), False
+
+
+def _published_ids(raw: list | None, where: str) -> list[int] | None:
+    """A config's own aux list in vLLM convention (`native_aux_ids_to_vllm`), saying so when it shifts."""
+    if raw is None:
+        return None
+    raw = [int(i) for i in raw]
+    ids = native_aux_ids_to_vllm(raw)
+    if ids != raw:
+        if where == "speculators":
+            log.warning(
+                "speculators aux layer ids %s start with 1: ModelOpt/SpecForge numbering ('output of layer X', e.g. "
+                "RedHat's conversion of NVIDIA's Llama-4-Maverick drafter); eagle3 reads them as HF hidden_states "
+                "%s, the layers the drafter was trained on. vLLM serving this file taps %s, one layer early; "
+                "`eagle3 export --format speculators` writes %s",
+                raw, ids, raw, ids,
+            )  # fmt: skip
+        else:
+            log.info("native aux layer ids %s are SGLang-style (start with 1); using %s (vLLM convention)", raw, ids)
+    return ids
 
 
 def _speculators_fields(config: dict[str, Any], extras: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
@@ -336,7 +489,9 @@ def _speculators_fields(config: dict[str, Any], extras: dict[str, Any]) -> tuple
         verifier_name_or_path=verifier.get("name_or_path"),
         verifier_architectures=list(verifier.get("architectures") or []),
     )
-    return fields, config.get("eagle_aux_hidden_state_layer_ids")
+    if extras.get("aux_layer_ids") is not None:
+        return fields, extras["aux_layer_ids"]  # written by eagle3, vLLM convention
+    return fields, _published_ids(config.get("eagle_aux_hidden_state_layer_ids"), "speculators")
 
 
 def _native_fields(config: dict[str, Any], extras: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
@@ -355,14 +510,7 @@ def _native_fields(config: dict[str, Any], extras: dict[str, Any]) -> tuple[dict
     if extras.get("aux_layer_ids") is not None:
         ids = extras["aux_layer_ids"]  # written by eagle3, vLLM convention
     elif eagle_config.get("eagle_aux_hidden_state_layer_ids") is not None:
-        raw = list(eagle_config["eagle_aux_hidden_state_layer_ids"])
-        ids = native_aux_ids_to_vllm(raw)
-        if ids != raw:
-            log.info(
-                "native aux layer ids %s are SGLang-style (start with 1); using %s (vLLM convention)",
-                raw,
-                ids,
-            )
+        ids = _published_ids(list(eagle_config["eagle_aux_hidden_state_layer_ids"]), "eagle")
     else:
         ids = config.get("eagle_aux_hidden_state_layer_ids")  # top level: vLLM reads it verbatim
     fields = _layer_fields(config)
@@ -376,12 +524,18 @@ def _native_fields(config: dict[str, Any], extras: dict[str, Any]) -> tuple[dict
 
 
 def config_from_dict(
-    config: dict[str, Any], fmt: str | None = None, target_config: Any = None, lm_head_rows: int | None = None
+    config: dict[str, Any],
+    fmt: str | None = None,
+    target_config: Any = None,
+    lm_head_rows: int | None = None,
+    require_layer_count: bool = False,
 ) -> DrafterConfig:
     """A DrafterConfig from a checkpoint's `config.json` in either format (see the module docstring for rules).
 
-    `target_config` supplies the target's layer count when the checkpoint does not store it; `lm_head_rows`
-    supplies `draft_vocab_size` when the config omits it.
+    `target_config` supplies the target's layer count when the checkpoint does not store it (and with it the
+    default aux ids when the config names none); `lm_head_rows` supplies `draft_vocab_size` when the config omits
+    it. `require_layer_count=True` (export) refuses to guess the layer count from the ids (a guess would be
+    written into the exported file). Keys eagle3 does not interpret are kept (`kept_keys`).
     """
     fmt = fmt or detect_format(config)
     if fmt not in FORMATS:
@@ -390,20 +544,31 @@ def config_from_dict(
     reader = _speculators_fields if fmt == "speculators" else _native_fields
     fields, ids = reader(config, extras)
 
+    kept = _merge_kept(extras.get("kept"), _kept_keys(config, fmt))
+    _warn_ignored(kept)
+
     num_layers = extras.get("target_num_layers")
     if num_layers is None and target_config is not None:
         num_layers = _text_config(target_config).num_hidden_layers
     if ids is None:
         if num_layers is None:
             raise ConfigError(
-                "the checkpoint names no aux layer ids and no target layer count; pass target_config so the "
-                "EAGLE-3 default [2, L//2, L-3] can be used"
+                "the drafter's config.json names no aux layer ids and no target layer count (so do SafeAILab's "
+                "EAGLE-3 releases and most speculators configs); pass --target MODEL (Python: target_config=) so "
+                "the EAGLE-3 default [2, L//2, L-3] is taken from the target's layer count"
             )
         ids = default_aux_layer_ids(int(num_layers))
     ids = [int(i) for i in ids]
     if num_layers is None:
-        num_layers = _infer_num_layers(ids)
-        log.info("target layer count not stored; assuming %d from aux layer ids %s", num_layers, ids)
+        if require_layer_count:  # ids fit several depths: [2, 18, 34] is 37's default, and gpt-oss-120B's at 36
+            raise ConfigError(
+                f"the drafter's config.json does not store the target's layer count (aux layer ids {ids} do not "
+                "fix it); pass --target MODEL so the exported drafter records the right one"
+            )
+        num_layers, exact = _infer_num_layers(ids)
+        log.log(logging.INFO if exact else logging.WARNING,
+                "target layer count not stored; assuming %d from aux layer ids %s%s", num_layers, ids,
+                "" if exact else " (a guess: pass the target to check it)")  # fmt: skip
     target_hidden = config.get("target_hidden_size")
     return DrafterConfig(
         **fields,
@@ -414,4 +579,5 @@ def config_from_dict(
         norm_before_fc=bool(config.get("norm_before_fc", False)),
         fc_norm=bool(config.get("fc_norm", False)),
         acceptance_profile=extras.get("acceptance_profile"),
+        kept_keys=kept,
     )

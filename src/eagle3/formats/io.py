@@ -87,8 +87,13 @@ def _canonical_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_checkpoint(path: str | os.PathLike, target_config: Any = None) -> tuple[DrafterConfig, dict, str]:
-    """(DrafterConfig, state dict with eagle3 names, format) of a checkpoint directory; nothing is built."""
+def read_checkpoint(
+    path: str | os.PathLike, target_config: Any = None, require_layer_count: bool = False
+) -> tuple[DrafterConfig, dict, str]:
+    """(DrafterConfig, state dict with eagle3 names, format) of a checkpoint directory; nothing is built.
+
+    `target_config` supplies what the config may lack (layer count, default aux ids); `require_layer_count` is
+    `config_from_dict`'s (export sets it so a guessed layer count is never written out)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -98,7 +103,7 @@ def read_checkpoint(path: str | os.PathLike, target_config: Any = None) -> tuple
     fmt = detect_format(config, list(raw))
     sd = {k: v for k, v in _canonical_names(raw).items() if k not in _IGNORED_WEIGHTS}
     head = sd.get("lm_head.weight")
-    cfg = config_from_dict(config, fmt, target_config, None if head is None else head.shape[0])
+    cfg = config_from_dict(config, fmt, target_config, None if head is None else head.shape[0], require_layer_count)
     return cfg, sd, fmt
 
 
@@ -342,23 +347,46 @@ def export_drafter(
     include_embedding: bool | None = None,
     dtype: torch.dtype | str | None = None,
     verifier_name: str | None = None,
+    target_config: Any = None,
 ) -> Path:
     """Convert a checkpoint directory (either format) or an in-memory drafter to format `fmt` in `out_dir`.
 
     `include_embedding=None` keeps the source's choice (a directory without an embedding stays without one).
     `verifier_name` replaces the recorded target name (`verifier.name_or_path`, what `vllm serve` loads); without
     it, a name that is eagle3's private GGUF cache (drafters made before names were public) becomes the GGUF's.
+    `target_config` (the target's HF config; `load_target_config`) gives the layer count, and the default aux
+    ids when the source names none, and the drafter is checked against it; without it the source must store
+    the count or name ids that are the EAGLE-3 default of some depth. Unknown config keys are written back.
     """
     if isinstance(src, Eagle3Drafter):
+        if target_config is not None:
+            validate_against_target(src.config, target_config, getattr(src, "d2t", None), getattr(src, "t2d", None))
         _set_verifier_name(src.config, verifier_name)
         return save_drafter(
             src, out_dir, fmt, include_embedding if include_embedding is not None else True, dtype
         )
-    cfg, sd, _ = read_checkpoint(src)
+    cfg, sd, _ = read_checkpoint(src, target_config, require_layer_count=True)
     _set_verifier_name(cfg, verifier_name)
     has_embedding = "embed_tokens.weight" in sd
     if include_embedding and not has_embedding:
         raise ConfigError(f"{src} has no embed_tokens.weight to export; export with include_embedding=False")
-    drafter = _build(cfg, sd, src, None, None, require_embedding=False)
+    drafter = _build(cfg, sd, src, target_config, None, require_embedding=False)
     keep = has_embedding if include_embedding is None else include_embedding
     return save_drafter(drafter, out_dir, fmt, keep, dtype if dtype is not None else sd["fc.weight"].dtype)
+
+
+def load_target_config(spec: str | os.PathLike) -> Any:
+    """The HF config of target `spec` (folder, hub id, .gguf or bundled name), read without any weights.
+
+    Enough for `export_drafter(target_config=...)`: the layer count, hidden size and vocabulary to check against.
+    """
+    from transformers import AutoConfig
+
+    from eagle3.models import _from_hub, _resolve
+
+    source = _resolve(spec)
+    if source.kind == "gguf":
+        gguf = Path(source.where).expanduser().resolve()
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    kwargs = {"local_files_only": True} if source.local_only else {}
+    return _from_hub(source, lambda: AutoConfig.from_pretrained(str(source.where), **kwargs))

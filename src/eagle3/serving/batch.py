@@ -157,15 +157,19 @@ def batched_forward(
     positions = lengths[:, None] + offsets  # [B, N1]
     mask = build_mask(target, lengths, width, local, positions)
     target._captured.clear()
-    out = target.model(
-        input_ids=input_ids,
-        position_ids=positions,
-        cache_position=torch.arange(width, width + n1, device=dev),
-        attention_mask=mask,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-        **{target._cache_kw: kv.cache},
-    )
+    target._set_query_ratio(positions, width)  # Llama-4 NoPE temperature: rows' positions, not padded slots
+    try:
+        out = target.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            cache_position=torch.arange(width, width + n1, device=dev),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{target._cache_kw: kv.cache},
+        )
+    finally:
+        target._query_ratio = None
     return out.logits.float(), target._aux()
 
 

@@ -35,6 +35,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
     s.add_argument("--target", required=True, metavar="MODEL",
                    help="local HF folder, hub id, .gguf file, or bundled name (smollm2, stories260k)")
+    from eagle3.cli import add_trust_remote_code  # here: eagle3.cli imports this module inside build_parser
+
+    add_trust_remote_code(s)
     s.add_argument("--drafter", default=None, metavar="DIR",
                    help="EAGLE-3 drafter checkpoint (speculators or EAGLE format)")
     s.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None, metavar="KIND",
@@ -44,8 +47,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="model id in /v1/models and responses, which requests must name (default: --target; "
-                        "for a local path, its folder name or .gguf file stem)")
+                   help="the id requests must name (default: --target; a local path's file stem)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file, for targets whose tokenizer has none")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
