@@ -14,10 +14,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from eagle3.config import ConfigError
 
-SUPPORTED = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma-3 (text) and other decoders with `model.layers`"
+try:  # transformers' conv + recurrent state cache of linear-attention layers (Qwen3-Next), `cache_utils.py`
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # a 5.x release without it: `Target` refuses hybrid targets
+    LinearAttentionLayer = None
+
+SUPPORTED = ("Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next (chains), Gemma-3 (text) and other decoders with "
+             "`model.layers`")
+# layer types whose cache is a conv + recurrent state instead of keys/values (hybrid targets: Qwen3-Next)
+RECURRENT_LAYER_TYPES = ("linear_attention",)
 
 
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
@@ -85,6 +94,16 @@ class Target:
         # positive int (transformers `models/gemma4/modeling_gemma4.py`, `_maybe_slice_kv_shared_inputs`), so taps
         # there would see one row: such targets compute every row and the logits are sliced here instead.
         self._all_rows = bool(getattr(self.config, "num_kv_shared_layers", 0))
+        # Hybrid targets (Qwen3-Next): linear-attention layers carry a recurrent state that cannot be compacted like
+        # keys/values, only rolled back along a chain (`RecurrentCache`); trees are refused.
+        self.recurrent_layers = [i for i, t in enumerate(self.layer_types) if t in RECURRENT_LAYER_TYPES]
+        self.family = type(model).__name__.removesuffix("ForCausalLM")
+        if self.recurrent_layers and LinearAttentionLayer is None:
+            raise ConfigError(f"{self.family} has linear-attention layers; this transformers version has no "
+                              "linear-attention cache (transformers.cache_utils.LinearAttentionLayer): upgrade it")
+        if self.recurrent_layers and len(self.recurrent_layers) == self.num_layers:
+            raise ConfigError(f"{self.family}: every layer is linear attention; eagle3 needs at least one "
+                              "full-attention layer to measure the cache")
 
     def _capture(self, k: int):
         def hook(_module, args, kwargs):
@@ -190,7 +209,21 @@ class Target:
     def new_cache(self) -> DynamicCache:
         # A plain DynamicCache (no config) keeps every position of every layer, sliding ones too, so that
         # compaction is uniform; sliding windows are enforced by the masks.
+        if self.recurrent_layers:
+            return RecurrentCache(self.num_layers, self.recurrent_layers)
         return DynamicCache()
+
+    @property
+    def tree_refusal(self) -> str:
+        """Why a hybrid target verifies chains only (the ConfigError text)."""
+        return (f"{self.family} keeps a recurrent state per linear-attention layer that a token tree cannot fork; "
+                "use --chain K")
+
+    def _check_chain(self, tree_mask: torch.Tensor, offsets: torch.Tensor) -> None:
+        n = tree_mask.shape[0]
+        chain = torch.ones(n, n, dtype=torch.bool, device=tree_mask.device).tril()
+        if not (torch.equal(tree_mask, chain) and torch.equal(offsets, torch.arange(n, device=offsets.device))):
+            raise ConfigError(self.tree_refusal)
 
     @torch.inference_mode()
     def forward(
@@ -209,7 +242,11 @@ class Target:
         positions = past + offsets  # [N]
         kwargs = {self._cache_kw: cache}
         if tree_mask is not None:
+            if self.recurrent_layers:
+                self._check_chain(tree_mask, offsets)
             kwargs["attention_mask"] = self._tree_mask(past, tree_mask, positions)
+        if isinstance(cache, RecurrentCache) and past:
+            cache.record(n)  # after prefill every forward may be rolled back
         self._set_query_ratio(positions[None], past)
         self._captured.clear()
         try:
@@ -249,6 +286,8 @@ class Target:
     def compact(cache: DynamicCache, keep_len: int, keep_rel: torch.Tensor) -> None:
         """Keep positions [0, keep_len) plus keep_len + keep_rel (accepted tree nodes, in path order)."""
         dev = keep_rel.device
+        if isinstance(cache, RecurrentCache):  # before the keys shrink: it reads their length
+            cache.keep_chain(keep_len, keep_rel)
         keep = torch.cat([torch.arange(keep_len, device=dev), keep_len + keep_rel])
         for layer in _cache_layers(cache):
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
@@ -260,6 +299,8 @@ class Target:
     @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
         """Keep the first `length` positions (DynamicCache.crop's meaning changed across 5.x releases)."""
+        if isinstance(cache, RecurrentCache):
+            cache.rewind(cache.get_seq_length() - length)
         for layer in _cache_layers(cache):
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[..., :length, :]
@@ -294,6 +335,61 @@ def _slot_order_query_scale(config, layers: nn.ModuleList) -> Callable[[torch.Te
         return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
     return scale
+
+
+class RecurrentCache(DynamicCache):
+    """The cache of a hybrid target: keys/values for attention layers, conv + recurrent state for linear ones.
+
+    Rollback composes transformers' own past recording (`cache_utils.py`, `LinearAttentionLayer.
+    activate_past_recording` / `crop`, the mechanism of its assisted generation): while recording, the
+    Qwen3-Next linear layers (`models/qwen3_next/modeling_qwen3_next.py`, `Qwen3NextGatedDeltaNet.forward`) run
+    the last `recurrent_states_to_keep` tokens of a forward through the one-token recurrence and keep the state
+    after each, and keep the raw conv inputs; `crop(-r)` then restores the state from before the last r
+    tokens. So a chain is verified in one forward and the state ends exactly after the last accepted token,
+    with no second forward; the price is that verified tokens take the token-by-token recurrence instead of
+    the chunked kernel, and one state copy per token per linear layer until the cycle's rollback. Measured on
+    CPU, that makes a verification forward a little slower than a chunked one, far cheaper than the second
+    forward over the accepted tokens that snapshot-and-replay needs in every partly accepted cycle. Keys and
+    values stay with `Target.compact` / `Target.crop` like every other target's. A tree cannot be verified:
+    the recurrence would run its branches one after another, so `Target` refuses trees.
+    """
+
+    def __init__(self, num_layers: int, recurrent: list[int]):
+        # every position of attention layers, as `Target.new_cache`'s plain DynamicCache keeps them
+        Cache.__init__(self, layers=[LinearAttentionLayer() if i in recurrent else DynamicLayer()
+                                     for i in range(num_layers)])
+        self.recurrent = list(recurrent)
+        self._attention = next(i for i in range(num_layers) if i not in recurrent)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Cached positions, read from an attention layer (a linear one counts tokens in a device tensor)."""
+        return int(self.layers[self._attention if layer_idx in self.recurrent else layer_idx].get_seq_length())
+
+    def record(self, n: int) -> None:
+        """Before a forward of n tokens that may be rolled back: keep every state it passes through."""
+        for i in self.recurrent:
+            layer = self.layers[i]
+            if not layer.record_past:  # stays on; each `crop` drops what was kept
+                layer.activate_past_recording(recurrent_states_to_keep=n)
+            elif n > (layer.recurrent_states_to_keep or 0):
+                layer.recurrent_states_to_keep = n  # more tokens than any forward recorded before
+
+    def rewind(self, tokens: int) -> None:
+        """Forget the last `tokens` tokens of the linear layers (0: just drop what was kept for a rollback)."""
+        for i in self.recurrent:
+            layer = self.layers[i]
+            if layer.record_past:
+                layer.crop(-tokens)
+            elif tokens:
+                raise RuntimeError(f"linear-attention layer {i} did not record the tokens to roll back")
+
+    def keep_chain(self, keep_len: int, keep_rel: torch.Tensor) -> None:
+        """`Target.compact`'s meaning for the linear layers: keep_rel must be the chain prefix 0..m-1."""
+        m = keep_rel.numel()
+        if not torch.equal(keep_rel, torch.arange(m, device=keep_rel.device)):
+            raise ConfigError("a hybrid target's recurrent state can only keep a chain prefix, not tree nodes "
+                              f"{keep_rel.tolist()}; use --chain K")
+        self.rewind(self.get_seq_length() - keep_len - m)
 
 
 def _cache_layers(cache: DynamicCache):
