@@ -400,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                        usage="%(prog)s --target MODEL (--prompt TEXT | --chat TEXT) [--drafter DIR] [options]")
     _add_target(g)
     g.add_argument("--drafter", default=None, metavar="DIR", help="drafter checkpoint directory (speculators or EAGLE format)")
-    g.add_argument("--draft", choices=("eagle3", "ngram", "model", "none"), default=None,
-                   help="draft method (default: eagle3 with --drafter, model with --draft-model, else none)")
+    g.add_argument("--draft", choices=("eagle3", "ngram", "model", "mtp", "none"), default=None,
+                   help="draft method (default: eagle3 with --drafter, model with --draft-model, else none; "
+                        "mtp: the target's own MTP layer)")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a small causal LM with the target's tokenizer as drafter (the target itself: always right)")
     src = g.add_mutually_exclusive_group(required=True)
@@ -576,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                         usage="%(prog)s --target MODEL [--drafter DIR] --out DIR [options]")
     _add_target(ev)
     ev.add_argument("--drafter", default=None, metavar="DIR")
-    ev.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None)
+    ev.add_argument("--draft", choices=("eagle3", "ngram", "mtp", "none"), default=None)
     ev.add_argument("--datasets", nargs="+", default=None, metavar="SET",
                     help="bundled sets (mt_bench humaneval gsm8k alpaca sum qa), JSONL or .txt files; default all six")
     ev.add_argument("--chat-template", default=None, metavar="FILE|NAME", help=CHAT_TEMPLATE_HELP)

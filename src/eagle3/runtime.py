@@ -17,7 +17,7 @@ from eagle3.target import Target
 
 log = logging.getLogger("eagle3")
 
-DRAFT_KINDS = ("eagle3", "ngram", "model", "none")
+DRAFT_KINDS = ("eagle3", "ngram", "model", "mtp", "none")
 
 
 @dataclass
@@ -71,9 +71,15 @@ def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def make_proposer(draft: str, spec: SpecConfig, drafter: Eagle3Drafter | None, device,
-                  draft_model=None) -> Proposer:
+                  draft_model=None, target_model=None, target_source=None) -> Proposer:
     if draft == "none" or spec.mode == "none":
         return NoDraftProposer(device)
+    if draft == "mtp":  # the target's own MTP layer; its Target must tap aux id L (eagle3.decoding.mtp)
+        if target_model is None:
+            raise ConfigError("--draft mtp needs the target model (its MTP weights are part of the target)")
+        from eagle3.decoding.mtp import mtp_proposer
+
+        return mtp_proposer(target_model, spec, target_source)
     if draft == "model":
         if draft_model is None:
             raise ConfigError("--draft model needs --draft-model PATH (a causal LM with the target's tokenizer)")
@@ -110,11 +116,19 @@ def load_runtime(
             raise ConfigError("--draft eagle3 needs --drafter DIR")
         d = drafter_for(model, drafter)
         aux_ids = d.config.aux_layer_ids
+    elif draft == "mtp":  # the MTP layer reads the final hidden state: the input of the final norm
+        from eagle3.target import decoder_parts
+
+        aux_ids = [len(decoder_parts(model)[0])]
     else:
         aux_ids = []
     tgt = Target(model, aux_ids)
+    if draft == "mtp" and getattr(tgt, "recurrent_layers", None) and spec.mode == "tree":
+        raise ConfigError(tgt.tree_refusal)
     if d is None and draft == "eagle3":
         raise ConfigError("no drafter loaded")
+    if tgt.recurrent_layers and draft == "eagle3" and spec.mode == "tree":  # other drafts propose chains
+        raise ConfigError(tgt.tree_refusal)
     dm = None
     if draft == "model":
         if not draft_model:
@@ -124,7 +138,8 @@ def load_runtime(
         if dm.config.vocab_size != tcfg.vocab_size:
             raise ConfigError(f"draft model vocab_size={dm.config.vocab_size} differs from the target's "
                               f"vocab_size={tcfg.vocab_size}; a draft model must share the target's tokenizer")
-    proposer = make_proposer(draft, spec, d, device, draft_model=dm)
+    proposer = make_proposer(draft, spec, d, device, draft_model=dm, target_model=model,
+                             target_source=target if Path(str(target)).expanduser().is_dir() else None)
     log.debug("target %s (%d layers), draft=%s, spec=%s", target, tcfg.num_hidden_layers, draft, spec)
     return Runtime(model=model, tokenizer=tokenizer, target=tgt,
                    engine=SpeculativeEngine(tgt, proposer, tokenizer), drafter=d, spec=spec, draft=draft)
