@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import SamplingConfig, SpecConfig
+from eagle3.config import DraftShape, SamplingConfig
 from eagle3.evaluate import load_prompts
-from eagle3.fast.rows import FEED_WINDOW, GREEDY, FastRows, RowShape
+from eagle3.fast.rows import FEED_WINDOW, GREEDY, FastRows
 from eagle3.fast.target import FastTarget
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budgets", type=int, nargs="+", default=[256], help="verified tokens per cycle, B*(N+1)")
     p.add_argument("--feed-windows", type=int, nargs="+", default=[FEED_WINDOW],
                    help="plain-cycle tokens held back per row before a drafter feed step (0: feed every cycle)")
-    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="largest tree (default 6,10,60)")
+    p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL", help="largest tree")
     p.add_argument("--cycles", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=ServeConfig.fast_rows_len, help="cache slots per row")
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     model, tok = load_target(args.target, dtype=args.dtype, device=device)
     dtype = next(model.parameters()).dtype
     drafter = drafter_for(model, None if args.random_drafter else args.drafter)
-    spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
+    spec = DraftShape.parse(args.tree)
     _, chats = load_prompts(args.prompts, limit=max(args.batch))
     prompts = [encode_messages(tok, m) for m in chats]
     limit = args.seq_len - 8 * (args.warmup + args.cycles) - 128  # room for the timed cycles
@@ -101,18 +101,13 @@ def main(argv=None) -> int:
     del bare
     results = []
     for budget, window in ((x, w) for x in args.budgets for w in args.feed_windows):
-        policy = SpecPolicy.from_spec(spec, token_budget=budget)
-
-        def shape(b: int, policy=policy) -> RowShape | None:
-            s = policy.shape(b)
-            return None if s is None else RowShape(s.depth, s.top_k, s.total)
-
-        rows = FastRows(target, drafter, capacity=max(args.batch), seq_len=args.seq_len, shapes=shape,
+        policy = SpecPolicy(spec, token_budget=budget)
+        rows = FastRows(target, drafter, capacity=max(args.batch), seq_len=args.seq_len, shapes=policy.shape,
                         feed_window=window, fused_sampling=fused)
         prepare_s = rows.prepare()
         for b in args.batch:
             fill(rows, b)
-            row = {"budget": budget, "feed_window": window, "batch": b, "shape": repr(rows.shape_of(b)),
+            row = {"budget": budget, "feed_window": window, "batch": b, "shape": str(rows.shape_of(b)),
                    "sampled": rows.mode != GREEDY, "fused_sampling": rows.fused_sampling,
                    "prepare_s": round(prepare_s, 2), "bare_ms_per_cycle": round(bare_ms[b], 3)}
             for mode, spec_on in (("plain", False), ("spec", True)):

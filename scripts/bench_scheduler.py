@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import SpecConfig
+from eagle3.config import DraftShape
 from eagle3.evaluate import load_prompts
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4], help="requests decoded together")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--prompts", default="mt_bench", help="bundled set name or JSONL")
-    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="largest tree (default 6,10,60)")
+    p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL", help="largest tree")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--max-prefill-tokens", type=int, default=ServeConfig.max_prefill_tokens,
                    help="padded prompt tokens per batched prefill (as `eagle3 serve`)")
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_target(args.target, dtype=args.dtype, device=device)
     drafter = drafter_for(model, args.drafter)
-    spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
+    spec = DraftShape.parse(args.tree)
     eos = eos_token_ids(model, tok)
     name, chats = load_prompts(args.prompts, limit=max(args.clients))
     prompts = [encode_messages(tok, m) for m in chats]
@@ -86,11 +86,10 @@ def main(argv=None) -> int:
     for c in args.clients:
         for mode in args.modes:
             if mode == "plain":
-                target, batch_drafter, policy = Target(model, []), None, SpecPolicy(enabled=False)
+                target, batch_drafter, policy = Target(model, []), None, SpecPolicy(largest=None)
             else:
                 target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
-                policy = SpecPolicy.from_spec(spec, token_budget=default_token_budget(device),
-                                              measure=mode == "spec-gate")
+                policy = SpecPolicy(spec, token_budget=default_token_budget(device), measure=mode == "spec-gate")
             sched = Scheduler(target, tok, eos, drafter=batch_drafter, policy=policy,
                               config=ServeConfig(max_prefill_tokens=args.max_prefill_tokens))
             try:

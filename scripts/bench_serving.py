@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import FUSE_POINTWISE_CHOICES, SpecConfig
+from eagle3.config import FUSE_POINTWISE_CHOICES, DraftShape
 from eagle3.evaluate import load_prompts
 from eagle3.fast.target import fuse_level
 from eagle3.models import load_target
@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per mode")
-    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="largest tree (default 6,10,60)")
+    p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL", help="largest tree")
     p.add_argument("--spec-budget", type=int, default=None)
     p.add_argument("--spec-max-batch", type=int, default=None)
     p.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept)
@@ -112,12 +112,11 @@ def request_bodies(prompts: list[list[dict]], n: int, start: int, chat: bool, ar
 
 def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: str, clients) -> list[dict]:
     """One mode over every concurrency level; `clients` is the process pool the HTTP clients run in."""
-    spec = SpecConfig.parse_tree(args.tree) if args.tree else SpecConfig()
-    policy = SpecPolicy.from_spec(spec, token_budget=args.spec_budget or default_token_budget(device),
-                                  max_batch=args.spec_max_batch, min_accept=args.spec_min_accept,
-                                  measure=not args.no_spec_gate)
+    spec = DraftShape.parse(args.tree)
+    policy = SpecPolicy(spec, token_budget=args.spec_budget or default_token_budget(device),
+                        max_batch=args.spec_max_batch, min_accept=args.spec_min_accept, measure=not args.no_spec_gate)
     if mode == "plain":
-        target, batch_drafter, policy = Target(model, []), None, SpecPolicy(enabled=False)
+        target, batch_drafter, policy = Target(model, []), None, SpecPolicy(largest=None)
     else:
         target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
     config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from eagle3.config import SpecConfig
+from eagle3.config import DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer
 from eagle3.demo import bundled_drafter
@@ -65,7 +65,7 @@ def main() -> None:
         keep = torch.zeros(d.config.draft_vocab_size, dtype=torch.bool)
         keep[torch.tensor(by_freq[:n])] = True
         d.logits = lambda out, keep=keep: full_logits(out).masked_fill(~keep, float("-inf"))
-        engine = SpeculativeEngine(target, Eagle3Proposer(d, SpecConfig()), tok)
+        engine = SpeculativeEngine(target, Eagle3Proposer(d, DraftShape()), tok)
         emitted = cycles = 0
         for msgs in prompts:
             st = engine.generate(encode_prompt(tok, chat=msgs), max_new_tokens=args.max_new_tokens,

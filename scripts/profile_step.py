@@ -30,6 +30,7 @@ from eagle3.config import (
     FUSE_POINTWISE_CHOICES,
     TARGET_ATTENTION,
     TARGET_ATTENTION_HELP,
+    DraftShape,
 )
 from eagle3.fast import split_attention
 from eagle3.fast.core import FastCore
@@ -66,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="--target's dtype (auto: bf16 on CUDA and on CPUs with native bf16, as `eagle3 demo`)")
     p.add_argument("--context", type=int, default=512, help="cached tokens before the profiled step")
-    p.add_argument("--tree", default="6,10,60", metavar="DEPTH,TOPK,TOTAL")
+    p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help="the target's elementwise work compiled (Pointwise): as eagle3 bench --fuse-pointwise "
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
             dtype = "bfloat16" if dev.type == "cuda" or cpu_has_bf16() else "float32"
         model, _ = load_target(args.target, dtype=dtype, device=str(dev))
         drafter = drafter_for(model, args.drafter) if args.drafter or args.random_drafter else None
-    depth, top_k, total = (int(x) for x in args.tree.split(","))
+    shape = DraftShape.parse(args.tree)
     target = FastTarget(model, drafter.config.aux_layer_ids if drafter is not None else [])
     target.fuse_pointwise(level=args.fuse_pointwise)  # auto: elementwise on CUDA, as the engines
     if args.residual_add != "auto":
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
     target.argmax_kernel = args.target_argmax == "kernel"
     if args.split_blocks is not None:
         split_attention.MIN_SPLIT_BLOCKS = args.split_blocks
-    seq_len = -(-(args.context + 2 * total + depth + 16) // 128) * 128
+    seq_len = -(-(args.context + 2 * shape.total + shape.depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
     def ready(core: FastCore) -> FastCore:
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
     if drafter is not None:
         fd = FastDrafter(drafter)
         attention = fd.use_attention(args.drafter_attention)
-        core = FastCore(target, "eagle3", fd, depth=depth, top_k=top_k, total_tokens=total)
+        core = FastCore(target, "eagle3", fd, shape)
         if args.draft_top_k == "torch":
             core.top_k_op = None
         if dev.type == "cuda" and not args.eager_drafting:

@@ -18,7 +18,7 @@ import torch
 
 from conftest import ARCHS, TINY_SLIDING_WINDOW, build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import ConfigError, SpecConfig
+from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.decoding.sampling import exponential_noise, race_sample
@@ -28,11 +28,11 @@ from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
-from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate, TreeShape
+from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate
 from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler, SchedulerUnavailable, _Row
 from eagle3.target import Target
 
-SMALL_TREE = SpecConfig(depth=4, top_k=3, total_tokens=10)
+SMALL_TREE = DraftShape(4, 3, 10)
 
 
 def reference(model, tokenizer, prompts, max_tokens, eos) -> list:
@@ -110,7 +110,7 @@ def test_scheduler_greedy_matches_single_requests(stories, mode):
     if mode == "eagle3":
         d = init_drafter(model, seed=0)
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
-    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
+    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
     sched = Scheduler(Target(model, aux), tok, eos, drafter=drafter, policy=policy)
     params = [GenParams(p, n) for p, n in zip(ids, max_tokens, strict=True)]
     out = run_batch(sched, params, stagger={3: 0.05, 5: 0.05})
@@ -140,7 +140,7 @@ def test_ragged_acceptance_keeps_rows_apart(arch, kind):
     else:
         def factory(prompt):
             return ScriptedProposer(by_prompt[tuple(prompt)], k=2, length=4, vocab_size=300, tree=True)
-    policy = SpecPolicy(max_depth=4, max_top_k=2, max_total=8, token_budget=1000, min_accept=0.0, measure=False)
+    policy = SpecPolicy(DraftShape(4, 2, 8), token_budget=1000, min_accept=0.0, measure=False)
     sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
     out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)], stagger={2: 0.02})
     for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
@@ -156,7 +156,7 @@ def test_eos_inside_an_accepted_run_finishes_only_that_row():
     eos = refs[1].token_ids[6]  # a token row 1 emits mid-way; always-right trees accept runs across it
     want = reference(model, None, prompts, [30] * 3, eos=[eos])
     assert want[1].finish_reason == "stop" and len(want[1].token_ids) <= 7
-    policy = SpecPolicy(max_depth=4, max_top_k=2, max_total=8, token_budget=1000, min_accept=0.0)
+    policy = SpecPolicy(DraftShape(4, 2, 8), token_budget=1000, min_accept=0.0)
     sched = Scheduler(Target(model, []), None, [eos], policy=policy,
                       drafter=ProposerBatchDrafter(lambda _p: SelfTreeProposer(model, depth=4)))
     out = run_batch(sched, [GenParams(p, 30) for p in prompts])
@@ -174,7 +174,7 @@ def _lane_scheduler(model, tok, eos, mode):
     if mode == "eagle3":
         d = init_drafter(model, seed=0)
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
-    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
+    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
     fast = FastEngine(model, draft=mode if mode == "eagle3" else "none", spec=SMALL_TREE, drafter=d)
     calls = []
     generate = fast.generate
@@ -274,10 +274,10 @@ def test_batched_eagle3_drafter_matches_per_row_proposer(stories260k):
     first = last.argmax(-1).tolist()
     batched = Eagle3BatchDrafter(d)
     batched.add(prompts, aux, first)
-    shape = TreeShape(depth=4, top_k=3, total=10)
+    shape = DraftShape(4, 3, 10)
     singles = []
     for i, p in enumerate(prompts):
-        pr = Eagle3Proposer(d, SpecConfig(depth=4, top_k=3, total_tokens=10))
+        pr = Eagle3Proposer(d, DraftShape(4, 3, 10))
         pr.begin(torch.tensor(p), aux[i : i + 1, : len(p)], first[i])
         singles.append(pr)
     for step in range(2):
@@ -316,19 +316,19 @@ def test_accept_greedy_batch_matches_accept():
 
 # -- policy ------------------------------------------------------------------------------------
 def test_policy_shrinks_trees_with_batch_size():
-    pol = SpecPolicy(max_depth=6, max_top_k=10, max_total=60, token_budget=256)
+    pol = SpecPolicy(DraftShape(6, 10, 60), token_budget=256)
     sizes = {b: pol.draft_tokens(b) for b in (1, 4, 8, 16, 32, 64, 128, 256)}
     assert sizes == {1: 60, 4: 60, 8: 31, 16: 15, 32: 7, 64: 3, 128: 1, 256: 0}
-    assert pol.shape(1) == TreeShape(depth=6, top_k=10, total=60)
-    assert pol.shape(64) == TreeShape(depth=3, top_k=1, total=3)  # a chain
+    assert pol.shape(1) == DraftShape(6, 10, 60)
+    assert pol.shape(64) == DraftShape.chain(3)
     assert pol.shape(256) is None
     for b in (1, 4, 8, 16, 32, 64, 128):
         s = pol.shape(b)
         assert b * (s.total + 1) <= 256 and s.total <= s.top_k + (s.depth - 1) * s.top_k ** 2
     assert SpecPolicy(max_batch=8).shape(9) is None
-    assert SpecPolicy(enabled=False).shape(1) is None
-    chain = SpecPolicy.from_spec(SpecConfig(mode="chain", chain_length=5), token_budget=32)
-    assert chain.shape(1) == TreeShape(depth=5, top_k=1, total=5) and chain.shape(8) == TreeShape(3, 1, 3)
+    assert SpecPolicy(largest=None).shape(1) is None
+    chain = SpecPolicy(DraftShape.chain(5), token_budget=32)
+    assert chain.shape(1) == DraftShape.chain(5) and chain.shape(8) == DraftShape.chain(3)
 
 
 def test_policy_drops_rows_that_do_not_accept():
@@ -345,7 +345,7 @@ def test_low_acceptance_rows_stop_drafting(stories):
     model, tok, ids, _max_tokens, eos, refs = stories
     model = copy.deepcopy(model)
     d = init_drafter(model, seed=0)  # random: almost never right
-    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.3, warmup_cycles=2)
+    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.3, warmup_cycles=2)
     sched = Scheduler(Target(model, d.config.aux_layer_ids), tok, eos, drafter=Eagle3BatchDrafter(d), policy=policy)
     out = run_batch(sched, [GenParams(ids[3], 40)])
     assert out[0].token_ids == refs[3].token_ids
@@ -493,7 +493,7 @@ def test_seeded_sampling_ignores_batch_and_speculation(stories):
     target = Target(model, d.config.aux_layer_ids)
     req = GenParams(ids[0], 30, temperature=0.9, top_p=0.95, seed=7)
     others = [GenParams(ids[i], 25, temperature=1.0, seed=i) for i in (1, 2, 4)]
-    spec = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0)
+    spec = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0)
     alone = run_batch(Scheduler(target, tok, eos), [req])[0]
     batched = run_batch(Scheduler(target, tok, eos, drafter=Eagle3BatchDrafter(d), policy=spec), [*others, req])[-1]
     assert alone.token_ids == batched.token_ids
@@ -679,7 +679,7 @@ def test_paused_cycles_keep_the_drafter_current():
     def factory(prompt):
         return ScriptedProposer(by_prompt[tuple(prompt)], k=2, length=4, vocab_size=300)
 
-    policy = SpecPolicy(max_depth=4, max_top_k=1, max_total=4, token_budget=1000, min_accept=0.0)
+    policy = SpecPolicy(DraftShape(4, 1, 4), token_budget=1000, min_accept=0.0)
     sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
     sched.gate = _Alternating()
     out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)])
@@ -697,7 +697,7 @@ def test_gate_turns_a_losing_drafter_off(stories):
     model, tok, ids, _max_tokens, eos, refs = stories
     model = copy.deepcopy(model)
     d = init_drafter(model, seed=0)
-    policy = SpecPolicy.from_spec(SMALL_TREE, token_budget=1000, min_accept=0.0, probe_every=8)
+    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0, probe_every=8)
     sched = Scheduler(Target(model, d.config.aux_layer_ids), tok, eos, drafter=Eagle3BatchDrafter(d), policy=policy)
     out = run_batch(sched, [GenParams(ids[3], 40)])
     assert out[0].token_ids == refs[3].token_ids
@@ -764,7 +764,7 @@ def test_a_row_that_stopped_drafting_tries_again(retry_after, max_held, monkeypa
     def factory(prompt):
         return _RightLater(by_prompt[tuple(prompt)], after=14, k=2, length=4, vocab_size=300)
 
-    policy = SpecPolicy(max_depth=4, max_top_k=1, max_total=4, token_budget=1000, min_accept=0.3,
+    policy = SpecPolicy(DraftShape(4, 1, 4), token_budget=1000, min_accept=0.3,
                         warmup_cycles=4, retry_after=retry_after, measure=False)
     sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
     out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)])

@@ -260,8 +260,8 @@ def test_bench_rows_script_writes_a_record(tmp_path, capsys):
     assert set(rows) == {(16, 1), (16, 4), (64, 1), (64, 4)}
     assert all(r["plain_tokens_per_row_cycle"] == 1.0 and r["spec_tokens_per_row_cycle"] >= 1.0
                for r in rows.values())
-    assert rows[(16, 4)]["shape"] == "RowShape(depth=3, top_k=1, total=3)"
-    assert rows[(64, 4)]["shape"] == "RowShape(depth=6, top_k=3, total=15)"
+    assert rows[(16, 4)]["shape"] == "chain 3"
+    assert rows[(64, 4)]["shape"] == "tree 6,3,15"
     assert all(r["feed_window"] == 32 and r["bare_ms_per_cycle"] > 0 for r in rows.values())
     assert "budget" in capsys.readouterr().out
 

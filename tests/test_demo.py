@@ -35,6 +35,6 @@ def test_bf16_demo_answers_equal_bf16_plain_decoding(tmp_path):
     summary = run_demo(prompts=2, max_new_tokens=48, device="cpu", dtype="auto", record=tmp_path / "demo.json",
                        print_fn=lines.append)
     assert summary["dtype"] == "bfloat16" and summary["engine"] == "fast path"
-    assert summary["spec"]["chain_length"] == CPU_BF16_SPEC.chain_length
+    assert summary["spec"]["chain_length"] == CPU_BF16_SPEC.depth
     assert summary["identical"], lines
     assert summary["tau"] > 1.0 and (tmp_path / "demo.json").is_file()

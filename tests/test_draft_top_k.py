@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_target
-from eagle3.config import SpecConfig
+from eagle3.config import DraftShape
 from eagle3.fast import FastEngine, FastOptions
 from eagle3.fast import draft_top_k as dtk
 from eagle3.runtime import init_drafter
@@ -78,7 +78,7 @@ def test_fast_core_drafts_the_same_tree_and_decodes_losslessly(interpreted):
     last cycle left, the same drafted tree as the PyTorch top-k."""
     model = build_tiny_target("llama")
     d = init_drafter(model, draft_vocab_size=200, seed=1)
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(depth=4, top_k=3, total_tokens=12), drafter=d,
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape(4, 3, 12), drafter=d,
                         options=FastOptions(max_seq_len=256))
     core = engine.core
     assert core.top_k_op is None  # a CPU: PyTorch's top-k unless asked

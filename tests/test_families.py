@@ -21,7 +21,7 @@ import transformers
 
 from conftest import _COMMON
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.runtime import init_drafter
@@ -73,8 +73,7 @@ def proposer(model, kind: str, mode: str, reference: list[int]):
     if kind == "self":
         return ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
     if kind == "random":
-        spec = SpecConfig(mode="chain", chain_length=4) if mode == "chain" else SpecConfig(depth=4, top_k=3,
-                                                                                          total_tokens=12)
+        spec = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
         return Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), spec)
     return ScriptedProposer(reference, k=int(kind.split("-")[1]), length=4, vocab_size=300, tree=mode == "tree")
 

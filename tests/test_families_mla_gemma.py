@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import TINY_SLIDING_WINDOW
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import ConfigError, DrafterConfig, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DrafterConfig, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.formats import load_drafter, save_drafter
@@ -132,8 +132,7 @@ def proposer(model, kind: str, mode: str, reference: list[int]):
     if kind == "self":
         return ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
     if kind == "random":
-        spec = SpecConfig(mode="chain", chain_length=4) if mode == "chain" else SpecConfig(depth=4, top_k=3,
-                                                                                            total_tokens=12)
+        spec = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
         return Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), spec)
     return ScriptedProposer(reference, k=int(kind.split("-")[1]), length=4, vocab_size=300, tree=mode == "tree")
 
@@ -241,8 +240,7 @@ def test_drafter_without_embed_tokens_takes_the_targets(models, family, tmp_path
     loaded = drafter_for(model, tmp_path / "d")
     assert torch.equal(loaded.embed_tokens.weight, model.get_input_embeddings().weight)
     for mode in ("chain", "tree"):
-        spec = SpecConfig(mode="chain", chain_length=4) if mode == "chain" else SpecConfig(depth=4, top_k=3,
-                                                                                            total_tokens=12)
+        spec = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
         res = generate(model, family, Eagle3Proposer(loaded, spec))
         assert res.token_ids == hf_greedy(models, family)
 
@@ -273,8 +271,7 @@ def test_gemma4_multimodal_checkpoint_loads_as_its_text_model(tmp_path):
     assert type(model).__name__ == "Gemma4ForCausalLM" and model.config.vocab_size == 300
     prompt = prompt_for("gemma4")[None]
     ref = wrapper.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, PROMPT_LEN:].tolist()
-    rt = load_runtime(str(folder), draft="model", draft_model=str(folder), spec=SpecConfig(mode="chain",
-                                                                                            chain_length=4))
+    rt = load_runtime(str(folder), draft="model", draft_model=str(folder), spec=DraftShape.chain(4))
     try:
         res = rt.engine.generate(prompt[0], max_new_tokens=NEW, eos_token_ids=[2])
     finally:

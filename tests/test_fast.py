@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from conftest import build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.decoding.sampling import FILTERED, TEMPERATURE
@@ -45,8 +45,8 @@ from eagle3.target import Target
 
 FAST_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 NEW = 24
-TREE = SpecConfig(depth=4, top_k=3, total_tokens=12)
-CHAIN = SpecConfig(mode="chain", chain_length=4)
+TREE = DraftShape(4, 3, 12)
+CHAIN = DraftShape.chain(4)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +106,7 @@ def test_stories260k_matches_hf_generate(stories260k, kind):
     prompt = torch.tensor(tok("Once upon a time, Lily found a", add_special_tokens=True)["input_ids"])
     ref = hf_greedy(model, prompt, 48, eos=2)
     d = init_drafter(model, seed=0)
-    spec = {"none": None, "chain": SpecConfig(mode="chain", chain_length=5),
-            "tree": SpecConfig(depth=5, top_k=4, total_tokens=16)}[kind]
+    spec = {"none": None, "chain": DraftShape.chain(5), "tree": DraftShape(5, 4, 16)}[kind]
     engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d, tokenizer=tok)
     res = engine.generate(prompt, max_new_tokens=48, eos_token_ids=[2])
     assert res.token_ids == ref
@@ -137,7 +136,7 @@ def test_stopping_chains_match_hf_generate(models, drafters, arch, stop):
     model = models[arch]
     prompt = prompt_of(11, seed=3)
     ref = hf_greedy(model, prompt, NEW)
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5),
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape.chain(5),
                         drafter=drafters[arch], options=FastOptions(chain_stop=stop))
     res = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
     assert res.token_ids == ref
@@ -150,7 +149,7 @@ def test_a_stopping_chain_drafts_a_prefix_of_the_full_chain(models, drafters):
     """From one state, `draft_chain_until` proposes the first n tokens `draft` proposes for the full chain and
     marks the rest invalid; afterwards a full draft marks every node valid again."""
     model = models["llama"]
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5),
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape.chain(5),
                         drafter=drafters["llama"], options=FastOptions(chain_stop=1e-3))
     engine.generate(prompt_of(11, seed=3), max_new_tokens=9, eos_token_ids=[])
     core = engine.core
@@ -205,7 +204,7 @@ def test_both_head_layouts_match_hf_generate(head_layout, kind):
     for arch in ("llama", "qwen3"):
         model = build_tiny_target(arch)
         d = init_drafter(model, draft_vocab_size=200, seed=1)
-        spec = {"none": SpecConfig(mode="none"), "chain": CHAIN, "tree": TREE}[kind]
+        spec = {"none": None, "chain": CHAIN, "tree": TREE}[kind]
         engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d)
         assert engine.target.stacked == head_layout
         if kind != "none":
@@ -242,7 +241,7 @@ def test_sdpa_heads_option_and_stacked_prefill(monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_device_tree_equals_generic_proposer(models, drafters, arch, ranked):
     model, d = models[arch], drafters[arch]
-    spec = SpecConfig(depth=5, top_k=4, total_tokens=20)
+    spec = DraftShape(5, 4, 20)
     prompt = prompt_of(11, seed=6)
     target = Target(model, d.config.aux_layer_ids)
     try:
@@ -431,8 +430,8 @@ def test_step_functions_are_capture_safe(arch):
     d = init_drafter(model, draft_vocab_size=200, seed=1)
     model, d = model.to("meta"), d.to("meta")
     aux = d.config.aux_layer_ids
-    cores = [FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), depth=4, top_k=3, total_tokens=10),
-             FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), depth=3, top_k=1, total_tokens=3),
+    cores = [FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), DraftShape(4, 3, 10)),
+             FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), DraftShape(3, 1, 3)),
              FastCore(FastTarget(model), "none"), FastCore(FastTarget(model), "host", max_nodes=5)]
     for core in cores:
         core.allocate(256)
@@ -451,7 +450,7 @@ def test_steps_trace_with_torch_compile_fullgraph(models, drafters):
     prompt = prompt_of(7, seed=8)
     ref = hf_greedy(model, prompt, 12)
     opts = FastOptions(compile=True, compile_backend="aot_eager")
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(depth=3, top_k=2, total_tokens=5), drafter=d,
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape(3, 2, 5), drafter=d,
                         options=opts)
     res = engine.generate(prompt, max_new_tokens=12, eos_token_ids=[])
     assert res.token_ids == ref
@@ -525,8 +524,8 @@ def test_compiled_drafting_keeps_trees_and_output(models, drafters):
     prompt = prompt_of(20, seed=40)
     runs = []
     for compiled in (False, True):
-        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d), depth=4, top_k=3,
-                        total_tokens=12)
+        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d),
+                        DraftShape(4, 3, 12))
         if compiled:
             core.compile_drafting()
             core.ranked = True  # as on CUDA (`ranked_top_k`): the ranked top-k compiles and keeps the trees
@@ -545,7 +544,7 @@ def tree_core(model, d, use=None) -> FastCore:
     fd = FastDrafter(d)
     if use is not None:
         use(fd)
-    return FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, depth=4, top_k=3, total_tokens=12)
+    return FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, DraftShape(4, 3, 12))
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -630,8 +629,8 @@ def test_feeding_only_the_accepted_rows_keeps_the_drafter_state(models, drafters
     ref = hf_greedy(model, prompt, 40)
     cores, outs = [], []
     for trim in (False, True):
-        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d), depth=4, top_k=1,
-                        total_tokens=4)
+        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d),
+                        DraftShape.chain(4))
         assert core.feed_accepted_only  # a CPU
         core.feed_accepted_only = trim
         core.allocate(256)

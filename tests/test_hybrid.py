@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.runtime import init_drafter
@@ -56,7 +56,7 @@ def chain_proposer(model, kind: str, reference: list[int]):
     if kind == "self":
         return ModelProposer(model, 4)
     if kind == "random":
-        return Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), SpecConfig(mode="chain", chain_length=4))
+        return Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), DraftShape.chain(4))
     return ScriptedProposer(reference, k=int(kind.split("-")[1]), length=4, vocab_size=300)
 
 
@@ -137,8 +137,7 @@ def test_trees_are_refused(model, kind):
     if kind == "self-tree":
         prop = SelfTreeProposer(model, 3)
     elif kind == "eagle3-tree":
-        prop = Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), SpecConfig(depth=3, top_k=2,
-                                                                                          total_tokens=6))
+        prop = Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), DraftShape(3, 2, 6))
     else:
         prop = ScriptedProposer(hf_greedy(model, prompt), k=1, length=3, vocab_size=300, tree=True)
     with pytest.raises(ConfigError, match=r"Qwen3Next keeps a recurrent state .* token tree cannot fork; use --chain K"):
@@ -185,7 +184,7 @@ def test_load_target_init_drafter_and_runtime(model, folder, tmp_path, capsys):
     prompt = prompt_of(PROMPTS[1], seed=4)
     ref = hf_greedy(model, prompt)
 
-    rt = load_runtime(str(folder), drafter=drafter, spec=SpecConfig(mode="chain", chain_length=3), device="cpu")
+    rt = load_runtime(str(folder), drafter=drafter, spec=DraftShape.chain(3), device="cpu")
     assert rt.target.aux_layer_ids and rt.engine.generate(prompt, max_new_tokens=NEW).token_ids == ref
     rt.target.close()
     with pytest.raises(ConfigError, match="use --chain K"):  # the default spec is a tree

@@ -16,7 +16,7 @@ import torch
 
 from conftest import ARCHS, TINY_SLIDING_WINDOW, build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import SamplingConfig, SpecConfig
+from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer
 from eagle3.runtime import eos_token_ids, init_drafter
@@ -43,7 +43,7 @@ def models():
 
 
 def proposers(model, kind: str, mode: str, reference: list[int], vocab: int):
-    spec = SpecConfig(mode="chain", chain_length=4) if mode == "chain" else SpecConfig(depth=4, top_k=3, total_tokens=12)
+    spec = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
     if kind == "self":
         return ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
     if kind == "random":

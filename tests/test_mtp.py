@@ -24,7 +24,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from eagle3.cli import main
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.mtp import mtp_proposer
 from eagle3.decoding.proposers import NoDraftProposer
@@ -103,7 +103,7 @@ def prompt(n: int = 9, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def run(model, spec: SpecConfig, sampling: SamplingConfig | None = None, draft: bool = True):
+def run(model, spec: DraftShape, sampling: SamplingConfig | None = None, draft: bool = True):
     target = Target(model, [L])
     try:
         prop = mtp_proposer(model, spec) if draft else NoDraftProposer()
@@ -112,8 +112,8 @@ def run(model, spec: SpecConfig, sampling: SamplingConfig | None = None, draft: 
         target.close()
 
 
-CHAIN = SpecConfig(mode="chain", chain_length=4)
-TREE = SpecConfig(depth=4, top_k=3, total_tokens=12)
+CHAIN = DraftShape.chain(4)
+TREE = DraftShape(4, 3, 12)
 
 
 @pytest.mark.parametrize("kind", ["random", "copy"])
@@ -123,7 +123,7 @@ def test_greedy_matches_hf_generate(targets, kind, spec):
     ids = prompt()
     ref = model.generate(ids[None], max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, ids.numel():].tolist()
     res = run(model, spec)
-    print(f"mtp {kind} {spec.mode}: tau {res.stats.tau:.2f}, accepted per cycle {res.stats.accepted_per_cycle}")
+    print(f"mtp {kind} {spec}: tau {res.stats.tau:.2f}, accepted per cycle {res.stats.accepted_per_cycle}")
     assert res.token_ids == ref
     if kind == "copy":  # the drafts are the target's own predictions
         assert res.stats.tau > 3.0

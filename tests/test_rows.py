@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from conftest import build_tiny_target
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.sampling import race_sample
 from eagle3.fast import FastEngine, FastTarget
-from eagle3.fast.rows import FILTERED, GREEDY, TEMPERATURE, FastRows, RowShape
+from eagle3.fast.rows import FILTERED, GREEDY, TEMPERATURE, FastRows
 from eagle3.runtime import init_drafter
 
-TREE = RowShape(depth=4, top_k=3, total=12)
+TREE = DraftShape(4, 3, 12)
 
 
 def prompts_of(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -50,7 +50,7 @@ def make_rows(model, drafter, capacity: int, shapes: dict, seq_len: int = 256) -
 def test_rows_joining_and_leaving_match_hf_generate(arch, head_layout):
     model = build_tiny_target(arch, vocab_size=64)
     d = init_drafter(model, draft_vocab_size=64, seed=1)
-    shapes = {1: TREE, 2: RowShape(4, 2, 8), 4: RowShape(3, 1, 3), 8: None}  # shrinking, then plain only
+    shapes = {1: TREE, 2: DraftShape(4, 2, 8), 4: DraftShape(3, 1, 3), 8: None}  # shrinking, then plain only
     rows = make_rows(model, d, 8, shapes)
     assert rows.t.stacked == head_layout and rows.d.stacked == head_layout
     prompts = prompts_of([5, 35, 12, 7, 20, 9, 3, 16, 11], 64)
@@ -101,7 +101,7 @@ def test_sampled_rows_draw_the_position_keyed_tokens():
     server's generic batch draws the same), each greedy row HF's greedy output, and drafts are still accepted."""
     model = build_tiny_target("llama", vocab_size=16)
     d = init_drafter(model, draft_vocab_size=16, seed=1)
-    rows = make_rows(model, d, 4, {1: TREE, 2: RowShape(4, 2, 8), 4: RowShape(3, 1, 3)})
+    rows = make_rows(model, d, 4, {1: TREE, 2: DraftShape(4, 2, 8), 4: DraftShape(3, 1, 3)})
     settings = [SamplingConfig(0.7, seed=11), None, SamplingConfig(1.0, top_k=5, seed=12),
                 SamplingConfig(0.5, top_p=0.8, seed=13), SamplingConfig(1.3, top_p=0.9, top_k=8, seed=2**40 + 5), None]
     prompts = prompts_of([6, 11, 4, 9, 14, 5], 16, seed=7)
@@ -149,13 +149,11 @@ def test_sampled_rows_need_a_seed_and_sampling_cycles():
     assert plain.add([1, 2, 3], sampling=SamplingConfig(0.0, seed=1)) == hf_greedy(model, [1, 2, 3], 1)[0]
 
 
-@pytest.mark.parametrize("shape", [TREE, RowShape(4, 1, 4)], ids=["tree", "chain"])
+@pytest.mark.parametrize("shape", [TREE, DraftShape.chain(4)], ids=["tree", "chain"])
 def test_rows_accept_what_the_batch1_engine_accepts(shape):
     model = build_tiny_target("llama", vocab_size=8)
     d = init_drafter(model, draft_vocab_size=8, seed=1)
-    spec = (SpecConfig(mode="chain", chain_length=shape.depth) if shape.top_k == 1
-            else SpecConfig(depth=shape.depth, top_k=shape.top_k, total_tokens=shape.total))
-    engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d)
+    engine = FastEngine(model, draft="eagle3", spec=shape, drafter=d)
     prompts = prompts_of([9, 4, 17], 8, seed=3)
     ref = [engine.generate(torch.tensor(p), max_new_tokens=40, eos_token_ids=[]) for p in prompts]
     rows = make_rows(model, d, 4, {1: shape, 2: shape, 4: shape})
@@ -179,7 +177,7 @@ def test_held_tokens_reach_the_drafter_as_if_fed_every_cycle():
     drafts and emits the same tokens, and after a feed both drafter caches hold the same K/V."""
     model = build_tiny_target("llama", vocab_size=8)
     d = init_drafter(model, draft_vocab_size=8, seed=1)
-    shapes = {1: TREE, 2: RowShape(4, 2, 8), 4: RowShape(3, 1, 3)}
+    shapes = {1: TREE, 2: DraftShape(4, 2, 8), 4: DraftShape(3, 1, 3)}
     eager, lazy = (FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=256,
                             shapes=shapes.get, feed_window=w) for w in (0, 3))
     prompts = prompts_of([9, 4, 17, 6, 12, 5], 8, seed=3)
@@ -224,7 +222,7 @@ def test_cycles_are_capture_safe():
     d = init_drafter(model, draft_vocab_size=64, seed=1)
     model, d = model.to("meta"), d.to("meta")
     rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=64,
-                    shapes={1: TREE, 2: RowShape(3, 1, 3)}.get)
+                    shapes={1: TREE, 2: DraftShape(3, 1, 3)}.get)
     for mode in (GREEDY, TEMPERATURE, FILTERED):  # argmax cycles, and those of buckets holding sampled rows
         for nb in (1, 2, 4):
             rows._plain_cycle(nb, mode)
@@ -245,7 +243,7 @@ def test_prefill_buckets_and_known_first_tokens(prefill_tokens):
     model = build_tiny_target("qwen3", vocab_size=64)
     d = init_drafter(model, draft_vocab_size=64, seed=1)
     rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=128,
-                    shapes={1: TREE, 2: TREE, 4: RowShape(3, 1, 3)}.get, prefill_tokens=prefill_tokens)
+                    shapes={1: TREE, 2: TREE, 4: DraftShape(3, 1, 3)}.get, prefill_tokens=prefill_tokens)
     rows.prepare()
     assert all(r * t <= prefill_tokens for r, t in rows.prefill_buckets())
     assert len(rows._prefills) == len(rows.prefill_buckets())
@@ -287,7 +285,7 @@ def test_cuda_graph_rows_match_the_batch1_engine():
     the rows' tokens equal the batch-1 engine's."""
     model = build_tiny_target("llama", vocab_size=8).cuda()
     d = init_drafter(model, draft_vocab_size=8, seed=1).cuda()
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(depth=4, top_k=3, total_tokens=12), drafter=d)
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape(4, 3, 12), drafter=d)
     prompts = prompts_of([9, 4, 17], 8, seed=3)
     ref = [engine.generate(torch.tensor(p), max_new_tokens=30, eos_token_ids=[]).token_ids for p in prompts]
     for _ in range(2):
@@ -329,7 +327,7 @@ def test_serve_says_what_to_do_when_the_rows_do_not_fit(monkeypatch):
     monkeypatch.setattr(rows_mod.FastRows, "__init__", oom)
     model = build_tiny_target("llama", vocab_size=64)
     with pytest.raises(ConfigError, match="--fast-rows-len, --max-batch-size or --max-prefill-tokens, or use --fast-rows off"):
-        fast_rows("on", model, None, SpecPolicy(enabled=False), ServeConfig(max_batch_size=8), "cpu")
+        fast_rows("on", model, None, SpecPolicy(largest=None), ServeConfig(max_batch_size=8), "cpu")
 
 
 def test_prefill_staging_covers_every_admission():

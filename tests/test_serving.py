@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from eagle3.config import SamplingConfig, SpecConfig  # noqa: E402
+from eagle3.config import DraftShape, SamplingConfig  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
 from eagle3.fast.engine import FastEngine, FastOptions  # noqa: E402
@@ -50,12 +50,12 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
     `graph_prefill`: the lane prefills at fixed widths (`serve --graph-prefill`)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
-    shape = SpecConfig(depth=3, top_k=2, total_tokens=6)
+    shape = DraftShape(3, 2, 6)
     if spec:
         d = init_drafter(model, seed=0)
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
         # min_accept 0: keep drafting with the random drafter, so verification of real trees is exercised
-        policy = SpecPolicy.from_spec(shape, token_budget=64, min_accept=0.0)
+        policy = SpecPolicy(shape, token_budget=64, min_accept=0.0)
     cfg = ServeConfig(model_name=MODEL, chat_template=TEMPLATE, **config)
     fast = None
     if lane_compile:  # as `fast_lane_engine(..., compile=True)`, with small caches (128 slots)
@@ -65,7 +65,7 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
     elif lane:
         fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d,
                           options=FastOptions(sdpa_heads=sdpa_heads, graph_prefill=graph_prefill))
-    fr = fast_rows("on", model, d, policy or SpecPolicy(enabled=False), cfg, "cpu",
+    fr = fast_rows("on", model, d, policy or SpecPolicy(largest=None), cfg, "cpu",
                    target=fast.target if fast is not None else None, sdpa_heads=sdpa_heads) if rows else None
     sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast,
                             rows=fr)

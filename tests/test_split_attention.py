@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_target
-from eagle3.config import ConfigError, SpecConfig
+from eagle3.config import ConfigError, DraftShape
 from eagle3.fast import FastEngine, FastOptions
 from eagle3.fast import split_attention as split
 from eagle3.fast.target import target_attention_for
@@ -170,8 +170,7 @@ def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, k
         if "norm" in name:
             w.copy_(torch.rand(w.shape, generator=gen) + 0.5)
     d = init_drafter(model, draft_vocab_size=200, seed=1)
-    spec = {"none": None, "chain": SpecConfig(mode="chain", chain_length=4),
-            "tree": SpecConfig(depth=4, top_k=3, total_tokens=12)}[kind]
+    spec = {"none": None, "chain": DraftShape.chain(4), "tree": DraftShape(4, 3, 12)}[kind]
     engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d,
                         options=FastOptions(max_seq_len=256))
     engine.target.attention = "split"  # on a CPU only through the interpreter: `target_attention_for` refuses
@@ -190,7 +189,7 @@ def test_drafter_attends_by_splits(interpreted):
     as with the matmul attention."""
     model = build_tiny_target("llama")
     d = init_drafter(model, draft_vocab_size=200, seed=1)
-    engine = FastEngine(model, draft="eagle3", spec=SpecConfig(depth=4, top_k=3, total_tokens=12), drafter=d,
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape(4, 3, 12), drafter=d,
                         options=FastOptions(max_seq_len=256))
     core, fd = engine.core, engine.core.drafter
     fd.use_split_attention()
@@ -240,10 +239,10 @@ def test_bf16_chains_stay_identical_to_plain_decoding_with_split_attention():
     model = build_tiny_target("llama").cuda().to(torch.bfloat16)
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda().to(torch.bfloat16)
     plain = FastEngine(model, draft="none", options=FastOptions())
-    chain = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=d,
+    chain = FastEngine(model, draft="eagle3", spec=DraftShape.chain(5), drafter=d,
                        options=FastOptions())
     assert plain.target_attention == chain.target_attention == "split"
-    split_drafter = FastEngine(model, draft="eagle3", spec=SpecConfig(mode="chain", chain_length=5), drafter=d,
+    split_drafter = FastEngine(model, draft="eagle3", spec=DraftShape.chain(5), drafter=d,
                                options=FastOptions(drafter_attention="split"))
     assert split_drafter.drafter_attention == "split" and split_drafter.core.drafting_compiled
     for seed in range(4):

@@ -4,8 +4,8 @@ Train a drafter for your model, decode losslessly (chain or tree), and export ch
 SGLang load. Start with `eagle3 --help` or README.md.
 """
 
-from eagle3.config import ConfigError, DrafterConfig, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DrafterConfig, DraftShape, SamplingConfig
 from eagle3.drafter import Eagle3Drafter
 
-__all__ = ["ConfigError", "DrafterConfig", "Eagle3Drafter", "SamplingConfig", "SpecConfig"]
+__all__ = ["ConfigError", "DraftShape", "DrafterConfig", "Eagle3Drafter", "SamplingConfig"]
 __version__ = "0.1.0"

@@ -45,8 +45,8 @@ from eagle3.config import (
     TARGET_ATTENTION,
     TARGET_ATTENTION_HELP,
     ConfigError,
+    DraftShape,
     SamplingConfig,
-    SpecConfig,
 )
 
 log = logging.getLogger("eagle3.bench")
@@ -80,8 +80,8 @@ def parse_methods(text: str | list[str] | None) -> list[str]:
     return sorted(out, key=list(METHODS).index)
 
 
-def _dims(tree: SpecConfig) -> list[int]:
-    return [tree.depth, tree.top_k, tree.total_tokens]
+def _dims(tree: DraftShape) -> list[int]:
+    return [tree.depth, tree.top_k, tree.total]
 
 
 def _sync(device: torch.device) -> None:
@@ -151,7 +151,7 @@ def run_bench(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     methods: list[str] | None = None,
     chain: int = DEFAULT_CHAIN_LENGTH,
-    tree: SpecConfig | list[SpecConfig] | None = None,
+    tree: DraftShape | list[DraftShape] | None = None,
     ngram_tokens: int = HF_LOOKUP_TOKENS,
     device: str | None = None,
     dtype: str = "auto",
@@ -191,7 +191,7 @@ def run_bench(
     from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 
     methods = methods or list(METHODS)
-    trees = [tree] if isinstance(tree, SpecConfig) else list(tree or [SpecConfig()])
+    trees = [tree] if isinstance(tree, DraftShape) else list(tree or [DraftShape()])
     dev = select_device(device)
     transformers.logging.set_verbosity_error()  # generation-config notices would drown the table
     model, tok = load_target(target, dtype=dtype, device=dev)
@@ -219,9 +219,8 @@ def run_bench(
     engine_name = "fast" if reason is None else "generic"  # for methods d-g (a-c: HF generate)
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     echo(f"eagle3 bench: {engine_name} engine, {model_dtype} on {dev}")
-    chain_spec = SpecConfig(mode="chain", chain_length=chain)
-    ngram_spec = SpecConfig(mode="chain", chain_length=ngram_tokens)
-    max_nodes = max(*(t.total_tokens for t in trees), chain, ngram_tokens)
+    chain_spec, ngram_spec = DraftShape.chain(chain), DraftShape.chain(ngram_tokens)
+    max_nodes = max(*(t.total for t in trees), chain, ngram_tokens)
     max_depth = max(*(t.depth for t in trees), chain, ngram_tokens)
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
@@ -239,12 +238,12 @@ def run_bench(
     runs = []
     for m in methods:
         if m == "tree" and len(trees) > 1:
-            runs += [(f"tree-{t.tree_text}", m, t) for t in trees]
+            runs += [(f"tree-{t.text}", m, t) for t in trees]
         else:
-            runs.append((m, m, {"plain": SpecConfig(mode="none"), "ngram": ngram_spec, "chain": chain_spec,
+            runs.append((m, m, {"plain": None, "ngram": ngram_spec, "chain": chain_spec,
                                 "tree": trees[0]}.get(m)))
 
-    def engine_for(kind: str, spec: SpecConfig):
+    def engine_for(kind: str, spec: DraftShape | None):
         draft = {"plain": "none", "ngram": "ngram", "chain": "eagle3", "tree": "eagle3"}[kind]
         if shared is not None:
             return FastEngine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options, target=shared)
@@ -282,7 +281,7 @@ def run_bench(
     for m, kind, spec in runs:
         letter, label = METHODS[kind]
         if m != kind:
-            label = label.replace("tree", f"tree {spec.tree_text}")
+            label = label.replace("tree", f"tree {spec.text}")
         if kind.startswith("hf"):
             run = _hf_runner(model, kind, max_new_tokens, eos, pad, cache_len, temperature)
             engine = None
@@ -475,7 +474,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma list: hf,hf_static,hf_lookup,plain,ngram,chain,tree or a-g (default all)")
     b.add_argument("--chain", type=int, default=DEFAULT_CHAIN_LENGTH, metavar="K", help="EAGLE-3 chain length")
     b.add_argument("--tree", nargs="+", default=None, metavar="D,K,N",
-                   help="EAGLE-3 tree DEPTH,TOPK,TOTAL (default 6,10,60); several shapes are each timed "
+                   help=f"EAGLE-3 tree DEPTH,TOPK,TOTAL (default {DraftShape().text}); several shapes are each timed "
                         "against the same plain decoding")
     b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, metavar="N", help="n-gram draft length (e)")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -537,8 +536,8 @@ def cmd_bench(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     SamplingConfig(temperature=args.temperature)  # a ConfigError for a temperature out of range
-    trees = [SpecConfig.parse_tree(t) for t in args.tree] if args.tree else [SpecConfig()]
-    if len({t.tree_text for t in trees}) < len(trees):
+    trees = [DraftShape.parse(t) for t in args.tree] if args.tree else [DraftShape()]
+    if len(set(trees)) < len(trees):
         raise ConfigError(f"--tree {' '.join(args.tree)}: a shape is given twice")
     def save(partial: dict) -> Path:  # after every method: a run stopped part way keeps them
         return write_json(partial, out / "bench.json")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.evaluate import RunResult, load_prompts, method_name
@@ -84,14 +84,8 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def spec_dict(spec: SpecConfig) -> dict[str, Any]:
-    if spec.mode == "chain":
-        return {"mode": "chain", "chain_length": spec.chain_length}
-    return {"mode": "tree", "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens}
-
-
 def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str = "auto", dataset: str | None = None,
-              limit: int | None = None, max_new_tokens: int | None = None, spec: SpecConfig | None = None,
+              limit: int | None = None, max_new_tokens: int | None = None, spec: DraftShape | None = None,
               print_fn=print) -> tuple[CheckReport, Any]:
     """Load, then check losslessness and acceptance (module docstring). Returns the report and the loaded drafter
     (None when loading failed). Settings not given come from the drafter's profile, else the defaults."""
@@ -132,14 +126,16 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     for message in tokenizer_warnings:
         report.add("tokenizer", "warn", message)
 
-    profile = cfg.acceptance_profile or {}
+    profile = dict(cfg.acceptance_profile or {})
+    if "spec" in profile:  # in the form `to_dict` writes today (a stored tree 5,1,5 is the chain 5)
+        profile["spec"] = DraftShape.from_dict(profile["spec"]).to_dict()
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
-    default_spec = CPU_SPEC if device == "cpu" else SpecConfig()
-    spec = spec or (SpecConfig(**profile["spec"]) if "spec" in profile else default_spec)
+    default_spec = CPU_SPEC if device == "cpu" else DraftShape()
+    spec = spec or (DraftShape.from_dict(profile["spec"]) if "spec" in profile else default_spec)
     settings = {"dataset": dataset or profile.get("dataset", "mt_bench"),
                 "limit": profile.get("limit", 4) if limit is None else limit,
                 "max_new_tokens": profile.get("max_new_tokens", 64) if max_new_tokens is None else max_new_tokens,
-                "spec": spec_dict(spec), "dtype": dtype_name, "device": device}
+                "spec": spec.to_dict(), "dtype": dtype_name, "device": device}
     if settings["limit"] < 1 or settings["max_new_tokens"] < 1:
         raise ConfigError(f"--limit {settings['limit']} and --max-new-tokens {settings['max_new_tokens']} must be >= 1")
     name, prompts = load_prompts(settings["dataset"], settings["limit"])
@@ -251,8 +247,7 @@ def write_profile(drafter_dir: str | Path, report: CheckReport) -> Path:
 def cmd_check(args) -> int:
     from eagle3.record import run_record, write_json
 
-    spec = SpecConfig(mode="chain", chain_length=args.chain) if args.chain is not None else (
-        SpecConfig.parse_tree(args.tree) if args.tree else None)
+    spec = DraftShape.from_flags(args.tree, args.chain)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"eagle3 check: {args.drafter} against {args.target} on {device}")
     report, _ = run_check(args.target, args.drafter, device=device, dtype=args.dtype, dataset=args.dataset,

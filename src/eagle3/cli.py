@@ -24,24 +24,14 @@ from eagle3.config import (
     TARGET_ATTENTION,
     TARGET_ATTENTION_HELP,
     ConfigError,
+    DraftShape,
     SamplingConfig,
-    SpecConfig,
     help_formatter,
 )
 
 ENGINE_CHOICES = ("auto", "fast", "generic")
 ENGINE_HELP = ("fast: static KV cache + CUDA graphs (Llama/Mistral/Qwen families); generic: any HF model; "
                "auto (default): fast on CUDA where the target and draft kind allow it")
-
-def _spec_from_args(args) -> SpecConfig:
-    if getattr(args, "chain", None) is not None and getattr(args, "tree", None) is not None:
-        raise ConfigError("give at most one of --chain and --tree")
-    if getattr(args, "chain", None) is not None:
-        return SpecConfig(mode="chain", chain_length=args.chain)
-    if getattr(args, "tree", None) is not None:
-        return SpecConfig.parse_tree(args.tree)
-    return SpecConfig()
-
 
 def duration_seconds(text: str) -> float:
     """'90', '90s', '20m' or '1.5h' -> seconds (argparse type for --time-budget)."""
@@ -99,7 +89,7 @@ def _add_decoding(p) -> None:
     p.add_argument("--seed", type=int, default=None)
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
-                       help="EAGLE-2 dynamic tree (default 6,10,60)")
+                       help=f"EAGLE-2 dynamic tree (default {DraftShape().text})")
     shape.add_argument("--chain", type=int, default=None, metavar="K",
                        help=f"a chain of K draft tokens (e.g. {DEFAULT_CHAIN_LENGTH})")
 
@@ -156,7 +146,7 @@ def _ran_with_line(ran: dict) -> str:
 def cmd_generate(args) -> int:
     from eagle3.runtime import encode_prompt, load_runtime
 
-    spec = _spec_from_args(args)
+    spec = DraftShape.from_flags(args.tree, args.chain)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
@@ -176,7 +166,7 @@ def cmd_generate(args) -> int:
             "text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
             "tau": round(st.tau, 4), "acceptance_per_position": [round(a, 4) for a in st.acceptance_per_position],
             "tokens_per_s": round(st.tokens_per_s, 2), "new_tokens": st.new_tokens, "cycles": st.cycles,
-            "draft": rt.draft, "spec": rt.spec.__dict__, "draft_s": round(st.draft_s, 4),
+            "draft": rt.draft, "spec": rt.spec.to_dict(), "draft_s": round(st.draft_s, 4),
             "verify_s": round(st.verify_s, 4), "prefill_s": round(st.prefill_s, 4),
         }))
     else:
@@ -335,7 +325,7 @@ def cmd_eval(args) -> int:
     from eagle3.training.inputs import at_least, check_out_dir, resolve_chat_template
 
     out = Path(args.out)
-    spec = _spec_from_args(args)
+    spec = DraftShape.from_flags(args.tree, args.chain)
     # every input and flag before the model loads
     template = resolve_chat_template(args.chat_template)
     at_least("--limit", args.limit, 1)
@@ -364,7 +354,7 @@ def cmd_eval(args) -> int:
                       flush=True)
     settings = getattr(rt.engine, "settings", None)
     report = run_record("eval", target=args.target, drafter=str(args.drafter), draft=rt.draft,
-                        spec=rt.spec.__dict__, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                        spec=rt.spec.to_dict(), max_new_tokens=args.max_new_tokens, limit=args.limit,
                         engine=ran["engine"], dtype=ran["dtype"],
                         engine_settings=settings() if settings is not None else {"engine": "generic"}, runs=runs)
     report["device"]["torch_device"] = ran["device"]  # "device" also describes the machine (run_record)
@@ -377,7 +367,7 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from eagle3.demo import run_demo
 
-    spec = _spec_from_args(args) if (args.tree or args.chain) else None
+    spec = DraftShape.from_flags(args.tree, args.chain)
     summary = run_demo(prompts=args.prompts, max_new_tokens=args.max_new_tokens, spec=spec, device=args.device,
                        drafter=args.drafter, record=args.record, dtype=args.dtype, chain_stop=args.chain_stop)
     return 0 if summary["identical"] else 1

@@ -1,7 +1,7 @@
 """Typed configuration and the one set of defaults shared by library, CLI and benchmarks.
 
 `DrafterConfig` describes an EAGLE-3 drafter (what its checkpoint's config holds).
-`SpecConfig` describes how a decoding run drafts (chain or tree, sizes).
+`DraftShape` describes what a cycle drafts (a chain or an EAGLE-2 tree, its sizes).
 `SamplingConfig` describes how tokens are chosen (greedy or sampled).
 """
 
@@ -325,47 +325,74 @@ def _rope_theta(tc: Any) -> float:
     return float(getattr(tc, "rope_theta", 10000.0) or 10000.0)
 
 
-@dataclass
-class SpecConfig:
-    """How to draft: `mode` is 'tree' (EAGLE-2 dynamic tree), 'chain' (K argmax tokens) or 'none'."""
+@dataclass(frozen=True)
+class DraftShape:
+    """How a cycle drafts: `depth` drafter steps, `top_k` children per expanded node, `total` draft nodes verified
+    (root excluded). `DraftShape()` is the default EAGLE-2 tree; a chain of K tokens is `DraftShape.chain(K)`,
+    i.e. (K, 1, K). `total` is capped at the nodes EAGLE-2's expansion records (top_k, then top_k² per step)."""
 
-    mode: str = "tree"
     depth: int = DEFAULT_TREE_DEPTH
     top_k: int = DEFAULT_TREE_TOP_K
-    total_tokens: int = DEFAULT_TREE_TOTAL_TOKENS  # draft tokens verified per cycle (root excluded)
-    chain_length: int = DEFAULT_CHAIN_LENGTH
+    total: int = DEFAULT_TREE_TOTAL_TOKENS
 
     def __post_init__(self) -> None:
-        if self.mode not in ("tree", "chain", "none"):
-            raise ConfigError(f"mode={self.mode!r}: expected 'tree', 'chain' or 'none'")
-        if self.mode == "tree" and min(self.depth, self.top_k, self.total_tokens) < 1:
-            raise ConfigError(
-                f"tree depth={self.depth}, top_k={self.top_k}, total_tokens={self.total_tokens} must all be >= 1"
-            )
-        if self.mode == "chain" and self.chain_length < 1:
-            raise ConfigError(f"chain length {self.chain_length} must be >= 1")
+        if min(self.depth, self.top_k, self.total) < 1:
+            raise ConfigError(f"draft shape depth={self.depth}, top_k={self.top_k}, total={self.total} must all "
+                              "be >= 1")
+        object.__setattr__(self, "total", min(self.total, self.top_k + (self.depth - 1) * self.top_k ** 2))
 
     @classmethod
-    def parse_tree(cls, text: str) -> SpecConfig:
-        """'DEPTH,TOPK,TOTAL' as given to `--tree`."""
+    def chain(cls, length: int) -> DraftShape:
+        """`length` tokens, each the drafter's top choice after the one before."""
+        return cls(length, 1, length)
+
+    @classmethod
+    def parse(cls, text: str) -> DraftShape:
+        """'DEPTH,TOPK,TOTAL' as `--tree` takes it (the inverse of `text`)."""
         try:
             depth, top_k, total = (int(x) for x in text.split(","))
         except ValueError:
             raise ConfigError(f"--tree {text!r}: expected three integers DEPTH,TOPK,TOTAL such as 6,10,60") from None
-        return cls(mode="tree", depth=depth, top_k=top_k, total_tokens=total)
+        return cls(depth, top_k, total)
+
+    @classmethod
+    def from_flags(cls, tree: str | None = None, chain: int | None = None) -> DraftShape | None:
+        """The shape `--tree D,K,N` or `--chain K` asks for; None when neither is given (the caller's default)."""
+        if tree is not None and chain is not None:
+            raise ConfigError("give at most one of --chain and --tree")
+        return cls.chain(chain) if chain is not None else None if tree is None else cls.parse(tree)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DraftShape:
+        """The inverse of `to_dict`; keys it lacks take the defaults."""
+        if d.get("mode") == "chain":
+            return cls.chain(d.get("chain_length", DEFAULT_CHAIN_LENGTH))
+        return cls(d.get("depth", DEFAULT_TREE_DEPTH), d.get("top_k", DEFAULT_TREE_TOP_K),
+                   d.get("total_tokens", DEFAULT_TREE_TOTAL_TOKENS))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form of records and acceptance profiles: {"mode": "chain", "chain_length": K} or
+        {"mode": "tree", "depth": D, "top_k": K, "total_tokens": N}."""
+        if self.is_chain:
+            return {"mode": "chain", "chain_length": self.depth}
+        return {"mode": "tree", "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total}
 
     @property
-    def tree_text(self) -> str:
-        """The tree's shape as `--tree` takes it ('6,10,60'; the inverse of `parse_tree`)."""
-        return f"{self.depth},{self.top_k},{self.total_tokens}"
+    def is_chain(self) -> bool:
+        return self.top_k == 1 and self.total == self.depth
 
     @property
-    def max_depth(self) -> int:
-        return {"tree": self.depth, "chain": self.chain_length, "none": 0}[self.mode]
+    def scratch(self) -> int:
+        """Drafter rows the expansion computes beyond the committed ones: (depth - 1) steps of top_k rows."""
+        return (self.depth - 1) * self.top_k
 
     @property
-    def max_draft_tokens(self) -> int:
-        return {"tree": self.total_tokens, "chain": self.chain_length, "none": 0}[self.mode]
+    def text(self) -> str:
+        """'6,10,60', as `--tree` takes it and method names show it."""
+        return f"{self.depth},{self.top_k},{self.total}"
+
+    def __str__(self) -> str:
+        return f"chain {self.depth}" if self.is_chain else f"tree {self.text}"
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.evaluate import load_prompts
@@ -26,7 +26,7 @@ from eagle3.target import Target
 # In fp32 a CPU verifies more than 2 tokens at well over the cost of one (its fp32 GEMMs are compute-bound for a
 # few rows where a GPU is bandwidth-bound), so longer chains and trees gain nothing there (docs/benchmarks.md):
 # the CPU default is a chain of 2 in fp32.
-CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
+CPU_SPEC = DraftShape.chain(2)
 # In bf16 a CPU with native bf16 verifies a few tokens for about the cost of one, and on the fast path a chain's
 # verification gives each row the bits of a one-token step: its rows see the same cache slots in the same order,
 # and on a CPU without AMX the fast path picks kernels whose rows do not depend on the row count
@@ -35,7 +35,7 @@ CPU_SPEC = SpecConfig(mode="chain", chain_length=2)
 # stops where the drafter is unsure (`FastOptions.chain_stop`): at most 6 tokens, none after the chain's joint
 # draft probability falls below 0.2, and only the drafted tokens verified, which beats any fixed chain length
 # there (docs/benchmarks.md, "CPU demo").
-CPU_BF16_SPEC = SpecConfig(mode="chain", chain_length=6)
+CPU_BF16_SPEC = DraftShape.chain(6)
 CPU_BF16_CHAIN_STOP = 0.2
 DEMO_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -62,19 +62,17 @@ def slowdown_hint(speedup: float, device: str, dtype: str) -> str | None:
             "than the accepted tokens saved on this machine (docs/benchmarks.md says where the time goes).")
 
 
-def _shape(spec: SpecConfig, chain_stop: float | None = None) -> str:
-    if spec.mode == "chain" and chain_stop:
-        return f"chain of up to {spec.chain_length}, stopping below joint draft probability {chain_stop:g}"
-    if spec.mode == "chain":
-        return f"chain {spec.chain_length}"
-    return f"tree {spec.tree_text}"
+def _shape(spec: DraftShape, chain_stop: float | None = None) -> str:
+    if spec.is_chain and chain_stop:
+        return f"chain of up to {spec.depth}, stopping below joint draft probability {chain_stop:g}"
+    return str(spec)
 
 
 def bundled_drafter() -> Path:
     return Path(str(resources.files("eagle3") / "assets" / "smollm2-drafter"))
 
 
-def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | None = None, device: str = "cpu",
+def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: DraftShape | None = None, device: str = "cpu",
              drafter: str | Path | None = None, record: str | Path | None = None, print_fn=print,
              dtype: str = "auto", chain_stop: float | None = None) -> dict:
     from eagle3.fast import FastEngine, FastOptions, FastTarget
@@ -94,7 +92,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | Non
     chain_stop = chain_stop or None  # 0: the full chain every cycle
     if chain_stop is not None and not fast:
         raise ConfigError("--chain-stop is for the CPU fast path (bf16 on a CPU with native bf16)")
-    spec = spec or (SpecConfig() if not cpu else CPU_BF16_SPEC if dtype == "bfloat16" else CPU_SPEC)
+    spec = spec or (DraftShape() if not cpu else CPU_BF16_SPEC if dtype == "bfloat16" else CPU_SPEC)
     if fast:
         shared = FastTarget(model, d.config.aux_layer_ids)
         plain = FastEngine(model, draft="none", tokenizer=tok, target=shared)
@@ -144,7 +142,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: SpecConfig | Non
     if hint:
         print_fn(hint)
     summary = {"identical": all_same, "tau": round(tau, 3), "speedup": round(speedup, 3), "rows": rows,
-               "spec": spec.__dict__, "chain_stop": chain_stop, "max_new_tokens": max_new_tokens, "dtype": dtype,
+               "spec": spec.to_dict(), "chain_stop": chain_stop, "max_new_tokens": max_new_tokens, "dtype": dtype,
                "engine": engine, "device": str(device)}
     if record:
         write_json(run_record("demo", **summary), record)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle3.config import ConfigError, SamplingConfig, SpecConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 
 BENCH_SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 
@@ -151,12 +151,10 @@ class RunResult:
         return {c: round(t / n, 4) if n else 0.0 for c, (t, n) in sums.items()}
 
 
-def method_name(draft: str, spec: SpecConfig) -> str:
-    if draft == "none" or spec.mode == "none":
+def method_name(draft: str, spec: DraftShape) -> str:
+    if draft == "none":
         return "none"
-    if spec.mode == "chain":
-        return f"{draft}-chain-{spec.chain_length}"
-    return f"{draft}-tree-{spec.tree_text}"
+    return f"{draft}-chain-{spec.depth}" if spec.is_chain else f"{draft}-tree-{spec.text}"
 
 
 def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingConfig, max_new_tokens: int,

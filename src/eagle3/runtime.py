@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import ConfigError, DrafterConfig, SpecConfig
+from eagle3.config import ConfigError, DrafterConfig, DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer, Proposer
 from eagle3.drafter import Eagle3Drafter
@@ -27,7 +27,7 @@ class Runtime:
     target: Target
     engine: SpeculativeEngine
     drafter: Eagle3Drafter | None
-    spec: SpecConfig
+    spec: DraftShape
     draft: str
 
     @property
@@ -70,9 +70,9 @@ def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     return encode_prompt(tokenizer, prompt=messages[-1]["content"])
 
 
-def make_proposer(draft: str, spec: SpecConfig, drafter: Eagle3Drafter | None, device,
+def make_proposer(draft: str, spec: DraftShape, drafter: Eagle3Drafter | None, device,
                   draft_model=None, target_model=None, target_source=None) -> Proposer:
-    if draft == "none" or spec.mode == "none":
+    if draft == "none":
         return NoDraftProposer(device)
     if draft == "mtp":  # the target's own MTP layer; its Target must tap aux id L (eagle3.decoding.mtp)
         if target_model is None:
@@ -83,10 +83,9 @@ def make_proposer(draft: str, spec: SpecConfig, drafter: Eagle3Drafter | None, d
     if draft == "model":
         if draft_model is None:
             raise ConfigError("--draft model needs --draft-model PATH (a causal LM with the target's tokenizer)")
-        return ModelProposer(draft_model, spec.chain_length if spec.mode == "chain" else spec.depth)
+        return ModelProposer(draft_model, spec.depth)
     if draft == "ngram":
-        length = spec.chain_length if spec.mode == "chain" else spec.depth
-        return NgramProposer(length=length, device=device)
+        return NgramProposer(length=spec.depth, device=device)
     if draft == "eagle3":
         if drafter is None:
             raise ConfigError("--draft eagle3 needs --drafter DIR (a drafter checkpoint)")
@@ -98,7 +97,7 @@ def load_runtime(
     target: str,
     drafter: str | Path | None = None,
     draft: str | None = None,
-    spec: SpecConfig | None = None,
+    spec: DraftShape | None = None,
     device: str | None = None,
     dtype: str = "auto",
     draft_model: str | None = None,
@@ -107,7 +106,7 @@ def load_runtime(
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft = draft or ("eagle3" if drafter else "model" if draft_model else "none")
-    spec = spec or SpecConfig()
+    spec = spec or DraftShape()
     model, tokenizer = load_target(target, dtype=dtype, device=device)
     tcfg = getattr(model.config, "text_config", None) or model.config
     d = None
@@ -123,11 +122,11 @@ def load_runtime(
     else:
         aux_ids = []
     tgt = Target(model, aux_ids)
-    if draft == "mtp" and getattr(tgt, "recurrent_layers", None) and spec.mode == "tree":
+    if draft == "mtp" and getattr(tgt, "recurrent_layers", None) and not spec.is_chain:
         raise ConfigError(tgt.tree_refusal)
     if d is None and draft == "eagle3":
         raise ConfigError("no drafter loaded")
-    if tgt.recurrent_layers and draft == "eagle3" and spec.mode == "tree":  # other drafts propose chains
+    if tgt.recurrent_layers and draft == "eagle3" and not spec.is_chain:  # other drafts propose chains
         raise ConfigError(tgt.tree_refusal)
     dm = None
     if draft == "model":

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eagle3.config import ConfigError, SpecConfig
+from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.proposers import Eagle3Proposer
 from eagle3.target import Target, decoder_parts
 
@@ -245,7 +245,7 @@ class MtpProposer(Eagle3Proposer):
     name = "mtp"
     needs_aux = True
 
-    def __init__(self, drafter: MtpDrafter, spec: SpecConfig):
+    def __init__(self, drafter: MtpDrafter, spec: DraftShape):
         super().__init__(drafter, spec)
         self.cache = _MtpCache()
 
@@ -261,7 +261,7 @@ class MtpProposer(Eagle3Proposer):
         self._extend(aux, next_tokens)
 
 
-def mtp_proposer(model: nn.Module, spec: SpecConfig, source: str | Path | None = None) -> MtpProposer:
+def mtp_proposer(model: nn.Module, spec: DraftShape, source: str | Path | None = None) -> MtpProposer:
     """An `MtpProposer` for `model`, whose checkpoint (at `source`, default where it was loaded from) ships MTP
     weights. The engine's `Target` must tap aux id `len(decoder layers)` (the final norm's input)."""
     _, final_norm = decoder_parts(model)

@@ -16,7 +16,7 @@ import abc
 
 import torch
 
-from eagle3.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SpecConfig
+from eagle3.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DraftShape
 from eagle3.decoding.tree import DraftTree
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 
@@ -143,14 +143,9 @@ class Eagle3Proposer(Proposer):
     name = "eagle3"
     needs_aux = True
 
-    def __init__(self, drafter: Eagle3Drafter, spec: SpecConfig):
+    def __init__(self, drafter: Eagle3Drafter, shape: DraftShape):
         self.drafter = drafter.eval()
-        if spec.mode == "chain":
-            self.depth, self.top_k, self.budget = spec.chain_length, 1, spec.chain_length
-        elif spec.mode == "tree":
-            self.depth, self.top_k, self.budget = spec.depth, spec.top_k, spec.total_tokens
-        else:
-            raise ValueError("Eagle3Proposer needs a chain or tree SpecConfig")
+        self.depth, self.top_k, self.budget = shape.depth, shape.top_k, shape.total
         self.cache = DrafterKV()
         self.next_pos = 0  # RoPE position of the next target-feature row
         self.last_out: torch.Tensor | None = None  # [1, H] pre-norm output of the newest row

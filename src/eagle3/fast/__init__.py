@@ -1,7 +1,7 @@
 """The fast path: static KV caches, fixed-shape draft trees, CUDA-graph-captured cycles (batch size 1).
 
     from eagle3.fast import build_engine
-    engine = build_engine(model, draft="eagle3", spec=SpecConfig(), drafter=drafter, tokenizer=tok)
+    engine = build_engine(model, draft="eagle3", spec=DraftShape(), drafter=drafter, tokenizer=tok)
     engine.generate(prompt_ids, max_new_tokens=256, eos_token_ids=[...])
 
 Modules: `target` (functional Llama/Qwen forward over a static cache), `drafter` (the EAGLE-3 drafter over a

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from eagle3.config import DraftShape
 from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
@@ -58,11 +59,11 @@ def prefix_and_window(ar: torch.Tensor, length: torch.Tensor, window: torch.Tens
 
 
 class FastCore(nn.Module):
-    """Static buffers and step functions of one decoding setup (mode, tree shape); see the module docstring.
+    """Static buffers and step functions of one decoding setup (mode, draft shape); see the module docstring.
 
-    mode "none": plain decoding (N = 0). "eagle3": the drafter expands a tree of `depth` steps with `top_k`
-    branching and keeps `total_tokens` nodes (a chain is top_k = 1). "host": the host writes a tree of at most
-    `max_nodes` nodes into the tree buffers before each cycle (n-gram, test doubles).
+    mode "none": plain decoding (N = 0). "eagle3": the drafter drafts `shape` (a tree, or a chain at top_k 1)
+    every cycle. "host": the host writes a tree of at most `max_nodes` nodes into the tree buffers before each
+    cycle (n-gram, test doubles).
     """
 
     def __init__(
@@ -70,23 +71,19 @@ class FastCore(nn.Module):
         target: FastTarget,
         mode: str,
         drafter: FastDrafter | None = None,
-        depth: int = 0,
-        top_k: int = 1,
-        total_tokens: int = 0,
+        shape: DraftShape | None = None,
         max_nodes: int = 0,
     ):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: expected one of {MODES}")
-        if (mode == "eagle3") != (drafter is not None):
-            raise ValueError("a drafter is needed for mode 'eagle3' and only there")
+        if (mode == "eagle3") != (drafter is not None and shape is not None):
+            raise ValueError("a drafter and a draft shape are needed for mode 'eagle3' and only there")
         self.target, self.drafter, self.mode = target, drafter, mode
         if mode == "eagle3":
-            self.top_k, self.depth = top_k, depth
-            recorded = top_k + (depth - 1) * top_k * top_k  # nodes the expansion records
-            self.n_nodes = min(total_tokens, recorded)
-            self.max_depth = depth
-            self.scratch = (depth - 1) * top_k  # drafter rows of tree expansion
+            self.top_k, self.depth, self.n_nodes = shape.top_k, shape.depth, shape.total
+            self.max_depth = shape.depth
+            self.scratch = shape.scratch  # drafter rows of tree expansion
         elif mode == "host":
             self.n_nodes = self.max_depth = max_nodes
             self.top_k = self.depth = self.scratch = 0

@@ -28,8 +28,8 @@ from eagle3.attention import varying_shape_attention
 from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     ConfigError,
+    DraftShape,
     SamplingConfig,
-    SpecConfig,
     on_for_device,
 )
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
@@ -112,7 +112,7 @@ class FastEngine:
         self,
         model: torch.nn.Module,
         draft: str | Proposer = "none",
-        spec: SpecConfig | None = None,
+        spec: DraftShape | None = None,
         drafter: Eagle3Drafter | None = None,
         tokenizer=None,
         options: FastOptions | None = None,
@@ -123,16 +123,16 @@ class FastEngine:
         it must carry the drafter's aux layer ids when `draft` is 'eagle3'."""
         self.model, self.tokenizer = model, tokenizer
         self.options = options or FastOptions()
-        self.spec = spec or SpecConfig()
+        self.spec = spec or DraftShape()  # the draft shape
         self.proposer: Proposer | None = None
         if isinstance(draft, Proposer):
             if not max_nodes:
                 raise ConfigError("a host-side proposer needs max_nodes (the most draft nodes it proposes)")
             self.proposer, mode, self.draft = draft, "host", draft.name
-        elif draft == "none" or self.spec.mode == "none":
+        elif draft == "none":
             mode, self.draft = "none", "none"
         elif draft == "ngram":
-            k = self.spec.chain_length if self.spec.mode == "chain" else self.spec.depth
+            k = self.spec.depth
             self.proposer, mode, self.draft, max_nodes = NgramProposer(length=k), "host", "ngram", k
         elif draft == "eagle3":
             if drafter is None:
@@ -161,11 +161,7 @@ class FastEngine:
             self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device,
                                                            self.options.sdpa_heads)
         if mode == "eagle3":
-            chain = self.spec.mode == "chain"
-            depth = self.spec.chain_length if chain else self.spec.depth
-            top_k = 1 if chain else self.spec.top_k
-            total = self.spec.chain_length if chain else self.spec.total_tokens
-            self.core = FastCore(self.target, "eagle3", fd, depth=depth, top_k=top_k, total_tokens=total)
+            self.core = FastCore(self.target, "eagle3", fd, self.spec)
         elif mode == "host":
             self.core = FastCore(self.target, "host", max_nodes=int(max_nodes))
         else:
@@ -178,7 +174,7 @@ class FastEngine:
         if cd and not o.compile and mode != "none":
             self.core.compile_drafting(o.compile_backend)
         if o.chain_stop is not None:
-            if mode != "eagle3" or self.spec.mode != "chain":
+            if mode != "eagle3" or not self.spec.is_chain:
                 raise ConfigError("chain_stop (--chain-stop) is for EAGLE-3 chains")
             if not 0.0 < o.chain_stop < 1.0:
                 raise ConfigError(f"chain_stop {o.chain_stop}: expected a probability between 0 and 1")
@@ -429,13 +425,13 @@ class FastEngine:
 def build_engine(
     model: torch.nn.Module,
     draft: str = "none",
-    spec: SpecConfig | None = None,
+    spec: DraftShape | None = None,
     drafter: Eagle3Drafter | None = None,
     tokenizer=None,
     options: FastOptions | None = None,
 ):
     """A `FastEngine` when the target's family is supported, else `SpeculativeEngine` (with a logged notice)."""
-    spec = spec or SpecConfig()
+    spec = spec or DraftShape()
     reason = fast_support(model)
     if reason is None:
         return FastEngine(model, draft=draft, spec=spec, drafter=drafter, tokenizer=tokenizer, options=options)

@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import transformers
 
-from eagle3.config import DrafterConfig
+from eagle3.config import DrafterConfig, DraftShape
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
@@ -187,9 +187,11 @@ def measure_overhead(
     progress(out)
     del plain
 
-    configs = [("chain", k, 1, k) for k in chains] + [("tree", tree_depth, tree_top_k, n) for n in trees]
-    for kind, depth, top_k, total in configs:
-        core = FastCore(target, "eagle3", fdrafter, depth=depth, top_k=top_k, total_tokens=total)
+    configs = [("chain", DraftShape.chain(k)) for k in chains] + [("tree", DraftShape(tree_depth, tree_top_k, n))
+                                                                  for n in trees]
+    for kind, shape in configs:
+        core = FastCore(target, "eagle3", fdrafter, shape)
+        depth, top_k = shape.depth, shape.top_k
         if compile_drafting:
             core.compile_drafting()
         core.allocate(seq_len)
@@ -208,7 +210,7 @@ def measure_overhead(
             core.verify()
             book()
 
-        name = f"{kind}-{depth},{top_k},{core.n_nodes}"
+        name = f"{kind}-{shape.text}"
         t_draft = time_step(runner(draft, name + " draft"), dev, reps)
         t_verify = time_step(runner(core.verify, name + " verify"), dev, reps)
         core.verify()

@@ -41,26 +41,17 @@ from collections.abc import Callable
 
 import torch
 
-from eagle3.config import ConfigError, SamplingConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter, top_k_last, top_n_in_order
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, argmax_ids
 
-__all__ = ["FastRows", "RowShape", "buckets"]
+__all__ = ["FastRows", "buckets"]
 
 MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
 FEED_WINDOW = 32  # plain-cycle tokens a row holds back for the drafter before a feed step
-class RowShape:
-    """A draft shape: `depth` steps, `top_k` branching, `total` nodes kept (chain: top_k 1, total = depth)."""
-
-    def __init__(self, depth: int, top_k: int, total: int):
-        self.depth, self.top_k = depth, top_k
-        self.total = min(total, top_k + (depth - 1) * top_k * top_k)  # what the expansion records
-
-    def __repr__(self) -> str:
-        return f"RowShape(depth={self.depth}, top_k={self.top_k}, total={self.total})"
 
 
 def buckets(capacity: int) -> list[int]:
@@ -111,7 +102,7 @@ class FastRows:
     """
 
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
-                 shapes: Callable[[int], RowShape | None] | None = None, graphs: bool = True,
+                 shapes: Callable[[int], DraftShape | None] | None = None, graphs: bool = True,
                  prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW,
                  fused_sampling: bool | None = None):
         if capacity < 1 or seq_len < 8:
@@ -129,7 +120,7 @@ class FastRows:
         self.shapes = {b: (shapes(b) if self.d is not None and shapes is not None else None) for b in self.buckets}
         d_max = max([s.depth for s in self.shapes.values() if s] + [0])
         n_max = max([s.total for s in self.shapes.values() if s] + [0])
-        scratch = max([(s.depth - 1) * s.top_k for s in self.shapes.values() if s] + [0])
+        scratch = max([s.scratch for s in self.shapes.values() if s] + [0])
         self.margin = n_max + d_max + 2  # slots a cycle may write beyond a row's length
         dev, dt, t = target.device, target.dtype, target
         self.device = dev
@@ -427,7 +418,7 @@ class FastRows:
             n += self.dk.numel() * self.dk.element_size() * 2
         return n
 
-    def shape_of(self, n: int) -> RowShape | None:
+    def shape_of(self, n: int) -> DraftShape | None:
         return self.shapes[self.bucket(max(1, n))]
 
     # -- device steps (fixed shapes for a bucket of nb rows) ------------------------------------------

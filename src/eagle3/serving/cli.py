@@ -15,7 +15,7 @@ from eagle3.config import (
     FUSE_POINTWISE_CHOICES,
     FUSE_POINTWISE_HELP,
     ConfigError,
-    SpecConfig,
+    DraftShape,
     on_for_device,
     require_extra,
 )
@@ -71,7 +71,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     sp = s.add_argument_group("speculation")
     shape = sp.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
-                       help="largest draft tree, used at small batch sizes (default 6,10,60)")
+                       help=f"largest draft tree, used at small batch sizes (default {DraftShape().text})")
     shape.add_argument("--chain", type=int, default=None, metavar="K",
                        help=f"draft chains of at most K tokens instead of trees (e.g. {DEFAULT_CHAIN_LENGTH})")
     sp.add_argument("--no-spec", action="store_true", help="plain batched decoding (load no drafter)")
@@ -118,14 +118,6 @@ def served_model_name(target: str) -> str:
     return target
 
 
-def _spec(args) -> SpecConfig:
-    if args.chain is not None:
-        return SpecConfig(mode="chain", chain_length=args.chain)
-    if args.tree is not None:
-        return SpecConfig.parse_tree(args.tree)
-    return SpecConfig()
-
-
 def load_server(args):
     """(scheduler, app) for parsed `serve` flags: loads the target and drafter."""
     import torch
@@ -143,7 +135,7 @@ def load_server(args):
     draft = "none" if args.no_spec else (args.draft or ("eagle3" if args.drafter else "none"))
     if draft == "eagle3" and not args.drafter:
         raise ConfigError("--draft eagle3 needs --drafter DIR (or use --draft ngram / --no-spec)")
-    spec = _spec(args)
+    spec = DraftShape.from_flags(args.tree, args.chain) or DraftShape()
     template = None
     if args.chat_template:
         path = Path(args.chat_template)
@@ -156,7 +148,7 @@ def load_server(args):
         max_prefill_tokens=args.max_prefill_tokens, admit_wait=args.admit_wait, max_waiting=args.max_waiting,
         stream_interval=args.stream_interval,
         shutdown_timeout=args.shutdown_timeout, chat_template=template, fast_rows_len=args.fast_rows_len)
-    policy = SpecPolicy.from_spec(
+    policy = SpecPolicy(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
         min_accept=args.spec_min_accept, retry_after=args.spec_retry_after, measure=not args.no_spec_gate)
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
@@ -167,10 +159,9 @@ def load_server(args):
         aux_ids = d.config.aux_layer_ids
         drafter = Eagle3BatchDrafter(d)
     elif draft == "ngram":
-        length = spec.chain_length if spec.mode == "chain" else spec.depth
-        drafter = ProposerBatchDrafter(lambda _prompt: NgramProposer(length=length, device=device), device)
+        drafter = ProposerBatchDrafter(lambda _prompt: NgramProposer(length=spec.depth, device=device), device)
     if drafter is None:
-        policy = SpecPolicy(enabled=False)
+        policy = SpecPolicy(largest=None)
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config, compile=args.compile,
@@ -194,7 +185,7 @@ def load_server(args):
     return sched, create_app(sched)
 
 
-def fast_lane_engine(choice: str, model, draft: str, spec: SpecConfig, drafter, device: str, config,
+def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, device: str, config,
                      compile: bool = False, fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
                      sdpa_heads: bool = False, graph_prefill: str = "auto"):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
@@ -234,7 +225,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
 
     import torch
 
-    from eagle3.fast.rows import FastRows, RowShape, prefill_staging_tokens
+    from eagle3.fast.rows import FastRows, prefill_staging_tokens
     from eagle3.fast.target import FastTarget, fast_support
     from eagle3.serving.policy import default_token_budget
 
@@ -257,13 +248,9 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
 
     rows_policy = replace(policy, token_budget=token_budget or default_token_budget(device, fast_rows=True))
 
-    def shape(bucket: int) -> RowShape | None:
-        s = rows_policy.shape(bucket)
-        return None if s is None else RowShape(s.depth, s.top_k, s.total)
-
     try:
         staging = prefill_staging_tokens(config.max_prefill_tokens)
-        rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=shape,
+        rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=rows_policy.shape,
                         prefill_tokens=staging)
         seconds = rows.prepare()
     except torch.OutOfMemoryError as e:
@@ -282,8 +269,7 @@ def describe(sched) -> str:
     if not p.enabled:
         spec = "plain batched decoding (no drafter)"
     else:
-        shape = f"chain {p.max_depth}" if p.max_top_k == 1 else f"tree {p.max_depth},{p.max_top_k},{p.max_total}"
-        spec = (f"drafter {sched.drafter.name}, up to a {shape}, token budget {p.token_budget}, "
+        spec = (f"drafter {sched.drafter.name}, up to a {p.largest}, token budget {p.token_budget}, "
                 f"speed gate {'on' if p.measure else 'off'}")
     lane = "off" if sched.fast is None else (
         f"on ({sched.fast.draft}{', captured prefills' if sched.fast.options.graph_prefill else ''})")

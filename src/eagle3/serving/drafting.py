@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
+from eagle3.config import DraftShape
 from eagle3.decoding.proposers import Proposer
 from eagle3.drafter import DrafterKV, Eagle3Drafter
-from eagle3.serving.policy import TreeShape
 
 __all__ = ["BatchDrafter", "Eagle3BatchDrafter", "ProposerBatchDrafter", "pad_trees"]
 
@@ -42,7 +42,7 @@ class BatchDrafter(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def propose(self, rows: list[int], shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, rows: list[int], shape: DraftShape) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
     @abc.abstractmethod

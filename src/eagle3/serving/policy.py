@@ -30,11 +30,11 @@ static budget guesses wrong (a slow drafter, an overhead-bound device, a low-acc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from eagle3.config import ConfigError, SpecConfig
+from eagle3.config import ConfigError, DraftShape
 
-__all__ = ["RowAcceptance", "SpecPolicy", "SpeedGate", "TreeShape", "default_token_budget"]
+__all__ = ["RowAcceptance", "SpecPolicy", "SpeedGate", "default_token_budget"]
 
 GPU_TOKEN_BUDGET = 256
 CPU_TOKEN_BUDGET = 32
@@ -53,23 +53,11 @@ def default_token_budget(device: str, fast_rows: bool = False) -> int:
     return FAST_ROWS_TOKEN_BUDGET if fast_rows else GPU_TOKEN_BUDGET
 
 
-@dataclass(frozen=True)
-class TreeShape:
-    """A draft shape for one cycle: `depth` drafter steps, `top_k` branching, `total` nodes kept."""
-
-    depth: int
-    top_k: int
-    total: int
-
-
 @dataclass
 class SpecPolicy:
     """Adaptive speculation for batched serving; see the module docstring for the rules."""
 
-    enabled: bool = True
-    max_depth: int = 6  # the largest shape (the configured --tree / --chain)
-    max_top_k: int = 10
-    max_total: int = 60
+    largest: DraftShape | None = field(default_factory=DraftShape)  # --tree / --chain (None: no speculation)
     token_budget: int = GPU_TOKEN_BUDGET  # B·(N+1) per verification forward
     max_batch: int | None = None  # no speculation with more rows than this (None: the budget decides)
     min_draft_tokens: int = 1
@@ -87,11 +75,6 @@ class SpecPolicy:
     probe_share: float = 0.02  # the most of the time the gate's probes may cost
 
     def __post_init__(self) -> None:
-        if min(self.max_depth, self.max_top_k, self.max_total) < 1:
-            raise ConfigError(
-                f"SpecPolicy max_depth={self.max_depth}, max_top_k={self.max_top_k}, max_total={self.max_total} "
-                "must all be >= 1"
-            )
         if self.token_budget < 2:
             raise ConfigError(f"--spec-budget {self.token_budget} must be >= 2 (one root and one draft token)")
         if self.min_draft_tokens < 1:
@@ -112,16 +95,9 @@ class SpecPolicy:
         if self.max_probe_every < self.probe_every:
             raise ConfigError(f"max_probe_every={self.max_probe_every} must be >= probe_every={self.probe_every}")
 
-    @classmethod
-    def from_spec(cls, spec: SpecConfig, **overrides) -> SpecPolicy:
-        """The policy whose largest shape is `spec` (a tree or a chain); spec mode 'none' disables it."""
-        if spec.mode == "chain":
-            shape = dict(max_depth=spec.chain_length, max_top_k=1, max_total=spec.chain_length)
-        elif spec.mode == "tree":
-            shape = dict(max_depth=spec.depth, max_top_k=spec.top_k, max_total=spec.total_tokens)
-        else:
-            shape = dict(enabled=False)
-        return cls(**{**shape, **overrides})
+    @property
+    def enabled(self) -> bool:
+        return self.largest is not None
 
     def draft_tokens(self, batch_size: int) -> int:
         """N for a batch of `batch_size` rows (0: no speculation this cycle)."""
@@ -129,21 +105,19 @@ class SpecPolicy:
             return 0
         if self.max_batch is not None and batch_size > self.max_batch:
             return 0
-        n = min(self.max_total, self.token_budget // batch_size - 1, self.max_depth * self.max_top_k ** 2)
+        n = min(self.largest.total, self.token_budget // batch_size - 1)
         return n if n >= self.min_draft_tokens else 0
 
-    def shape(self, batch_size: int) -> TreeShape | None:
-        """The draft shape for this cycle, or None when speculation does not pay."""
+    def shape(self, batch_size: int) -> DraftShape | None:
+        """The draft shape for this cycle, or None when speculation does not pay: a chain while N fits the
+        largest shape's depth, else its depth with the least branching that records N nodes."""
         n = self.draft_tokens(batch_size)
         if n == 0:
             return None
-        if n <= self.max_depth or self.max_top_k == 1:
-            depth = min(n, self.max_depth)
-            return TreeShape(depth=depth, top_k=1, total=depth)
-        top_k = min(self.max_top_k, math.ceil(n / self.max_depth))
-        # the EAGLE-2 expansion records k + (depth-1)·k² candidates; keep N of them
-        total = min(n, top_k + (self.max_depth - 1) * top_k * top_k)
-        return TreeShape(depth=self.max_depth, top_k=top_k, total=total)
+        big = self.largest
+        if n <= big.depth or big.top_k == 1:
+            return DraftShape.chain(min(n, big.depth))
+        return DraftShape(big.depth, min(big.top_k, math.ceil(n / big.depth)), n)  # total capped at the records
 
     def speed_gate(self) -> SpeedGate:
         """A `SpeedGate` for serving cycles with this policy's settings."""

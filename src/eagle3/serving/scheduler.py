@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from eagle3.attention import varying_shape_attention
-from eagle3.config import ConfigError, SamplingConfig
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.sampling import new_seed, race_sample
 from eagle3.serving.batch import BatchKV, accept_greedy_batch, batch_ancestors, batched_forward, prefill
 from eagle3.serving.config import ServeConfig
@@ -199,7 +199,7 @@ class Scheduler:
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self.eos = set(int(e) for e in eos_token_ids)
         self.drafter = drafter
-        self.policy = policy or SpecPolicy(enabled=drafter is not None)
+        self.policy = policy or SpecPolicy(largest=DraftShape() if drafter is not None else None)
         self.gate = self.policy.speed_gate() if self.policy.measure else None
         # the lane's own gate, in whole requests: speculative lane requests vs plain ones on a drafter-less
         # engine that shares the lane's fused weights and caches
