@@ -1,10 +1,12 @@
-"""Test drafters: scripted to be right exactly k times per cycle, as a chain or inside a tree."""
+"""Test drafters: scripted to be right exactly k times per cycle, as a chain or inside a tree; `proposer` builds
+the kinds the lossless tests run (always right, random EAGLE-3, scripted)."""
 
 from __future__ import annotations
 
 import torch
 
-from eagle3.decoding.proposers import Proposer
+from eagle3.config import DraftShape
+from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, Proposer
 from eagle3.decoding.tree import DraftTree
 
 
@@ -91,3 +93,18 @@ class SelfTreeProposer(Proposer):
             parent = len(tokens) - 1
             ctx.append(tok)
         return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
+
+
+def proposer(model, kind: str, mode: str, reference: list[int], vocab: int = 300) -> Proposer:
+    """A drafter of `kind` for `model`, drafting a `mode` ("chain" of 4, or a 4,3,12 "tree"): "self" (the target
+    drafting for itself: always right), "random" (an untrained EAGLE-3 drafter: almost never right), or
+    "scripted-k" (right exactly k times a cycle against `reference`)."""
+    if kind == "self":
+        return ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
+    if kind == "random":
+        from eagle3.runtime import init_drafter
+
+        shape = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
+        return Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), shape)
+    k = int(kind.split("-")[1])
+    return ScriptedProposer(reference, k=k, length=4, vocab_size=vocab, tree=mode == "tree")

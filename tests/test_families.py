@@ -20,10 +20,10 @@ import torch
 import transformers
 
 from conftest import _COMMON
-from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from doubles import proposer
+from eagle3.config import ConfigError, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
+from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.runtime import init_drafter
 from eagle3.target import Target
 
@@ -69,13 +69,6 @@ def prompt_of(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def proposer(model, kind: str, mode: str, reference: list[int]):
-    if kind == "self":
-        return ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
-    if kind == "random":
-        spec = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
-        return Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), spec)
-    return ScriptedProposer(reference, k=int(kind.split("-")[1]), length=4, vocab_size=300, tree=mode == "tree")
 
 
 def test_families_load_as_expected(models):

@@ -27,10 +27,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_SLIDING_WINDOW
-from doubles import ScriptedProposer, SelfTreeProposer
+from doubles import proposer
 from eagle3.config import ConfigError, DrafterConfig, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
+from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.formats import load_drafter, save_drafter
 from eagle3.models import STORIES260K_DIR, load_target
 from eagle3.runtime import drafter_for, init_drafter, load_runtime
@@ -128,13 +128,6 @@ def hf_greedy(models, family):
     return list(_hf_greedy(family, id(models[family]), models[family]))
 
 
-def proposer(model, kind: str, mode: str, reference: list[int]):
-    if kind == "self":
-        return ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
-    if kind == "random":
-        spec = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
-        return Eagle3Proposer(init_drafter(model, draft_vocab_size=200, seed=1), spec)
-    return ScriptedProposer(reference, k=int(kind.split("-")[1]), length=4, vocab_size=300, tree=mode == "tree")
 
 
 def generate(model, family: str, prop, sampling=None):

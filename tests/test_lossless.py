@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import ARCHS, TINY_SLIDING_WINDOW, build_tiny_target
-from doubles import ScriptedProposer, SelfTreeProposer
-from eagle3.config import DraftShape, SamplingConfig
+from doubles import proposer
+from eagle3.config import SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer
+from eagle3.decoding.proposers import ModelProposer, NgramProposer, NoDraftProposer
 from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.target import Target
 
@@ -42,15 +42,6 @@ def models():
     return {a: build_tiny_target(a) for a in ARCHS}
 
 
-def proposers(model, kind: str, mode: str, reference: list[int], vocab: int):
-    spec = DraftShape.chain(4) if mode == "chain" else DraftShape(4, 3, 12)
-    if kind == "self":
-        return ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
-    if kind == "random":
-        d = init_drafter(model, draft_vocab_size=200, seed=1)
-        return Eagle3Proposer(d, spec)
-    k = int(kind.split("-")[1])
-    return ScriptedProposer(reference, k=k, length=4, vocab_size=vocab, tree=mode == "tree")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -64,7 +55,7 @@ def test_greedy_matches_hf_generate(models, arch, prompt_kind, mode, kind):
     drafter_aux = init_drafter(model, seed=1).config.aux_layer_ids
     target = Target(model, drafter_aux)
     try:
-        prop = proposers(model, kind, mode, ref, model.config.vocab_size)
+        prop = proposer(model, kind, mode, ref, model.config.vocab_size)
         res = SpeculativeEngine(target, prop).generate(prompt, max_new_tokens=NEW,
                                                        eos_token_ids=eos_token_ids(model, None))
     finally:
@@ -91,7 +82,7 @@ def test_sampled_equals_plain_sampling_with_the_same_seed(models, arch, mode, ki
     try:
         plain = SpeculativeEngine(target, NoDraftProposer()).generate(prompt, max_new_tokens=NEW, sampling=SAMPLED)
         greedy = SpeculativeEngine(target, NoDraftProposer()).generate(prompt, max_new_tokens=NEW)
-        prop = proposers(model, kind, mode, plain.token_ids, model.config.vocab_size)
+        prop = proposer(model, kind, mode, plain.token_ids, model.config.vocab_size)
         res = SpeculativeEngine(target, prop).generate(prompt, max_new_tokens=NEW, sampling=SAMPLED)
     finally:
         target.close()
@@ -122,7 +113,7 @@ def test_max_new_tokens_mid_cycle(models, mode):
     ref = hf_greedy(model, prompt, 40)
     target = Target(model, [])
     for n in (1, 2, 6, 7, 13):  # with an always-right chain of 4, cycles emit 5: these stop mid-cycle
-        prop = ModelProposer(model, 4) if mode == "chain" else SelfTreeProposer(model, 4)
+        prop = proposer(model, "self", mode, ref)
         res = SpeculativeEngine(target, prop).generate(prompt, max_new_tokens=n, eos_token_ids=[2])
         assert res.token_ids == ref[:n] and res.finish_reason == "length"
     target.close()
@@ -149,7 +140,7 @@ def test_stories260k(stories260k, mode, kind):
     ref = hf_greedy(model, prompt, 60)
     d = init_drafter(model, seed=2)
     target = Target(model, d.config.aux_layer_ids)
-    prop = proposers(model, kind, mode, ref, model.config.vocab_size)
+    prop = proposer(model, kind, mode, ref, model.config.vocab_size)
     res = SpeculativeEngine(target, prop, tok).generate(prompt, max_new_tokens=60,
                                                         eos_token_ids=eos_token_ids(model, tok))
     target.close()
@@ -169,7 +160,7 @@ def test_smollm2_chat(smollm2, mode, kind):
     ref = hf_greedy(model, prompt, 48, eos=eos)
     d = init_drafter(model, draft_vocab_size=4096, seed=3)
     target = Target(model, d.config.aux_layer_ids)
-    prop = proposers(model, kind, mode, ref, model.config.vocab_size)
+    prop = proposer(model, kind, mode, ref, model.config.vocab_size)
     res = SpeculativeEngine(target, prop, tok).generate(prompt, max_new_tokens=48, eos_token_ids=eos)
     target.close()
     assert res.token_ids == ref
