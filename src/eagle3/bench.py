@@ -35,18 +35,10 @@ from eagle3.config import (
     AUTO_ON_OFF,
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
-    DRAFTER_ATTENTION,
-    DRAFTER_ATTENTION_HELP,
-    EAGER_DRAFTING_HELP,
-    FUSE_POINTWISE_CHOICES,
-    FUSE_POINTWISE_HELP,
-    GRAPH_PREFILL_HELP,
-    SDPA_HEADS_HELP,
-    TARGET_ATTENTION,
-    TARGET_ATTENTION_HELP,
     ConfigError,
     DraftShape,
     SamplingConfig,
+    add_fast_engine_args,
 )
 
 log = logging.getLogger("eagle3.bench")
@@ -484,17 +476,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, metavar="S", help="first prompt's seed when sampling")
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", metavar="DIR", help="folder for bench.json / bench.png (overhead.json)")
-    fp = b.add_argument_group("fast path")
-    fp.add_argument("--no-graphs", action="store_true", help="run the fast path eagerly (no CUDA graphs)")
-    fp.add_argument("--compile", action="store_true", help="inductor-compile the fast-path steps before capture")
-    fp.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                    help=FUSE_POINTWISE_HELP)
-    fp.add_argument("--sdpa-heads", action="store_true", help=SDPA_HEADS_HELP)
-    fp.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto", help=DRAFTER_ATTENTION_HELP)
-    fp.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
-    fp.add_argument("--no-pipeline", action="store_true", help="read each cycle's result before launching the next")
-    fp.add_argument("--eager-drafting", action="store_true", help=EAGER_DRAFTING_HELP)
-    fp.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help=GRAPH_PREFILL_HELP)
+    add_fast_engine_args(b.add_argument_group("fast path"))
     ov = b.add_argument_group("--overhead")
     ov.add_argument("--overhead", action="store_true", help="per-cycle cost with random weights (--shape)")
     ov.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), metavar="SHAPE",

@@ -14,18 +14,10 @@ from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
-    DRAFTER_ATTENTION,
-    DRAFTER_ATTENTION_HELP,
-    EAGER_DRAFTING_HELP,
-    FUSE_POINTWISE_CHOICES,
-    FUSE_POINTWISE_HELP,
-    GRAPH_PREFILL_HELP,
-    SDPA_HEADS_HELP,
-    TARGET_ATTENTION,
-    TARGET_ATTENTION_HELP,
     ConfigError,
     DraftShape,
     SamplingConfig,
+    add_fast_engine_args,
     help_formatter,
 )
 
@@ -403,16 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     g.add_argument("--fast", action="store_true", help="same as --engine fast")
-    fe = g.add_argument_group("fast engine")
-    fe.add_argument("--no-graphs", action="store_true", help="no CUDA graphs")
-    fe.add_argument("--compile", action="store_true", help="torch.compile the captured steps")
-    fe.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                    help=FUSE_POINTWISE_HELP)
-    fe.add_argument("--sdpa-heads", action="store_true", help=SDPA_HEADS_HELP)
-    fe.add_argument("--eager-drafting", action="store_true", help=EAGER_DRAFTING_HELP)
-    fe.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help=GRAPH_PREFILL_HELP)
-    fe.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto", help=DRAFTER_ATTENTION_HELP)
-    fe.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
+    add_fast_engine_args(g.add_argument_group("fast engine"), ("no_graphs", "compile", "fuse_pointwise", "sdpa_heads",
+                                                               "eager_drafting", "graph_prefill", "drafter_attention",
+                                                               "target_attention"))
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
@@ -583,11 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--fast", action="store_true", help="same as --engine fast")
     fe = ev.add_argument_group("fast engine", "each of these rounds bf16 a little otherwise, so a near-tie can "
                                "change an answer: compare taus measured with the same settings")
-    fe.add_argument("--graph-prefill", choices=tuple(AUTO_ON_OFF), default="auto", help=GRAPH_PREFILL_HELP)
-    fe.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                    help=FUSE_POINTWISE_HELP)
-    fe.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto", help=DRAFTER_ATTENTION_HELP)
-    fe.add_argument("--target-attention", choices=TARGET_ATTENTION, default="auto", help=TARGET_ATTENTION_HELP)
+    add_fast_engine_args(fe, ("graph_prefill", "fuse_pointwise", "drafter_attention", "target_attention"))
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "

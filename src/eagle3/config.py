@@ -53,6 +53,31 @@ EAGER_DRAFTING_HELP = "do not inductor-compile the cycle's drafting (same tokens
 GRAPH_PREFILL_HELP = "prefill via CUDA graphs (prompts padded to powers of two); auto: on for CUDA"
 
 
+# The fast engine's flags, defined once for every command that takes them (`add_fast_engine_args`).
+FAST_ENGINE_ARGS: dict[str, tuple[str, dict]] = {
+    "no_graphs": ("--no-graphs", dict(action="store_true", help="run the fast path eagerly (no CUDA graphs)")),
+    "compile": ("--compile", dict(action="store_true", help="inductor-compile the fast-path steps before capture")),
+    "fuse_pointwise": ("--fuse-pointwise", dict(choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all",
+                                                default="auto", help=FUSE_POINTWISE_HELP)),
+    "sdpa_heads": ("--sdpa-heads", dict(action="store_true", help=SDPA_HEADS_HELP)),
+    "eager_drafting": ("--eager-drafting", dict(action="store_true", help=EAGER_DRAFTING_HELP)),
+    "graph_prefill": ("--graph-prefill", dict(choices=("auto", "on", "off"), default="auto", help=GRAPH_PREFILL_HELP)),
+    "drafter_attention": ("--drafter-attention", dict(choices=DRAFTER_ATTENTION, default="auto",
+                                                      help=DRAFTER_ATTENTION_HELP)),
+    "target_attention": ("--target-attention", dict(choices=TARGET_ATTENTION, default="auto",
+                                                    help=TARGET_ATTENTION_HELP)),
+    "no_pipeline": ("--no-pipeline", dict(action="store_true", help="read each cycle's result before launching "
+                                          "the next")),
+}
+
+
+def add_fast_engine_args(group, names: tuple[str, ...] = tuple(FAST_ENGINE_ARGS)) -> None:
+    """Add the fast engine's flags `names` (keys of FAST_ENGINE_ARGS) to an argparse parser or group."""
+    for name in names:
+        flag, kwargs = FAST_ENGINE_ARGS[name]
+        group.add_argument(flag, **kwargs)
+
+
 def help_formatter(prog: str) -> argparse.HelpFormatter:
     """The `eagle3 <command> --help` layout: a flag of up to 26 characters keeps its help on its own line."""
     return argparse.HelpFormatter(prog, max_help_position=30)
