@@ -105,3 +105,21 @@ def test_an_untrained_drafter_fails_the_acceptance_check(tmp_path):
         run_check("stories260k", drafter, device="cpu", dataset=str(tmp_path / "empty.jsonl"), print_fn=print)
     with pytest.raises(ConfigError, match="must be >= 1"):
         run_check("stories260k", drafter, device="cpu", dataset=str(prompts), limit=0, print_fn=print)
+
+
+def test_speed_finding_names_where_a_slow_cycle_goes():
+    """Slower than plain decoding is a warning that says how many plain steps drafting and verification took."""
+    from eagle3.check import speed_finding
+    from eagle3.config import DraftShape
+
+    chain = DraftShape.chain(4)
+    assert speed_finding(1.4, 2.5, {}, chain)[:2] == ("speed", "pass")
+    # plain step 10 ms; a cycle drafts for 30 ms and verifies for 12 ms: drafting is the cost
+    steps = {"plain_s": 1.0, "plain_steps": 100, "draft_s": 3.0, "verify_s": 1.2, "cycles": 100}
+    check, status, message = speed_finding(0.6, 2.5, steps, chain)
+    assert (check, status) == ("speed", "warn")
+    assert "drafting 3.00, verification 1.20" in message and "; drafting costs more" in message
+    assert "chain 4" in message
+    # drafting is cheap, verifying five tokens costs four plain steps: verification is the cost
+    steps = {**steps, "draft_s": 0.2, "verify_s": 4.0}
+    assert "verifying several tokens at once costs more" in speed_finding(0.7, 2.5, steps, chain)[2]
