@@ -122,11 +122,9 @@ def load_runtime(
     else:
         aux_ids = []
     tgt = Target(model, aux_ids)
-    if draft == "mtp" and getattr(tgt, "recurrent_layers", None) and not spec.is_chain:
-        raise ConfigError(tgt.tree_refusal)
     if d is None and draft == "eagle3":
         raise ConfigError("no drafter loaded")
-    if tgt.recurrent_layers and draft == "eagle3" and not spec.is_chain:  # other drafts propose chains
+    if tgt.recurrent_layers and draft in ("eagle3", "mtp") and not spec.is_chain:  # other drafts propose chains
         raise ConfigError(tgt.tree_refusal)
     dm = None
     if draft == "model":

@@ -347,9 +347,8 @@ class RecurrentCache(DynamicCache):
     after each, and keep the raw conv inputs; `crop(-r)` then restores the state from before the last r
     tokens. So a chain is verified in one forward and the state ends exactly after the last accepted token,
     with no second forward; the price is that verified tokens take the token-by-token recurrence instead of
-    the chunked kernel, and one state copy per token per linear layer until the cycle's rollback. Measured on
-    CPU, that makes a verification forward a little slower than a chunked one, far cheaper than the second
-    forward over the accepted tokens that snapshot-and-replay needs in every partly accepted cycle. Keys and
+    the chunked kernel, and one state copy per token per linear layer until the cycle's rollback, which costs
+    less than the second forward over the accepted tokens that snapshot-and-replay needs. Keys and
     values stay with `Target.compact` / `Target.crop` like every other target's. A tree cannot be verified:
     the recurrence would run its branches one after another, so `Target` refuses trees.
     """

@@ -112,7 +112,7 @@ class Request:
 
     @classmethod
     def check(cls, prompt_ids, max_new_tokens: int, sampling: SamplingConfig | None, eos_token_ids,
-              stop_strings, on_text, tokenizer, device) -> Request:
+              stop_strings, on_text, tokenizer) -> Request:
         sampling = sampling or SamplingConfig()
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -159,7 +159,7 @@ class SpeculativeEngine:
     def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         dev = self.target.device
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
-                            self.tokenizer, dev)
+                            self.tokenizer)
         eos, stream = req.eos, req.stream
         prompt = req.prompt.to(dev).view(1, -1)  # [1, T]
         stats = GenerationStats()
@@ -168,7 +168,8 @@ class SpeculativeEngine:
         cache = self.target.new_cache()
         logits, aux = self.target.forward(prompt, cache, logits_to_keep=1)
         t = prompt.shape[1]
-        first = int(req.choose(logits[0, -1:], torch.tensor([t], device=dev))[0])  # the token at position t
+        fused = dev.type == "cuda"  # the draw as one compiled kernel, as the server's batches take it
+        first = int(req.choose(logits[0, -1:], torch.tensor([t], device=dev), fused)[0])  # the token at position t
         out: list[int] = [first]
         finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
         self.proposer.begin(prompt[0], aux if self.proposer.needs_aux else None, first)
@@ -186,7 +187,7 @@ class SpeculativeEngine:
             offsets = tree.position_offsets().to(dev)  # [N+1] depth of each node, the root at 0
             logits, aux = self.target.forward(ids, cache, tree_mask=tree.attention_mask().to(dev),
                                               position_offsets=offsets)
-            acc = accept(tree, req.choose(logits[0], past + offsets + 1))  # choices at the predicted positions
+            acc = accept(tree, req.choose(logits[0], past + offsets + 1, fused))  # choices at the predicted positions
             keep = torch.tensor([0, *acc.path], dtype=torch.long, device=dev)  # root + accepted nodes
             Target.compact(cache, past, keep)
             new = [int(tree.tokens[p - 1]) for p in acc.path] + [acc.next_token]

@@ -296,7 +296,7 @@ class FastEngine:
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
-                            self.tokenizer, self.device)
+                            self.tokenizer)
         eos, stream, prompt = req.eos, req.stream, req.prompt
         mode = self._mode(req)
         self.prepare(prompt.numel(), max_new_tokens, mode)
