@@ -25,7 +25,8 @@ from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.policy import SpecPolicy, default_token_budget
-from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler
+from eagle3.serving.requests import GenParams, RequestHandle
+from eagle3.serving.scheduler import Scheduler
 from eagle3.target import Target
 
 MODES = ("plain", "spec-gate", "spec-nogate")

@@ -29,7 +29,7 @@ import torch
 
 from eagle3.config import FUSE_POINTWISE_CHOICES, DraftShape
 from eagle3.evaluate import load_prompts
-from eagle3.fast.target import fuse_level
+from eagle3.fast.pointwise import fuse_level
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import drafter_for, eos_token_ids

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from eagle3.fast import split_attention as split
-from eagle3.fast.target import attention_bias, grouped_attention
+from eagle3.fast.attention import attention_bias, grouped_attention
 from eagle3.record import run_record, write_json
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.1-8b": (32, 8, 128)}  # (query heads, KV heads, head size)

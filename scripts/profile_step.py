@@ -34,11 +34,13 @@ from eagle3.config import (
 )
 from eagle3.fast import split_attention
 from eagle3.fast.core import FastCore
+from eagle3.fast.cpu import cpu_has_bf16
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
+from eagle3.fast.pointwise import fuse_level
 from eagle3.fast.row_norm import rms_norm_rows
-from eagle3.fast.target import FastTarget, cpu_has_bf16, fuse_level
+from eagle3.fast.target import FastTarget
 from eagle3.record import run_record, write_json
 
 KINDS = [  # first match wins

@@ -29,7 +29,8 @@ from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
 from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate
-from eagle3.serving.scheduler import GenParams, RequestHandle, Scheduler, SchedulerUnavailable, _Row
+from eagle3.serving.requests import GenParams, RequestHandle, SchedulerUnavailable, _Row
+from eagle3.serving.scheduler import Scheduler
 from eagle3.target import Target
 
 SMALL_TREE = DraftShape(4, 3, 10)
@@ -430,7 +431,7 @@ def test_admit_wait_and_stream_interval_are_checked():
 def test_backend_decoding_only_for_the_stock_fast_tokenizer(stories260k):
     """The Rust-backend shortcut is taken for transformers' own fast tokenizer; a subclass that rewrites decoded
     text (as some model tokenizers do) keeps its own `decode`."""
-    from eagle3.serving.scheduler import _stock_decode
+    from eagle3.serving.output import _stock_decode
 
     _, tok = stories260k
     assert _stock_decode(tok)
@@ -712,7 +713,8 @@ def test_a_resting_row_keeps_its_held_back_drafter_input_while_others_draft():
     1 of 10 runs on a loaded machine, where the two rows rested in different cycles)."""
     from types import SimpleNamespace
 
-    from eagle3.serving.scheduler import Scheduler, _Row
+    from eagle3.serving.requests import _Row
+    from eagle3.serving.scheduler import Scheduler
 
     calls = []
     fake = SimpleNamespace(drafter=SimpleNamespace(extend=lambda aux, toks, counts: calls.append(
@@ -752,7 +754,7 @@ def test_a_row_that_stopped_drafting_tries_again(retry_after, max_held, monkeypa
     warm-up cycles, rests `retry_after` cycles with its drafter input held back, and then drafts right (the
     held-back text reached the drafter). With retry_after 0 it never drafts again, nor when it may hold back
     fewer tokens than its rest produces. Answers are unchanged."""
-    import eagle3.serving.scheduler as scheduler_mod
+    import eagle3.serving.batch_cycle as scheduler_mod
 
     monkeypatch.setattr(scheduler_mod, "MAX_HELD_TOKENS", max_held)
     model = build_tiny_target("llama")

@@ -11,7 +11,8 @@ import pytest
 from eagle3.cli import main
 from eagle3.config import DraftShape
 
-PROMPT = ["--target", "stories260k", "--prompt", "Once upon a time", "--max-new-tokens", "24"]
+# fp32: every engine and draft kind rounds alike (the device's dtype is `tests/test_defaults.py`'s)
+PROMPT = ["--target", "stories260k", "--prompt", "Once upon a time", "--max-new-tokens", "24", "--dtype", "float32"]
 
 
 def run_json(capsys, *args: str) -> dict:
@@ -116,7 +117,7 @@ def test_drafter_for_another_target_is_refused(capsys, tmp_path, tiny_target):
 
 def test_train_flags_take_their_defaults_from_train_config():
     from eagle3.cli import build_parser
-    from eagle3.training.trainer import TrainConfig
+    from eagle3.training.config import TrainConfig
 
     args = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o"])
     cfg = TrainConfig(target="t", data="d", out="o")
@@ -138,7 +139,9 @@ def test_eval_reports_each_prompt_and_tau_by_category(capsys, random_drafter, tm
                  "--max-new-tokens", "12", "--chain", "3", "--temperatures", "0", "--out", str(out)]) == 0
     assert "by category: story" in capsys.readouterr().out
     report = json.loads((out / "eval.json").read_text())
-    assert report["engine_settings"] == {"engine": "generic"}  # what ran is in the record (auto on a CPU: generic)
+    # what ran is in the record: the device's defaults, bf16 on the fast engine where a CPU has native bf16
+    assert report["engine_settings"]["engine"] == report["engine"] == ("fast" if report["dtype"] == "bfloat16"
+                                                                       else "generic")
     run = report["runs"][0]
     per = run["per_prompt"]
     assert [r["category"] for r in per] == ["story", "story", "animal"] and run["prompts"] == 3

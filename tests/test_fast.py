@@ -29,12 +29,12 @@ from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
 from eagle3.fast.core import prefix_and_window
+from eagle3.fast.cpu import argmax_ids
 from eagle3.fast.drafter import drafter_attention_for, top_k_last, top_n_in_order
-from eagle3.fast.target import (
+from eagle3.fast.pointwise import (
     FUSE_LEVELS,
     apply_rope,
     apply_rope_heads,
-    argmax_ids,
     fuse_level,
     heads_first,
     heads_first_rope,
@@ -782,7 +782,7 @@ def test_packed_weights_give_the_bits_of_f_linear(models, drafters):
     AMX, `cpu_packs_weights`): F.linear's bits, with and without a bias, for 1 to 8 rows and 3-D inputs, each row
     the same whatever rows come with it; F.linear itself for a weight it does not hold. Targets and drafters
     pack exactly where `cpu_packs_weights` says (bf16 here), never in fp32."""
-    from eagle3.fast.target import PackedWeights, cpu_packs_weights
+    from eagle3.fast.cpu import PackedWeights, cpu_packs_weights
 
     if not cpu_packs_weights("cpu", torch.bfloat16):
         pytest.skip("this CPU keeps torch's bf16 products (no AVX512-BF16, or AMX: see cpu_packs_weights)")

@@ -154,7 +154,7 @@ def test_batched_server_refuses_hybrid_targets(model):
 
 
 def test_fast_path_declines_hybrid_targets(model):
-    from eagle3.fast.target import fast_support
+    from eagle3.fast.families import fast_support
 
     assert "qwen3_next" in fast_support(model)  # the generic engine runs it
 

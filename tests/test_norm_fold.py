@@ -26,8 +26,9 @@ from eagle3.fast.norm_fold import (
     scaled_gate_torch,
     scaled_gate_triton,
 )
+from eagle3.fast.pointwise import apply_rope_heads, rms_norm, rope_tables, silu_gate
 from eagle3.fast.rope_cache import rope_into_cache
-from eagle3.fast.target import FastTarget, apply_rope_heads, rms_norm, rope_tables, silu_gate
+from eagle3.fast.target import FastTarget
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.fast.pointwise import apply_rope_heads, rms_norm, rope_tables
 from eagle3.fast.rope_cache import rope_into_cache
-from eagle3.fast.target import apply_rope_heads, rms_norm, rope_tables
 
 pytest.importorskip("triton")
 

@@ -14,8 +14,8 @@ import torch
 from conftest import build_tiny_target
 from eagle3.config import ConfigError
 from eagle3.fast import FastTarget
+from eagle3.fast.pointwise import EAGER, rms_norm
 from eagle3.fast.row_norm import rms_norm_rows
-from eagle3.fast.target import EAGER, rms_norm
 
 pytest.importorskip("triton")
 

@@ -19,7 +19,7 @@ from conftest import build_tiny_target
 from eagle3.config import ConfigError, DraftShape
 from eagle3.fast import FastEngine, FastOptions
 from eagle3.fast import split_attention as split
-from eagle3.fast.target import target_attention_for
+from eagle3.fast.attention import target_attention_for
 from eagle3.runtime import init_drafter
 
 pytest.importorskip("triton")

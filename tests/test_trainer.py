@@ -24,6 +24,8 @@ from transformers import AutoTokenizer
 from eagle3.config import ConfigError
 from eagle3.models import STORIES260K_DIR, load_target
 from eagle3.target import Target
+from eagle3.training.checkpoints import CHECKPOINT_DIR, latest_checkpoint
+from eagle3.training.config import TrainConfig
 from eagle3.training.data import tokenizer_fingerprint
 from eagle3.training.dataset import TrainData
 from eagle3.training.features import OnlineFeatures
@@ -35,15 +37,9 @@ from eagle3.training.prepare import (
     PrepareReport,
     write_json_atomic,
 )
-from eagle3.training.trainer import (
-    CHECKPOINT_DIR,
-    LOG_FILE,
-    VAL_LOG_FILE,
-    TrainConfig,
-    budget_steps,
-    latest_checkpoint,
-    train,
-)
+from eagle3.training.schedule import budget_steps
+from eagle3.training.step import VAL_LOG_FILE
+from eagle3.training.trainer import LOG_FILE, train
 from eagle3.training.vocab import build_vocab_mapping, save_token_freq, save_vocab_mapping
 
 V = 512  # stories260k vocabulary

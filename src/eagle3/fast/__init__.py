@@ -14,7 +14,8 @@ decoding over many rows, for `eagle3 regenerate`).
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.engine import FastEngine, FastOptions, build_engine, fast_engine_for
-from eagle3.fast.target import FAST_MODEL_TYPES, FastTarget, fast_support
+from eagle3.fast.families import FAST_MODEL_TYPES, fast_support
+from eagle3.fast.target import FastTarget
 
 __all__ = ["FAST_MODEL_TYPES", "FastCore", "FastDrafter", "FastEngine", "FastOptions", "FastTarget",
            "build_engine", "fast_engine_for", "fast_support"]

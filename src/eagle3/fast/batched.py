@@ -31,8 +31,10 @@ from torch import nn
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError
+from eagle3.fast.cpu import argmax_ids
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, argmax_ids, rms_norm
+from eagle3.fast.pointwise import rms_norm
+from eagle3.fast.target import FastTarget
 
 MIN_SPAN = 128  # the narrowest attention span of a decoding window (`span_buckets`)
 

@@ -16,19 +16,17 @@ from eagle3.attention import shapes_vary
 from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention
-from eagle3.fast.split_attention import triton_available
-from eagle3.fast.target import (
-    apply_rope,
+from eagle3.fast.attention import (
     attention_bias,
     gqa_layout,
     grouped_attention,
-    pack_weights,
-    rms_norm,
-    rope_tables,
     row_attention,
     row_attention_bias,
     stack_query_heads,
 )
+from eagle3.fast.cpu import pack_weights
+from eagle3.fast.pointwise import apply_rope, rms_norm, rope_tables
+from eagle3.fast.split_attention import triton_available
 
 # Two-stage top-k above this width: torch.topk over a few long rows runs one thread block per row; top-k within
 # chunks first spreads the work over many blocks.

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagle3.runtime import encode_prompt
 from eagle3.serving import protocol as P
 from eagle3.serving.protocol import RequestError
-from eagle3.serving.scheduler import Event, GenParams, RequestHandle, Scheduler, SchedulerUnavailable
+from eagle3.serving.requests import Event, GenParams, RequestHandle, SchedulerUnavailable
+from eagle3.serving.scheduler import Scheduler
 
 __all__ = ["create_app"]
 

@@ -142,7 +142,7 @@ class LocalBackend:
         return f"local {name} on {self.model.device}, engine {self.engine} (stop ids {self.eos_ids})"
 
     def _pick_engine(self, engine: str) -> str:
-        from eagle3.fast.target import fast_support
+        from eagle3.fast.families import fast_support
 
         reason = fast_support(self.model)
         if engine == "fast" and reason is not None:

@@ -1,0 +1,132 @@
+"""The fast target's attention over its static cache: GQA with the query heads stacked or as SDPA heads
+(`stack_query_heads`), over one cache or one per row, and the choice among split, sdpa and matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.attention import shapes_vary
+from eagle3.config import TARGET_ATTENTION, ConfigError
+from eagle3.fast import split_attention as split
+
+
+def stack_query_heads() -> bool:
+    """The GQA layout a new `FastTarget` / `FastDrafter` starts with: stacked, on every device.
+
+    Stacked: each KV head's g query heads go along the query axis, q [n_kv, g·T, hd] against k [n_kv, S, hd]:
+    one plain batched attention, K/V never repeated. The other layout (`FastTarget.use_sdpa_heads`, opt-in) keeps
+    the query heads as SDPA heads, q [1, nh, T, hd] (no stacking copy for any T) against k [1, n_kv, S, hd]
+    with `enable_gqa`. That makes plain decoding on CUDA faster but the speculative cycles barely, and cuDNN then
+    runs one query row with other kernels than several, so bf16 chains are no longer identical to plain decoding
+    (docs/benchmarks.md). Stacked it stays by default.
+    """
+    return True
+
+
+def gqa_layout(stacked: bool, nh: int, nkv: int) -> tuple[bool, int]:
+    """(stacked, bias rows per token) for one forward: the module's layout, but stacked wherever attention shapes
+    vary (`eagle3.attention.shapes_vary`: prefills), where masked GQA has no fused kernel without cuDNN."""
+    stacked = stacked or shapes_vary()
+    return stacked, (nh // nkv if stacked else 1)
+
+
+def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask [T, S] -> additive bias [1, 1, g·T, S] for `grouped_attention` (built once per forward; g = 1
+    when the query heads are not stacked)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return bias.repeat(groups, 1)[None, None]  # row r·T + t belongs to token t
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.qkv_heads_first`: no copy here)
+    k_all: torch.Tensor,  # [nkv, S, hd]
+    v_all: torch.Tensor,  # [nkv, S, hd]
+    bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
+    scale: float,
+    stacked: bool = True,
+    exact: bool = False,
+) -> torch.Tensor:
+    """GQA attention over a static cache without repeating K/V, the query heads stacked or as SDPA heads
+    (`stack_query_heads`); `exact` (stacked only): by `rows_exact_attention` (`exact_rows`). Returns [T, nh·hd]."""
+    nh, t, hd = q.shape
+    if not stacked:
+        o = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=bias,
+                                           scale=scale, enable_gqa=True)  # [1, nh, T, hd]
+        return o[0].transpose(0, 1).reshape(t, nh * hd)
+    nkv = k_all.shape[0]
+    g = nh // nkv
+    qg = q.reshape(nkv, g * t, hd)  # [nkv, g·T, hd] (a view if q is contiguous); row r·T + t: head kv·g + r, token t
+    if exact:
+        o = rows_exact_attention(qg, k_all, v_all, bias[0], scale)
+    else:
+        o = F.scaled_dot_product_attention(qg[None], k_all[None], v_all[None], attn_mask=bias, scale=scale)[0]
+    return o.reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
+
+
+def rows_exact_attention(
+    q: torch.Tensor,  # [nkv, R, hd]
+    k: torch.Tensor,  # [nkv, S, hd]
+    v: torch.Tensor,  # [nkv, S, hd]
+    bias: torch.Tensor,  # [1, R, S] additive
+    scale: float,
+) -> torch.Tensor:
+    """Attention in two batched GEMMs (scores scaled and biased in the first, softmax in fp32, the weights back
+    in the model dtype for the second), whose rows do not depend on how many come with them when there are at
+    least two (`exact_rows`; `FastTarget.forward` runs a single token as two rows). Returns [nkv, R, hd]."""
+    scores = torch.baddbmm(bias, q, k.transpose(-1, -2), alpha=scale)  # [nkv, R, S]
+    return torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [nkv, R, hd]
+
+
+def row_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask [B, T, S] -> additive bias [B, 1, g·T, S] for `row_attention` (row r·T + t is token t)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return bias.repeat(1, groups, 1)[:, None]
+
+
+def row_attention(
+    q: torch.Tensor,  # [B, T, nh, hd]
+    k_rows: torch.Tensor,  # [B, nkv, S, hd]
+    v_rows: torch.Tensor,  # [B, nkv, S, hd]
+    bias: torch.Tensor,  # [B, 1, g·T, S] from row_attention_bias (g = 1 unless stacked)
+    scale: float,
+    stacked: bool = True,
+) -> torch.Tensor:
+    """`grouped_attention` for B rows, each over its own cache; returns [B·T, nh·hd]."""
+    b, t, nh, hd = q.shape
+    if not stacked:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k_rows, v_rows, attn_mask=bias, scale=scale,
+                                           enable_gqa=True)  # [B, nh, T, hd]
+        return o.transpose(1, 2).reshape(b * t, nh * hd)
+    nkv = k_rows.shape[1]
+    g = nh // nkv
+    qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)  # head kv·g + r: row r·T + t
+    o = F.scaled_dot_product_attention(qg, k_rows, v_rows, attn_mask=bias, scale=scale)  # [B, nkv, g·T, hd]
+    return o.view(b, nkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b * t, nh * hd)
+
+
+def _split_unusable(device: torch.device | str, head_dim: int) -> str | None:
+    """Why the split attention cannot run for this target, or None."""
+    if torch.device(device).type != "cuda":
+        return "needs a CUDA device"
+    if not split.triton_available():
+        return "needs Triton (it comes with PyTorch's CUDA wheels)"
+    if not split.supports(head_dim, 1):
+        return f"takes head sizes {', '.join(map(str, split.HEAD_DIMS))}, not {head_dim}"
+    return None
+
+
+def target_attention_for(choice: str | None, device: torch.device | str, head_dim: int,
+                         sdpa_heads: bool = False) -> str:
+    """`FastOptions.target_attention` (`--target-attention`) for a target on `device`: "split", "sdpa" or
+    "matmul". None or "auto": split where it can run (CUDA, Triton, a head size `eagle3.fast.split_attention`
+    takes), sdpa elsewhere and with `sdpa_heads` (the query heads as SDPA heads were asked for). "split" where it
+    cannot run is a configuration error."""
+    unusable = _split_unusable(device, head_dim)
+    if choice is None or choice == "auto":
+        return "split" if unusable is None and not sdpa_heads else "sdpa"
+    if choice not in TARGET_ATTENTION:
+        raise ConfigError(f"target attention {choice!r}: expected one of {TARGET_ATTENTION}")
+    if choice == "split" and unusable is not None:
+        raise ConfigError(f"--target-attention split {unusable}; use auto or sdpa")
+    return choice

@@ -1,0 +1,160 @@
+"""The elementwise work of a decoder layer (RMSNorm, RoPE, SwiGLU, residual adds), eager or compiled
+(`Pointwise`, at the `--fuse-pointwise` levels of `fuse_level`), and where the residual adds go (`residual_in_gemm`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.config import FUSE_POINTWISE_CHOICES, FUSE_POINTWISE_LEVELS, ConfigError, on_for_device
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale (same op order as `LlamaRMSNorm`).
+
+    On CUDA `F.rms_norm` (one fused kernel where torch has it; fp32 accumulation, one rounding at the end) is
+    used instead: bf16 results can differ from HF's by one unit in the last place, identically on every path.
+    """
+    if x.is_cuda and x.dtype == weight.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [S, hd] for `apply_rope`: the first half of sin negated, so that
+    rotate_half(x) * sin == roll(x, hd/2) * signed_sin exactly (negation is exact in floating point)."""
+    half = sin.shape[-1] // 2
+    sign = torch.cat([-torch.ones(half, dtype=sin.dtype, device=sin.device),
+                      torch.ones(sin.shape[-1] - half, dtype=sin.dtype, device=sin.device)])
+    return cos, sin * sign
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd]; cos/signed_sin [T, hd] from `rope_tables`. Equals HF `apply_rotary_pos_emb`
+    (rotate-half layout, `x * cos + rotate_half(x) * sin`) with one roll instead of slice-negate-concatenate."""
+    return apply_rope_heads(x, cos[:, None], signed_sin[:, None])
+
+
+def apply_rope_heads(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`apply_rope` with the heads in front: x [heads, T, hd], cos/signed_sin [T, hd] (or anything that broadcasts
+    against x). The same elementwise operations on the same operands, so the same values bit for bit in either
+    layout. `out` (x itself allowed: both products are taken before the sum is written) receives the result."""
+    return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin, out=out)
+
+
+def heads_first_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """x [N, heads, hd] (a strided view of the fused q/k/v projections) -> [heads, N, hd] contiguous, RoPE on the
+    first n_rot heads (q and k) and the rest (v) as they are; cos/signed_sin [n_rot, N, hd] (`FastTarget.
+    rope_tables_heads`). Written for inductor (`Pointwise`, piece "qkv_rope"), which makes the copy and RoPE one
+    kernel reading the projections where they lie; eagerly `FastTarget.qkv_heads_first` copies, then rotates in
+    place."""
+    x = x.transpose(0, 1)  # [heads, N, hd], a view
+    return torch.cat([apply_rope_heads(x[:n_rot], cos, signed_sin), x[n_rot:]])
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, hd] (a strided view of the fused projections) -> contiguous [heads, T, hd]: one copy for T > 1,
+    none for T = 1 (a single row is already laid out that way)."""
+    return x.transpose(0, 1).contiguous()
+
+
+def residual_in_gemm(device: torch.device | str) -> bool:
+    """Whether a new `FastTarget` adds each residual in the epilogue of the product before it (`Tensor.addmm_`
+    on the residual: h += x·Wᵀ in one cuBLAS kernel, accumulated in fp32 and rounded once, where a product and
+    then an add round twice): on CUDA, where it takes away two elementwise kernels per decoder layer. In place,
+    because the out-of-place `torch.addmm` first copies h into its result (a copy kernel for each add). CPUs
+    keep the separate add, which costs no more there.
+    The rows of a product keep their bits whichever way the residual is added (the epilogue is elementwise), so
+    bf16 chains and plain decoding round alike either way; against HF's own forward, which rounds twice, bf16
+    values can differ by one unit in the last place."""
+    return torch.device(device).type == "cuda"
+
+
+def add_rms_norm(
+    h: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it: (h + o, rms_norm(h + o)), [N, H] each."""
+    h = h + o
+    return h, rms_norm(h, weight, eps)
+
+
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: [N, 2·I] (gate, up) -> silu(gate) * up [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# The pieces `Pointwise` can compile. ELEMENTWISE are those without reductions: a token's values do not depend
+# on how many tokens share the forward whichever kernel inductor generates for that count (a specialised one for
+# one token, a dynamic one for many), so a one-token step and a many-token verification round alike. The norms
+# reduce over the hidden size, and inductor may split a one-row reduction where it does not split 61 rows: with
+# them compiled, bf16 chains part from plain decoding (docs/benchmarks.md).
+POINTWISE_PIECES = ("norm", "add_norm", "rope", "rope_heads", "gate", "qkv_rope")
+ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
+# `--fuse-pointwise` levels (`FastOptions.fuse_pointwise`, read by `fuse_level`): the pieces each compiles.
+FUSE_LEVELS = dict(zip(FUSE_POINTWISE_LEVELS, (ELEMENTWISE_PIECES, POINTWISE_PIECES), strict=True))
+
+
+def fuse_level(value: bool | str | None, device: torch.device | str) -> str | None:
+    """`FastOptions.fuse_pointwise` (or `--fuse-pointwise`) for a target on `device`, as a `FUSE_LEVELS` key or
+    None (off). None or "auto": "elementwise" on CUDA (faster, and bf16 chains stay identical to plain decoding),
+    off elsewhere (the auto of
+    every auto/on/off option, `eagle3.config.on_for_device`: on a CPU compiled pieces run outside CUDA graphs and
+    their call overhead costs more than they save); False or "off": off; True: "all" (the flag alone); a
+    level: itself."""
+    if value is None or value == "auto":
+        return "elementwise" if on_for_device("auto", device) else None
+    if value is False or value == "off":
+        return None
+    level = "all" if value is True else value
+    if level not in FUSE_LEVELS:
+        raise ConfigError(f"--fuse-pointwise {value!r}: expected one of {FUSE_POINTWISE_CHOICES}")
+    return level
+
+
+class Pointwise:
+    """The elementwise work of a decoder layer (norms, residual adds, RoPE, SwiGLU), eager or compiled.
+
+    Compiled (`backend` given; `pieces`, default all of them), each piece becomes one or two inductor kernels, while
+    the matrix products and the attention stay with the vendor libraries (cuBLAS, cuDNN), which beats both eager
+    and compiling the whole step (docs/benchmarks.md). The pieces compile for the first shapes they see and,
+    once the number of tokens changes, for any number of tokens (dynamo's automatic dynamic shapes), so prefills
+    of any length reuse them while the model's own sizes stay constants in the kernels. With `dynamic=True` those
+    sizes would be runtime values too, and every index would go through integer divisions by them (visible in
+    inductor's CPU code), which makes the kernels slower.
+    Inductor may round a one-row step (a specialised kernel) differently from a many-row verification where a
+    piece reduces (the norms; `ELEMENTWISE_PIECES` do not); in fp32 greedy output stays identical
+    (tests/test_fast.py), and in bf16 the share of identical answers is what `eagle3 bench` reports.
+    """
+
+    def __init__(self, backend: str | None = None, pieces: tuple[str, ...] = POINTWISE_PIECES):
+        unknown = set(pieces) - set(POINTWISE_PIECES)
+        if unknown:
+            raise ValueError(f"unknown pointwise pieces {sorted(unknown)}; expected some of {POINTWISE_PIECES}")
+        self.fused = frozenset(pieces if backend is not None else ())
+        fns = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "rope_heads": apply_rope_heads,
+               "gate": silu_gate, "qkv_rope": heads_first_rope}
+        for name, f in fns.items():
+            if name in self.fused:
+                f = torch.compile(f, dynamic=None, fullgraph=True, backend=backend)
+            setattr(self, name, f)
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.fused)
+
+    def rope_heads_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        out: torch.Tensor | None = None) -> None:
+        """`apply_rope_heads` written into `out` (default: x, in place); compiled, the result is copied there."""
+        out = x if out is None else out
+        if "rope_heads" in self.fused:
+            out.copy_(self.rope_heads(x, cos, sin))
+        else:
+            apply_rope_heads(x, cos, sin, out=out)
+
+
+EAGER = Pointwise()

@@ -1,0 +1,86 @@
+"""What the scheduler serves: a request (`GenParams`), what it is told (`Event`), its `RequestHandle`, the refusal
+of a full or closing server (`SchedulerUnavailable`), and `_Row`, a request's decoding state in the scheduler."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3.decoding.sampling import new_seed
+from eagle3.serving.policy import RowAcceptance
+
+__all__ = ["Event", "GenParams", "RequestHandle", "SchedulerUnavailable"]
+
+
+@dataclass
+class GenParams:
+    """One validated request, in token ids."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stream: bool = False
+    endpoint: str = "completions"  # a metrics label
+
+
+@dataclass
+class Event:
+    """What the scheduler tells a request: a text `delta`, `done` (with usage), or an `error`."""
+
+    kind: str
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    status: int = 500  # for errors: the HTTP status to answer with
+
+
+class RequestHandle:
+    """A submitted request: its parameters, where its events go, and a cancel flag the client side sets."""
+
+    def __init__(self, params: GenParams, sink: Callable[[Event], None]):
+        self.params = params
+        self.sink = sink
+        self.id = uuid.uuid4().hex
+        self.seed = params.seed if params.seed is not None else new_seed()
+        self.arrival = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.cancelled = False
+        self.finished = False
+
+
+class SchedulerUnavailable(Exception):
+    """The scheduler refuses new work: `status` is the HTTP status to answer with (503)."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+class _Row:
+    def __init__(self, handle: RequestHandle, drafting: bool):
+        self.handle = handle
+        self.out: list[int] = []
+        self.root = -1  # last emitted token, not yet in the KV cache
+        self.drafting = drafting  # drafts when the cycle speculates
+        self.tracked = drafting  # the drafter's cache follows this row (drafting or resting)
+        self.drafted = False  # drafted in the current cycle
+        self.rest = 0  # cycles left before a row that stopped drafting tries again
+        self.acc = RowAcceptance()
+        self.sent = 0  # characters already streamed
+        self.streamed = 0  # tokens of `out` covered by the last streamed chunk
+        # incremental detokenization (`Scheduler._stable_text`): the text of out[:read_at], decoded in windows
+        self.text = ""
+        self.prefix_at = self.read_at = 0
+        # drafter input held back during plain cycles (fed in one batched extension when drafting resumes)
+        self.pending_aux: list[torch.Tensor] = []  # [1, 3·Ht] each
+        self.pending_tokens: list[int] = []
