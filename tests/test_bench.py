@@ -33,7 +33,8 @@ def bench(argv: list[str]) -> int:
 
 def test_bench_cpu_writes_a_record_with_every_method(tmp_path, capsys):
     rc = bench(["--target", "stories260k", "--drafter", "random", "--limit", "2", "--max-new-tokens", "16",
-                "--device", "cpu", "--tree", "4,3,8", "--chain", "3", "--ngram-tokens", "4", "--out", str(tmp_path)])
+                "--device", "cpu", "--tree", "4,3,8", "--chain", "3", "--ngram-tokens", "4", "--out", str(tmp_path),
+                "--dtype", "float32"])  # fp32: HF's own decoding rounds like ours, so every method is compared
     assert rc == 0
     rec = json.loads((tmp_path / "bench.json").read_text())
     assert rec["kind"] == "bench" and rec["git_sha"] is not None and rec["argv"]

@@ -1,4 +1,4 @@
-"""`eagle3 demo`: the dtype it picks, and its bf16 path (the static-cache fast path, a chain of 3) on a CPU with
+"""`eagle3 demo`: its slowdown hint, and its bf16 path (the static-cache fast path, a stopped chain) on a CPU with
 native bf16 (AMX or AVX512-BF16), where the answers must equal bf16 plain decoding token for token. The README's
 command runs the demo in CI too, in whichever dtype that CPU gets.
 Run: pytest tests/test_demo.py
@@ -10,16 +10,9 @@ import importlib.util
 
 import pytest
 
-from eagle3.config import ConfigError
-from eagle3.demo import CPU_BF16_SPEC, cpu_has_bf16, demo_dtype, run_demo, slowdown_hint
-
-
-def test_demo_dtype_follows_the_device_and_the_cpu():
-    assert demo_dtype("cuda:0") == "bfloat16"
-    assert demo_dtype("cpu") == ("bfloat16" if cpu_has_bf16() else "float32")
-    assert demo_dtype("cpu", "float32") == "float32" and demo_dtype("cpu", "bfloat16") == "bfloat16"
-    with pytest.raises(ConfigError, match="float16"):
-        demo_dtype("cpu", "float16")
+from eagle3.defaults import CPU_BF16_SHAPE
+from eagle3.demo import run_demo, slowdown_hint
+from eagle3.fast.target import cpu_has_bf16
 
 
 def test_a_slower_demo_says_why_and_a_faster_one_says_nothing():
@@ -35,6 +28,6 @@ def test_bf16_demo_answers_equal_bf16_plain_decoding(tmp_path):
     summary = run_demo(prompts=2, max_new_tokens=48, device="cpu", dtype="auto", record=tmp_path / "demo.json",
                        print_fn=lines.append)
     assert summary["dtype"] == "bfloat16" and summary["engine"] == "fast path"
-    assert summary["spec"]["chain_length"] == CPU_BF16_SPEC.depth
+    assert summary["spec"]["chain_length"] == CPU_BF16_SHAPE.depth
     assert summary["identical"], lines
     assert summary["tau"] > 1.0 and (tmp_path / "demo.json").is_file()

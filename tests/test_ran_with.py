@@ -9,7 +9,12 @@ import logging
 import pytest
 
 from eagle3.cli import main
+from eagle3.fast.target import cpu_has_bf16
 from test_bench import bench
+
+# the device's defaults (`eagle3.defaults`): bf16 on the fast engine where the CPU has native bf16, else fp32
+AUTO = ("fast", "bfloat16") if cpu_has_bf16() else ("generic", "float32")
+AUTO_DTYPE = AUTO[1]
 
 PROMPT = ["--target", "stories260k", "--prompt", "Once upon a time", "--max-new-tokens", "8"]
 
@@ -25,10 +30,10 @@ def fp32_drafter(tmp_path_factory):
 def test_generate_says_which_engine_dtype_and_device_ran(capsys, fp32_drafter):
     assert main(["generate", *PROMPT, "--drafter", str(fp32_drafter), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (out["engine"], out["dtype"], out["device"]) == ("generic", "float32", "cpu")  # auto on a CPU
+    assert (out["engine"], out["dtype"], out["device"]) == (*AUTO, "cpu")
     assert main(["generate", *PROMPT, "--drafter", str(fp32_drafter), "--engine", "fast"]) == 0
     cap = capsys.readouterr()
-    assert "eagle3 generate: fast engine, float32 on cpu" in cap.err
+    assert f"eagle3 generate: fast engine, {AUTO_DTYPE} on cpu" in cap.err
     assert "engine" not in cap.out  # the streamed text stays clean
 
 
@@ -45,16 +50,16 @@ def test_eval_reports_engine_dtype_and_device(capsys, fp32_drafter, tmp_path):
     out = tmp_path / "eval"
     assert main(["eval", "--target", "stories260k", "--drafter", str(fp32_drafter), "--datasets", str(data),
                  "--max-new-tokens", "8", "--chain", "3", "--out", str(out)]) == 0
-    assert "eagle3 eval: generic engine, float32 on cpu" in capsys.readouterr().out
+    assert f"eagle3 eval: {AUTO[0]} engine, {AUTO[1]} on cpu" in capsys.readouterr().out
     report = json.loads((out / "eval.json").read_text())
-    assert (report["engine"], report["dtype"], report["device"]["torch_device"]) == ("generic", "float32", "cpu")
+    assert (report["engine"], report["dtype"], report["device"]["torch_device"]) == (*AUTO, "cpu")
 
 
 def test_bench_reports_engine_dtype_and_device(tmp_path, capsys):
     assert bench(["--target", "stories260k", "--drafter", "random", "--limit", "1", "--max-new-tokens", "8",
                   "--device", "cpu", "--methods", "hf,plain,chain", "--chain", "3", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "eagle3 bench: fast engine, float32 on cpu" in text and "done on the fast engine" in text
+    assert f"eagle3 bench: fast engine, {AUTO_DTYPE} on cpu" in text and "done on the fast engine" in text
     rec = json.loads((tmp_path / "bench.json").read_text())
-    assert (rec["engine"], rec["dtype"], rec["device"]["torch_device"]) == ("fast", "float32", "cpu")
+    assert (rec["engine"], rec["dtype"], rec["device"]["torch_device"]) == ("fast", AUTO_DTYPE, "cpu")
     assert {s["method"]: s["engine"] for s in rec["summary"]} == {"hf": "hf", "plain": "fast", "chain": "fast"}

@@ -27,14 +27,16 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from eagle3.config import (
     AUTO_ON_OFF,
-    DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
+    DTYPE_HELP,
+    GUARD_HELP,
     ConfigError,
     DraftShape,
     SamplingConfig,
@@ -142,7 +144,7 @@ def run_bench(
     limit: int | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     methods: list[str] | None = None,
-    chain: int = DEFAULT_CHAIN_LENGTH,
+    chain: int | None = None,
     tree: DraftShape | list[DraftShape] | None = None,
     ngram_tokens: int = HF_LOOKUP_TOKENS,
     device: str | None = None,
@@ -161,6 +163,7 @@ def run_bench(
     on_progress: Callable[[dict], None] | None = None,
     temperature: float = 0.0,
     seed: int = 0,
+    guard: str = "auto",
 ) -> dict:
     """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it.
 
@@ -169,24 +172,37 @@ def run_bench(
     record of the methods done so far after each one (`complete` False, no bandwidth yet), so that a run stopped
     part way, by a time limit say, keeps what it measured. At `temperature` > 0 prompt i samples with seed
     `seed + i` in every eagle3 method, so their answers are the same draws and still compared token for token.
+    `chain` / `tree` None: the shape a tuned choice or the device's defaults give (`eagle3.defaults`), as every
+    command drafts, with the guard where it applies (`guard` auto/on/off).
     """
     import transformers
 
+    from eagle3.defaults import decoding_for, load_for_decoding, tuned_choice, with_flags
     from eagle3.evaluate import load_prompts
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
     from eagle3.fast.drafter import drafter_attention_for
     from eagle3.fast.engine import graph_prefill_by_default
     from eagle3.fast.overhead import copy_bandwidth
     from eagle3.fast.target import fuse_level
-    from eagle3.models import load_target, select_device
+    from eagle3.models import select_device
     from eagle3.record import run_record
     from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 
     methods = methods or list(METHODS)
-    trees = [tree] if isinstance(tree, DraftShape) else list(tree or [DraftShape()])
     dev = select_device(device)
     transformers.logging.set_verbosity_error()  # generation-config notices would drown the table
-    model, tok = load_target(target, dtype=dtype, device=dev)
+    model, tok = load_for_decoding(target, dev, dtype)
+    # the device's drafting (`eagle3.defaults`): what `generate` would do for the chain and for the tree methods
+    tuned = tuned_choice(model, target, drafter, "fast", temperature) if drafter not in (None, "random") else None
+    device_chain = with_flags(decoding_for(model, "eagle3", engine="fast", tuned=tuned), guard)
+    if not device_chain.shape.is_chain or not device_chain.speculate:
+        device_chain = with_flags(decoding_for(model, "eagle3", engine="fast"), guard)
+    device_tree = with_flags(decoding_for(model, "eagle3", engine="fast", shape=DraftShape()), guard)
+    if chain is not None:
+        device_chain = with_flags(decoding_for(model, "eagle3", engine="fast", shape=DraftShape.chain(chain),
+                                               chain_stop=0), guard)
+    chain = device_chain.shape.depth
+    trees = [tree] if isinstance(tree, DraftShape) else list(tree or [device_tree.shape])
     eos = eos_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     name, chats = load_prompts(dataset, limit=limit)
@@ -219,6 +235,7 @@ def run_bench(
                           max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads,
                           drafter_attention=drafter_attention, target_attention=target_attention,
                           graph_prefill=graph_prefill)
+    eager = dev.type == "cpu" and not compile and reason is None
     shared, attention = None, "sdpa"  # the generic engine attends through HF's modules
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
@@ -237,9 +254,13 @@ def run_bench(
 
     def engine_for(kind: str, spec: DraftShape | None):
         draft = {"plain": "none", "ngram": "ngram", "chain": "eagle3", "tree": "eagle3"}[kind]
+        opts = options
+        if kind in ("chain", "tree") and eager:  # the guard and a stopped chain act between draft steps
+            how = device_chain if kind == "chain" else device_tree
+            opts = replace(options, guard=how.guard, chain_stop=how.chain_stop if kind == "chain" else None)
         if shared is not None:
-            return FastEngine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options, target=shared)
-        return build_engine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=options)
+            return FastEngine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=opts, target=shared)
+        return build_engine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=opts)
 
     summary: list[dict] = []
     results: dict[str, list[dict]] = {}
@@ -253,6 +274,7 @@ def run_bench(
             engine=engine_name, dtype=model_dtype,
             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, methods=[r[0] for r in runs],
             reference=ref_method,
+            drafting={"chain": device_chain.describe(), "tree": device_tree.describe()},
             spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
                   "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
             options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
@@ -464,13 +486,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N")
     b.add_argument("--methods", default="all",
                    help="comma list: hf,hf_static,hf_lookup,plain,ngram,chain,tree or a-g (default all)")
-    b.add_argument("--chain", type=int, default=DEFAULT_CHAIN_LENGTH, metavar="K", help="EAGLE-3 chain length")
+    b.add_argument("--chain", type=int, default=None, metavar="K",
+                   help="EAGLE-3 chain length (default: tuned, else the device's, as generate)")
     b.add_argument("--tree", nargs="+", default=None, metavar="D,K,N",
-                   help=f"EAGLE-3 tree DEPTH,TOPK,TOTAL (default {DraftShape().text}); several shapes are each timed "
-                        "against the same plain decoding")
-    b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, metavar="N", help="n-gram draft length (e)")
+                   help=f"EAGLE-3 trees (default {DraftShape().text}); several are each timed against plain decoding")
+    b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, metavar="N", help="n-gram draft length")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    b.add_argument("--dtype", default="auto")
+    b.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    b.add_argument("--guard", choices=("auto", "on", "off"), default="auto", help=GUARD_HELP)
     b.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sample at T (prompt i with seed --seed + i); default 0, greedy")
     b.add_argument("--seed", type=int, default=0, metavar="S", help="first prompt's seed when sampling")
@@ -518,8 +541,8 @@ def cmd_bench(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     SamplingConfig(temperature=args.temperature)  # a ConfigError for a temperature out of range
-    trees = [DraftShape.parse(t) for t in args.tree] if args.tree else [DraftShape()]
-    if len(set(trees)) < len(trees):
+    trees = [DraftShape.parse(t) for t in args.tree] if args.tree else None
+    if trees and len(set(trees)) < len(trees):
         raise ConfigError(f"--tree {' '.join(args.tree)}: a shape is given twice")
     def save(partial: dict) -> Path:  # after every method: a run stopped part way keeps them
         return write_json(partial, out / "bench.json")
@@ -532,7 +555,7 @@ def cmd_bench(args) -> int:
         compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
         drafter_attention=args.drafter_attention, target_attention=args.target_attention,
         graph_prefill=AUTO_ON_OFF[args.graph_prefill], on_progress=save, temperature=args.temperature,
-        seed=args.seed,
+        seed=args.seed, guard=args.guard,
     )
     path = save(record)
     png = plot_bench(record, out / "bench.png")

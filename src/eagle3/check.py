@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch
 
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.decoding.proposers import Eagle3Proposer
 from eagle3.evaluate import RunResult, load_prompts, method_name
 
 # below this the drafter is (nearly) never right: a misconfiguration, not a weak drafter. A working drafter is
@@ -89,15 +89,15 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
               print_fn=print) -> tuple[CheckReport, Any]:
     """Load, then check losslessness and acceptance (module docstring). Returns the report and the loaded drafter
     (None when loading failed). Settings not given come from the drafter's profile, else the defaults."""
-    from eagle3.demo import CPU_SPEC
+    from eagle3.defaults import decoding_for, load_for_decoding
     from eagle3.formats import load_drafter
-    from eagle3.models import load_target, tokenizer_expectations
-    from eagle3.runtime import encode_messages, eos_token_ids
+    from eagle3.models import tokenizer_expectations
+    from eagle3.runtime import Runtime, decoder, encode_messages, eos_token_ids
     from eagle3.target import Target
     from eagle3.tokenizer_facts import tokenizer_findings
 
     report = CheckReport()
-    model, tok = load_target(target, dtype=dtype, device=device)
+    model, tok = load_for_decoding(target, device, dtype)  # every command's dtype here (`eagle3.defaults`)
     # a tokenizer that lost its BOS passes every other check (both decodings share it): compare with the files.
     # Agreement is told on the load line; each disagreement is a "tokenizer" warning after it
     tokenizer = tokenizer_findings(tok, tokenizer_expectations(target))
@@ -130,8 +130,11 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     if "spec" in profile:  # in the form `to_dict` writes today (a stored tree 5,1,5 is the chain 5)
         profile["spec"] = DraftShape.from_dict(profile["spec"]).to_dict()
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
-    default_spec = CPU_SPEC if device == "cpu" else DraftShape()
-    spec = spec or (DraftShape.from_dict(profile["spec"]) if "spec" in profile else default_spec)
+    decoding = decoding_for(model, "eagle3")  # the device's defaults: what generate and serve draft here
+    given = spec or (DraftShape.from_dict(profile["spec"]) if "spec" in profile else None)
+    if given is not None:
+        decoding = decoding_for(model, "eagle3", shape=given, chain_stop=0)
+    spec = decoding.shape
     settings = {"dataset": dataset or profile.get("dataset", "mt_bench"),
                 "limit": profile.get("limit", 4) if limit is None else limit,
                 "max_new_tokens": profile.get("max_new_tokens", 64) if max_new_tokens is None else max_new_tokens,
@@ -145,8 +148,11 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     report.settings = settings
 
     tgt = Target(model, cfg.aux_layer_ids)
-    plain = SpeculativeEngine(tgt, NoDraftProposer(device), tok)
-    eagle = SpeculativeEngine(tgt, Eagle3Proposer(d, spec), tok)
+    rt = Runtime(model, tok, tgt, SpeculativeEngine(tgt, Eagle3Proposer(d, spec), tok), d, spec, "eagle3")
+    plain = decoder(rt, replace(decoding, speculate=False))
+    eagle = decoder(rt, replace(decoding, guard=False))  # every cycle drafts: the drafter is what is checked
+    settings["engine"] = decoding.engine
+    settings["drafting"] = decoding.describe().replace(", guarded", "")
     eos = eos_token_ids(model, tok)
     result = RunResult(dataset=name, method=method_name("eagle3", spec), temperature=0.0)
     mismatches = []
@@ -208,7 +214,7 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
                    "or an untrained drafter")
     else:
         report.add("acceptance", "pass", f"tau {tau:.2f}, acceptance per position {per_pos}")
-        report.add(*speed_finding(report.acceptance["speedup"], tau, steps, spec))
+        report.add(*speed_finding(report.acceptance["speedup"], tau, steps, spec, decoding.engine))
     if profile:
         same = all(profile.get(k) == settings[k] for k in PROFILE_SETTINGS)
         if not same:
@@ -229,22 +235,27 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
     return report, d
 
 
-def speed_finding(speedup: float, tau: float, steps: dict, spec: DraftShape) -> tuple[str, str, str]:
+def speed_finding(speedup: float, tau: float, steps: dict, spec: DraftShape,
+                  engine: str = "generic") -> tuple[str, str, str]:
     """The "speed" finding: pass where speculation beat plain decoding on this device; else a warning that names
     where a cycle's time went (drafting or verifying, in plain decoding steps) against the tau it bought."""
-    note = "(the generic engine, as timed here; eagle3 bench times the fast path)"
+    note = f"(the {engine} engine, every cycle drafting; generate and serve pause drafting where it loses)"
     if speedup >= 1.0:
         return "speed", "pass", f"{speedup:.2f}x plain decoding on this device {note}"
     step = steps["plain_s"] / steps["plain_steps"] if steps["plain_steps"] else 0.0
     if not (step > 0 and steps["cycles"]):
         return "speed", "warn", f"{speedup:.2f}x plain decoding on this device: speculation loses here {note}"
     draft, verify = (steps[k] / steps["cycles"] / step for k in ("draft_s", "verify_s"))  # in plain steps
-    cause = ("drafting" if draft >= verify - 1.0 else "verifying several tokens at once")
+    if draft == 0:  # the fast engine runs a cycle as one piece
+        parts, cause = "drafting and verification in one piece", "the cycle"
+    else:
+        parts = f"drafting {draft:.2f}, verification {verify:.2f}"
+        cause = "drafting" if draft >= verify - 1.0 else "verifying several tokens at once"
     return "speed", "warn", (
         f"{speedup:.2f}x plain decoding on this device: a cycle emits {tau:.2f} tokens but costs "
-        f"{draft + verify:.2f} plain steps (drafting {draft:.2f}, verification {verify:.2f}); {cause} costs more "
-        f"than the accepted tokens save. Try a shorter draft than {spec} (e.g. --chain 2), bf16 on a CPU that has "
-        f"it natively, or a GPU {note}")
+        f"{draft + verify:.2f} plain steps ({parts}); {cause} costs more than the accepted tokens save. "
+        f"`eagle3 tune` picks the shape that pays here (or plain decoding); try a shorter draft than {spec}, "
+        f"bf16 on a CPU that has it natively, or a GPU {note}")
 
 
 def write_profile(drafter_dir: str | Path, report: CheckReport) -> Path:

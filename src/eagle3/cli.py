@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 from eagle3.config import (
-    AUTO_ON_OFF,
-    DEFAULT_CHAIN_LENGTH,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
+    DTYPE_HELP,
+    GUARD_HELP,
     ConfigError,
     DraftShape,
     SamplingConfig,
@@ -23,7 +23,7 @@ from eagle3.config import (
 
 ENGINE_CHOICES = ("auto", "fast", "generic")
 ENGINE_HELP = ("fast: static KV cache + CUDA graphs (Llama/Mistral/Qwen families); generic: any HF model; "
-               "auto (default): fast on CUDA where the target and draft kind allow it")
+               "auto: fast where the family and draft kind allow it")
 
 def duration_seconds(text: str) -> float:
     """'90', '90s', '20m' or '1.5h' -> seconds (argparse type for --time-budget)."""
@@ -70,7 +70,7 @@ def _add_target(p) -> None:
                    help="local HF folder, hub id, .gguf file, or bundled name (smollm2, stories260k)")
     add_trust_remote_code(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
 
 
 def _add_decoding(p) -> None:
@@ -80,59 +80,10 @@ def _add_decoding(p) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
-                       help=f"EAGLE-2 dynamic tree (default {DraftShape().text})")
+    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree, e.g. 6,10,60")
     shape.add_argument("--chain", type=int, default=None, metavar="K",
-                       help=f"a chain of K draft tokens (e.g. {DEFAULT_CHAIN_LENGTH})")
-
-
-def _engine(rt, args):
-    """The decoding engine `--engine` asks for: "fast" (static cache, CUDA graphs; Llama/Qwen families, else the
-    generic engine with a notice), "generic", or "auto" (fast on CUDA where the target and draft kind allow it)."""
-    from eagle3.fast.engine import FAST_DRAFT_KINDS, FastOptions, fast_engine_for
-    from eagle3.fast.target import fast_support
-
-    choice = "fast" if args.fast else args.engine
-    if choice == "auto":
-        on_cuda = next(rt.model.parameters()).device.type == "cuda"
-        choice = "fast" if on_cuda and rt.draft in FAST_DRAFT_KINDS and fast_support(rt.model) is None else "generic"
-    if choice == "generic":
-        fast_only = [flag for flag, attr in (("--no-graphs", "no_graphs"), ("--compile", "compile"),
-                                             ("--sdpa-heads", "sdpa_heads"), ("--eager-drafting", "eager_drafting"))
-                     if getattr(args, attr, False)]
-        fuse = getattr(args, "fuse_pointwise", "auto")
-        fast_only += [f"--fuse-pointwise {fuse}"] if fuse not in ("auto", "off") else []
-        fast_only += ["--graph-prefill on"] if getattr(args, "graph_prefill", "auto") == "on" else []
-        attention = getattr(args, "drafter_attention", "auto")
-        fast_only += [f"--drafter-attention {attention}"] if attention != "auto" else []
-        attention = getattr(args, "target_attention", "auto")
-        fast_only += [f"--target-attention {attention}"] if attention != "auto" else []
-        if fast_only:
-            logging.getLogger("eagle3").warning(
-                "%s %s no effect: decoding runs on the generic engine (they apply to the static-cache fast path: "
-                "--engine fast, or auto on a CUDA device for a Llama/Mistral/Qwen target)", " and ".join(fast_only),
-                "has" if len(fast_only) == 1 else "have")
-        return rt.engine
-    options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
-                          fuse_pointwise=getattr(args, "fuse_pointwise", "auto"),
-                          sdpa_heads=getattr(args, "sdpa_heads", False),
-                          drafter_attention=getattr(args, "drafter_attention", "auto"),
-                          target_attention=getattr(args, "target_attention", "auto"),
-                          compile_drafting=False if getattr(args, "eager_drafting", False) else None,
-                          graph_prefill=AUTO_ON_OFF[getattr(args, "graph_prefill", "auto")])
-    return fast_engine_for(rt, options)
-
-
-def _ran_with(rt, engine) -> dict:
-    """What decoding ran on: {"engine": "fast" | "generic", "dtype", "device"} (for text and JSON output)."""
-    param = next(rt.model.parameters())
-    settings = getattr(engine, "settings", None)
-    return {"engine": settings()["engine"] if settings is not None else "generic",
-            "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device)}
-
-
-def _ran_with_line(ran: dict) -> str:
-    return f"{ran['engine']} engine, {ran['dtype']} on {ran['device']}"
+                       help="a chain of K draft tokens (default: tuned, else the device's: docs/serving.md)")
+    p.add_argument("--guard", choices=("auto", "on", "off"), default="auto", help=GUARD_HELP)
 
 
 def cmd_generate(args) -> int:
@@ -142,13 +93,15 @@ def cmd_generate(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec,
-                      device=args.device, dtype=args.dtype, draft_model=args.draft_model)
+    rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
+                      dtype=args.dtype, draft_model=args.draft_model, engine="fast" if args.fast else args.engine)
     ids = encode_prompt(rt.tokenizer, prompt=args.prompt, chat=args.chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    engine = _engine(rt, args)
-    ran = _ran_with(rt, engine)
-    print(f"eagle3 generate: {_ran_with_line(ran)}", file=sys.stderr, flush=True)  # stdout keeps the text alone
+    from eagle3.defaults import decoder_from_args, ran_with, ran_with_line
+
+    engine = decoder_from_args(rt, args, args.target)
+    ran = ran_with(rt, engine)
+    print(f"eagle3 generate: {ran_with_line(ran)}", file=sys.stderr, flush=True)  # stdout keeps the text alone
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                              eos_token_ids=rt.eos_token_ids, stop_strings=args.stop or (), on_text=stream)
     st = res.stats
@@ -187,10 +140,16 @@ def cmd_init_drafter(args) -> int:
 
 def cmd_export(args) -> int:
     from eagle3.formats import export_drafter, load_target_config
+    from eagle3.tuning.cache import engine_flags, serving_choice
 
     target_config = load_target_config(args.target) if args.target else None  # config only, no weights
-    export_drafter(args.drafter, args.format, args.out, verifier_name=args.verifier_name, target_config=target_config)
+    tuned = serving_choice(args.drafter) if Path(args.drafter).is_dir() else None
+    shape = tuned[0] if tuned else None
+    export_drafter(args.drafter, args.format, args.out, verifier_name=args.verifier_name, target_config=target_config,
+                   speculative_tokens=shape.depth if shape else None)
     print(f"wrote {args.format} checkpoint to {args.out}")
+    if shape is not None:
+        print(f"tuned on {tuned[1]['key']['device']}: {shape}; {engine_flags(shape)}")
     return 0
 
 
@@ -326,12 +285,14 @@ def cmd_eval(args) -> int:
     check_out_dir(out)
     datasets = [load_prompt_rows(ds, limit=args.limit) for ds in args.datasets or list(BENCH_SETS)]
     rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
-                      dtype=args.dtype)
+                      dtype=args.dtype, engine="fast" if args.fast else args.engine)
     if template is not None:  # plain: no template, prompts as raw text (runtime.encode_messages)
         rt.tokenizer.chat_template = None if template == PLAIN else template
-    rt.engine = _engine(rt, args)
-    ran = _ran_with(rt, rt.engine)
-    print(f"eagle3 eval: {_ran_with_line(ran)}", flush=True)
+    from eagle3.defaults import decoder_from_args, ran_with, ran_with_line
+
+    rt.engine = decoder_from_args(rt, args, args.target)
+    ran = ran_with(rt, rt.engine)
+    print(f"eagle3 eval: {ran_with_line(ran)}", flush=True)
     runs = []
     for temp in args.temperatures:
         sampling = SamplingConfig(temperature=temp, seed=args.seed)
@@ -558,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--chat-template", default=None, metavar="FILE|NAME", help=CHAT_TEMPLATE_HELP)
     ev.add_argument("--limit", type=int, default=None, help="prompts per dataset")
     ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T")
+    ev.add_argument("--guard", choices=("auto", "on", "off"), default="off",
+                    help="pause drafting where it is slower than plain decoding (default off: eval measures drafts)")
     ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N")
     ev.add_argument("--seed", type=int, default=0)
     shape = ev.add_mutually_exclusive_group()
@@ -594,10 +557,12 @@ def build_parser() -> argparse.ArgumentParser:
     from eagle3.bench import add_bench_parser
     from eagle3.check import add_check_parser
     from eagle3.serving.cli import add_serve_parser
+    from eagle3.tuning.command import add_tune_parser
 
     add_check_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_tune_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = help_formatter
     return p

@@ -39,8 +39,8 @@ DRAFTER_ATTENTION_HELP = ("how the drafter attends; auto: split (split-KV Triton
 # One flag `--target-attention [auto|sdpa|split|matmul]` (generate, eval, bench, scripts/profile_step.py;
 # `FastOptions.target_attention`, resolved by `eagle3.fast.target.target_attention_for`).
 TARGET_ATTENTION = ("auto", "sdpa", "split", "matmul")
-TARGET_ATTENTION_HELP = ("how the target attends when decoding; auto: split (flash-decoding Triton kernels, bf16 "
-                         "chains stay identical to plain decoding) on CUDA with Triton, else sdpa")
+TARGET_ATTENTION_HELP = ("how the target attends when decoding; auto: split (flash-decoding Triton kernels) on "
+                         "CUDA with Triton, else sdpa")
 
 # One help text for `--sdpa-heads` (generate, bench, serve): `eagle3.fast.target.stack_query_heads`.
 SDPA_HEADS_HELP = ("query heads as SDPA heads (enable_gqa): faster plain decoding on CUDA, but bf16 chains then "
@@ -82,6 +82,10 @@ def help_formatter(prog: str) -> argparse.HelpFormatter:
     """The `eagle3 <command> --help` layout: a flag of up to 26 characters keeps its help on its own line."""
     return argparse.HelpFormatter(prog, max_help_position=30)
 
+
+# One help text for `--dtype` and `--guard` of the decoding commands (`eagle3.defaults`).
+DTYPE_HELP = "auto: bf16 on CUDA and on CPUs with native bf16 (fast-engine families), else fp32"
+GUARD_HELP = "pause drafting while slower than plain decoding (auto: on a CPU)"
 
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as an optional bool (None: auto)
 

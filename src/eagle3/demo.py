@@ -1,53 +1,23 @@
 """`eagle3 demo`: the README's main job. SmolLM2-135M-Instruct answers a few MT-bench prompts twice, with
 plain decoding and with EAGLE-3 (the bundled drafter), shows that the answers are identical token for token,
-and prints tau and the measured speedup. Offline; CPU by default.
-
-On a CPU with native bf16 (AMX or AVX512-BF16) the demo runs in bf16 on the static-cache fast path with a chain
-of up to 6 that stops where the drafter is unsure; elsewhere in fp32 on the generic engine with a chain of 2 (why:
-the comments on `CPU_SPEC` and `CPU_BF16_SPEC`)."""
+and prints tau and the measured speedup. Offline; CPU by default. It decodes as every command does on the device
+(`eagle3.defaults`): on a CPU with native bf16, bf16 on the fast engine with a chain that stops where the drafter
+is unsure; elsewhere fp32 on the generic engine with a chain of 2.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from eagle3.config import ConfigError, DraftShape, SamplingConfig
-from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.config import DraftShape, SamplingConfig
 from eagle3.evaluate import load_prompts
-from eagle3.fast.target import cpu_has_bf16
 from eagle3.record import run_record, write_json
-from eagle3.runtime import encode_prompt, eos_token_ids
-from eagle3.target import Target
-
-# In fp32 a CPU verifies more than 2 tokens at well over the cost of one (its fp32 GEMMs are compute-bound for a
-# few rows where a GPU is bandwidth-bound), so longer chains and trees gain nothing there (docs/benchmarks.md):
-# the CPU default is a chain of 2 in fp32.
-CPU_SPEC = DraftShape.chain(2)
-# In bf16 a CPU with native bf16 verifies a few tokens for about the cost of one, and on the fast path a chain's
-# verification gives each row the bits of a one-token step: its rows see the same cache slots in the same order,
-# and on a CPU without AMX the fast path picks kernels whose rows do not depend on the row count
-# (`eagle3.fast.target.exact_rows`). So chains stay identical to bf16 plain decoding; trees do not reliably (a node's
-# ancestors sit at scattered slots, so some tree rows round differently from the same row in a chain). The chain
-# stops where the drafter is unsure (`FastOptions.chain_stop`): at most 6 tokens, none after the chain's joint
-# draft probability falls below 0.2, and only the drafted tokens verified, which beats any fixed chain length
-# there (docs/benchmarks.md, "CPU demo").
-CPU_BF16_SPEC = DraftShape.chain(6)
-CPU_BF16_CHAIN_STOP = 0.2
-DEMO_DTYPES = ("auto", "float32", "bfloat16")
-
-
-def demo_dtype(device: str, dtype: str = "auto") -> str:
-    """The demo's dtype: `dtype` unless "auto"; then bf16 on CUDA and on CPUs with native bf16, fp32 on other
-    CPUs."""
-    if dtype not in DEMO_DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: expected one of {DEMO_DTYPES}")
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if not str(device).startswith("cpu") or cpu_has_bf16() else "float32"
+from eagle3.runtime import encode_prompt
 
 
 def slowdown_hint(speedup: float, device: str, dtype: str) -> str | None:
@@ -56,16 +26,10 @@ def slowdown_hint(speedup: float, device: str, dtype: str) -> str | None:
         return None
     if str(device).startswith("cpu") and dtype == "float32":
         return ("EAGLE-3 was slower than plain decoding here: in fp32 a CPU pays for every extra token a "
-                "verification checks (on an AMD EPYC two rows cost twice one). On a CPU with native bf16 (AMX or "
-                "AVX512-BF16, where the demo picks bf16 itself) or on a GPU it pays: docs/benchmarks.md, \"CPU demo\".")
+                "verification checks. On a CPU with native bf16 (AMX or AVX512-BF16, where the demo picks bf16 "
+                "itself) or on a GPU it pays: docs/benchmarks.md, \"CPU demo\".")
     return ("EAGLE-3 was slower than plain decoding here: the drafting and the many-token verification cost more "
             "than the accepted tokens saved on this machine (docs/benchmarks.md says where the time goes).")
-
-
-def _shape(spec: DraftShape, chain_stop: float | None = None) -> str:
-    if spec.is_chain and chain_stop:
-        return f"chain of up to {spec.depth}, stopping below joint draft probability {chain_stop:g}"
-    return str(spec)
 
 
 def bundled_drafter() -> Path:
@@ -75,38 +39,21 @@ def bundled_drafter() -> Path:
 def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: DraftShape | None = None, device: str = "cpu",
              drafter: str | Path | None = None, record: str | Path | None = None, print_fn=print,
              dtype: str = "auto", chain_stop: float | None = None) -> dict:
-    from eagle3.fast import FastEngine, FastOptions, FastTarget
-    from eagle3.formats import load_drafter
-    from eagle3.models import load_target
+    from eagle3.defaults import decoding_for
+    from eagle3.runtime import decoder, load_runtime
 
     t0 = time.perf_counter()
-    cpu = str(device).startswith("cpu")
-    dtype = demo_dtype(device, dtype)
-    model, tok = load_target("smollm2", dtype=dtype, device=device)
-    d = load_drafter(drafter or bundled_drafter(), target_config=model.config,
-                     target_embedding=model.get_input_embeddings().weight, device=device,
-                     dtype=next(model.parameters()).dtype)
-    fast = cpu and dtype == "bfloat16"  # bf16 chains match bf16 plain decoding on the fast path (CPU_BF16_SPEC)
-    if fast and spec is None and chain_stop is None:
-        chain_stop = CPU_BF16_CHAIN_STOP
-    chain_stop = chain_stop or None  # 0: the full chain every cycle
-    if chain_stop is not None and not fast:
-        raise ConfigError("--chain-stop is for the CPU fast path (bf16 on a CPU with native bf16)")
-    spec = spec or (DraftShape() if not cpu else CPU_BF16_SPEC if dtype == "bfloat16" else CPU_SPEC)
-    if fast:
-        shared = FastTarget(model, d.config.aux_layer_ids)
-        plain = FastEngine(model, draft="none", tokenizer=tok, target=shared)
-        eagle = FastEngine(model, draft="eagle3", spec=spec, drafter=d, tokenizer=tok, target=shared,
-                           options=FastOptions(chain_stop=chain_stop))
-    else:
-        target = Target(model, d.config.aux_layer_ids)
-        plain = SpeculativeEngine(target, NoDraftProposer(device), tok)
-        eagle = SpeculativeEngine(target, Eagle3Proposer(d, spec), tok)
-    eos = eos_token_ids(model, tok)
-    engine = "fast path" if fast else "generic engine"
+    rt = load_runtime("smollm2", drafter=drafter or bundled_drafter(), device=device, dtype=dtype)
+    # every cycle drafts (no guard): the demo shows what the drafter does against plain decoding
+    eagle_how = replace(decoding_for(rt.model, "eagle3", shape=spec, chain_stop=chain_stop), guard=False)
+    plain = decoder(rt, replace(eagle_how, speculate=False))
+    eagle = decoder(rt, eagle_how)
+    dtype = str(next(rt.model.parameters()).dtype).removeprefix("torch.")
+    eos = rt.eos_token_ids
+    engine = "fast path" if eagle_how.engine == "fast" else "generic engine"
     print_fn(f"loaded SmolLM2-135M-Instruct and the EAGLE-3 drafter in {time.perf_counter() - t0:.1f}s "
-             f"(device {device}, {dtype}, {engine}, {torch.get_num_threads()} threads, "
-             f"{_shape(spec, chain_stop)})")
+             f"(device {device}, {dtype}, {engine}, {torch.get_num_threads()} threads, {eagle_how.describe()})")
+    tok = rt.tokenizer
     _, questions = load_prompts("mt_bench", limit=prompts)
     # warm-up, excluded from timing
     warm = encode_prompt(tok, chat="Hello!")
@@ -142,7 +89,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: DraftShape | Non
     if hint:
         print_fn(hint)
     summary = {"identical": all_same, "tau": round(tau, 3), "speedup": round(speedup, 3), "rows": rows,
-               "spec": spec.to_dict(), "chain_stop": chain_stop, "max_new_tokens": max_new_tokens, "dtype": dtype,
+               "spec": eagle_how.shape.to_dict(), "chain_stop": eagle_how.chain_stop, "max_new_tokens": max_new_tokens, "dtype": dtype,
                "engine": engine, "device": str(device)}
     if record:
         write_json(run_record("demo", **summary), record)

@@ -4,7 +4,7 @@ benchmarks and the server, so they all take the same defaults."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from eagle3.config import ConfigError, DrafterConfig, DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer, Proposer
+from eagle3.defaults import Decoding, load_for_decoding
 from eagle3.drafter import Eagle3Drafter
 from eagle3.target import Target
 
@@ -29,6 +30,19 @@ class Runtime:
     drafter: Eagle3Drafter | None
     spec: DraftShape
     draft: str
+    decoding: Decoding | None = None  # set by `decoder`
+
+    def __post_init__(self) -> None:
+        self.engine_spec = self.spec  # the shape `engine`'s proposer drafts
+        self._fast_target = None
+
+    def fast_target(self):
+        """The one `FastTarget` (fused weights, static caches) every fast engine of this runtime shares."""
+        if self._fast_target is None:
+            from eagle3.fast.target import FastTarget
+
+            self._fast_target = FastTarget(self.model, self.drafter.config.aux_layer_ids if self.drafter else [])
+        return self._fast_target
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -101,13 +115,19 @@ def load_runtime(
     device: str | None = None,
     dtype: str = "auto",
     draft_model: str | None = None,
+    engine: str = "auto",
 ) -> Runtime:
+    """`engine`: the engine the caller will ask `decoder` for ("auto", "fast", "generic"), which the "auto" dtype
+    depends on (`decoding_dtype`)."""
     from eagle3.models import load_target
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft = draft or ("eagle3" if drafter else "model" if draft_model else "none")
     spec = spec or DraftShape()
-    model, tokenizer = load_target(target, dtype=dtype, device=device)
+    from eagle3.fast.engine import FAST_DRAFT_KINDS
+
+    # the device's decoding dtype, which depends on the family and the engine (`decoding_dtype`)
+    model, tokenizer = load_for_decoding(target, device, dtype, engine if draft in FAST_DRAFT_KINDS else "generic")
     tcfg = getattr(model.config, "text_config", None) or model.config
     d = None
     if draft == "eagle3":
@@ -140,6 +160,27 @@ def load_runtime(
     log.debug("target %s (%d layers), draft=%s, spec=%s", target, tcfg.num_hidden_layers, draft, spec)
     return Runtime(model=model, tokenizer=tokenizer, target=tgt,
                    engine=SpeculativeEngine(tgt, proposer, tokenizer), drafter=d, spec=spec, draft=draft)
+
+
+def decoder(rt: Runtime, decoding: Decoding, options=None):
+    """The engine that decodes as `decoding` says: a `FastEngine` (with `options`, an `eagle3.fast.FastOptions`)
+    or the generic engine; `rt.spec` and `rt.decoding` become what it runs."""
+    from eagle3.fast.engine import FastEngine, FastOptions
+
+    draft = rt.draft if decoding.speculate else "none"
+    rt.spec, rt.decoding = decoding.shape, decoding
+    if decoding.engine == "fast":
+        on = decoding.speculate
+        options = replace(options or FastOptions(), chain_stop=decoding.chain_stop if on else None,
+                          guard=decoding.guard and on)
+        return FastEngine(rt.model, draft=draft, spec=decoding.shape, drafter=rt.drafter, tokenizer=rt.tokenizer,
+                          options=options, target=rt.fast_target())
+    proposer = rt.engine.proposer
+    if draft == "none" or decoding.shape != rt.engine_spec:
+        device = next(rt.model.parameters()).device
+        proposer = make_proposer(draft, decoding.shape, rt.drafter, device,
+                                 draft_model=getattr(proposer, "model", None), target_model=rt.model)
+    return SpeculativeEngine(rt.target, proposer, rt.tokenizer, guard=decoding.guard)
 
 
 def drafter_for(model, path: str | Path | None) -> Eagle3Drafter:

@@ -15,8 +15,10 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from eagle3.decoding.guard import SpeculationGuard
 from eagle3.decoding.proposers import Proposer
 from eagle3.decoding.sampling import choose, new_seed
+from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept
 from eagle3.target import Target
 
@@ -32,10 +34,13 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     new_tokens: int = 0
+    plain_steps: int = 0  # cycles the guard ran without drafting (`eagle3.decoding.guard`)
 
     @property
     def tau(self) -> float:
-        return (sum(self.accepted_per_cycle) + self.cycles) / self.cycles if self.cycles else 0.0
+        """Tokens emitted per drafting cycle (the guard's plain steps emit one token and do not count)."""
+        drafting = self.cycles - self.plain_steps
+        return (sum(self.accepted_per_cycle) + drafting) / drafting if drafting else float(self.cycles > 0)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -132,12 +137,14 @@ class Request:
 
 
 class SpeculativeEngine:
-    """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`."""
+    """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`. With `guard`, each request's
+    cycles are timed and drafting pauses while it is slower than plain decoding (`SpeculationGuard`)."""
 
-    def __init__(self, target: Target, proposer: Proposer, tokenizer=None):
+    def __init__(self, target: Target, proposer: Proposer, tokenizer=None, guard: bool = False):
         self.target = target
         self.proposer = proposer
         self.tokenizer = tokenizer
+        self.guard = guard and proposer.name != "none"
 
     def _sync(self) -> None:
         if self.target.device.type == "cuda":
@@ -176,9 +183,11 @@ class SpeculativeEngine:
         self._sync()
         stats.prefill_s = time.perf_counter() - t0
 
+        guard = SpeculationGuard() if self.guard else None
         while finish is None:
             t1 = time.perf_counter()
-            tree = self.proposer.propose()
+            drafting = guard is None or guard.drafting()
+            tree = self.proposer.propose() if drafting else DraftTree.empty(dev)
             self._sync()
             t2 = time.perf_counter()
             root = torch.tensor([out[-1]], device=dev)
@@ -207,6 +216,9 @@ class SpeculativeEngine:
             t3 = time.perf_counter()
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2
+            if guard is not None:
+                guard.record(drafting, t3 - t1, len(new))
+                stats.plain_steps += not drafting
 
         text = ""
         if self.tokenizer is not None:

@@ -255,6 +255,7 @@ class MtpProposer(Eagle3Proposer):
 
     def begin(self, prompt_ids, aux, first_token):
         self.cache = _MtpCache()
+        self.pending = []
         self.next_pos = 1  # row t sits at the position of its input token x_{t+1}
         ids = prompt_ids.view(-1).to(self.device)
         next_tokens = torch.cat([ids[1:], torch.tensor([first_token], device=self.device)])  # x_1..x_T

@@ -149,6 +149,9 @@ class Eagle3Proposer(Proposer):
         self.cache = DrafterKV()
         self.next_pos = 0  # RoPE position of the next target-feature row
         self.last_out: torch.Tensor | None = None  # [1, H] pre-norm output of the newest row
+        # accepted rows not fed to the drafter yet: fed together by the next `propose`, so cycles that do not
+        # draft (`eagle3.decoding.guard`) run no drafter forward
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def device(self):
@@ -168,15 +171,20 @@ class Eagle3Proposer(Proposer):
     def begin(self, prompt_ids, aux, first_token):
         self.cache = DrafterKV()
         self.next_pos = 0
+        self.pending = []
         ids = prompt_ids.view(-1).to(self.device)
         next_tokens = torch.cat([ids[1:], torch.tensor([first_token], device=self.device)])  # x_1..x_T
         self._extend(aux, next_tokens)
 
     def accept(self, aux_rows, next_tokens):
-        self._extend(aux_rows.view(1, -1, aux_rows.shape[-1]), next_tokens.view(-1))
+        self.pending.append((aux_rows.view(1, -1, aux_rows.shape[-1]), next_tokens.view(-1)))
 
     @torch.inference_mode()
     def propose(self) -> DraftTree:
+        if self.pending:
+            aux, tokens = zip(*self.pending, strict=True)
+            self.pending = []
+            self._extend(torch.cat(aux, dim=1), torch.cat(tokens))
         d, k, dev = self.drafter, self.top_k, self.device
         stable = self.cache.length
         p_last = self.next_pos - 1

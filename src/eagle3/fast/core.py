@@ -131,6 +131,9 @@ class FastCore(nn.Module):
         # cycles run eagerly on a CPU (the host read costs nothing there); fixed shapes everywhere else
         self.feed_accepted_only = self.device.type == "cpu"
         self._valid_all = True  # tree_valid is all True (what `draft`'s trees assume)
+        self.backlog_aux: torch.Tensor | None = None  # `plain_step`
+        self.backlog_tok: torch.Tensor | None = None
+        self.backlog_n = 0
 
     @property
     def device(self) -> torch.device:
@@ -166,6 +169,7 @@ class FastCore(nn.Module):
         """Zero the state scalars (after graph warm-up, which runs real cycles on whatever is in the buffers)."""
         self.length.zero_()
         self.root.zero_()
+        self.backlog_n = 0
         if self.drafter is not None:
             self.last_out.zero_()
 
@@ -246,6 +250,7 @@ class FastCore(nn.Module):
             self.last_out.copy_(out[-1:])
         self.root.copy_(first)
         self.length.fill_(t)
+        self.backlog_n = 0
 
     # -- step functions (fixed shapes, no host sync) ------------------------------------------
     def draft(self) -> None:
@@ -432,6 +437,41 @@ class FastCore(nn.Module):
             self.last_out.copy_(out.index_select(0, n_acc))  # n_acc < m either way
         self.root.copy_(self.emitted.gather(0, n_acc))
         self.length.add_(n_acc + 1)
+
+    # -- plain steps between cycles (`eagle3.decoding.guard`; eager cycles only) -----------------
+    BACKLOG = 64  # plain steps whose rows wait for the drafter at most; then they are fed together
+
+    def plain_step(self, mode: int = GREEDY) -> None:
+        """Verify the root alone (no drafting), advance by the target's token; the root's aux row and that token
+        wait in a backlog that `feed_backlog` gives the drafter before it next drafts."""
+        if self.drafter is not None and self.backlog_n == self.BACKLOG:
+            self.feed_backlog()
+        self.tree_valid.fill_(False)
+        self._valid_all = False
+        self.verify(mode, rows=1)
+        self.piece("accept")  # no node is valid: n_acc 0, the packet carries the target's token
+        if self.drafter is not None:
+            if self.backlog_aux is None:
+                self.backlog_aux = torch.zeros(self.BACKLOG, self.aux.shape[1], dtype=self.aux.dtype,
+                                               device=self.device)  # [B, 3·Ht]
+                self.backlog_tok = torch.zeros(self.BACKLOG, dtype=torch.long, device=self.device)  # [B]
+            self.backlog_aux[self.backlog_n].copy_(self.aux[0])
+            self.backlog_tok[self.backlog_n].copy_(self.emitted[0])
+            self.backlog_n += 1
+        self.root.copy_(self.emitted[:1])
+        self.length.add_(1)
+
+    def feed_backlog(self) -> None:
+        """Feed the drafter the rows of the plain steps since it last drafted, in one forward (see `feed`)."""
+        m = self.backlog_n
+        if m == 0:
+            return
+        dst = self.length - m + self.ar_s[:m]  # [m] their slots: the m positions before `length`
+        hidden = self.drafter.combine(self.backlog_aux[:m])  # [m, H]
+        mask = self.ar_sd[None, :] <= dst[:, None]  # [m, Sd]
+        out = self.drafter(hidden, self.backlog_tok[:m], dst, dst, mask)  # [m, H]
+        self.last_out.copy_(out[m - 1 :])
+        self.backlog_n = 0
 
     # -- whole cycles (what the engine captures) ----------------------------------------------
     def cycle(self, mode: int = GREEDY) -> None:

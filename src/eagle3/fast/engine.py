@@ -33,6 +33,7 @@ from eagle3.config import (
     on_for_device,
 )
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
+from eagle3.decoding.guard import SpeculationGuard
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import GREEDY, sampling_mode
 from eagle3.drafter import Eagle3Drafter
@@ -81,6 +82,9 @@ class FastOptions:
     # probability falls below this and verify only the drafted tokens (`FastCore.draft_chain_until`); None: draft
     # the full chain every cycle.
     chain_stop: float | None = None
+    # time each request's cycles and pause drafting while it is slower than plain decoding
+    # (`eagle3.decoding.guard`); EAGLE-3 drafting on cycles that run eagerly only (a CPU, or graphs off)
+    guard: bool = False
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
 
 
@@ -178,10 +182,13 @@ class FastEngine:
                 raise ConfigError("chain_stop (--chain-stop) is for EAGLE-3 chains")
             if not 0.0 < o.chain_stop < 1.0:
                 raise ConfigError(f"chain_stop {o.chain_stop}: expected a probability between 0 and 1")
-            if (o.graphs and self.target.device.type == "cuda") or o.compile or self.core.drafting_compiled:
+            if not self.eager:
                 raise ConfigError("chain_stop (--chain-stop) needs cycles that run eagerly, where the host can "
                                   "read each draft step: a CPU, or CUDA with graphs and compilation off")
             self.core.chain_stop = o.chain_stop
+        if o.guard and (mode != "eagle3" or not self.eager):
+            raise ConfigError("the speculation guard needs EAGLE-3 drafting on cycles that run eagerly: a CPU, or "
+                              "CUDA with graphs and compilation off")
         self.mode = mode
         self.device = self.target.device
         self._pool = None
@@ -190,6 +197,12 @@ class FastEngine:
         self._on_tokens: Callable[[list[int]], bool] | None = None  # set for the duration of one generate()
 
     # -- setup ---------------------------------------------------------------------------------
+    @property
+    def eager(self) -> bool:
+        """Whether cycles run eagerly (no graph, nothing compiled), so the host can act between draft steps."""
+        o = self.options
+        return not ((o.graphs and self.target.device.type == "cuda") or o.compile or self.core.drafting_compiled)
+
     @property
     def seq_len(self) -> int:
         return self.core.seq_len
@@ -262,7 +275,7 @@ class FastEngine:
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
                 "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
                 "target_attention": self.target_attention, "norms_folded": self.target.folded,
-                "chain_stop": self.core.chain_stop}
+                "chain_stop": self.core.chain_stop, "guard": o.guard}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -335,6 +348,8 @@ class FastEngine:
             cycle = self._runner(f"cycle_{mode}")
             if self.mode == "host":
                 finish = self._loop_host(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
+            elif self.options.guard:
+                finish = self._loop_guarded(cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings)
             else:
                 finish = self._loop_device(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
         self._sync()
@@ -400,6 +415,29 @@ class FastEngine:
             if not pipeline:
                 launch(i + 1)
             i += 1
+
+    def _loop_guarded(self, cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
+        """Eager cycles under a `SpeculationGuard`: each one drafts, or is a plain step, as the guard says."""
+        core, guard = self.core, SpeculationGuard()
+        while True:
+            drafting = guard.drafting()
+            t0 = time.perf_counter()
+            if drafting:
+                core.feed_backlog()
+                cycle()
+            else:
+                core.plain_step(mode)
+            pkt = core.packet.tolist()  # [n_acc, drafted depth, emitted...]
+            n_acc = pkt[0]
+            guard.record(drafting, time.perf_counter() - t0, n_acc + 1)
+            stats.cycles += 1
+            stats.plain_steps += not drafting
+            stats.accepted_per_cycle.append(n_acc)
+            stats.drafted_depth_per_cycle.append(pkt[1])
+            stats.drafted_tokens += 0 if not drafting else core.n_nodes if core.chain_stop is None else pkt[1]
+            finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
+            if finish is not None:
+                return finish
 
     def _loop_host(self, cycle, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
         """A host proposer: write its tree, run the cycle graph, read the packet."""

@@ -348,6 +348,7 @@ def export_drafter(
     dtype: torch.dtype | str | None = None,
     verifier_name: str | None = None,
     target_config: Any = None,
+    speculative_tokens: int | None = None,
 ) -> Path:
     """Convert a checkpoint directory (either format) or an in-memory drafter to format `fmt` in `out_dir`.
 
@@ -357,6 +358,7 @@ def export_drafter(
     `target_config` (the target's HF config; `load_target_config`) gives the layer count, and the default aux
     ids when the source names none, and the drafter is checked against it; without it the source must store
     the count or name ids that are the EAGLE-3 default of some depth. Unknown config keys are written back.
+    `speculative_tokens` replaces the draft length the config proposes to engines (a tuned choice).
     """
     if isinstance(src, Eagle3Drafter):
         if target_config is not None:
@@ -367,6 +369,8 @@ def export_drafter(
         )
     cfg, sd, _ = read_checkpoint(src, target_config, require_layer_count=True)
     _set_verifier_name(cfg, verifier_name)
+    if speculative_tokens is not None:
+        cfg.speculative_tokens = speculative_tokens
     has_embedding = "embed_tokens.weight" in sd
     if include_embedding and not has_embedding:
         raise ConfigError(f"{src} has no embed_tokens.weight to export; export with include_embedding=False")

@@ -71,7 +71,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     sp = s.add_argument_group("speculation")
     shape = sp.add_mutually_exclusive_group()
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
-                       help=f"largest draft tree, used at small batch sizes (default {DraftShape().text})")
+                       help=f"largest draft tree at small batch sizes (default {DraftShape().text}; CPU: chain 2)")
     shape.add_argument("--chain", type=int, default=None, metavar="K",
                        help=f"draft chains of at most K tokens instead of trees (e.g. {DEFAULT_CHAIN_LENGTH})")
     sp.add_argument("--no-spec", action="store_true", help="plain batched decoding (load no drafter)")
@@ -123,6 +123,7 @@ def load_server(args):
     import torch
 
     from eagle3.decoding.proposers import NgramProposer
+    from eagle3.defaults import decoding_for, tuned_choice
     from eagle3.models import load_target
     from eagle3.runtime import drafter_for, eos_token_ids
     from eagle3.serving.app import create_app
@@ -135,7 +136,13 @@ def load_server(args):
     draft = "none" if args.no_spec else (args.draft or ("eagle3" if args.drafter else "none"))
     if draft == "eagle3" and not args.drafter:
         raise ConfigError("--draft eagle3 needs --drafter DIR (or use --draft ngram / --no-spec)")
-    spec = DraftShape.from_flags(args.tree, args.chain) or DraftShape()
+    model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
+    # the device's drafting where no shape is given (`eagle3.defaults`; the batched path is the generic engine's)
+    spec = DraftShape.from_flags(args.tree, args.chain)
+    if spec is None:  # `eagle3 tune`'s choice for this device (its engine: the fast lane's on CUDA), else the defaults
+        engine = "fast" if torch.device(device).type == "cuda" else "generic"
+        tuned = tuned_choice(model, args.target, args.drafter, engine) if draft == "eagle3" else None
+        spec = decoding_for(model, draft, engine=engine, tuned=tuned).shape
     template = None
     if args.chat_template:
         path = Path(args.chat_template)
@@ -151,7 +158,6 @@ def load_server(args):
     policy = SpecPolicy(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
         min_accept=args.spec_min_accept, retry_after=args.spec_retry_after, measure=not args.no_spec_gate)
-    model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
     drafter, d = None, None
     aux_ids: list[int] = []
     if draft == "eagle3":
@@ -196,7 +202,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
     if not on_for_device(choice, device):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
-    from eagle3.fast.target import fast_support
+    from eagle3.fast.families import fast_support
 
     reason = fast_support(model)
     if reason is not None:
@@ -225,8 +231,9 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
 
     import torch
 
+    from eagle3.fast.families import fast_support
     from eagle3.fast.rows import FastRows, prefill_staging_tokens
-    from eagle3.fast.target import FastTarget, fast_support
+    from eagle3.fast.target import FastTarget
     from eagle3.serving.policy import default_token_budget
 
     reason = fast_support(model)

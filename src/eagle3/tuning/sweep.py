@@ -1,0 +1,118 @@
+"""What `eagle3 tune` measures on a device: the costs of a cycle's parts and each candidate shape's acceptance and
+speed, on the same prompts and answers, with the engine every command uses there."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.config import DraftShape, SamplingConfig
+from eagle3.decoding.proposers import Proposer
+from eagle3.decoding.tree import DraftTree
+from eagle3.defaults import Decoding
+from eagle3.tuning.model import Costs
+
+
+class FixedChain(Proposer):
+    """Proposes the same `n` tokens every cycle (almost never accepted): a verification of n + 1 rows, timed."""
+
+    name = "fixed"
+
+    def __init__(self, n: int, device: torch.device, token: int = 0):
+        self.n, self.device, self.token = n, device, token
+
+    def propose(self) -> DraftTree:
+        tokens = torch.full((self.n,), self.token, dtype=torch.long, device=self.device)
+        return DraftTree(tokens=tokens, parents=torch.arange(-1, self.n - 1, device=self.device))
+
+
+@dataclass
+class Run:
+    """One shape's generations over the prompts: seconds in cycles, cycles, tokens, per-position acceptance."""
+
+    label: str
+    seconds: float
+    cycles: int
+    tokens: int
+    tau: float
+    acceptance: list[float]
+    drafted_depth: float  # mean tokens drafted per cycle (a stopped chain drafts fewer than its length)
+
+    @property
+    def cycle_s(self) -> float:
+        return self.seconds / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def time_engine(engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                label: str) -> Run:
+    """Generate `max_new_tokens` per prompt (no EOS: every shape decodes the same number of tokens) after one
+    warm-up; the cycles' time, tau and acceptance over all prompts."""
+    engine.generate(prompts[0], max_new_tokens=max_new_tokens, sampling=sampling)  # new shapes' first costs
+    seconds, cycles, tokens, accepted, depths = 0.0, 0, 0, [], []
+    from eagle3.evaluate import RunResult
+
+    acc = RunResult(dataset="", method=label, temperature=sampling.temperature)
+    for i, ids in enumerate(prompts):
+        st = engine.generate(ids, max_new_tokens=max_new_tokens,
+                             sampling=SamplingConfig(temperature=sampling.temperature, seed=i)).stats
+        seconds += st.draft_s + st.verify_s
+        cycles += st.cycles
+        tokens += st.new_tokens - 1  # the first token comes from the prefill
+        accepted += st.accepted_per_cycle
+        depths += st.drafted_depth_per_cycle
+        acc.add(st)
+    mean_depth = sum(depths) / len(depths) if depths else 0.0
+    return Run(label, seconds, cycles, tokens, acc.tau, acc.acceptance_per_position, mean_depth)
+
+
+def measure_costs(rt, decoding: Decoding, prompts: list[list[int]], max_new_tokens: int, shapes: list[DraftShape],
+                  chain_run: Run, tree_runs: dict[str, Run], options=None,
+                  echo: Callable[[str], None] = print) -> tuple[Costs, Run]:
+    """A plain step, verifications of n rows (fixed chains that are rejected), and the draft steps the chain and
+    tree runs imply: their cycle time less the verification of as many rows, per drafting step."""
+    from dataclasses import replace
+
+    from eagle3.runtime import decoder
+
+    greedy = SamplingConfig()
+    plain = time_engine(decoder(rt, replace(decoding, speculate=False, guard=False), options), prompts[:1],
+                        max_new_tokens, greedy, "plain")
+    sizes = sorted({n for s in shapes for n in (s.total + 1,)} | {2, 3, 5, 9})
+    verify: dict[int, float] = {1: plain.cycle_s}
+    device = next(rt.model.parameters()).device
+    for n in sizes:
+        t0 = time.perf_counter()
+        engine = _fixed_engine(rt, decoding, n - 1, device, options)
+        verify[n] = time_engine(engine, prompts[:1], max(8, max_new_tokens // 2), greedy, f"verify {n}").cycle_s
+        echo(f"  verification of {n:3d} rows: {1e3 * verify[n]:.2f} ms ({time.perf_counter() - t0:.1f}s)")
+    rows = Costs(plain_s=plain.cycle_s, verify_s=verify, draft_step_s={1: 0.0})
+    k = round(chain_run.drafted_depth) or 1
+    step1 = max(0.0, (chain_run.cycle_s - rows.verify(k + 1)) / k)
+    steps = {1: step1}
+    for text, run in tree_runs.items():
+        t = DraftShape.parse(text)
+        if t.depth > 1:
+            steps[t.top_k] = max(0.0, (run.cycle_s - rows.verify(t.total + 1) - step1) / (t.depth - 1))
+    return Costs(plain_s=plain.cycle_s, verify_s=verify, draft_step_s=steps), plain
+
+
+def _fixed_engine(rt, decoding: Decoding, n: int, device, options=None):
+    """An engine of `decoding`'s kind verifying a fixed chain of n rejected tokens each cycle."""
+    from eagle3.decoding.engine import SpeculativeEngine
+
+    if decoding.engine == "fast":
+        from dataclasses import replace
+
+        from eagle3.fast.engine import FastEngine, FastOptions
+
+        options = replace(options or FastOptions(), chain_stop=None, guard=False)
+        return FastEngine(rt.model, draft=FixedChain(n, device), max_nodes=n, tokenizer=rt.tokenizer,
+                          options=options, target=rt.fast_target())
+    return SpeculativeEngine(rt.target, FixedChain(n, device), rt.tokenizer)

@@ -1,0 +1,143 @@
+"""The speculation guard: its decisions on scripted cycle timings, and both engines under it decoding exactly what
+plain decoding does while they switch drafting off and on."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.guard import SpeculationGuard
+from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.fast import FastEngine, FastOptions
+from eagle3.runtime import init_drafter
+from eagle3.target import Target
+
+
+def drive(guard: SpeculationGuard, cycles: int, spec_s: float, spec_tokens: int, plain_s: float = 1.0) -> list[bool]:
+    """Run `cycles` through the guard with fixed costs; the drafting decision of each."""
+    out = []
+    for _ in range(cycles):
+        d = guard.drafting()
+        out.append(d)
+        guard.record(d, spec_s if d else plain_s, spec_tokens if d else 1)
+    return out
+
+
+def test_guard_keeps_drafting_that_pays():
+    g = SpeculationGuard()
+    decisions = drive(g, 200, spec_s=1.3, spec_tokens=3)  # 2.3 tokens per plain step's time
+    assert g.switches == 0
+    # plain steps only to measure a plain step: one after the first window, then one per `remeasure_every`
+    assert decisions.count(False) == 1 + (200 - g.window - 1) // (g.remeasure_every + 1)
+
+
+def test_guard_stops_drafting_that_loses_and_backs_off():
+    g = SpeculationGuard()
+    decisions = drive(g, 400, spec_s=1.3, spec_tokens=1)  # a drafter that is never right
+    assert g.switches == 1
+    # the first window, then probes of `probe` cycles after 8, 16, 32, 64, 128 plain steps (the last one not reached)
+    assert decisions.count(True) == g.window + 5 * g.probe
+    assert decisions[:g.window] == [True] * g.window
+
+
+def test_guard_resumes_when_drafting_pays_again():
+    g = SpeculationGuard()
+    drive(g, 40, spec_s=1.3, spec_tokens=1)
+    assert not g.on
+    later = drive(g, 100, spec_s=1.3, spec_tokens=3)  # the text became predictable
+    assert g.on and later[-20:].count(True) >= 19
+
+
+def test_guard_uses_a_known_plain_step():
+    g = SpeculationGuard(plain_s=1.0)
+    decisions = drive(g, 10, spec_s=1.3, spec_tokens=1)
+    assert decisions[:g.window] == [True] * g.window and decisions[g.window] is False  # no measuring step needed
+
+
+@pytest.fixture(scope="module")
+def pair(stories260k):
+    model, tok = stories260k
+    model = copy.deepcopy(model)
+    drafter = init_drafter(model, seed=3).eval()  # random: the guard switches drafting off on any device
+    return model, tok, drafter
+
+
+class Flaky(SpeculationGuard):
+    """Drafts in bursts, whatever the timing: every mix of drafting and plain cycles is exercised."""
+
+    def __init__(self):
+        super().__init__()
+        self.i = 0
+
+    def drafting(self) -> bool:
+        self.i += 1
+        return (self.i // 3) % 2 == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("shape", [DraftShape.chain(3), DraftShape(3, 2, 5)])
+def test_generic_engine_under_guard_is_plain_decoding(pair, monkeypatch, shape, temperature):
+    model, tok, drafter = pair
+    target = Target(model, drafter.config.aux_layer_ids)
+    plain = SpeculativeEngine(target, NoDraftProposer(), tok)
+    monkeypatch.setattr("eagle3.decoding.engine.SpeculationGuard", Flaky)
+    guarded = SpeculativeEngine(target, Eagle3Proposer(drafter, shape), tok, guard=True)
+    sampling = SamplingConfig(temperature=temperature, seed=5)
+    ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
+    a = plain.generate(ids, max_new_tokens=40, sampling=sampling)
+    b = guarded.generate(ids, max_new_tokens=40, sampling=sampling)
+    assert a.token_ids == b.token_ids
+    assert 0 < b.stats.plain_steps < b.stats.cycles
+
+
+@pytest.mark.parametrize("chain_stop", [None, 0.3])
+def test_fast_engine_under_guard_is_plain_decoding(pair, monkeypatch, chain_stop):
+    model, tok, drafter = pair
+    plain = FastEngine(model, draft="none", tokenizer=tok)
+    monkeypatch.setattr("eagle3.fast.engine.SpeculationGuard", Flaky)
+    guarded = FastEngine(model, draft="eagle3", spec=DraftShape.chain(4), drafter=drafter, tokenizer=tok,
+                         options=FastOptions(guard=True, chain_stop=chain_stop))
+    ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
+    for temperature in (0.0, 0.8):
+        sampling = SamplingConfig(temperature=temperature, seed=7)
+        a = plain.generate(ids, max_new_tokens=48, sampling=sampling)
+        b = guarded.generate(ids, max_new_tokens=48, sampling=sampling)
+        assert a.token_ids == b.token_ids
+        assert 0 < b.stats.plain_steps < b.stats.cycles
+
+
+def test_fast_engine_feeds_the_drafter_what_plain_steps_skipped(pair, monkeypatch):
+    """Rows of plain steps wait in a backlog; fed in one forward, they leave the drafter where a prefill of the
+    whole text leaves it (no stale cache slots)."""
+    model, tok, drafter = pair
+    ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
+
+    class Never(SpeculationGuard):
+        def drafting(self) -> bool:
+            return False
+
+    monkeypatch.setattr("eagle3.fast.engine.SpeculationGuard", Never)
+    late = FastEngine(model, draft="eagle3", spec=DraftShape.chain(4), drafter=drafter, tokenizer=tok,
+                      options=FastOptions(guard=True))
+    out = late.generate(ids, max_new_tokens=30).token_ids
+    core = late.core
+    assert core.backlog_n == 29 and int(core.length) == len(ids) + 29
+    core.feed_backlog()
+    fed = core.last_out.clone()
+
+    fresh = FastEngine(model, draft="eagle3", spec=DraftShape.chain(4), drafter=drafter, tokenizer=tok)
+    text = torch.tensor(ids + out[:-1])
+    fresh.prepare(text.numel(), 8)
+    _, aux = fresh.core.prefill(text)
+    fresh.core.begin(text, aux, torch.tensor(out[-1:]))
+    assert torch.allclose(fed, fresh.core.last_out, atol=1e-4, rtol=1e-4)
+
+
+def test_guard_needs_eager_drafting(pair):
+    model, tok, _ = pair
+    with pytest.raises(ConfigError, match="guard"):
+        FastEngine(model, draft="none", tokenizer=tok, options=FastOptions(guard=True))
