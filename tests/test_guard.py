@@ -29,19 +29,36 @@ def drive(guard: SpeculationGuard, cycles: int, spec_s: float, spec_tokens: int,
 
 def test_guard_keeps_drafting_that_pays():
     g = SpeculationGuard()
-    decisions = drive(g, 200, spec_s=1.3, spec_tokens=3)  # 2.3 tokens per plain step's time
+    decisions = drive(g, 200, spec_s=1.3, spec_tokens=3)  # 2.3 tokens in a plain step's time
     assert g.switches == 0
-    # plain steps only to measure a plain step: one after the first window, then one per `remeasure_every`
-    assert decisions.count(False) == 1 + (200 - g.window - 1) // (g.remeasure_every + 1)
+    # plain steps only to measure one: the first cycle, then one after every `remeasure_every` drafting cycles
+    assert decisions[0] is False and decisions.count(False) == 1 + (200 - 1) // (g.remeasure_every + 1)
 
 
-def test_guard_stops_drafting_that_loses_and_backs_off():
+def test_guard_stops_drafting_that_loses_and_probes_less_and_less():
     g = SpeculationGuard()
-    decisions = drive(g, 400, spec_s=1.3, spec_tokens=1)  # a drafter that is never right
+    decisions = drive(g, 400, spec_s=1.3, spec_tokens=1)  # a drafter that is never right, cycles 1.3 plain steps
     assert g.switches == 1
-    # the first window, then probes of `probe` cycles after 8, 16, 32, 64, 128 plain steps (the last one not reached)
-    assert decisions.count(True) == g.window + 5 * g.probe
-    assert decisions[:g.window] == [True] * g.window
+    # measure, 4 drafting cycles (a close loss waits for `min_cycles`), then probes of 2 after 8 plain steps and
+    # after waits that double or keep the probes' cost near 3 % (a probe loses 0.555 plain steps: 19 steps)
+    runs, cur, n = [], decisions[0], 0
+    for d in decisions:
+        if d == cur:
+            n += 1
+        else:
+            runs.append((cur, n))
+            cur, n = d, 1
+    assert runs[:12] == [(False, 1), (True, 4), (False, 8), (True, 2), (False, 19), (True, 2), (False, 38),
+                         (True, 2), (False, 76), (True, 2), (False, 152), (True, 2)]
+    assert decisions.count(True) == 14
+
+
+def test_guard_gives_up_on_an_expensive_loss_at_once():
+    g = SpeculationGuard()
+    decisions = drive(g, 400, spec_s=3.0, spec_tokens=1)  # a 60-node tree on a CPU with a random drafter
+    assert decisions[:3] == [False, True, False]  # one cycle at a third of plain speed is enough
+    assert decisions.count(True) == 7  # probes after 8, then 124 (3 % of the time), then 248 plain steps
+    assert sum(3.0 if d else 1.0 for d in decisions) / len(decisions) < 1.04  # within 4 % of plain decoding
 
 
 def test_guard_resumes_when_drafting_pays_again():
@@ -55,7 +72,7 @@ def test_guard_resumes_when_drafting_pays_again():
 def test_guard_uses_a_known_plain_step():
     g = SpeculationGuard(plain_s=1.0)
     decisions = drive(g, 10, spec_s=1.3, spec_tokens=1)
-    assert decisions[:g.window] == [True] * g.window and decisions[g.window] is False  # no measuring step needed
+    assert decisions[:5] == [True, True, True, True, False]  # no measuring step first
 
 
 @pytest.fixture(scope="module")

@@ -128,8 +128,10 @@ def _engine_runner(engine, max_new_tokens: int, eos: list[int], temperature: flo
         sampling = SamplingConfig(temperature=temperature, seed=seed)
         res = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos, sampling=sampling)
         st = res.stats
-        return {"ids": res.token_ids, "seconds": st.total_s, "cycles": st.cycles,
-                "emitted_in_cycles": sum(st.accepted_per_cycle) + st.cycles, "decode_s": st.verify_s}
+        drafting = st.cycles - st.plain_steps  # tau counts cycles that drafted (the guard's plain steps emit one)
+        return {"ids": res.token_ids, "seconds": st.total_s, "cycles": drafting,
+                "emitted_in_cycles": sum(st.accepted_per_cycle) + drafting, "decode_s": st.verify_s,
+                "plain_steps": st.plain_steps}
 
     return run
 
