@@ -15,9 +15,10 @@ import eagle3.runtime
 from eagle3.cli import main
 from eagle3.config import ConfigError
 from eagle3.models import load_tokenizer
-from eagle3.training.data import PLAIN, ChatRenderer, iter_rows
+from eagle3.training.data import PLAIN, iter_rows
 from eagle3.training.inputs import CHATML, resolve_chat_template
 from eagle3.training.prepare import PreparedDataset, prepare
+from eagle3.training.render import ChatRenderer
 
 STORIES = "Once upon a time, there was a little dog.\n\nTom and Sue went to the park.\nThey saw a big tree.\n\n\n" \
           "Lily liked to play with her red ball.\n"

@@ -24,8 +24,9 @@ import torch
 from eagle3.config import ConfigError
 from eagle3.models import STORIES260K_DIR
 from eagle3.training import data as data_mod
-from eagle3.training.data import BadRow, ChatRenderer, iter_rows, normalize_conversation
+from eagle3.training.data import BadRow, iter_rows, normalize_conversation
 from eagle3.training.prepare import PreparedDataset, PrepareReport, prepare
+from eagle3.training.render import ChatRenderer
 from eagle3.training.vocab import (
     build_vocab_mapping,
     draft_ids_to_target,

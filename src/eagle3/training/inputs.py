@@ -54,7 +54,7 @@ def resolve_chat_template(value: str | None) -> str | None:
 def row_kind(row: Any, command: str) -> str | None:
     """"chat", "completion", or None (a row `command` cannot use), judged without a tokenizer."""
     if command == "regenerate":
-        from eagle3.training.regenerate import _SkipRow, completion_prompt, normalise_conversation
+        from eagle3.training.regenerate_rows import _SkipRow, completion_prompt, normalise_conversation
 
         if completion_prompt(row) is not None:
             return "completion"
@@ -75,7 +75,7 @@ def row_kind(row: Any, command: str) -> str | None:
 def _why(row: Any, command: str) -> str:
     """Why the first row is unusable, for the error message."""
     if command == "regenerate":
-        from eagle3.training.regenerate import _SkipRow, normalise_conversation
+        from eagle3.training.regenerate_rows import _SkipRow, normalise_conversation
 
         try:
             normalise_conversation(row)

@@ -34,15 +34,8 @@ import numpy as np
 import torch
 
 from eagle3.config import DEFAULT_DRAFT_VOCAB_SIZE, ConfigError
-from eagle3.training.data import (
-    TURN_CUT_END_MASKED,
-    BadRow,
-    ChatRenderer,
-    EncodedRow,
-    iter_rows,
-    text_sha256,
-    tokenizer_fingerprint,
-)
+from eagle3.training.data import BadRow, iter_rows, text_sha256, tokenizer_fingerprint
+from eagle3.training.render import TURN_CUT_END_MASKED, ChatRenderer, EncodedRow
 from eagle3.training.vocab import (
     build_vocab_mapping,
     check_vocab_mapping,
@@ -315,6 +308,45 @@ def prepare(
             f"prepare kept 0 of {report.rows_read} rows (dropped: {report.dropped}, read errors: "
             f"{report.read_errors}); see {out / REPORT_FILE}"
         )
+    return report
+
+
+def write_token_rows(rows: Iterable[tuple[np.ndarray, np.ndarray]], out_dir: str | os.PathLike[str], tokenizer: Any,
+                     vocab_size: int, vocab_mapping: tuple[torch.Tensor, torch.Tensor], source: str) -> PrepareReport:
+    """A prepared folder (module docstring) from rows that are token ids already: (ids [T] int, loss mask [T] 0/1),
+    e.g. recorded traffic (`eagle3.traffic`), with the draft vocabulary `vocab_mapping` (the drafter's)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    check_vocab_mapping(*vocab_mapping)
+    report = PrepareReport(vocab_size=vocab_size, draft_vocab_size=vocab_mapping[0].numel(),
+                           tokenizer=tokenizer_fingerprint(tokenizer), chat_template_source="traffic",
+                           data_files=[source])
+    freq = np.zeros(vocab_size, dtype=np.int64)  # [V]
+    offsets = [0]
+    tmp_tokens, tmp_mask, tmp_offsets = _tmp(out / TOKENS_FILE), _tmp(out / MASK_FILE), _tmp(out / OFFSETS_FILE)
+    with open(tmp_tokens, "wb") as f_tok, open(tmp_mask, "wb") as f_mask:
+        for ids, mask in rows:
+            report.rows_read += 1
+            f_tok.write(np.asarray(ids).astype("<i4").tobytes())
+            f_mask.write(np.asarray(mask).astype(np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(ids))
+            report.longest_row_tokens = max(report.longest_row_tokens, len(ids))
+            _count(freq, np.asarray(ids)[np.asarray(mask, dtype=bool)], vocab_size)
+    with open(tmp_offsets, "wb") as f:
+        np.save(f, np.asarray(offsets, dtype=np.int64))
+    for tmp, final in ((tmp_tokens, TOKENS_FILE), (tmp_mask, MASK_FILE), (tmp_offsets, OFFSETS_FILE)):
+        os.replace(tmp, out / final)
+    freq_t = torch.from_numpy(freq)
+    save_token_freq(freq_t, out / FREQ_FILE)
+    save_vocab_mapping(*vocab_mapping, out / VOCAB_FILE)
+    report.rows_kept = len(offsets) - 1
+    report.max_length = report.longest_row_tokens
+    report.total_tokens, report.trainable_tokens = offsets[-1], int(freq.sum())
+    report.distinct_trainable_tokens = int((freq > 0).sum())
+    report.draft_vocab_coverage = coverage(freq_t, vocab_mapping[1])
+    report.files = {"tokens": TOKENS_FILE, "loss_mask": MASK_FILE, "offsets": OFFSETS_FILE, "token_freq": FREQ_FILE,
+                    "vocab": VOCAB_FILE}
+    write_json_atomic(report.to_dict(), out / REPORT_FILE)
     return report
 
 

@@ -1,0 +1,227 @@
+"""The answering loop of `eagle3 regenerate`: each conversation's on-policy prompts, and the drivers that answer
+them (turn-synchronous batches, continuous batching across turns, one endpoint worker per conversation)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any
+
+from eagle3.config import ConfigError
+from eagle3.training.backends import Backend, EndpointBackend, EndpointError, Generation, LocalBackend
+from eagle3.training.regenerate_output import RegenerateReport, _Output
+from eagle3.training.regenerate_rows import Message, _Row
+
+SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
+PROMPT_TOO_LONG = "first prompt longer than the limit (max_prompt_tokens or the server's context length)"
+WINDOW_BATCHES = 4  # the batched driver keeps batch_size * WINDOW_BATCHES conversations in flight
+MAX_LISTED_FAILURES = 100
+
+
+class _Conversation:
+    """The on-policy state of one row: the prompt grows by the target's own answers."""
+
+    def __init__(self, row: _Row, max_turns: int | None):
+        self.row = row
+        pending, users = [], 0
+        for m in row.messages or []:
+            if m["role"] == "assistant":
+                continue  # the dataset's answers are replaced, never shown to the target
+            if m["role"] == "user":
+                if max_turns is not None and users >= max_turns:
+                    break
+                users += 1
+            pending.append(m)
+        self.pending = deque(pending)
+        self.users_left = users
+        self.messages: list[Message] = []
+        self.reasoning: dict[int, str] = {}  # message index -> reasoning_content
+        self.cut: set[int] = set()  # indices of answers that hit max_new_tokens
+        self.committed = 0  # messages up to here end with an answer
+        self.answered = self.turns_cut = self.tokens = 0
+        self.status = ""  # "done" | "skipped" | "failed"
+        self.reason = ""
+        self.fatal = False
+
+    def next_prompt(self) -> list[Message]:
+        """The messages up to and including the next user turn (system turns before it included)."""
+        while self.pending:
+            message = self.pending.popleft()
+            self.messages.append(message)
+            if message["role"] == "user":
+                self.users_left -= 1
+                return [dict(m) for m in self.messages]
+        raise RuntimeError("no user turn left")  # callers check `users_left` first
+
+    def apply(self, gen: Generation) -> bool:
+        """Take the answer to the last prompt; True while more user turns remain to be answered."""
+        self.tokens += gen.num_tokens
+        if gen.finish_reason == "error":
+            self.status, self.reason = "failed", gen.error or "unknown error"
+            return False
+        if gen.finish_reason == "prompt_too_long":
+            if self.answered == 0:
+                self.status, self.reason = "skipped", PROMPT_TOO_LONG
+            else:
+                del self.messages[self.committed :]
+                self.turns_cut = 1
+                self.status = "done"
+            return False
+        if gen.reasoning:
+            self.reasoning[len(self.messages)] = gen.reasoning
+        if gen.finish_reason == "length":
+            self.cut.add(len(self.messages))
+        self.messages.append({"role": "assistant", "content": gen.text})
+        self.committed = len(self.messages)
+        self.answered += 1
+        if self.users_left > 0:
+            return True
+        self.status = "done"
+        return False
+
+    def record(self) -> dict[str, Any]:
+        if self.row.raw:
+            rec: dict[str, Any] = {"id": self.row.id, "row": self.row.index, "prompt": self.messages[0]["content"],
+                                   "completion": self.messages[1]["content"]}
+            return {**rec, "finish_reason": "length"} if self.cut else rec
+        turns = []
+        for k, m in enumerate(self.messages[: self.committed]):
+            turn: dict[str, Any] = {"from": SHAREGPT_FROM[m["role"]], "value": m["content"]}
+            if k in self.reasoning:
+                turn["reasoning_content"] = self.reasoning[k]
+            if k in self.cut:
+                turn["finish_reason"] = "length"  # `prepare` does not supervise an end-of-turn token here
+            turns.append(turn)
+        return {"id": self.row.id, "row": self.row.index, "conversations": turns}
+
+
+class _Run:
+    """Bookkeeping shared by both drivers: writes finished rows, counts, progress, the failure brake."""
+
+    def __init__(self, report: RegenerateReport, output: _Output, pbar: Any, max_consecutive_failures: int):
+        self.report, self.output, self.pbar = report, output, pbar
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
+        self.start = time.perf_counter()
+
+    def skip(self, reason: str) -> None:
+        self.report.rows_skipped += 1
+        self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
+
+    def complete(self, conv: _Conversation) -> None:
+        r = self.report
+        r.turns_generated += conv.answered
+        r.turns_cut += conv.turns_cut
+        r.answers_truncated += len(conv.cut)
+        r.tokens_generated += conv.tokens
+        if conv.status == "done":
+            self.output.write(conv.record())
+            r.rows_done += 1
+            self.consecutive_failures = 0
+        elif conv.status == "skipped":
+            self.skip(conv.reason)
+        else:
+            r.rows_failed += 1
+            key = conv.reason[:200]
+            r.failure_reasons[key] = r.failure_reasons.get(key, 0) + 1
+            if len(r.failures) < MAX_LISTED_FAILURES:
+                r.failures.append({"row": conv.row.index, "id": conv.row.id, "reason": conv.reason})
+            self.consecutive_failures += 1
+            if conv.fatal or self.consecutive_failures >= self.max_consecutive_failures:
+                raise ConfigError(
+                    f"{self.consecutive_failures} conversation(s) in a row failed; last error: {conv.reason}. "
+                    f"The {r.rows_done + r.rows_resumed} rows already written are kept: fix the cause and rerun "
+                    "the same command to resume"
+                )
+        self.pbar.update(1)
+        elapsed = time.perf_counter() - self.start
+        self.pbar.set_postfix(tok_s=f"{r.tokens_generated / max(elapsed, 1e-9):.1f}", refresh=False)
+
+
+def _drive_batched(
+    run: _Run,
+    convs: list[_Conversation],
+    backend: Backend,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+) -> None:
+    """Turn-synchronous: all conversations of a window answer turn i in batches, then turn i+1."""
+    window = backend.window(batch_size) if hasattr(backend, "window") else batch_size * WINDOW_BATCHES
+    for start in range(0, len(convs), window):
+        active = convs[start : start + window]
+        while active:
+            prompts = [c.next_prompt() for c in active]
+            gens = backend.generate(prompts, temperature, max_new_tokens, batch_size)
+            if len(gens) != len(prompts):
+                raise RuntimeError(
+                    f"{backend.describe()} returned {len(gens)} answers for {len(prompts)} prompts"
+                )
+            still = []
+            for conv, gen in zip(active, gens, strict=True):
+                if conv.apply(gen):
+                    still.append(conv)
+                else:
+                    run.complete(conv)
+            active = still
+
+
+def _drive_chains(
+    run: _Run,
+    convs: list[_Conversation],
+    backend: LocalBackend,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+) -> None:
+    """Continuous batching across turns: a conversation's next turn joins the batch as soon as its answer
+    is in, and a finished conversation is written at once, so an interrupted run keeps all but the
+    conversations in flight (the turn-synchronous driver loses a whole window's first turns)."""
+
+    def on_answer(k: int, gen: Generation) -> list[Message] | None:
+        conv = convs[k]
+        if conv.apply(gen):
+            return conv.next_prompt()
+        run.complete(conv)
+        return None
+
+    backend.answer_chains([c.next_prompt() for c in convs], on_answer, temperature, max_new_tokens, batch_size)
+
+
+def _drive_concurrent(
+    run: _Run, convs: list[_Conversation], backend: EndpointBackend, temperature: float, max_new_tokens: int
+) -> None:
+    """One worker per conversation: turns run back to back, no waiting for other conversations' turns."""
+    stop = threading.Event()
+
+    def work(conv: _Conversation) -> _Conversation:
+        while not stop.is_set():
+            try:
+                gen = backend.chat(conv.next_prompt(), temperature, max_new_tokens, stop)
+            except EndpointError as exc:
+                conv.status, conv.reason, conv.fatal = "failed", str(exc), exc.fatal
+                return conv
+            if not conv.apply(gen):
+                return conv
+        conv.status, conv.reason = "failed", "stopped"
+        return conv
+
+    pool = ThreadPoolExecutor(max_workers=backend.concurrency)
+    queue, in_flight = iter(convs), set()
+    try:
+        while True:
+            while len(in_flight) < 2 * backend.concurrency:
+                conv = next(queue, None)
+                if conv is None:
+                    break
+                in_flight.add(pool.submit(work, conv))
+            if not in_flight:
+                return
+            finished, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in finished:
+                run.complete(future.result())
+    finally:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
