@@ -554,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--record", default="runs/demo.json", help="where to write the run record")
     dm.set_defaults(func=cmd_demo)
 
+    from eagle3.adapt import add_adapt_parser
     from eagle3.bench import add_bench_parser
     from eagle3.check import add_check_parser
     from eagle3.serving.cli import add_serve_parser
@@ -563,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_tune_parser(sub)
+    add_adapt_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = help_formatter
     return p
