@@ -93,3 +93,50 @@ def test_adapt_does_not_write_a_refused_candidate(tmp_path, traffic, monkeypatch
     with pytest.raises(ConfigError, match="at least 2"):
         adapt_mod.adapt("stories260k", str(drafter), [{"prompt_ids": [1], "completion_ids": [2]}],
                         str(tmp_path / "x"), echo=lambda *_: None)
+
+
+def test_served_requests_are_recorded_and_adapt_learns_from_them(tmp_path, stories260k):
+    """The loop a server runs: requests through the batched scheduler with `record`, the shards written when it
+    stops (a request with `record` False left out), and `adapt` training on them."""
+    from eagle3 import adapt as adapt_mod
+    from eagle3.runtime import drafter_for
+    from eagle3.serving.config import ServeConfig
+    from eagle3.serving.drafting import Eagle3BatchDrafter
+    from eagle3.serving.requests import GenParams
+    from eagle3.serving.server import build_scheduler
+    from eagle3.target import Target
+    from test_batching import run_batch
+
+    model, tok = stories260k
+    drafter = tmp_path / "d"
+    assert main(["init-drafter", "--target", "stories260k", "--out", str(drafter), "--draft-vocab-size", "full"]) == 0
+    d = drafter_for(model, drafter)
+    sched = build_scheduler(Target(model, d.config.aux_layer_ids), tok, [tok.eos_token_id],
+                            drafter=Eagle3BatchDrafter(d), config=ServeConfig(record=str(tmp_path / "traffic")))
+    starts = ["Once upon a time", "Lily had a dog", "The sun was", "Tom went to", "A little bird", "The cat sat"]
+    params = [GenParams(tok(s, add_special_tokens=True)["input_ids"], 20, record=i != 2) for i, s in enumerate(starts)]
+    events = run_batch(sched, params)
+    rows = list(read_traffic(tmp_path / "traffic"))
+    assert len(rows) == 5 and all(r["drafter"] == "v1" and r["model"] == "eagle3" for r in rows)
+    by_prompt = {tuple(r["prompt_ids"]): r for r in rows}
+    for i, (p, ev) in enumerate(zip(params, events, strict=True)):
+        if i == 2:
+            assert tuple(p.prompt_ids) not in by_prompt  # opted out
+        else:
+            r = by_prompt[tuple(p.prompt_ids)]
+            assert r["completion_ids"] == ev.token_ids and r["finish_reason"] == ev.finish_reason
+            assert r["cycles"] >= 1 and 0 <= r["accepted"] <= len(ev.token_ids)
+    rep = adapt_mod.adapt("stories260k", str(drafter), str(tmp_path / "traffic"), str(tmp_path / "new"),
+                          max_steps=3, eval_tokens=8, dtype="float32", progress=False, echo=lambda *_: None)
+    assert rep.rows_train == 4 and rep.rows_holdout == 1 and rep.steps == 3
+
+
+def test_store_false_opts_a_chat_request_out_of_the_record():
+    from eagle3.serving.protocol import RequestError, parse_chat
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(json.dumps(base)).store and parse_chat(json.dumps({**base, "store": True})).store
+    assert not parse_chat(json.dumps({**base, "store": False})).store
+    with pytest.raises(RequestError) as e:
+        parse_chat(json.dumps({**base, "store": "no"}))
+    assert e.value.param == "store"

@@ -29,8 +29,8 @@ DEFAULT_NGRAM_MIN = 1
 # `eagle3.fast.target.Pointwise`): the levels that compile something, then the two that choose.
 FUSE_POINTWISE_LEVELS = ("elementwise", "all")  # their pieces: `eagle3.fast.target.FUSE_LEVELS`
 FUSE_POINTWISE_CHOICES = ("auto", "off", *FUSE_POINTWISE_LEVELS)
-FUSE_POINTWISE_HELP = ("elementwise: compile RoPE, SwiGLU (bf16 chains stay identical to plain decoding); "
-                       "all (the flag alone): also norms, residual adds; auto: elementwise on CUDA")
+FUSE_POINTWISE_HELP = ("elementwise: compile RoPE, SwiGLU; all (the flag alone): also norms, residual adds (bf16 "
+                       "chains then differ); auto: elementwise on CUDA")
 # One flag `--drafter-attention [auto|sdpa|matmul|split|prefix]` (generate, eval, bench, scripts/profile_step.py;
 # `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`).
 DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split", "prefix")

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI): request validation, tokenization, SSE streaming, errors.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+Chat requests with `tools` are rendered and their answers read for tool calls by `tools.py`.
 Decoding happens in the `Scheduler` thread; each request gets an asyncio queue its events are posted to
 through a `_Mailbox` (one `loop.call_soon_threadsafe` wake-up per burst of events, not one per event). A client that disconnects (a stream it stops reading, or a request it
 abandons) is cancelled, and its batch row is freed at the next cycle boundary. On shutdown the lifespan
@@ -18,11 +19,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagle3.runtime import encode_prompt
 from eagle3.serving import protocol as P
+from eagle3.serving import tools as T
 from eagle3.serving.protocol import RequestError
 from eagle3.serving.requests import Event, GenParams, RequestHandle, SchedulerUnavailable
 from eagle3.serving.scheduler import Scheduler
@@ -108,17 +111,21 @@ def create_app(scheduler: Scheduler) -> FastAPI:
             raise RequestError(f"The model `{name}` does not exist. This server serves `{cfg.model_name}`.",
                                param="model", code="model_not_found", status=404)
 
-    def encode_chat(messages: list[dict]) -> list[int]:
+    def encode_chat(req: P.ChatRequest) -> tuple[list[int], T.ToolCalls | None]:
+        """The prompt's token ids, and how to read tool calls from the answer (None: the request offers none)."""
+        if not cfg.chat_template and not getattr(tok, "chat_template", None):
+            raise RequestError(
+                f"The model `{cfg.model_name}` has no chat template. Use /v1/completions, or start the server "
+                "with --chat-template FILE.", param="messages", code="no_chat_template")
         with scheduler.tokenizer_lock:
-            if cfg.chat_template:
-                text = tok.apply_chat_template(messages, chat_template=cfg.chat_template, tokenize=False,
-                                               add_generation_prompt=True)
-                return tok(text, add_special_tokens=False)["input_ids"]
-            if not getattr(tok, "chat_template", None):
-                raise RequestError(
-                    f"The model `{cfg.model_name}` has no chat template. Use /v1/completions, or start the server "
-                    "with --chat-template FILE.", param="messages", code="no_chat_template")
-            return encode_prompt(tok, chat=messages)
+            try:
+                text, calls = T.render(tok, req.messages, req.tools, req.tool_choice, req.tool_function,
+                                       req.parallel_tool_calls, cfg.chat_template)
+            except TemplateError as e:  # the template refuses the conversation (roles, ids, ...)
+                raise RequestError(f"The chat template cannot render these messages: {e}", param="messages",
+                                   code="invalid_value") from None
+            # the template writes its own BOS, if any
+            return tok(text, add_special_tokens=False)["input_ids"], calls
 
     def encode_text(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -146,7 +153,8 @@ def create_app(scheduler: Scheduler) -> FastAPI:
                                f"Please reduce the length of the {what} or completion.",
                                param="max_tokens", code="context_length_exceeded")
         return GenParams(prompt_ids=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                         top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), stream=req.stream, endpoint=endpoint)
+                         top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), stream=req.stream, endpoint=endpoint,
+                         record=getattr(req, "store", True))
 
     mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}  # one per loop serving this app
 
@@ -193,7 +201,8 @@ def create_app(scheduler: Scheduler) -> FastAPI:
             if not handle.finished:
                 scheduler.cancel(handle)
 
-    async def run(request: Request, req, ids: list[int], endpoint: str) -> Response:
+    async def run(request: Request, req, ids: list[int], endpoint: str,
+                  calls: T.ToolCalls | None = None) -> Response:
         params = gen_params(req, ids, endpoint)
         handle, queue = submit(params)
         rid = P.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
@@ -204,6 +213,12 @@ def create_app(scheduler: Scheduler) -> FastAPI:
                 return Response(status_code=499)  # the client is gone; nobody reads this
             if ev.kind == "error":
                 return error(ev.status, ev.text, "server_error" if ev.status == 500 else "server_unavailable")
+            if calls is not None:
+                content, tool_calls = calls.parse(ev.text)
+                scheduler.metrics.inc("eagle3_tool_call_parse_errors_total", calls.errors)
+                finish = "tool_calls" if tool_calls else ev.finish_reason
+                return JSONResponse(P.chat_response(rid, model, content, finish, ev.prompt_tokens,
+                                                    ev.completion_tokens, tool_calls))
             make = P.chat_response if endpoint == "chat" else P.completion_response
             return JSONResponse(make(rid, model, ev.text, ev.finish_reason, ev.prompt_tokens, ev.completion_tokens))
 
@@ -215,16 +230,27 @@ def create_app(scheduler: Scheduler) -> FastAPI:
                 return P.chat_chunk(rid, model, t0, delta, finish)
             return P.completion_chunk(rid, model, t0, text or "", finish)
 
+        reader = calls.stream() if calls is not None else None  # text into content and tool-call deltas
+
         async def events():
             try:
                 if endpoint == "chat":
                     yield _sse(chunk(None, role=True))
                 while True:
                     ev = await queue.get()
-                    if ev.kind == "delta":
+                    if ev.kind == "delta" and reader is None:
                         yield _sse(chunk(ev.text))
+                    elif ev.kind == "delta":
+                        for delta in reader.feed(ev.text):
+                            yield _sse(P.chat_chunk(rid, model, t0, delta))
                     elif ev.kind == "done":
-                        yield _sse(chunk(None, ev.finish_reason))
+                        finish = ev.finish_reason
+                        if reader is not None:
+                            for delta in reader.finish():
+                                yield _sse(P.chat_chunk(rid, model, t0, delta))
+                            scheduler.metrics.inc("eagle3_tool_call_parse_errors_total", reader.errors)
+                            finish = "tool_calls" if reader.calls else finish
+                        yield _sse(chunk(None, finish))
                         if req.include_usage:
                             last = chunk(None)
                             last["choices"] = []
@@ -248,7 +274,8 @@ def create_app(scheduler: Scheduler) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req = P.parse_chat(await request.body(), cfg.max_stop_strings)
         check_model(req.model)
-        return await run(request, req, encode_chat(req.messages), "chat")
+        ids, calls = encode_chat(req)
+        return await run(request, req, ids, "chat", calls)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -51,6 +51,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file, for targets whose tokenizer has none")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--record", default=None, metavar="DIR",
+                   help="record requests as Parquet, for eagle3 adapt (\"store\": false opts out)")
     b = s.add_argument_group("batching")
     b.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size, metavar="N",
                    help="rows decoded together")
@@ -154,7 +156,8 @@ def load_server(args):
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
         max_prefill_tokens=args.max_prefill_tokens, admit_wait=args.admit_wait, max_waiting=args.max_waiting,
         stream_interval=args.stream_interval,
-        shutdown_timeout=args.shutdown_timeout, chat_template=template, fast_rows_len=args.fast_rows_len)
+        shutdown_timeout=args.shutdown_timeout, chat_template=template, fast_rows_len=args.fast_rows_len,
+        record=args.record)
     policy = SpecPolicy(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
         min_accept=args.spec_min_accept, retry_after=args.spec_retry_after, measure=not args.no_spec_gate)

@@ -32,6 +32,10 @@ class ServeConfig:
     # A streamed request gets a chunk every this many tokens (the first and the last at once); vLLM's and SGLang's
     # `stream_interval`, default 1 there too. Larger values trade smoothness for host time at high concurrency.
     stream_interval: int = 1
+    # record every finished request's token ids, sampling settings and acceptance as Parquet shards here
+    # (`eagle3.traffic`; `eagle3 adapt` trains on them); a request opts out with `GenParams.record` False
+    record: str | None = None
+    record_shard_rows: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting", "fast_rows_len",

@@ -56,6 +56,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
     "eagle3_verified_tokens_total": ("counter", "Tokens in verification forwards, padding included (B*(N+1))."),
     "eagle3_draft_tokens_total": ("counter", "Draft tokens proposed."),
     "eagle3_accepted_tokens_total": ("counter", "Draft tokens accepted."),
+    "eagle3_tool_call_parse_errors_total": ("counter", "Tool calls the model wrote malformed (returned as text)."),
     "eagle3_spec_row_steps_total": ("counter", "Row verifications with drafts (the cycles tau is over)."),
     "eagle3_spec_paused_cycles_total": ("counter", "Cycles run plain because speculation measured slower."),
     "eagle3_draft_position_tried_total": ("counter", "Row cycles that drafted at depth >= position."),

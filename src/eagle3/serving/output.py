@@ -109,6 +109,12 @@ class OutputMixin:
         self.metrics.observe("eagle3_request_latency_seconds", time.perf_counter() - h.arrival)
         self._send(h, Event("done", text=text, finish_reason=reason, prompt_tokens=len(h.params.prompt_ids),
                             completion_tokens=len(row.out), token_ids=list(row.out)))
+        if self.recorder is not None and h.params.record:
+            p = h.params
+            self.recorder.add({"request_id": h.id, "model": self.config.model_name, "drafter": self.drafter_version,
+                               "prompt_ids": list(p.prompt_ids), "completion_ids": list(row.out),
+                               "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                               "finish_reason": reason, "cycles": row.acc.cycles, "accepted": row.acc.total})
 
     def _send(self, handle: RequestHandle, event: Event) -> None:
         try:

@@ -141,10 +141,12 @@ class RowAcceptance:
 
     cycles: int = 0
     mean: float = 0.0
+    total: int = 0  # accepted drafts over all cycles
 
     def update(self, accepted: int, ema: float) -> None:
         self.mean = float(accepted) if self.cycles == 0 else (1 - ema) * self.mean + ema * accepted
         self.cycles += 1
+        self.total += int(accepted)
 
 
 class SpeedGate:

@@ -5,12 +5,14 @@ Every problem raises `RequestError`, which the app turns into OpenAI's error bod
 Fields OpenAI defines but this server does not implement are accepted only at their neutral value
 (`n: 1`, `logprobs: false`, penalties 0, ...) and rejected otherwise with a message saying so; fields
 OpenAI does not define are rejected ("Unrecognized request argument"). `top_k` is accepted as an extension
-(as vLLM does).
+(as vLLM does). Tool calls (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and `tool`
+messages) are validated here; `tools.py` renders and parses them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -118,11 +120,11 @@ _CHAT = {
     "logprobs": _unsupported("logprobs", lambda v: v is False, "no log probabilities"),
     "top_logprobs": _unsupported("top_logprobs", lambda v: v == 0, "no log probabilities"),
     "response_format": _unsupported("response_format", lambda v: v == {"type": "text"}, "text output only"),
-    "tools": _unsupported("tools", lambda v: v == [], "no tool calls"),
-    "tool_choice": _unsupported("tool_choice", lambda v: v == "none", "no tool calls"),
-    "parallel_tool_calls": _ignored,
+    "tools": _ignored,  # checked below (`_tools`)
+    "tool_choice": _ignored,  # checked below (`_tool_choice`)
+    "parallel_tool_calls": _bool,
     "metadata": _ignored,
-    "store": _unsupported("store", lambda v: v is False, "nothing is stored"),
+    "store": _bool,  # False: kept out of the server's traffic record (`eagle3 serve --record`)
 }
 _COMPLETION = {
     **_COMMON,
@@ -150,6 +152,11 @@ class _Sampling:
 @dataclass
 class ChatRequest(_Sampling):
     messages: list[dict] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)  # [{"type": "function", "function": {"name", ...}}]
+    tool_choice: str = "none"  # "none", "auto", "required", or "function" (the one named `tool_function`)
+    tool_function: str | None = None
+    parallel_tool_calls: bool = True
+    store: bool = True  # False: not recorded (`ServeConfig.record`)
 
 
 @dataclass
@@ -229,42 +236,194 @@ def _common(body: dict, spec: dict, out: _Sampling, max_stop: int) -> None:
         out.include_usage = bool(_bool("stream_options.include_usage", so.get("include_usage")))
 
 
-def _message(i: int, m: Any) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise _bad_type(where, "an object", m)
-    extra = sorted(set(m) - {"role", "content", "name"})
+def _unknown(name: str) -> RequestError:
+    return RequestError(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
+
+
+def _missing(name: str) -> RequestError:
+    return RequestError(f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
+
+
+def _invalid(name: str, message: str, code: str = "invalid_value") -> RequestError:
+    return RequestError(f"Invalid value for '{name}': {message}", param=name, code=code)
+
+
+def _object(name: str, v: Any, keys: set[str]) -> dict:
+    """`v` as an object with no keys beyond `keys`."""
+    if not isinstance(v, dict):
+        raise _bad_type(name, "an object", v)
+    extra = sorted(set(v) - keys)
     if extra:
-        raise RequestError(f"Unrecognized request argument supplied: {where}.{extra[0]}", param=f"{where}.{extra[0]}",
-                           code="unknown_parameter")
-    role = m.get("role")
-    if role not in ("system", "developer", "user", "assistant"):
-        if role == "tool":
-            raise RequestError(f"'{where}.role' 'tool' is not supported by this server (no tool calls).",
-                               param=f"{where}.role", code="unsupported_parameter")
-        raise RequestError(f"Invalid value for '{where}.role': expected one of 'system', 'developer', 'user', "
-                           f"'assistant', got {role!r}.", param=f"{where}.role", code="invalid_value")
-    content = m.get("content")
+        raise _unknown(f"{name}.{extra[0]}")
+    return v
+
+
+def _text(name: str, content: Any) -> str:
+    """A message's content: a string or an array of text parts, joined."""
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise RequestError(f"'{where}.content[{j}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                   "are supported.", param=f"{where}.content", code="unsupported_parameter")
+                raise RequestError(f"'{name}[{j}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                   "are supported.", param=name, code="unsupported_parameter")
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise _bad_type(f"{where}.content", "a string or an array of text parts", content)
+        raise _bad_type(name, "a string or an array of text parts", content)
+    return content
+
+
+def _tool_call(where: str, c: Any) -> dict:
+    """One call of an assistant message, with its arguments decoded (chat templates write them with `tojson`)."""
+    c = _object(where, c, {"id", "type", "function"})
+    if not isinstance(c.get("id"), str):
+        raise _missing(f"{where}.id") if c.get("id") is None else _bad_type(f"{where}.id", "a string", c["id"])
+    if c.get("type", "function") != "function":
+        raise _invalid(f"{where}.type", f"expected 'function', got {c['type']!r}.")
+    if "function" not in c:
+        raise _missing(f"{where}.function")
+    f = _object(f"{where}.function", c["function"], {"name", "arguments"})
+    for key in ("name", "arguments"):
+        if f.get(key) is None:
+            raise _missing(f"{where}.function.{key}")
+        _str(f"{where}.function.{key}", f[key])
+    try:
+        arguments = json.loads(f["arguments"])
+    except json.JSONDecodeError as e:
+        raise _invalid(f"{where}.function.arguments", f"not valid JSON ({e}).") from None
+    if not isinstance(arguments, dict):
+        raise _invalid(f"{where}.function.arguments", f"expected a JSON object, got {_type_name(arguments)}.")
+    return {"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": arguments}}
+
+
+_MESSAGE_KEYS = {"role", "content", "name"}
+_ROLE_KEYS = {"assistant": _MESSAGE_KEYS | {"tool_calls", "refusal"}, "tool": _MESSAGE_KEYS | {"tool_call_id"}}
+
+
+def _message(i: int, m: Any) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise _bad_type(where, "an object", m)
+    role = m.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise RequestError(f"Invalid value for '{where}.role': expected one of 'system', 'developer', 'user', "
+                           f"'assistant', 'tool', got {role!r}.", param=f"{where}.role", code="invalid_value")
+    extra = sorted(set(m) - _ROLE_KEYS.get(role, _MESSAGE_KEYS))
+    if extra:
+        raise _unknown(f"{where}.{extra[0]}")
+    calls = m.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise _bad_type(f"{where}.tool_calls", "an array", calls)
+    calls = [_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls or [])]
+    # an assistant turn that only calls tools has no content (null)
+    content = "" if calls and m.get("content") is None else _text(f"{where}.content", m.get("content"))
     out = {"role": "system" if role == "developer" else role, "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    if role == "tool":
+        if m.get("tool_call_id") is None:
+            raise _missing(f"{where}.tool_call_id")
+        out["tool_call_id"] = _str(f"{where}.tool_call_id", m["tool_call_id"])
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
     return out
+
+
+def _name_tool_results(messages: list[dict]) -> None:
+    """Give each tool result the name of the function whose call it answers (some templates write it)."""
+    names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
+    for m in messages:
+        if m["role"] == "tool" and "name" not in m and m["tool_call_id"] in names:
+            m["name"] = names[m["tool_call_id"]]
+
+
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+def _check_schema(name: str, schema: Any) -> None:
+    """`schema` must be a valid JSON Schema object (checked against its draft's metaschema)."""
+    if not isinstance(schema, dict):
+        raise _bad_type(name, "a JSON Schema object", schema)
+    try:
+        from jsonschema import exceptions, validators
+    except ImportError:  # pragma: no cover - a server installed without its extras
+        raise RequestError("This server cannot check tool schemas: install jsonschema (pip install "
+                           "'eagle3[serve]').", param=name, status=500, type="server_error") from None
+    try:
+        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
+    except exceptions.SchemaError as e:
+        raise RequestError(f"Invalid schema for '{name}': {e.message} (at {e.json_path}).", param=name,
+                           code="invalid_function_parameters") from None
+
+
+def _tools(v: Any) -> list[dict]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise _bad_type("tools", "an array", v)
+    tools, seen = [], set()
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        t = _object(where, t, {"type", "function"})
+        if t.get("type") != "function":
+            if t.get("type") is None:
+                raise _missing(f"{where}.type")
+            raise _invalid(f"{where}.type", f"only 'function' tools are supported, got {t['type']!r}.")
+        if "function" not in t:
+            raise _missing(f"{where}.function")
+        f = _object(f"{where}.function", t["function"], {"name", "description", "parameters", "strict"})
+        name = f.get("name")
+        if name is None:
+            raise _missing(f"{where}.function.name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise RequestError(f"Invalid '{where}.function.name': string does not match pattern. Expected a "
+                               f"string that matches the pattern '{TOOL_NAME.pattern}', got {name!r}.",
+                               param=f"{where}.function.name", code="invalid_value")
+        if name in seen:
+            raise _invalid(f"{where}.function.name", f"duplicate function name {name!r}: tool names must be unique.")
+        seen.add(name)
+        _str(f"{where}.function.description", f.get("description"))
+        _bool(f"{where}.function.strict", f.get("strict"))
+        if f.get("parameters") is not None:
+            _check_schema(f"{where}.function.parameters", f["parameters"])
+        tools.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")
+                                                       if f.get(k) is not None}})
+    return tools
+
+
+def _tool_choice(v: Any, tools: list[dict]) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "function", the function's name). OpenAI's default: "auto" with tools."""
+    if v is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(v, str):
+        if v not in ("none", "auto", "required"):
+            raise _invalid("tool_choice", f"expected 'none', 'auto', 'required' or an object naming a function, "
+                           f"got {v!r}.")
+        choice, name = v, None
+    elif isinstance(v, dict):
+        c = _object("tool_choice", v, {"type", "function"})
+        if c.get("type") != "function":
+            raise _invalid("tool_choice.type", f"expected 'function', got {c.get('type')!r}.")
+        if "function" not in c:
+            raise _missing("tool_choice.function")
+        f = _object("tool_choice.function", c["function"], {"name"})
+        if f.get("name") is None:
+            raise _missing("tool_choice.function.name")
+        choice, name = "function", _str("tool_choice.function.name", f["name"])
+    else:
+        raise _bad_type("tool_choice", "a string or an object", v)
+    if choice != "none" and not tools:
+        raise _invalid("tool_choice", "'tool_choice' is only allowed when 'tools' are specified.")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise _invalid("tool_choice.function.name", f"no function named {name!r} in 'tools'.")
+    return choice, name
 
 
 def parse_chat(raw: bytes | str, max_stop: int = 4) -> ChatRequest:
     body = _load(raw)
     req = ChatRequest()
     _common(body, _CHAT, req, max_stop)
+    req.store = body.get("store") is not False
     if body.get("max_completion_tokens") is not None:
         mct = _int("max_completion_tokens", body["max_completion_tokens"])
         if mct < 1:
@@ -281,6 +440,10 @@ def parse_chat(raw: bytes | str, max_stop: int = 4) -> ChatRequest:
         raise RequestError("Invalid 'messages': empty array. Expected an array with minimum length 1, but got an "
                            "empty array instead.", param="messages", code="empty_array")
     req.messages = [_message(i, m) for i, m in enumerate(msgs)]
+    _name_tool_results(req.messages)
+    req.tools = _tools(body.get("tools"))
+    req.tool_choice, req.tool_function = _tool_choice(body.get("tool_choice"), req.tools)
+    req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
     return req
 
 
@@ -322,10 +485,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_response(rid: str, model: str, text: str | None, finish: str, prompt_tokens: int, completion_tokens: int,
+                  tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 

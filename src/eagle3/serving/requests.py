@@ -29,6 +29,7 @@ class GenParams:
     stop: Sequence[str] = ()
     stream: bool = False
     endpoint: str = "completions"  # a metrics label
+    record: bool = True  # into the server's traffic record, when it keeps one (`ServeConfig.record`)
 
 
 @dataclass

@@ -118,6 +118,12 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
             plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0)
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
+        self.drafter_version = "v1" if drafter is not None else "none"  # labels recorded traffic
+        self.recorder = None
+        if self.config.record:
+            from eagle3.traffic import TrafficRecorder
+
+            self.recorder = TrafficRecorder(self.config.record, shard_rows=self.config.record_shard_rows)
         # window decoding is exact unless the tokenizer rewrites spaces around punctuation after decoding
         self._incremental = tokenizer is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         # without that clean-up, a fast tokenizer's `decode` is its Rust backend's; calling the backend directly
@@ -195,6 +201,8 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, timeout))
+        if self.recorder is not None:  # what was recorded and not yet in a shard
+            self.recorder.close()
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
