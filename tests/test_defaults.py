@@ -96,3 +96,24 @@ def files_drafter():
     from eagle3.demo import bundled_drafter
 
     return bundled_drafter()
+
+
+def test_export_writes_the_shape_tuned_on_a_gpu(tmp_path, capsys):
+    """`eagle3 export` writes the tuned draft length (an entry measured on a GPU before any other) and prints the
+    matching vLLM and SGLang flags."""
+    from eagle3.tuning.cache import drafter_store
+
+    drafter = tmp_path / "d"
+    assert main(["init-drafter", "--target", "stories260k", "--out", str(drafter), "--draft-vocab-size", "256"]) == 0
+    store = drafter_store(drafter)
+    for device, shape, when in (("cpu:EPYC:2 threads", DraftShape.chain(2), "2026-12-05T02:00:00Z"),
+                                ("cuda:NVIDIA H200", DraftShape.chain(4), "2026-12-05T01:00:00Z")):
+        store.store({"key": {"device": device}, "measured_utc": when,
+                     "choices": {"0.0": {"shape": shape.to_dict(), "chain_stop": None, "speedup": 2.0}}})
+    out = tmp_path / "out"
+    assert main(["export", "--drafter", str(drafter), "--format", "speculators", "--out", str(out),
+                 "--target", "stories260k"]) == 0
+    printed = capsys.readouterr().out
+    assert '"num_speculative_tokens": 4' in printed and "--speculative-num-steps 4" in printed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
