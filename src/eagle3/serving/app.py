@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app (FastAPI): request validation, tokenization, SSE streaming, errors.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics; with an admin
+token (`ServeConfig.admin_token`), GET and POST /admin/drafter and POST /admin/drafter/rollback (drafter swaps, see
+`Scheduler.swap_drafter`), which want `Authorization: Bearer TOKEN`.
 Chat requests with `tools` are rendered and their answers read for tool calls by `tools.py`.
 Decoding happens in the `Scheduler` thread; each request gets an asyncio queue its events are posted to
 through a `_Mailbox` (one `loop.call_soon_threadsafe` wake-up per burst of events, not one per event). A client that disconnects (a stream it stops reading, or a request it
@@ -11,6 +13,7 @@ stops the scheduler: in-flight requests finish, or are cancelled after `ServeCon
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -28,7 +31,7 @@ from eagle3.serving import protocol as P
 from eagle3.serving import tools as T
 from eagle3.serving.protocol import RequestError
 from eagle3.serving.requests import Event, GenParams, RequestHandle, SchedulerUnavailable
-from eagle3.serving.scheduler import Scheduler
+from eagle3.serving.scheduler import Scheduler, SwapRefused
 
 __all__ = ["create_app"]
 
@@ -299,4 +302,55 @@ def create_app(scheduler: Scheduler) -> FastAPI:
     async def prometheus() -> Response:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if cfg.admin_token is not None:  # without one the /admin routes do not exist (404)
+        _add_admin_routes(app, scheduler, error)
     return app
+
+
+def _add_admin_routes(app: FastAPI, scheduler: Scheduler, error) -> None:
+    """GET /admin/drafter (the drafter new requests get, and the one a rollback returns to), POST /admin/drafter
+    {"path": DIR} (swap to the drafter saved there), POST /admin/drafter/rollback; each answers with GET's body."""
+    token = scheduler.config.admin_token.encode()
+
+    def refused(request: Request) -> Response | None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token):
+            return None
+        response = error(401, "the /admin routes want the server's admin token: Authorization: Bearer TOKEN",
+                         "authentication_error", code="invalid_admin_token")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    def state() -> JSONResponse:
+        previous = scheduler.previous
+        return JSONResponse({**scheduler.loaded.describe(),
+                             "previous": previous.describe() if previous is not None else None})
+
+    async def switch(call, *args) -> Response:
+        try:
+            await run_in_threadpool(call, *args)
+        except SwapRefused as e:
+            kind = "server_unavailable" if e.status == 503 else "invalid_request_error"
+            return error(e.status, str(e), kind, code=e.code)
+        return state()
+
+    @app.get("/admin/drafter")
+    async def drafter_state(request: Request) -> Response:
+        return refused(request) or state()
+
+    @app.post("/admin/drafter")
+    async def drafter_swap(request: Request) -> Response:
+        if (denied := refused(request)) is not None:
+            return denied
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        if not (isinstance(body, dict) and set(body) == {"path"} and isinstance(body["path"], str) and body["path"]):
+            return error(400, 'expected a JSON object {"path": DIR}, DIR a drafter checkpoint folder on the server',
+                         param="path", code="invalid_value")
+        return await switch(scheduler.swap_drafter, body["path"])
+
+    @app.post("/admin/drafter/rollback")
+    async def drafter_rollback(request: Request) -> Response:
+        return refused(request) or await switch(scheduler.rollback_drafter)

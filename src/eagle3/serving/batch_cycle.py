@@ -48,6 +48,7 @@ class BatchCycleMixin:
             h.first_token_at = now
             self.metrics.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
             row = _Row(h, drafting=use_draft)
+            h.drafter_version = self.drafter_version  # recorded traffic names the drafter it ran with
             if not self._emit(row, [first_ids[i]]):
                 survivors.append(i)
                 rows.append(row)

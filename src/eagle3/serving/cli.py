@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from eagle3.config import (
@@ -53,6 +54,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--record", default=None, metavar="DIR",
                    help="record requests as Parquet, for eagle3 adapt (\"store\": false opts out)")
+    s.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="bearer token for /admin/drafter, live drafter swaps (env EAGLE3_ADMIN_TOKEN)")
     b = s.add_argument_group("batching")
     b.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size, metavar="N",
                    help="rows decoded together")
@@ -99,7 +102,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     fp.add_argument("--compile", action="store_true",
                     help="inductor-compile the fast lane's steps before capture (longer start-up)")
     fp.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
-                    help="fast lane: prefill via CUDA graphs; auto: on for CUDA")
+                    metavar="MODE", help="fast lane: prefill via CUDA graphs (auto, on, off); auto: on for CUDA")
     fp.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                     help=FUSE_POINTWISE_HELP)
     # comparison knobs, kept out of --help: `SDPA_HEADS_HELP`, `EAGER_DRAFTING_HELP`
@@ -157,7 +160,7 @@ def load_server(args):
         max_prefill_tokens=args.max_prefill_tokens, admit_wait=args.admit_wait, max_waiting=args.max_waiting,
         stream_interval=args.stream_interval,
         shutdown_timeout=args.shutdown_timeout, chat_template=template, fast_rows_len=args.fast_rows_len,
-        record=args.record)
+        record=args.record, admin_token=args.admin_token or os.environ.get("EAGLE3_ADMIN_TOKEN") or None)
     policy = SpecPolicy(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
         min_accept=args.spec_min_accept, retry_after=args.spec_retry_after, measure=not args.no_spec_gate)
@@ -191,6 +194,8 @@ def load_server(args):
                     "has" if len(unused) == 1 else "have")
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
+    if draft == "eagle3":
+        sched.loaded.path = str(args.drafter)
     return sched, create_app(sched)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, ConfigError
 
@@ -36,6 +36,8 @@ class ServeConfig:
     # (`eagle3.traffic`; `eagle3 adapt` trains on them); a request opts out with `GenParams.record` False
     record: str | None = None
     record_shard_rows: int = 4096
+    # the bearer token of the /admin routes (drafter swaps); None: no /admin routes (404)
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "default_max_tokens", "max_prefill_tokens", "max_waiting", "fast_rows_len",
@@ -46,5 +48,7 @@ class ServeConfig:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
         if not math.isfinite(self.admit_wait) or self.admit_wait < 0:
             raise ConfigError(f"admit_wait={self.admit_wait} must be a finite number >= 0 (prefill durations)")
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ConfigError("admin_token is empty: give a secret, or none to turn the /admin routes off")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0")

@@ -8,6 +8,10 @@ Both keep one drafter state per batch row, in the scheduler's row order, and sha
     drafter.extend(aux_rows, new_tokens, counts)  # after verification: row b's first counts[b] kept features
                                                   # with the token following each (counts[b] = 0: no update)
 
+`Eagle3BatchDrafter.add_idle(n)` appends rows it never drafts for: rows that were decoding when the server swapped
+drafters (`Scheduler.swap_drafter`), which finish plain. `identity_probe` is the check a candidate drafter passes
+before a swap.
+
 `Eagle3BatchDrafter` runs the EAGLE-2 tree expansion of `eagle3.decoding.proposers.Eagle3Proposer` for all
 drafting rows at once: its `DrafterKV` is a padded [B, n_kv, S, hd] tensor with per-row lengths, and every
 drafter forward takes a bool mask [B, 1, T, S+T] that hides other rows' padding. `ProposerBatchDrafter`
@@ -22,10 +26,12 @@ from collections.abc import Callable
 import torch
 
 from eagle3.config import DraftShape
-from eagle3.decoding.proposers import Proposer
+from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.proposers import Eagle3Proposer, Proposer
 from eagle3.drafter import DrafterKV, Eagle3Drafter
+from eagle3.target import Target
 
-__all__ = ["BatchDrafter", "Eagle3BatchDrafter", "ProposerBatchDrafter", "pad_trees"]
+__all__ = ["BatchDrafter", "Eagle3BatchDrafter", "ProposerBatchDrafter", "identity_probe", "pad_trees"]
 
 
 class BatchDrafter(abc.ABC):
@@ -91,6 +97,17 @@ class Eagle3BatchDrafter(BatchDrafter):
                                    dtype=self.drafter.fc.weight.dtype)
         new._extend(self.drafter.combine(aux[:, :m].to(self.device)), toks.to(self.device), lens)
         self._merge(new)
+
+    def add_idle(self, n: int) -> None:
+        """Append n rows with an empty cache, which are never proposed for nor extended (counts 0)."""
+        if n == 0:
+            return
+        cfg, w = self.drafter.config, self.drafter.fc.weight
+        kv = w.new_zeros(n, cfg.num_key_value_heads, 0, cfg.resolved_head_dim)  # [n, n_kv, 0, hd]
+        idle = Eagle3BatchDrafter(self.drafter)
+        idle.cache, idle.lengths = DrafterKV(kv, kv.clone()), [0] * n
+        idle.last_out = w.new_zeros(n, cfg.hidden_size)  # [n, H]
+        self._merge(idle)
 
     def _merge(self, other: Eagle3BatchDrafter) -> None:
         if not self.lengths:
@@ -249,3 +266,22 @@ class ProposerBatchDrafter(BatchDrafter):
             if c:
                 a = aux_rows[r : r + 1, :c] if aux_rows is not None else None
                 self.rows[r].accept(a, torch.tensor(toks[:c], dtype=torch.long, device=self.device))
+
+
+def identity_probe(target: Target, drafter: Eagle3Drafter, shape: DraftShape, prompt: list[int],
+                   plain: list[int]) -> str | None:
+    """None when greedy decoding of `prompt` on `target` with `drafter` proposing gives `plain` (the target's own
+    greedy tokens, as many), else what differs. A difference at a near tie of the target's two candidates (float
+    rounding of tree-shaped vs one-token forwards, as in bf16) is not counted."""
+    got = SpeculativeEngine(target, Eagle3Proposer(drafter, shape)).generate(prompt, len(plain)).token_ids
+    i = next((i for i, (a, b) in enumerate(zip(got, plain, strict=False)) if a != b), None)
+    if i is None:
+        return None if len(got) == len(plain) else f"{len(got)} tokens where plain decoding gives {len(plain)}"
+    with torch.inference_mode():
+        ids = torch.tensor([[*prompt, *plain[:i]]], device=target.device)  # [1, T]
+        logits, _ = target.forward(ids, target.new_cache(), logits_to_keep=1)
+    last = logits[0, -1].float()  # [V]
+    tolerance = 8 * torch.finfo(logits.dtype).eps * max(1.0, float(last.abs().max()))
+    if abs(float(last[got[i]] - last[plain[i]])) <= tolerance:
+        return None
+    return f"token {i} is {got[i]} with the candidate drafting and {plain[i]} without"

@@ -1,5 +1,7 @@
 """The scheduler's fast paths (`FastPathsMixin`, methods of `Scheduler`): the fast lane, one greedy request alone
-on a batch-1 `FastEngine`, and the fast rows, requests on the static-cache batch of `FastRows`."""
+on a batch-1 `FastEngine`, and the fast rows, requests on the static-cache batch of `FastRows`. Both hold the
+drafter the server started with; after a drafter swap the lane runs a drafter-less engine and the rows decode
+plain (`Scheduler._serve_with`)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class FastPathsMixin:
         its row in the last case (to join the batch), else None."""
         p, m = h.params, self.metrics
         row = _Row(h, drafting=self.drafter is not None and self.policy.enabled)
+        h.drafter_version = self.drafter_version  # recorded traffic names the drafter it ran with
         m.inc("eagle3_prompt_tokens_total", len(p.prompt_ids))
         engine = self.fast
         if self._lane_gate is not None and not self._lane_gate.speculate(1):
@@ -65,7 +68,7 @@ class FastPathsMixin:
             last[0] = now
             if self._emit(row, new):
                 return True
-            return h.cancelled or self._stopping or bool(self._waiting)
+            return h.cancelled or self._stopping or bool(self._waiting) or bool(self._swaps)
 
         m.set("eagle3_running_requests", 1)
         self._in_lane = True
@@ -124,6 +127,7 @@ class FastPathsMixin:
             self.metrics.inc("eagle3_prompt_tokens_total", len(h.params.prompt_ids))
             h.first_token_at = now
             self.metrics.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
+            h.drafter_version = self.drafter_version
             self._frows.append(_Row(h, drafting=False))
         for j in reversed(range(len(take))):  # from the end: a removal moves an already handled row
             if self._emit(self._frows[base + j], [firsts[j]]):
@@ -142,7 +146,7 @@ class FastPathsMixin:
         fr, m = self.fast_rows, self.metrics
         b = fr.n
         shape = fr.shape_of(b)
-        spec = shape is not None and self.policy.enabled
+        spec = shape is not None and self.policy.enabled and self._rows_spec  # off after a drafter swap
         if spec and self._rows_gate is not None and not self._rows_gate.speculate(b):
             m.inc("eagle3_spec_paused_cycles_total")
             spec = False
@@ -167,7 +171,7 @@ class FastPathsMixin:
         m.observe("eagle3_cycle_seconds", seconds)
         m.observe("eagle3_cycle_host_seconds", now - t_host)
         emitted = sum(len(t) for t in new_tokens)
-        gated = self._rows_gate is not None and shape is not None and self.policy.enabled
+        gated = self._rows_gate is not None and shape is not None and self.policy.enabled and self._rows_spec
         if gated:
             self._rows_gate.record(b, spec, seconds, emitted)
         self._trace_cycle("rows", b, spec, self._rows_gate if gated else None, seconds, emitted)

@@ -65,6 +65,8 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
     "eagle3_queue_depth": ("gauge", "Requests waiting for a batch slot."),
     "eagle3_running_requests": ("gauge", "Requests in the running batch."),
     "eagle3_spec_draft_tokens": ("gauge", "Draft nodes per drafting row in the last cycle (0: speculation off)."),
+    "eagle3_drafter_version": ("gauge", "1, labelled with the version of the drafter new requests get (v1: the one "
+                                        "loaded at start, then one more per swap; none: no drafter)."),
     "eagle3_idle_seconds_total": ("counter", "Time the decode loop waited with no request to run."),
     "eagle3_tau": ("histogram", "Tokens emitted per verification of a drafting row (bonus included)."),
     "eagle3_batch_size": ("histogram", "Rows per verification forward."),
@@ -77,7 +79,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
 }
 _UNLABELLED = tuple(n for n, (kind, _) in METRICS.items() if kind != "histogram" and n not in (
     "eagle3_requests_total", "eagle3_request_errors_total", "eagle3_draft_position_tried_total",
-    "eagle3_draft_position_accepted_total", "eagle3_acceptance_rate"))
+    "eagle3_draft_position_accepted_total", "eagle3_acceptance_rate", "eagle3_drafter_version"))
 _BUCKETS: dict[str, tuple[float, ...]] = {
     "eagle3_tau": TAU_BUCKETS,
     "eagle3_batch_size": BATCH_BUCKETS,
@@ -110,6 +112,11 @@ class Metrics:
         key = tuple(sorted(labels.items()))
         with self._lock:
             self._values[name][key] = float(value)
+
+    def set_info(self, name: str, **labels: str) -> None:
+        """An info-style gauge: 1 for this label set, and no other label set left."""
+        with self._lock:
+            self._values[name] = {tuple(sorted(labels.items())): 1.0}
 
     def observe(self, name: str, value: float) -> None:
         with self._lock:

@@ -111,7 +111,8 @@ class OutputMixin:
                             completion_tokens=len(row.out), token_ids=list(row.out)))
         if self.recorder is not None and h.params.record:
             p = h.params
-            self.recorder.add({"request_id": h.id, "model": self.config.model_name, "drafter": self.drafter_version,
+            version = h.drafter_version or self.drafter_version  # the drafter it was admitted under
+            self.recorder.add({"request_id": h.id, "model": self.config.model_name, "drafter": version,
                                "prompt_ids": list(p.prompt_ids), "completion_ids": list(row.out),
                                "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
                                "finish_reason": reason, "cycles": row.acc.cycles, "accepted": row.acc.total})

@@ -57,6 +57,7 @@ class RequestHandle:
         self.first_token_at: float | None = None
         self.cancelled = False
         self.finished = False
+        self.drafter_version: str | None = None  # the server's drafter when it was admitted to a batch
 
 
 class SchedulerUnavailable(Exception):

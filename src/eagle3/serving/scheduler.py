@@ -27,6 +27,12 @@ Results reach the HTTP side through each request's `sink` (called from this thre
 `SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
 kernels differ from bs=1 ones only by float rounding, which could flip an exact argmax tie).
 
+Drafter swaps (`swap_drafter`, `rollback_drafter`, called from any thread): the candidate is loaded and checked
+against the target by the caller, then handed to this thread, which at the top of a loop iteration (between
+cycles) runs the identity probe (`eagle3.serving.drafting.identity_probe`) and switches: rows already decoding stop
+drafting (the old drafter's cache is theirs; their greedy tokens are the target's either way), new rows draft with
+the new drafter. The fast lane and fast rows hold their own drafter: after a swap they decode plain.
+
 The scheduler's parts: `requests` (what it serves), `batch_cycle` (the generic batch), `fast_paths` (the fast
 lane and fast rows) and `output` (text and events), all in `eagle3.serving`.
 """
@@ -39,16 +45,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError, DraftShape
+from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.proposers import NoDraftProposer
+from eagle3.drafter import Eagle3Drafter
+from eagle3.runtime import drafter_for, encode_prompt
 from eagle3.serving.batch import BatchKV
-from eagle3.serving.batch_cycle import BatchCycleMixin
+from eagle3.serving.batch_cycle import BatchCycleMixin, _stop_for_good
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.drafting import BatchDrafter
+from eagle3.serving.drafting import BatchDrafter, Eagle3BatchDrafter, identity_probe
 from eagle3.serving.fast_paths import FastPathsMixin
 from eagle3.serving.metrics import Metrics
 from eagle3.serving.output import OutputMixin, _stock_decode
@@ -60,11 +71,45 @@ if TYPE_CHECKING:
     from eagle3.fast.engine import FastEngine
     from eagle3.fast.rows import FastRows
 
-__all__ = ["Scheduler"]
+__all__ = ["LoadedDrafter", "Scheduler", "SwapRefused"]
 
 log = logging.getLogger("eagle3.serving")
 
 TRACE_CYCLES = 16384  # decode cycles kept for `cycle_trace` (a benchmark level runs a few hundred)
+PROBE_PROMPT, PROBE_TOKENS = "Once upon a time", 16  # the identity probe a candidate drafter passes before a swap
+
+
+@dataclass
+class LoadedDrafter:
+    """A drafter the server serves with: its version label, checkpoint folder (None: built in-process), and when
+    it started serving new requests (unix seconds)."""
+
+    version: str
+    path: str | None
+    loaded_at: float
+    drafter: Eagle3Drafter | None = field(default=None, repr=False)
+
+    def describe(self) -> dict:
+        return {"version": self.version, "path": self.path, "loaded_at": round(self.loaded_at, 3)}
+
+
+class SwapRefused(Exception):
+    """A drafter swap the server refused, the old drafter still serving: `status` is the HTTP status to answer
+    with (400: a bad candidate, 409: it fails the probe or there is nothing to roll back to, 503: shutting down)."""
+
+    def __init__(self, message: str, status: int, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class _SwapOrder:
+    """A swap to `candidate` (None: a rollback) for the scheduler thread, which sets `done` once it has applied or
+    refused it (`error`)."""
+
+    def __init__(self, candidate: LoadedDrafter | None):
+        self.candidate = candidate
+        self.done = threading.Event()
+        self.error: SwapRefused | None = None
 
 
 class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
@@ -118,7 +163,15 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
             plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0)
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
-        self.drafter_version = "v1" if drafter is not None else "none"  # labels recorded traffic
+        self.loaded = LoadedDrafter("v1" if drafter is not None else "none", None, time.time(),
+                                    drafter.drafter if isinstance(drafter, Eagle3BatchDrafter) else None)
+        self.previous: LoadedDrafter | None = None  # what `rollback_drafter` returns to
+        self.metrics.set_info("eagle3_drafter_version", version=self.loaded.version)
+        self._swaps: deque[_SwapOrder] = deque()
+        self._swap_lock = threading.Lock()  # one swap at a time, from loading to switching
+        self._next_version = 2
+        self._probe_plain: tuple[list[int], list[int]] | None = None  # the probe's prompt and plain tokens
+        self._rows_spec = True  # the fast rows speculate (until a swap leaves their drafter behind)
         self.recorder = None
         if self.config.record:
             from eagle3.traffic import TrafficRecorder
@@ -207,6 +260,113 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    # -- drafter swaps -------------------------------------------------------------------------
+    @property
+    def drafter_version(self) -> str:
+        """The version label of the drafter new requests get ("none": no drafter); recorded traffic carries it."""
+        return self.loaded.version
+
+    def swap_drafter(self, path: str) -> LoadedDrafter:
+        """Serve new requests with the drafter saved at `path` from the next cycle boundary on; returns it once it
+        serves. Raises `SwapRefused` (the current drafter keeps serving) for a candidate that does not load against
+        the target, reads other aux layers than the target taps, or fails the identity probe."""
+        with self._swap_lock:
+            if not isinstance(self.drafter, Eagle3BatchDrafter):
+                raise SwapRefused("this server runs no EAGLE-3 drafter (started without --drafter, or with --draft "
+                                  "ngram or --no-spec), so its target taps no layers: restart it with --drafter DIR",
+                                  400, "no_drafter")
+            try:
+                candidate = drafter_for(self.target.model, path)
+            except ConfigError as e:
+                raise SwapRefused(str(e), 400, "invalid_drafter") from None
+            except (OSError, ValueError, RuntimeError) as e:  # unreadable weights
+                raise SwapRefused(f"{path}: {type(e).__name__}: {e}", 400, "invalid_drafter") from None
+            taps, reads = sorted(self.target.aux_layer_ids), sorted(candidate.config.aux_layer_ids)
+            if reads != taps:
+                raise SwapRefused(f"the candidate reads aux layers {reads}; this server's target taps {taps}, fixed "
+                                  f"at start: restart the server with --drafter {path} to serve it", 400,
+                                  "aux_layers_differ")
+            loaded = self._order(LoadedDrafter(f"v{self._next_version}", str(path), time.time(), candidate))
+            self._next_version += 1
+            return loaded
+
+    def rollback_drafter(self) -> LoadedDrafter:
+        """Serve new requests with the drafter the last swap replaced (kept until then; one level only)."""
+        with self._swap_lock:
+            return self._order(None)
+
+    def _order(self, candidate: LoadedDrafter | None) -> LoadedDrafter:
+        order = _SwapOrder(candidate)
+        with self._cond:
+            if self._closing or not self._thread_alive():
+                raise SwapRefused("the server is shutting down", 503, "server_unavailable")
+            self._swaps.append(order)
+            self._cond.notify_all()
+        while not order.done.wait(0.5):
+            if not self._thread_alive():
+                raise SwapRefused("the scheduler stopped before the swap", 503, "server_unavailable")
+        if order.error is not None:
+            raise order.error
+        return self.loaded
+
+    def _apply_swaps(self) -> None:
+        """Apply or refuse the pending swap orders (this thread, between cycles)."""
+        with self._cond:
+            orders, self._swaps = list(self._swaps), deque()
+        for order in orders:
+            try:
+                if order.candidate is None:
+                    if self.previous is None:
+                        raise SwapRefused("there is no previous drafter to roll back to", 409, "nothing_to_roll_back")
+                    self._serve_with(self.previous, previous=None)
+                else:
+                    why = self._probe(order.candidate.drafter)
+                    if why is not None:
+                        raise SwapRefused(f"greedy decoding with the candidate differs from the target's own: {why}",
+                                          409, "probe_mismatch")
+                    self._serve_with(order.candidate, previous=self.loaded)
+            except SwapRefused as e:
+                order.error = e
+            except Exception as e:  # a probe run that crashes: the candidate cannot draft for this target
+                log.exception("drafter swap failed; the current drafter keeps serving")
+                order.error = SwapRefused(f"the candidate failed its probe run: {type(e).__name__}: {e}", 400,
+                                          "invalid_drafter")
+            finally:
+                order.done.set()
+
+    def _probe(self, candidate: Eagle3Drafter) -> str | None:
+        if self._probe_plain is None:  # the target's own greedy tokens, once
+            with self.tokenizer_lock:
+                prompt = encode_prompt(self.tokenizer, prompt=PROBE_PROMPT) if self.tokenizer is not None else [1]
+            plain = SpeculativeEngine(self.target, NoDraftProposer(self.target.device)).generate(prompt, PROBE_TOKENS)
+            self._probe_plain = (prompt, plain.token_ids)
+        prompt, plain_ids = self._probe_plain
+        return identity_probe(self.target, candidate, self.policy.largest or DraftShape(), prompt, plain_ids)
+
+    def _serve_with(self, new: LoadedDrafter, previous: LoadedDrafter | None) -> None:
+        """Switch drafters: the rows in the batch finish without drafting, new rows draft with `new`."""
+        for r in self._rows:
+            _stop_for_good(r)
+        batch = Eagle3BatchDrafter(new.drafter)
+        batch.add_idle(len(self._rows))
+        self.drafter = batch
+        if self.fast is not None and self.fast.mode != "none":  # the lane's drafter is the old one: lane plain
+            plain = self._lane_plain
+            if plain is None:
+                from eagle3.fast.engine import FastEngine
+
+                plain = FastEngine(self.fast.model, draft="none", target=self.fast.target, options=self.fast.options)
+                if self.fast.seq_len:
+                    plain.prepare(max(1, self.fast.seq_len - plain.core.slots_needed(0, 0)), 0)
+            self.fast, self._lane_plain, self._lane_gate = plain, None, None
+        self._rows_spec = False  # the fast rows' drafter too: they decode plain
+        old = self.loaded.version
+        new.loaded_at = time.time()
+        self.loaded, self.previous = new, previous
+        self.metrics.set_info("eagle3_drafter_version", version=new.version)
+        log.info("drafter %s (%s) serves new requests, replacing %s; %d rows in flight finish without drafting",
+                 new.version, new.path, old, len(self._rows))
+
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         dev = self.target.device
@@ -217,12 +377,15 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
                 while True:
                     with self._cond:
                         t0 = time.perf_counter()
-                        while not self._rows and not self._frows and not self._waiting and not self._stopping:
+                        while (not self._rows and not self._frows and not self._waiting and not self._swaps
+                               and not self._stopping):
                             self._cond.wait()
                         self.metrics.inc("eagle3_idle_seconds_total", time.perf_counter() - t0)
                         if self._stopping:
                             break
                         admitted = self._take_waiting()
+                    if self._swaps:
+                        self._apply_swaps()  # before the admitted rows join: they draft with the new drafter
                     self._step(admitted)
         except BaseException as e:  # the loop must never die silently: fail everything in flight
             self.error = e
@@ -230,6 +393,11 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
             raise
         finally:
             self._abort_all("the server is shutting down")
+            with self._cond:
+                orders, self._swaps = list(self._swaps), deque()
+            for order in orders:
+                order.error = SwapRefused("the server is shutting down", 503, "server_unavailable")
+                order.done.set()
 
     def _step(self, admitted: list[RequestHandle]) -> None:
         try:
