@@ -144,7 +144,7 @@ def test_input_formats_max_turns_and_skips(tmp_path):
     ]  # max_turns=2
     assert report.rows_in == 5 and report.rows_skipped == 2
     assert report.input_problems == {"json_broken_tail": 1}
-    assert report.skip_reasons == {"no user turn": 1, "unsupported role 'tool'": 1}
+    assert report.skip_reasons == {"no user turn": 1, "a tool result with no tool call before it": 1}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,6 +6,12 @@ have `turns` (first turn used), `prompt`, `question`, `text` or OpenAI `messages
 (one prompt per blank-line-separated block). A target without a chat template (a base model) gets each prompt
 as raw text; `eagle3 eval --chat-template plain` does that for any target.
 
+Tool calls: `bfcl` (opt-in, not among the defaults; needs the bfcl-eval wheel, see `eagle3.bfcl`) is 80 BFCL
+prompts with the functions they offer, and a JSONL row with `messages` may carry `tools` too. Such a prompt
+(`Prompt.tools`) is rendered as the server renders a chat request with tools (`eagle3.serving.tools.render`):
+by the template with `tools=` where it takes them, else in the Hermes layout; a target without a chat template
+gets the Hermes turns' texts as a raw prompt.
+
 tau is aggregated over all cycles of a run (tokens emitted / target verification forwards, bonus included);
 per-position acceptance is aggregated the same way (see eagle3.decoding.engine). Each run also keeps one row per
 prompt (tokens, cycles, tau) and, where the rows name a `category` (MT-bench's writing, roleplay, reasoning, math,
@@ -26,6 +32,15 @@ from tqdm import tqdm
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
 
 BENCH_SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
+TOOL_SETS = ("bfcl",)  # opt-in: read from an optional wheel (eagle3.bfcl)
+
+
+class Prompt(list):
+    """A prompt's messages (a list of dicts), and the tools offered with them (`tools`, OpenAI function tools)."""
+
+    def __init__(self, messages: list[dict], tools: list[dict] | None = None):
+        super().__init__(messages)
+        self.tools = list(tools or [])
 
 
 def bench_path(name: str) -> Path:
@@ -34,17 +49,23 @@ def bench_path(name: str) -> Path:
 
 
 def load_prompts(name_or_path: str, limit: int | None = None) -> tuple[str, list[list[dict]]]:
-    """(dataset name, list of chat message lists) from a bundled set name or a JSONL path (`.jsonl` or
-    gzipped `.jsonl.gz`)."""
+    """(dataset name, list of chat message lists) from a bundled set name (BENCH_SETS, or the opt-in TOOL_SETS)
+    or a JSONL path (`.jsonl` or gzipped `.jsonl.gz`); a prompt offered tools is a `Prompt` carrying them."""
     name, prompts, _ = load_prompt_rows(name_or_path, limit)
     return name, prompts
 
 
 def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, list[list[dict]], list[str | None]]:
     """`load_prompts` and each row's `category` (None where it has none)."""
+    if name_or_path in TOOL_SETS:
+        from eagle3.bfcl import bfcl_prompts
+
+        rows = bfcl_prompts(limit)
+        return name_or_path, [Prompt(m, tools) for m, tools, _ in rows], [category for _, _, category in rows]
     path = bench_path(name_or_path) if name_or_path in BENCH_SETS else Path(name_or_path)
     if not path.is_file():
-        raise ConfigError(f"no benchmark set or file {name_or_path!r}; bundled sets: {', '.join(BENCH_SETS)}")
+        raise ConfigError(f"no benchmark set or file {name_or_path!r}; bundled sets: {', '.join(BENCH_SETS)}; "
+                          f"opt-in: {', '.join(TOOL_SETS)}")
     out: list[list[dict]] = []
     categories: list[str | None] = []
     opener = gzip.open if path.name.endswith(".gz") else open
@@ -57,7 +78,8 @@ def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, 
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{lineno}: not JSON ({e.msg})") from None
             if "messages" in row:
-                msgs = [m for m in row["messages"] if m.get("role") != "assistant"][:2]
+                asked = [m for m in row["messages"] if m.get("role") not in ("assistant", "tool")][:2]
+                msgs = Prompt(asked, _tools(row, path, lineno))
             elif "conversations" in row:  # ShareGPT rows (e.g. `eagle3 synthesize` output): the first human turn
                 text = next((t.get("value") for t in row["conversations"] if isinstance(t, dict)
                              and t.get("from") in ("human", "user")), None)
@@ -79,6 +101,30 @@ def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, 
         raise ConfigError(f"{path}: no prompts in it")
     name = name_or_path if name_or_path in BENCH_SETS else Path(path.name.removesuffix(".gz")).stem
     return name, out, categories
+
+
+def _tools(row: dict, path: Path, lineno: int) -> list[dict]:
+    from eagle3.training.data import BadRow, conversation_tools
+
+    try:
+        return conversation_tools(row)
+    except BadRow as e:
+        raise ConfigError(f"{path}:{lineno}: {e.detail}") from None
+
+
+def encode_prompt_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """A prompt's token ids (`runtime.encode_messages`), with its tools (`Prompt.tools`) rendered as the server
+    renders them; for a target without a chat template, the Hermes turns' texts back to back as a raw prompt."""
+    from eagle3.runtime import encode_messages, encode_prompt
+    from eagle3.serving.tools import hermes_messages, render
+
+    tools = getattr(messages, "tools", None)
+    if not tools:
+        return encode_messages(tokenizer, messages)
+    if getattr(tokenizer, "chat_template", None):
+        text, _ = render(tokenizer, list(messages), tools)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+    return encode_prompt(tokenizer, prompt="\n\n".join(m["content"] for m in hermes_messages(list(messages), tools)))
 
 
 def _text_blocks(path: Path):
@@ -159,13 +205,11 @@ def method_name(draft: str, spec: DraftShape) -> str:
 
 def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingConfig, max_new_tokens: int,
                 progress: bool = True, categories: list[str | None] | None = None) -> RunResult:
-    from eagle3.runtime import encode_messages
-
     res = RunResult(dataset=dataset, method=method_name(rt.draft, rt.spec), temperature=sampling.temperature)
     t0 = time.perf_counter()
     for i, msgs in enumerate(tqdm(prompts, desc=f"{dataset} {res.method} T={sampling.temperature}",
                                   disable=not progress, leave=False)):
-        ids = encode_messages(rt.tokenizer, msgs)
+        ids = encode_prompt_messages(rt.tokenizer, msgs)
         s = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                            seed=None if sampling.seed is None else sampling.seed + i)
         st = rt.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=s,

@@ -6,6 +6,12 @@ renders them with the target's chat template and masks them.
   folder; unreadable parts are counted in `problems`.
 * `normalize_conversation(row)` turns a ShareGPT (`conversations`/`from`/`value`) or OpenAI (`messages`/
   `role`/`content`) row into a clean `[{"role", "content"}]` list, or raises `BadRow(reason)`.
+* Tool calls are kept: OpenAI assistant messages with `tool_calls` (arguments a JSON string or an object; the
+  legacy `function_call` too) and `tool` results, and ShareGPT `function_call` / `observation` turns (the
+  convention of LLaMA-Factory's ShareGPT format: the value of a `function_call` turn is a JSON call
+  `{"name", "arguments"}` or a list of them). They come out as OpenAI messages, arguments as objects, each result
+  carrying the `tool_call_id` (and `name`) of the call it answers. `conversation_tools(row)` reads the row's
+  `tools` (a list, or a JSON string of one, of OpenAI tools or bare function definitions).
 * Completion rows, for base models (`completion_segments`): `{"text"}` (all of it trained on) or
   `{"prompt", "completion"}` (the completion trained on), and `.txt` files (one document per blank-line-separated
   block, read as `{"text"}` rows). They are tokenised as raw text, the way a raw prompt is (the tokenizer's own
@@ -38,17 +44,23 @@ ROLE_MAP = {
     "bard": "assistant",
     "model": "assistant",
     "system": "system",
+    "function_call": "assistant",  # ShareGPT (LLaMA-Factory): the assistant's call, its value a JSON call
+    "tool": "tool",
+    "observation": "tool",  # ShareGPT (LLaMA-Factory): a tool's result
+    "function": "tool",  # OpenAI's legacy function result
+    "ipython": "tool",  # Llama 3.1's role for tool results
 }
 
 # Why a row was rejected (keys of the report's `dropped` counter).
 BAD_REASONS = (
     "malformed",  # not a dict, no `conversations`/`messages` list, a message without role or text field
     "empty",  # no messages at all
-    "unknown_role",  # a role outside ROLE_MAP (e.g. "bing", "tool")
-    "non_text_content",  # image/audio parts, or content that is not text (e.g. tool calls with content=None)
+    "unknown_role",  # a role outside ROLE_MAP (e.g. "bing")
+    "non_text_content",  # image/audio parts, or content that is not text (e.g. content=None and no tool calls)
+    "bad_tool_call",  # a call without a function name, arguments that are not a JSON object, or bad `tools`
     "empty_turn",  # a message whose text is empty or whitespace
     "misplaced_system",  # a system message after the first position
-    "not_alternating",  # two user or two assistant messages in a row
+    "not_alternating",  # two user or two assistant messages in a row; tool results not right after a call
     "no_assistant_turn",  # nothing to supervise
     "template_error",  # the chat template raised (e.g. "roles must alternate", "system role not supported")
     "prefix_mismatch",  # no assistant turn passed the prefix-rendering check (see module docstring)
@@ -371,15 +383,128 @@ def completion_segments(row: Any) -> list[tuple[str, bool]] | None:
     return segments
 
 
+def _json_value(text: Any, what: str) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRow("bad_tool_call", f"{what} is not JSON ({e.msg})") from None
+
+
+def _tool_calls(m: dict, sharegpt_call: bool, first_id: int) -> list[dict]:
+    """An assistant message's calls as `[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`
+    ([] for none); calls without an id get `call_<n>`, numbered through the conversation from `first_id`."""
+    if sharegpt_call:
+        value = _json_value(m.get("value", m.get("content")), "a function_call turn")
+        items = [{"function": c} for c in (value if isinstance(value, list) else [value])]
+    elif m.get("tool_calls"):
+        items = m["tool_calls"]
+    elif m.get("function_call"):
+        items = [{"function": m["function_call"]}]
+    else:
+        return []
+    if not isinstance(items, list):
+        raise BadRow("bad_tool_call", "tool_calls is not a list")
+    calls = []
+    for c in items:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise BadRow("bad_tool_call", "a tool call without a function name")
+        arguments = _json_value(f.get("arguments", f.get("parameters", {})), f"the arguments of {f['name']!r}")
+        if not isinstance(arguments, dict):
+            raise BadRow("bad_tool_call", f"the arguments of {f['name']!r} are not a JSON object")
+        call_id = c.get("id") or f"call_{first_id + len(calls)}"
+        calls.append({"id": str(call_id), "type": "function", "function": {"name": f["name"], "arguments": arguments}})
+    return calls
+
+
+def _result_text(content: Any) -> str:
+    """A tool result's text: text as `_message_text` reads it; a JSON value (some datasets store objects) as JSON."""
+    if isinstance(content, dict) or (isinstance(content, list) and not all(
+            isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text") for p in content)):
+        return json.dumps(content, ensure_ascii=False)
+    return _message_text("" if content is None else content)
+
+
+def conversation_tools(row: Any) -> list[dict]:
+    """The row's `tools` as OpenAI tools `[{"type": "function", "function": {"name", ...}}]`; [] for none.
+    Accepts a list or a JSON string of one (as parquet datasets store it), of OpenAI tools or bare functions."""
+    tools = row.get("tools") if isinstance(row, dict) else None
+    tools = _json_value(tools, "the row's tools") if tools else []
+    if not isinstance(tools, list):
+        raise BadRow("bad_tool_call", "`tools` is not a list")
+    out = []
+    for t in tools:
+        f = t.get("function") if isinstance(t, dict) and isinstance(t.get("function"), dict) else t
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise BadRow("bad_tool_call", "a tool that is not a function definition with a name")
+        out.append({"type": "function", "function": f})
+    return out
+
+
+def normalize_message(m: Any, calls_so_far: int) -> dict[str, Any]:
+    """One raw message, normalised (see `normalize_conversation`)."""
+    if not isinstance(m, dict):
+        raise BadRow("malformed", "a message is not an object")
+    role_name = m.get("from", m.get("role"))
+    if not isinstance(role_name, str):
+        raise BadRow("malformed", "a message has no 'from'/'role'")
+    role = ROLE_MAP.get(role_name.lower())
+    if role is None:
+        raise BadRow("unknown_role", role_name)
+    if "value" in m:
+        content = m["value"]
+    elif "content" in m:
+        content = m["content"]
+    else:
+        raise BadRow("malformed", "a message has no 'value'/'content'")
+    if role == "tool":
+        message = {"role": "tool", "content": _result_text(content)}
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        return message
+    calls = _tool_calls(m, role_name.lower() == "function_call", calls_so_far) if role == "assistant" else []
+    if calls:
+        text = "" if content is None or role_name.lower() == "function_call" else _message_text(content)
+        message = {"role": role, "content": text, "tool_calls": calls}
+    else:
+        message = {"role": role, "content": _message_text(content)}
+    if role == "assistant" and m.get("finish_reason") == "length":
+        message["finish_reason"] = "length"
+    return message
+
+
+def link_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Give each tool result without one the id (and name) of the call it answers: the k-th result after a call
+    turn answers its k-th call (the last one when there are more results than calls)."""
+    calls: list[dict] = []
+    k = 0
+    names: dict[str, str] = {}
+    for m in messages:
+        if m["role"] == "assistant":
+            calls, k = m.get("tool_calls", []), 0
+            names.update((c["id"], c["function"]["name"]) for c in calls)
+        elif m["role"] == "tool":
+            if "tool_call_id" not in m and calls:
+                m["tool_call_id"] = calls[min(k, len(calls) - 1)]["id"]
+            if "name" not in m and m.get("tool_call_id") in names:
+                m["name"] = names[m["tool_call_id"]]
+            k += 1
+
+
 def normalize_conversation(
     row: Any, system_prompt: str | None = None, repairs: Counter[str] | None = None
-) -> list[dict[str, str]]:
-    """A clean `[{"role": "system"|"user"|"assistant", "content": str}, ...]` list, or `BadRow`.
+) -> list[dict[str, Any]]:
+    """A clean `[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]` list, or `BadRow`.
 
-    Repairs that keep the row (counted in `repairs`): a leading assistant message is dropped, as FastChat/EAGLE
-    do (SafeAILab/EAGLE `eagle/ge_data/ge_data_all_vicuna.py`: `if roles[source[0]["from"]] != conv.roles[0]:
-    source = source[1:]`) - ShareGPT splits long chats into parts that start with the assistant; trailing user
-    messages are dropped (nothing after them to supervise); `system_prompt` is inserted when the row has no
+    Turns go user, assistant, user, ...; an assistant turn with `tool_calls` is followed by its `tool` results
+    and then the assistant again. Repairs that keep the row (counted in `repairs`): a leading assistant message
+    (and any results of its calls) is dropped, as FastChat/EAGLE do (SafeAILab/EAGLE
+    `eagle/ge_data/ge_data_all_vicuna.py`: `if roles[source[0]["from"]] != conv.roles[0]: source = source[1:]`)
+    - ShareGPT splits long chats into parts that start with the assistant; trailing user messages and tool
+    results are dropped (nothing after them to supervise); `system_prompt` is inserted when the row has no
     system message. A row-level `"system"` string (some ShareGPT variants) counts as a system message.
     An assistant message with `"finish_reason": "length"` (cut at the generation limit) keeps that key.
     """
@@ -393,28 +518,14 @@ def normalize_conversation(
         raise BadRow("malformed", "no 'conversations' or 'messages' list")
     if not raw:
         raise BadRow("empty")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
+    calls_so_far = 0
     for m in raw:
-        if not isinstance(m, dict):
-            raise BadRow("malformed", "a message is not an object")
-        role_name = m.get("from", m.get("role"))
-        if not isinstance(role_name, str):
-            raise BadRow("malformed", "a message has no 'from'/'role'")
-        role = ROLE_MAP.get(role_name.lower())
-        if role is None:
-            raise BadRow("unknown_role", role_name)
-        if "value" in m:
-            content = m["value"]
-        elif "content" in m:
-            content = m["content"]
-        else:
-            raise BadRow("malformed", "a message has no 'value'/'content'")
-        message = {"role": role, "content": _message_text(content)}
-        if role == "assistant" and m.get("finish_reason") == "length":
-            message["finish_reason"] = "length"
-        messages.append(message)
+        messages.append(normalize_message(m, calls_so_far))
+        calls_so_far += len(messages[-1].get("tool_calls", ()))
+    link_tool_results(messages)
 
-    system: list[dict[str, str]] = []
+    system: list[dict[str, Any]] = []
     if messages[0]["role"] == "system":
         system, messages = messages[:1], messages[1:]
     elif isinstance(row.get("system"), str) and row["system"].strip():
@@ -426,16 +537,27 @@ def normalize_conversation(
         raise BadRow("misplaced_system")
     if messages and messages[0]["role"] == "assistant":
         messages = messages[1:]
+        while messages and messages[0]["role"] == "tool":
+            messages = messages[1:]
         repairs["leading_assistant_dropped"] += 1
     if messages and messages[-1]["role"] == "user":
         messages = messages[:-1]
         repairs["trailing_user_dropped"] += 1
+    if messages and messages[-1]["role"] == "tool":
+        while messages and messages[-1]["role"] == "tool":
+            messages = messages[:-1]
+        repairs["trailing_tool_results_dropped"] += 1
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant_turn")
+    expected = ("user",)
     for i, m in enumerate(messages):
-        if m["role"] != ("user" if i % 2 == 0 else "assistant"):
+        if m["role"] not in expected:
             raise BadRow("not_alternating", f"message {i} is {m['role']!r}")
-        if not m["content"].strip():
+        if m["role"] == "assistant":
+            expected = ("tool",) if m.get("tool_calls") else ("user",)
+        else:
+            expected = ("assistant",) if m["role"] == "user" else ("tool", "assistant")
+        if not m["content"].strip() and m["role"] != "tool" and not m.get("tool_calls"):
             raise BadRow("empty_turn", f"message {i} ({m['role']}) is empty")
     if system and not system[0]["content"].strip():
         raise BadRow("empty_turn", "empty system message")

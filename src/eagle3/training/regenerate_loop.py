@@ -1,8 +1,17 @@
 """The answering loop of `eagle3 regenerate`: each conversation's on-policy prompts, and the drivers that answer
-them (turn-synchronous batches, continuous batching across turns, one endpoint worker per conversation)."""
+them (turn-synchronous batches, continuous batching across turns, one endpoint worker per conversation).
+
+A conversation with tools (a `tools` list, or tool-call turns) is answered with the tools in the target's prompt,
+in the Hermes layout the server falls back to (`eagle3.serving.tools.hermes_messages`: the tools in the system
+turn, calls as `<tool_call>` blocks, results as `<tool_response>` blocks), since a backend renders plain messages.
+The target answers after each user turn and after each run of tool results; its answer is read for Hermes calls.
+Where the dataset called tools at that point and the target makes the same calls (names and arguments), the
+dataset's results answer them and the conversation goes on; otherwise it ends with the target's answer (there is
+no tool to run the target's own calls). Such rows are written as OpenAI `messages` with the row's `tools`."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
@@ -10,6 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
 from eagle3.config import ConfigError
+from eagle3.serving.tools import HermesParser, ToolCalls, hermes_messages
 from eagle3.training.backends import Backend, EndpointBackend, EndpointError, Generation, LocalBackend
 from eagle3.training.regenerate_output import RegenerateReport, _Output
 from eagle3.training.regenerate_rows import Message, _Row
@@ -25,17 +35,20 @@ class _Conversation:
 
     def __init__(self, row: _Row, max_turns: int | None):
         self.row = row
+        self.tools = getattr(row, "tools", [])
+        self.with_tools = bool(self.tools) or any(m["role"] == "tool" or m.get("tool_calls")
+                                                   for m in row.messages or [])
         pending, users = [], 0
         for m in row.messages or []:
-            if m["role"] == "assistant":
+            if m["role"] == "assistant" and not m.get("tool_calls"):
                 continue  # the dataset's answers are replaced, never shown to the target
             if m["role"] == "user":
                 if max_turns is not None and users >= max_turns:
                     break
                 users += 1
-            pending.append(m)
+            pending.append(m)  # a dataset call stays, to be compared with the target's answer at that point
         self.pending = deque(pending)
-        self.users_left = users
+        self.prompts_left = sum(_is_prompt_point(pending, k) for k in range(len(pending)))
         self.messages: list[Message] = []
         self.reasoning: dict[int, str] = {}  # message index -> reasoning_content
         self.cut: set[int] = set()  # indices of answers that hit max_new_tokens
@@ -46,17 +59,21 @@ class _Conversation:
         self.fatal = False
 
     def next_prompt(self) -> list[Message]:
-        """The messages up to and including the next user turn (system turns before it included)."""
+        """The messages up to and including the next user turn or run of tool results (system turns before it
+        included); with tools, in the Hermes layout."""
         while self.pending:
             message = self.pending.popleft()
             self.messages.append(message)
-            if message["role"] == "user":
-                self.users_left -= 1
+            if message["role"] == "user" or (message["role"] == "tool" and
+                                             not (self.pending and self.pending[0]["role"] == "tool")):
+                self.prompts_left -= 1
+                if self.with_tools:
+                    return hermes_messages([dict(m) for m in self.messages], self.tools)
                 return [dict(m) for m in self.messages]
-        raise RuntimeError("no user turn left")  # callers check `users_left` first
+        raise RuntimeError("no user turn left")  # callers check `prompts_left` first
 
     def apply(self, gen: Generation) -> bool:
-        """Take the answer to the last prompt; True while more user turns remain to be answered."""
+        """Take the answer to the last prompt; True while more prompts (user turns, tool results) remain."""
         self.tokens += gen.num_tokens
         if gen.finish_reason == "error":
             self.status, self.reason = "failed", gen.error or "unknown error"
@@ -73,15 +90,42 @@ class _Conversation:
             self.reasoning[len(self.messages)] = gen.reasoning
         if gen.finish_reason == "length":
             self.cut.add(len(self.messages))
-        self.messages.append({"role": "assistant", "content": gen.text})
+        answer: Message = {"role": "assistant", "content": gen.text}
+        if self.with_tools:
+            answer = self._with_calls(answer)
+        self.messages.append(answer)
         self.committed = len(self.messages)
         self.answered += 1
-        if self.users_left > 0:
+        if self.prompts_left > 0:
             return True
         self.status = "done"
         return False
 
+    def _with_calls(self, answer: Message) -> Message:
+        """The answer with its Hermes calls read out. A dataset call at this point is consumed: the same calls
+        take its ids and the conversation goes on to its results; other calls, or none, end the conversation."""
+        expected = self.pending.popleft() if self.pending and self.pending[0]["role"] == "assistant" else None
+        names = {t["function"]["name"] for t in self.tools}
+        names |= {c["function"]["name"] for c in (expected or {}).get("tool_calls", ())}
+        content, calls = ToolCalls(HermesParser(), names).parse(answer["content"])
+        if calls:
+            answer = {"role": "assistant", "content": content or "", "tool_calls": [
+                {"id": f"call_{len(self.messages)}_{j}", "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                for j, c in enumerate(calls)]}
+        answered = self.pending and self.pending[0]["role"] == "tool"  # the dataset has results for its calls
+        if expected is not None and calls and answered and _same_calls(answer["tool_calls"], expected["tool_calls"]):
+            for mine, theirs in zip(answer["tool_calls"], expected["tool_calls"], strict=True):
+                mine["id"] = theirs["id"]
+            return answer
+        if expected is not None or calls:  # results that answer other calls, or none for these: stop here
+            self.pending.clear()
+            self.prompts_left = 0
+        return answer
+
     def record(self) -> dict[str, Any]:
+        if self.with_tools:
+            return self._record_messages()
         if self.row.raw:
             rec: dict[str, Any] = {"id": self.row.id, "row": self.row.index, "prompt": self.messages[0]["content"],
                                    "completion": self.messages[1]["content"]}
@@ -95,6 +139,34 @@ class _Conversation:
                 turn["finish_reason"] = "length"  # `prepare` does not supervise an end-of-turn token here
             turns.append(turn)
         return {"id": self.row.id, "row": self.row.index, "conversations": turns}
+
+    def _record_messages(self) -> dict[str, Any]:
+        """A conversation with tools as OpenAI `messages` (arguments as JSON strings), with the row's tools."""
+        messages = []
+        for k, m in enumerate(self.messages[: self.committed]):
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "function": {"name": c["function"]["name"], "arguments": json.dumps(
+                    c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]
+                m["content"] = m["content"] or None
+            if k in self.reasoning:
+                m["reasoning_content"] = self.reasoning[k]
+            if k in self.cut:
+                m["finish_reason"] = "length"
+            messages.append(m)
+        return {"id": self.row.id, "row": self.row.index, "tools": self.tools, "messages": messages}
+
+
+def _is_prompt_point(messages: list[Message], k: int) -> bool:
+    """Whether the target answers after message k: a user turn, or the last of a run of tool results."""
+    role = messages[k]["role"]
+    return role == "user" or (role == "tool" and (k + 1 == len(messages) or messages[k + 1]["role"] != "tool"))
+
+
+def _same_calls(a: list[dict], b: list[dict]) -> bool:
+    """The same functions with the same arguments, in the same order."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in a] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in b]
 
 
 class _Run:

@@ -1,5 +1,6 @@
 """The input rows of `eagle3 regenerate`: ShareGPT / OpenAI / FastChat-`turns` conversations and completion
-prompts, read and normalised into the conversations whose user turns the target answers."""
+prompts, read and normalised into the conversations whose user turns the target answers. Tool-call turns and
+tool results are kept as `eagle3 prepare` reads them (`data.normalize_message`), with the row's `tools`."""
 
 from __future__ import annotations
 
@@ -7,13 +8,20 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.training.data import ROLE_MAP, iter_rows
+from eagle3.training.data import (
+    ROLE_MAP,
+    BadRow,
+    conversation_tools,
+    iter_rows,
+    link_tool_results,
+    normalize_message,
+)
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 # Speaker names mapped to chat-template roles: `eagle3 prepare`'s table, plus "bing", whose (often broken)
 # answers are worth regenerating but not worth training on as written.
@@ -32,6 +40,7 @@ class _Row:
     messages: list[Message] | None
     skip: str | None = None
     raw: bool = False  # a completion row: messages is one user turn, the prompt to continue
+    tools: list[dict] = field(default_factory=list)  # the row's tools (OpenAI function tools)
 
 
 RAW_ROW_SKIPPED = "a completion row (prompt/text): continue those in a run of their own, with a raw-text backend"
@@ -66,7 +75,8 @@ def normalise_conversation(row: Any) -> list[Message]:
         return [{"role": "user", "content": _text(t)} for t in row["turns"]]
     if not isinstance(turns, list) or not turns:
         raise _SkipRow("no `conversations`, `messages` or `turns` list")
-    messages = []
+    messages: list[Message] = []
+    calls = 0
     for turn in turns:
         if not isinstance(turn, dict):
             raise _SkipRow("a turn is not a JSON object")
@@ -74,14 +84,34 @@ def normalise_conversation(row: Any) -> list[Message]:
         role = ROLES.get(str(speaker).lower())
         if role is None:
             raise _SkipRow(f"unsupported role {speaker!r}")
+        if role == "tool" or str(speaker).lower() == "function_call" or turn.get("tool_calls") or turn.get(
+                "function_call"):
+            try:  # a call the target's answer is compared with, or a result shown to it
+                messages.append(normalize_message(turn, calls))
+            except BadRow as exc:
+                raise _SkipRow(f"{exc.reason}: {exc.detail}") from None
+            calls += len(messages[-1].get("tool_calls", ()))
+            continue
         messages.append(
             {"role": role, "content": _text(turn["value"] if "value" in turn else turn.get("content"))}
         )
+    link_tool_results(messages)
+    for before, m in zip([None, *messages], messages, strict=False):
+        if m["role"] == "tool" and not (before and (before["role"] == "tool" or before.get("tool_calls"))):
+            raise _SkipRow("a tool result with no tool call before it")
     if not any(m["role"] == "user" for m in messages):
         raise _SkipRow("no user turn")
     if messages[0]["role"] != "system" and isinstance(row.get("system"), str) and row["system"].strip():
         messages.insert(0, {"role": "system", "content": row["system"]})  # some ShareGPT variants
     return messages
+
+
+def row_tools(row: Any) -> list[dict]:
+    """The row's `tools` (`data.conversation_tools`); a bad list skips the row."""
+    try:
+        return conversation_tools(row)
+    except BadRow as exc:
+        raise _SkipRow(f"{exc.reason}: {exc.detail}") from None
 
 
 def _row_id(obj: Any, index: int, messages: list[Message] | None) -> str:
@@ -108,7 +138,7 @@ def _load_rows(paths: Sequence[Path], limit: int | None, problems: Counter[str])
                 continue
             try:
                 messages = normalise_conversation(obj)
-                rows.append(_Row(index, _row_id(obj, index, messages), messages))
+                rows.append(_Row(index, _row_id(obj, index, messages), messages, tools=row_tools(obj)))
             except _SkipRow as exc:
                 rows.append(_Row(index, _row_id(obj, index, None), None, skip=str(exc)))
     return rows

@@ -18,6 +18,14 @@ end-of-turn token the template appends, because the target did not end there. A 
 fails (templates that rewrite earlier turns, e.g. drop their reasoning) is left unsupervised and counted; a row
 with no supervised turn is bad. F is tokenised once with `add_special_tokens=False` (the template writes its own BOS, as in HF
 `apply_chat_template(tokenize=True)` and vLLM chat serving) and character spans map to tokens by overlap.
+
+Tool calls render as the server renders them (`eagle3.serving.tools`): a template whose source refers to `tools`
+gets `apply_chat_template(messages, tools=...)` with the assistant `tool_calls` and `tool` results in the
+messages; any other template gets the Hermes layout in ordinary turns (`hermes_messages`: the tools in the system
+turn, calls as `<tool_call>` blocks in the assistant's text, results as a user turn of `<tool_response>` blocks).
+A call turn is the target's own output, so it is supervised like any answer; under a template that writes the
+calls itself there is no content to find, and the whole turn F[len(A):len(B)] is supervised up to and including
+the end-of-turn token that closes it. Tool results, like user and system turns, are never supervised.
 """
 
 from __future__ import annotations
@@ -30,7 +38,14 @@ from typing import Any
 import numpy as np
 
 from eagle3.config import ConfigError
-from eagle3.training.data import PLAIN, BadRow, completion_segments, normalize_conversation
+from eagle3.serving.tools import hermes_messages, takes_tools
+from eagle3.training.data import (
+    PLAIN,
+    BadRow,
+    completion_segments,
+    conversation_tools,
+    normalize_conversation,
+)
 
 # Turn-level outcomes (the report's `turns` counter).
 TURN_SUPERVISED = "supervised"
@@ -39,6 +54,7 @@ TURN_INSERTED_TEXT_MASKED = (
 )
 TURN_NO_END_TOKEN = "no_end_token_after_content"  # no special token right after the content; none supervised
 TURN_CUT_END_MASKED = "cut_at_limit_end_token_masked"  # finish_reason "length": its end token is not a label
+TURN_TOOL_CALL = "tool_call_turn_supervised"  # a call turn written by a template that takes tools: whole turn
 TURN_SKIP_GENERATION_PROMPT = "skipped_generation_prompt_mismatch"  # A is not a prefix of B
 TURN_SKIP_PREFIX = "skipped_prefix_mismatch"  # B is not a prefix of F
 TURN_SKIP_CONTENT = "skipped_content_not_found"
@@ -96,23 +112,27 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.chat_template: str | None = template or None
         self.plain = template == PLAIN
+        self.takes_tools = bool(template) and not self.plain and takes_tools(template)
         self.template_kwargs = dict(template_kwargs or {})
         specials = {str(t) for t in tokenizer.all_special_tokens}
         specials |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
         self.end_tokens = sorted((s for s in specials if s), key=len, reverse=True)  # longest match first
 
     # -- rendering -------------------------------------------------------------------------------
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+        """The template's text for `messages` as given (see `for_template`), with `tools` (templates that take them)."""
         if self.chat_template is None:
             raise BadRow("no_chat_template")
         if self.plain:
             return "".join(m["content"] for m in messages)
+        kwargs = {"tools": tools} if tools and self.takes_tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **kwargs,
                 **self.template_kwargs,
             )
         except Exception as e:  # jinja2 TemplateError, raise_exception(...) in templates, KeyError in filters
@@ -121,30 +141,47 @@ class ChatRenderer:
             raise BadRow("template_error", f"apply_chat_template returned {type(text).__name__}")
         return text
 
-    def supervised_spans(self, messages: list[dict[str, str]]) -> _Spans:
+    def for_template(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+        """(messages, tools) as the template is given them: as they are, or, for a conversation with tools or tool
+        turns and a template that does not take tools, in the Hermes layout (no tools left to pass)."""
+        tools = list(tools or [])
+        if self.takes_tools or not (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)):
+            return messages, tools
+        return hermes_messages(messages, tools), []
+
+    def supervised_spans(self, messages: list[dict], tools: list[dict] | None = None) -> _Spans:
         """The full render and the character spans to supervise (see the module docstring)."""
-        cut = [m.get("finish_reason") == "length" for m in messages]
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # templates see only these
-        full = self.render(messages)
+        cut = [m.get("finish_reason") == "length" for m in messages if m["role"] == "assistant"]
+        # templates see no finish_reason; the Hermes layout keeps one assistant turn per assistant message
+        messages, tools = self.for_template([{k: v for k, v in m.items() if k != "finish_reason"} for m in messages],
+                                            tools)
+        full = self.render(messages, tools=tools)
         spans: list[tuple[int, int]] = []
         turns: Counter[str] = Counter()
+        answer = -1
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[: i + 1])
+            answer += 1
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            upto = self.render(messages[: i + 1], tools=tools)
             if not upto.startswith(prompt):
                 turns[TURN_SKIP_GENERATION_PROMPT] += 1
                 continue
             if not full.startswith(upto):
                 turns[TURN_SKIP_PREFIX] += 1
                 continue
-            found = self._locate(upto, len(prompt), m["content"])
+            if m.get("tool_calls"):
+                found = self._whole_turn(upto, len(prompt))
+                if found is not None:
+                    turns[TURN_TOOL_CALL] += 1
+            else:
+                found = self._locate(upto, len(prompt), m["content"])
             if found is None:
                 turns[TURN_SKIP_CONTENT] += 1
                 continue
             start, content_end, end, inserted, has_end_token = found
-            if cut[i] and has_end_token:
+            if cut[answer] and has_end_token:
                 end = content_end
                 turns[TURN_CUT_END_MASKED] += 1
             spans.append((start, end))
@@ -185,6 +222,18 @@ class ChatRenderer:
                 break
         return turn_start + c0, turn_start + c1, turn_start + end, inserted, has_end_token
 
+    def _whole_turn(self, upto: str, turn_start: int) -> tuple[int, int, int, bool, bool] | None:
+        """A call turn the template wrote itself: all its text (surrounding whitespace aside), with the end-of-turn
+        token that closes it, if one does; the same tuple as `_locate`."""
+        turn = upto[turn_start:]
+        body = turn.rstrip()
+        start = len(body) - len(body.lstrip())
+        if start == len(body):
+            return None
+        end_token = next((t for t in self.end_tokens if body.endswith(t)), "")
+        content_end = len(body[: len(body) - len(end_token)].rstrip()) if end_token else len(body)
+        return turn_start + start, turn_start + content_end, turn_start + len(body), False, bool(end_token)
+
     def _tail_ok(self, tail: str) -> bool:
         stripped = tail.lstrip()
         return not stripped or any(stripped.startswith(t) for t in self.end_tokens)
@@ -201,12 +250,14 @@ class ChatRenderer:
                 segments = completion_segments(row)
                 if segments is None:
                     messages = normalize_conversation(row, system_prompt, repairs)
+                    tools = conversation_tools(row)
                     if self.plain:
-                        segments = [(m["content"], m["role"] == "assistant") for m in messages]
+                        plain, _ = self.for_template(messages, tools)
+                        segments = [(m["content"], m["role"] == "assistant") for m in plain]
                 if segments is not None:
                     pending[True].append((k, _raw_spans(segments), repairs))
                 else:
-                    pending[False].append((k, self.supervised_spans(messages), repairs))
+                    pending[False].append((k, self.supervised_spans(messages, tools), repairs))
             except BadRow as e:
                 results[k] = e
         for raw, batch in pending.items():
