@@ -140,3 +140,59 @@ def test_store_false_opts_a_chat_request_out_of_the_record():
     with pytest.raises(RequestError) as e:
         parse_chat(json.dumps({**base, "store": "no"}))
     assert e.value.param == "store"
+
+
+def test_record_adapt_swap_loop_on_a_live_server(tmp_path, stories260k):
+    """The whole loop on a running server: requests recorded (`--record`), a drafter adapted on them, and swapped
+    in through the admin endpoint while the server keeps answering exactly as plain decoding."""
+    import copy
+
+    import httpx
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from eagle3 import adapt as adapt_mod
+    from eagle3.decoding.engine import SpeculativeEngine
+    from eagle3.decoding.proposers import NoDraftProposer
+    from eagle3.runtime import drafter_for
+    from eagle3.serving.app import create_app
+    from eagle3.serving.config import ServeConfig
+    from eagle3.serving.drafting import Eagle3BatchDrafter
+    from eagle3.serving.server import ServerThread, build_scheduler
+    from eagle3.target import Target
+
+    model, tok = stories260k
+    drafter = tmp_path / "d"
+    assert main(["init-drafter", "--target", "stories260k", "--out", str(drafter), "--draft-vocab-size", "full"]) == 0
+    served = copy.deepcopy(model)
+    d = drafter_for(served, drafter)
+    cfg = ServeConfig(model_name="stories260k", admin_token="t", record=str(tmp_path / "traffic"),
+                      record_shard_rows=8)
+    sched = build_scheduler(Target(served, d.config.aux_layer_ids), tok, [tok.eos_token_id], Eagle3BatchDrafter(d),
+                            config=cfg)
+    srv = ServerThread(create_app(sched), shutdown_timeout=10).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    starts = ["Once upon a time", "Lily had a dog", "The sun was", "Tom went to", "A little bird", "The cat sat",
+              "One day", "Ben and Mia"]
+    try:
+        for i in range(24):  # sampled traffic, as users send it
+            client.completions.create(model="stories260k", prompt=starts[i % 8], max_tokens=32, temperature=0.8,
+                                      seed=i)
+        assert len(list(read_traffic(tmp_path / "traffic"))) == 24  # three full shards, written while serving
+        rep = adapt_mod.adapt("stories260k", str(drafter), str(tmp_path / "traffic"), str(tmp_path / "new"),
+                              max_steps=30, lr=3e-3, eval_tokens=16, dtype="float32", progress=False,
+                              echo=lambda *_: None)
+        assert rep.written and rep.tau["new"] >= rep.tau["old"]
+        r = httpx.post(srv.url + "/admin/drafter", json={"path": str(tmp_path / "new")},
+                       headers={"Authorization": "Bearer t"}, timeout=60)
+        assert r.status_code == 200 and r.json()["version"] == "v2"
+        plain = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
+        for text in starts[:4]:
+            want = plain.generate(tok(text, add_special_tokens=True)["input_ids"], max_new_tokens=24,
+                                  eos_token_ids=[tok.eos_token_id])
+            got = client.completions.create(model="stories260k", prompt=text, max_tokens=24, temperature=0)
+            assert got.choices[0].text == want.text
+    finally:
+        srv.stop()
+    rows = list(read_traffic(tmp_path / "traffic"))
+    assert len(rows) == 28 and [r["drafter"] for r in rows[-4:]] == ["v2"] * 4  # flushed on stop

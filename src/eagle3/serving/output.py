@@ -107,15 +107,15 @@ class OutputMixin:
         h.finished = True
         self.metrics.inc("eagle3_requests_total", endpoint=h.params.endpoint, finish_reason=reason)
         self.metrics.observe("eagle3_request_latency_seconds", time.perf_counter() - h.arrival)
-        self._send(h, Event("done", text=text, finish_reason=reason, prompt_tokens=len(h.params.prompt_ids),
-                            completion_tokens=len(row.out), token_ids=list(row.out)))
-        if self.recorder is not None and h.params.record:
+        if self.recorder is not None and h.params.record:  # before the answer: a client that has it finds it recorded
             p = h.params
             version = h.drafter_version or self.drafter_version  # the drafter it was admitted under
             self.recorder.add({"request_id": h.id, "model": self.config.model_name, "drafter": version,
                                "prompt_ids": list(p.prompt_ids), "completion_ids": list(row.out),
                                "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
                                "finish_reason": reason, "cycles": row.acc.cycles, "accepted": row.acc.total})
+        self._send(h, Event("done", text=text, finish_reason=reason, prompt_tokens=len(h.params.prompt_ids),
+                            completion_tokens=len(row.out), token_ids=list(row.out)))
 
     def _send(self, handle: RequestHandle, event: Event) -> None:
         try:
