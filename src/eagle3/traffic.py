@@ -47,7 +47,11 @@ class TrafficRecorder:
         if shard_rows < 1:
             raise ConfigError(f"shard_rows={shard_rows} must be >= 1")
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--record {folder}: cannot create that folder ({e.strerror}); choose a writable "
+                              "one") from None
         self.shard_rows, self.max_shards = shard_rows, max_shards
         self.rows: list[dict[str, Any]] = []
         self.lock = threading.Lock()
