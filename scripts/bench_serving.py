@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import FUSE_POINTWISE_CHOICES, DraftShape
+from eagle3.config import FUSE_POINTWISE_CHOICES, FUSE_POINTWISE_HELP, DraftShape
 from eagle3.evaluate import load_prompts
 from eagle3.fast.pointwise import fuse_level
 from eagle3.models import load_target
@@ -69,13 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
-    p.add_argument("--compile", action="store_true", help="inductor-compile the fast lane's steps (as serve --compile)")
+    # the fast path's variants (library options of `fast_lane_engine` / `fast_rows`; `eagle3 serve` takes the defaults)
+    p.add_argument("--compile", action="store_true", help="inductor-compile the fast lane's steps (FastOptions.compile)")
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                   help="as serve --fuse-pointwise")
-    p.add_argument("--eager-drafting", action="store_true", help="as serve --eager-drafting (the fast lane)")
+                   help=FUSE_POINTWISE_HELP)
+    p.add_argument("--eager-drafting", action="store_true",
+                   help="the fast lane's drafting op by op (FastOptions.compile_drafting=False)")
     p.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
-                   help="as serve --graph-prefill (the fast lane; auto: on for CUDA)")
-    p.add_argument("--sdpa-heads", action="store_true", help="as serve --sdpa-heads (fast lane and fast rows)")
+                   help="the fast lane prefills via CUDA graphs (FastOptions.graph_prefill; auto: on for CUDA)")
+    p.add_argument("--sdpa-heads", action="store_true",
+                   help="query heads as SDPA heads, fast lane and fast rows (FastOptions.sdpa_heads)")
     p.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-rows` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size)

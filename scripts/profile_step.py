@@ -72,8 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                   help="the target's elementwise work compiled (Pointwise): as eagle3 bench --fuse-pointwise "
-                        "(auto: elementwise on CUDA, off on a CPU)")
+                   help="the target's elementwise work compiled (Pointwise, FastOptions.fuse_pointwise; "
+                        "auto: elementwise on CUDA, off on a CPU)")
     p.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
                    help=DRAFTER_ATTENTION_HELP.removeprefix("fast path: "))
     p.add_argument("--residual-add", choices=("auto", "gemm", "separate"), default="auto",

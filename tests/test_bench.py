@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.bench import METHODS, add_bench_parser, parse_methods
+from eagle3.bench import METHODS, add_bench_parser, parse_methods, run_bench
 from eagle3.config import ConfigError
 
 
@@ -56,13 +56,17 @@ def test_bench_cpu_writes_a_record_with_every_method(tmp_path, capsys):
 
 def test_bench_methods_subset_and_no_drafter(tmp_path):
     rc = bench(["--target", "stories260k", "--limit", "1", "--max-new-tokens", "8", "--device", "cpu",
-                "--methods", "d,tree,hf", "--eager-drafting", "--out", str(tmp_path)])
+                "--methods", "d,tree,hf", "--out", str(tmp_path)])
     assert rc == 0
     rec = json.loads((tmp_path / "bench.json").read_text())
     assert [s["method"] for s in rec["summary"]] == ["hf", "plain"]  # tree skipped: no drafter given
+    assert rec["options"]["compile_drafting"] is None  # auto: the device's (compiled on CUDA only)
+    assert rec["options"]["graph_prefill"] is False  # graph_prefill auto on a CPU: what ran
+    assert rec["options"]["target_attention"] == "sdpa"  # target_attention auto on a CPU
+    # the variants are `run_bench`'s keywords (no longer `eagle3 bench` flags)
+    rec = run_bench("stories260k", limit=1, max_new_tokens=8, device="cpu", methods=["plain"],
+                    compile_drafting=False, echo=lambda _line: None)
     assert rec["options"]["compile_drafting"] is False
-    assert rec["options"]["graph_prefill"] is False  # --graph-prefill auto on a CPU: what ran
-    assert rec["options"]["target_attention"] == "sdpa"  # --target-attention auto on a CPU
     with pytest.raises(ConfigError, match="need --drafter"):  # only drafter methods, and no drafter
         bench(["--target", "stories260k", "--limit", "1", "--device", "cpu", "--methods", "tree",
                "--out", str(tmp_path / "none")])

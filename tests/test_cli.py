@@ -44,22 +44,27 @@ def test_generate_every_draft_kind_gives_the_same_text(capsys, random_drafter):
     assert selfd["acceptance_per_position"] == [1.0] * 5 and selfd["tau"] > 5
 
 
-def test_fast_path_flags_on_the_generic_engine_warn(capsys, caplog, random_drafter):
-    """Flags of the static-cache fast path say so when the generic engine runs (auto on a CPU), and change nothing;
-    on the fast engine they apply without that warning."""
+def test_no_graphs_on_the_generic_engine_warns_and_fast_variants_keep_the_text(capsys, caplog, monkeypatch,
+                                                                               random_drafter):
+    """`--no-graphs` says so when the generic engine runs (auto on a CPU), and changes nothing; the fast path's
+    variants (library options: `FastOptions.sdpa_heads`, `drafter_attention`) emit the same tokens."""
+    from dataclasses import replace
+
+    import eagle3.runtime
+
     caplog.clear()
     plain = run_json(capsys, "--drafter", str(random_drafter), "--engine", "generic")
-    assert "no effect" not in caplog.text  # --fuse-pointwise auto, the default, asks nothing of the generic engine
-    out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--eager-drafting",
-                   "--fuse-pointwise", "elementwise", "--drafter-attention", "matmul")
+    assert "no effect" not in caplog.text
+    out = run_json(capsys, "--drafter", str(random_drafter), "--no-graphs")
     assert out["token_ids"] == plain["token_ids"]
-    assert ("--sdpa-heads and --eager-drafting and --fuse-pointwise elementwise and --drafter-attention matmul "
-            "have no effect") in caplog.text
-    caplog.clear()
-    out = run_json(capsys, "--drafter", str(random_drafter), "--sdpa-heads", "--engine", "fast")
-    assert out["token_ids"] == plain["token_ids"] and "no effect" not in caplog.text
-    out = run_json(capsys, "--drafter", str(random_drafter), "--drafter-attention", "matmul", "--engine", "fast")
-    assert out["token_ids"] == plain["token_ids"] and "no effect" not in caplog.text
+    assert "--no-graphs has no effect" in caplog.text
+    real = eagle3.runtime.decoder
+    for variant in ({"sdpa_heads": True}, {"drafter_attention": "matmul"}):
+        caplog.clear()
+        monkeypatch.setattr(eagle3.runtime, "decoder",
+                            lambda rt, d, options=None, v=variant: real(rt, d, options and replace(options, **v)))
+        out = run_json(capsys, "--drafter", str(random_drafter), "--engine", "fast")
+        assert out["token_ids"] == plain["token_ids"] and "no effect" not in caplog.text, variant
 
 
 def test_export_both_formats_and_generate_from_them(capsys, random_drafter, tmp_path):

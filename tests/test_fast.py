@@ -199,7 +199,7 @@ def test_stops_at_eos_and_max_new_tokens_inside_a_cycle(models):
 
 @pytest.mark.parametrize("kind", ["none", "chain", "tree"])
 def test_both_head_layouts_match_hf_generate(head_layout, kind):
-    """Both GQA layouts, query heads stacked along the query axis (the default) and as SDPA heads (`--sdpa-heads`),
+    """Both GQA layouts, query heads stacked along the query axis (the default) and as SDPA heads (`FastOptions.sdpa_heads`),
     give HF's greedy output, for the target and the drafter (Llama and Qwen3, 2 query heads per KV head)."""
     for arch in ("llama", "qwen3"):
         model = build_tiny_target(arch)
@@ -294,10 +294,9 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
 
 
 def test_fuse_levels_and_bad_levels():
-    """`FastOptions.fuse_pointwise` and `--fuse-pointwise`: None or "auto" is elementwise on CUDA and off on a CPU;
-    False or "off" is off; True is "all" (the flag alone); "elementwise" leaves the norms eager; anything else
-    stops with the flag's choices. A default engine on a CPU leaves the target eager, and every command's flag
-    defaults to auto."""
+    """`FastOptions.fuse_pointwise`: None or "auto" is elementwise on CUDA and off on a CPU; False or "off" is off;
+    True is "all"; "elementwise" leaves the norms eager; anything else stops with the option's choices. A default
+    engine on a CPU leaves the target eager."""
     values = (None, "auto", False, "off", True, "elementwise", "all")
     assert [fuse_level(v, "cuda:1") for v in values] == [
         "elementwise", "elementwise", None, None, "all", "elementwise", "all"]
@@ -307,17 +306,9 @@ def test_fuse_levels_and_bad_levels():
     assert set(FUSE_LEVELS["elementwise"]) < set(FUSE_LEVELS["all"])
     with pytest.raises(ConfigError, match=r"expected one of \('auto', 'off', 'elementwise', 'all'\)"):
         fuse_level("norms", "cpu")
-    with pytest.raises(ConfigError, match="--fuse-pointwise"):
+    with pytest.raises(ConfigError, match="fuse_pointwise"):
         FastEngine(build_tiny_target("llama"), draft="none", options=FastOptions(fuse_pointwise="fast"))
     assert not FastEngine(build_tiny_target("llama"), draft="none").target.pointwise.compiled
-    from eagle3.cli import build_parser
-
-    cli = build_parser()
-    for argv in (["generate", "--target", "t", "--prompt", "p"], ["eval", "--target", "t", "--out", "o"]):
-        assert cli.parse_args(argv).fuse_pointwise == "auto"
-        assert cli.parse_args([*argv, "--fuse-pointwise"]).fuse_pointwise == "all"
-    for argv in (["serve", "--target", "t"], ["bench", "--target", "t"]):
-        assert cli.parse_args(argv).fuse_pointwise == "auto"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -342,7 +333,7 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse, g
     `wide`: an MLP of 2,048 (SmolLM2's is 1,536), where a CPU without AMX (AMD EPYC, AVX512-BF16) rounds a
     one-row product differently from a many-row one with the vendor's kernels; the fast path's own
     (`exact_rows`, forced here on any CPU) keep the rows equal. `fuse`: with RoPE (and the heads-first copy) and
-    SwiGLU compiled by inductor (`--fuse-pointwise elementwise`), whose one-token and many-token kernels must
+    SwiGLU compiled by inductor (`FastOptions.fuse_pointwise="elementwise"`), whose one-token and many-token kernels must
     round alike. `gemm`: the residual adds in the products' epilogues (`residual_in_gemm`, the CUDA default;
     qwen2 has q/k/v biases but none on o_proj and down_proj, so both its adds still fuse)."""
     over = {"hidden_size": 256, "intermediate_size": 2048} if wide else {}
@@ -659,9 +650,9 @@ def test_feeding_only_the_accepted_rows_keeps_the_drafter_state(models, drafters
 
 
 def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
-    """`--drafter-attention auto` (the default of `FastOptions`, generate, eval, bench, profile_step): split on
+    """`FastOptions.drafter_attention` "auto" (the default; also profile_step's): split on
     CUDA where Triton imports and the head size is one the kernels take (faster on an H200), else matmul;
-    prefix on a CPU; sdpa wherever --sdpa-heads asks for SDPA heads;
+    prefix on a CPU; sdpa wherever `sdpa_heads` asks for SDPA heads;
     a named choice is kept on any device (split needs CUDA, prefix eager drafting off CUDA), and the engine and
     `settings()` say which one runs."""
     from eagle3.fast.split_attention import triton_available
@@ -684,13 +675,6 @@ def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
     engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d,
                         options=FastOptions(drafter_attention="matmul"))
     assert engine.settings()["drafter_attention"] == "matmul" and engine.core.drafter.matmul_attention
-    from eagle3.cli import build_parser
-
-    cli = build_parser()
-    for argv in (["generate", "--target", "t", "--prompt", "p"], ["eval", "--target", "t", "--out", "o"],
-                 ["bench", "--target", "t"]):
-        assert cli.parse_args(argv).drafter_attention == "auto"
-        assert cli.parse_args([*argv, "--drafter-attention", "sdpa"]).drafter_attention == "sdpa"
 
 
 def test_compiled_drafting_falls_back_to_eager_with_a_warning(models, drafters, caplog):

@@ -46,8 +46,8 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
     `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`;
     `lane_compile`: the lane's steps traced by torch.compile (the "aot_eager" backend: no C++ codegen on CPU);
-    `sdpa_heads`: lane and rows attend with the query heads as SDPA heads (`serve --sdpa-heads`);
-    `graph_prefill`: the lane prefills at fixed widths (`serve --graph-prefill`)."""
+    `sdpa_heads`: lane and rows attend with the query heads as SDPA heads (`FastOptions.sdpa_heads`);
+    `graph_prefill`: the lane prefills at fixed widths (`FastOptions.graph_prefill`)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
     shape = DraftShape(3, 2, 6)
@@ -145,7 +145,7 @@ def test_completion_matches_single_request_greedy(client, ref):
 def test_fast_lane_server_answers_like_the_batch(stories260k, ref, graph_prefill):
     """Through HTTP with the real client: lone requests (fast lane), streamed and not, then a concurrent burst
     (the lane hands over to the batch); every greedy answer equals the bs=1 reference. Also with the lane's
-    prefills at fixed widths (`serve --graph-prefill`)."""
+    prefills at fixed widths (`FastOptions.graph_prefill`)."""
     srv = make_server(*stories260k, lane=True, graph_prefill=graph_prefill)
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -176,7 +176,7 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref, graph_prefill
 
 
 def test_compiled_fast_lane_is_ready_at_start_and_never_grows_mid_request(stories260k, ref):
-    """`serve --compile`: the lane's speculative and plain engines are compiled and captured before the first
+    """`fast_lane_engine(compile=True)`: the lane's speculative and plain engines are compiled and captured before the first
     request; answers equal the reference; a request larger than the lane's prepared caches decodes on the batch
     instead of reallocating (which would recompile in the middle of serving)."""
     srv = make_server(*stories260k, lane_compile=True)
@@ -238,7 +238,7 @@ def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
 
 
 def test_sdpa_heads_server_answers_like_the_reference(stories260k, ref):
-    """`serve --sdpa-heads`: the lane and the rows (sharing one target) attend with the query heads as SDPA heads,
+    """`sdpa_heads=True` (`fast_lane_engine`, `fast_rows`): the lane and the rows (sharing one target) attend with the query heads as SDPA heads,
     the rows' drafter too; lone and concurrent greedy requests answer as the bs=1 reference (fp32)."""
     srv = make_server(*stories260k, lane=True, rows=True, sdpa_heads=True, max_batch_size=8)
     try:
@@ -543,28 +543,23 @@ def test_smollm2_chat(smollm2):
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.text
 
 
-def test_graph_prefill_choice():
-    """`--graph-prefill`: auto is on for a CUDA lane only; a bare flag means on; anything else is refused."""
-    import argparse
-
+def test_auto_on_off_choice():
+    """An auto/on/off option (`--fast-lane`, `--fast-rows`, the lane's `graph_prefill`): auto is on for CUDA only;
+    anything else is refused."""
     from eagle3.config import ConfigError, on_for_device
-    from eagle3.serving.cli import add_serve_parser
 
     assert [on_for_device(c, d) for c, d in (("auto", "cuda:1"), ("auto", "cpu"), ("on", "cpu"),
                                                 ("off", "cuda"))] == [True, False, True, False]
     with pytest.raises(ConfigError, match="auto, on or off"):
         on_for_device(True, "cuda")
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers(dest="command"))
-    base = ["serve", "--target", MODEL]
-    assert [parser.parse_args(base + extra).graph_prefill
-            for extra in ([], ["--graph-prefill"], ["--graph-prefill", "off"])] == ["auto", "on", "off"]
 
 
-def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
+def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypatch):
     """`eagle3 serve` flags -> a working server: drafter from disk, chat template file, ngram and plain modes."""
     import argparse
+    import functools
 
+    import eagle3.serving.cli as serving_cli
     from eagle3.formats import save_drafter
     from eagle3.serving.cli import add_serve_parser, describe, load_server
 
@@ -573,33 +568,29 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
     (tmp_path / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
-    for extra, drafter_name in ((["--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6"], "eagle3"),
-                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3"),
-                                (["--draft", "ngram", "--chain", "3", "--fast-lane", "on"], "per-row"),
-                                (["--no-spec"], None), (["--no-spec", "--fast-lane", "on"], None),
-                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--fast-rows", "on",
-                                  "--fast-rows-len", "256"], "eagle3"),
-                                (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None),
-                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--sdpa-heads"],
-                                 "eagle3"),
-                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--graph-prefill"],
-                                 "eagle3"),
-                                (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--graph-prefill",
-                                  "off"], "eagle3"),
-                                (["--no-spec", "--compile"], None),  # no lane on a CPU: a warning says so
-                                (["--no-spec", "--graph-prefill"], None),
-                                (["--no-spec", "--sdpa-heads"], None),  # nothing to apply it to: a warning
-                                (["--no-spec", "--fuse-pointwise", "elementwise"], None)):
+    real_lane = serving_cli.fast_lane_engine
+    for case in ((["--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6"], "eagle3"),
+                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3"),
+                 (["--draft", "ngram", "--chain", "3", "--fast-lane", "on"], "per-row"),
+                 (["--no-spec"], None), (["--no-spec", "--fast-lane", "on"], None),
+                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--fast-rows", "on",
+                   "--fast-rows-len", "256"], "eagle3"),
+                 (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None),
+                 # the lane's variants, library options of `fast_lane_engine` (not serve flags)
+                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
+                  {"sdpa_heads": True}),
+                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
+                  {"graph_prefill": "on"}),
+                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
+                  {"graph_prefill": "off"})):
+        extra, drafter_name, variant = case if len(case) == 3 else (*case, {})
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), "--spec-min-accept", "0", *extra])
         assert args.func.__name__ == "cmd_serve"
+        monkeypatch.setattr(serving_cli, "fast_lane_engine", functools.partial(real_lane, **variant))
         caplog.clear()
         sched, app = load_server(args)
-        assert ("--compile has no effect" in caplog.text) == ("--compile" in extra)
-        assert ("--graph-prefill has no effect" in caplog.text) == ("--graph-prefill" in extra and
-                                                                     "--fast-lane" not in extra)
-        assert ("--sdpa-heads has no effect" in caplog.text) == ("--sdpa-heads" in extra and "--fast-lane" not in extra)
-        assert ("--fuse-pointwise has no effect" in caplog.text) == ("--fuse-pointwise" in extra)  # auto: no word
+        assert "no effect" not in caplog.text
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
         lane, rows = "--fast-lane" in extra, "--fast-rows" in extra  # auto (the default) is off on a CPU
@@ -612,9 +603,8 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
         assert ("plain batched decoding" in line) == (drafter_name is None)
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
-            assert sched.fast.target.stacked == ("--sdpa-heads" not in extra)
-            # a bare --graph-prefill means on; auto (the default) is off on a CPU
-            gp = "--graph-prefill" in extra and extra[extra.index("--graph-prefill") + 1:][:1] != ["off"]
+            assert sched.fast.target.stacked == (not variant.get("sdpa_heads"))
+            gp = variant.get("graph_prefill") == "on"  # auto (the default) is off on a CPU
             assert sched.fast.options.graph_prefill == gp and ("captured prefills" in line) == gp
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

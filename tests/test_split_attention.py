@@ -184,7 +184,7 @@ def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, k
 
 
 def test_drafter_attends_by_splits(interpreted):
-    """`FastDrafter.use_split_attention` (`--drafter-attention split`): a drafter forward close to the matmul
+    """`FastDrafter.use_split_attention` (`FastOptions.drafter_attention="split"`): a drafter forward close to the matmul
     attention's, and from the state a 4,3,12 tree's decoding left (HF `generate`'s tokens), the same tree drafted
     as with the matmul attention."""
     model = build_tiny_target("llama")

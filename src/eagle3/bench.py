@@ -33,14 +33,13 @@ from pathlib import Path
 import torch
 
 from eagle3.config import (
-    AUTO_ON_OFF,
     DEFAULT_MAX_NEW_TOKENS,
     DTYPE_HELP,
     GUARD_HELP,
+    NO_GRAPHS_HELP,
     ConfigError,
     DraftShape,
     SamplingConfig,
-    add_fast_engine_args,
 )
 
 log = logging.getLogger("eagle3.bench")
@@ -501,7 +500,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, metavar="S", help="first prompt's seed when sampling")
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", metavar="DIR", help="folder for bench.json / bench.png (overhead.json)")
-    add_fast_engine_args(b.add_argument_group("fast path"))
+    b.add_argument("--no-graphs", action="store_true", help=NO_GRAPHS_HELP)
     ov = b.add_argument_group("--overhead")
     ov.add_argument("--overhead", action="store_true", help="per-cycle cost with random weights (--shape)")
     ov.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), metavar="SHAPE",
@@ -529,11 +528,8 @@ def cmd_bench(args) -> int:
         def save(res: dict) -> Path:  # after every row: a run stopped part way keeps its rows
             return write_json(run_record("bench-overhead", **res), out / "overhead.json")
 
-        res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, compile=args.compile,
-                           fuse_pointwise=args.fuse_pointwise, reps=args.reps,
-                           compile_drafting=False if args.eager_drafting else None, shape=args.shape,
-                           drafter_attention=args.drafter_attention, target_attention=args.target_attention,
-                           on_progress=save)
+        res = run_overhead(device, tiny=args.tiny, context=args.context, graphs=graphs, reps=args.reps,
+                           shape=args.shape, on_progress=save)
         path = save(res)
         print(format_overhead(res))
         print(f"record: {path}")
@@ -552,12 +548,8 @@ def cmd_bench(args) -> int:
     record = run_bench(
         args.target, drafter=args.drafter, dataset=args.dataset, limit=args.limit,
         max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=trees,
-        ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, compile=args.compile,
-        fuse_pointwise=args.fuse_pointwise, pipeline=not args.no_pipeline, warmup=args.warmup,
-        compile_drafting=False if args.eager_drafting else None, sdpa_heads=args.sdpa_heads,
-        drafter_attention=args.drafter_attention, target_attention=args.target_attention,
-        graph_prefill=AUTO_ON_OFF[args.graph_prefill], on_progress=save, temperature=args.temperature,
-        seed=args.seed, guard=args.guard,
+        ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, warmup=args.warmup,
+        on_progress=save, temperature=args.temperature, seed=args.seed, guard=args.guard,
     )
     path = save(record)
     png = plot_bench(record, out / "bench.png")

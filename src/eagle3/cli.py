@@ -14,10 +14,10 @@ from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DTYPE_HELP,
     GUARD_HELP,
+    NO_GRAPHS_HELP,
     ConfigError,
     DraftShape,
     SamplingConfig,
-    add_fast_engine_args,
     help_formatter,
 )
 
@@ -356,9 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     g.add_argument("--fast", action="store_true", help="same as --engine fast")
-    add_fast_engine_args(g.add_argument_group("fast engine"), ("no_graphs", "compile", "fuse_pointwise", "sdpa_heads",
-                                                               "eager_drafting", "graph_prefill", "drafter_attention",
-                                                               "target_attention"))
+    g.add_argument("--no-graphs", action="store_true", help=NO_GRAPHS_HELP)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")
@@ -529,9 +527,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", required=True, metavar="DIR", help="folder for eval.json and eval.png")
     ev.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     ev.add_argument("--fast", action="store_true", help="same as --engine fast")
-    fe = ev.add_argument_group("fast engine", "each of these rounds bf16 a little otherwise, so a near-tie can "
-                               "change an answer: compare taus measured with the same settings")
-    add_fast_engine_args(fe, ("graph_prefill", "fuse_pointwise", "drafter_attention", "target_attention"))
     ev.set_defaults(func=cmd_eval)
 
     dm = sub.add_parser("demo", help="SmolLM2-135M-Instruct with the bundled drafter: plain vs EAGLE-3, "

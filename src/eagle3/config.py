@@ -25,57 +25,26 @@ DEFAULT_DRAFT_VOCAB_SIZE = 32000
 DEFAULT_NGRAM_MAX = 4
 DEFAULT_NGRAM_MIN = 1
 
-# One flag `--fuse-pointwise [auto|off|elementwise|all]` (generate, bench, serve, eval's fast path, the scripts;
-# `eagle3.fast.target.Pointwise`): the levels that compile something, then the two that choose.
-FUSE_POINTWISE_LEVELS = ("elementwise", "all")  # their pieces: `eagle3.fast.target.FUSE_LEVELS`
+# The fast path's variants are library options only (`eagle3.fast.engine.FastOptions`, `run_bench`'s keywords,
+# `fast_lane_engine`/`fast_rows`, the scripts' own flags); their auto defaults pick per device
+# (docs/how-it-works.md, "The fast path's options"). The values each accepts, checked where they resolve:
+# `FastOptions.fuse_pointwise` (`eagle3.fast.pointwise.fuse_level`): the levels that compile something, then the two
+# that choose.
+FUSE_POINTWISE_LEVELS = ("elementwise", "all")  # their pieces: `eagle3.fast.pointwise.FUSE_LEVELS`
 FUSE_POINTWISE_CHOICES = ("auto", "off", *FUSE_POINTWISE_LEVELS)
 FUSE_POINTWISE_HELP = ("elementwise: compile RoPE, SwiGLU; all (the flag alone): also norms, residual adds (bf16 "
                        "chains then differ); auto: elementwise on CUDA")
-# One flag `--drafter-attention [auto|sdpa|matmul|split|prefix]` (generate, eval, bench, scripts/profile_step.py;
-# `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`).
+# `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`.
 DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split", "prefix")
 DRAFTER_ATTENTION_HELP = ("how the drafter attends; auto: split (split-KV Triton kernels) on CUDA where the head "
                           "size allows, else matmul; prefix on a CPU (never changes the output)")
-# One flag `--target-attention [auto|sdpa|split|matmul]` (generate, eval, bench, scripts/profile_step.py;
-# `FastOptions.target_attention`, resolved by `eagle3.fast.target.target_attention_for`).
+# `FastOptions.target_attention`, resolved by `eagle3.fast.attention.target_attention_for`.
 TARGET_ATTENTION = ("auto", "sdpa", "split", "matmul")
 TARGET_ATTENTION_HELP = ("how the target attends when decoding; auto: split (flash-decoding Triton kernels) on "
                          "CUDA with Triton, else sdpa")
 
-# One help text for `--sdpa-heads` (generate, bench, serve): `eagle3.fast.target.stack_query_heads`.
-SDPA_HEADS_HELP = ("query heads as SDPA heads (enable_gqa): faster plain decoding on CUDA, but bf16 chains then "
-                   "round differently from plain decoding")
-# One help text for `--eager-drafting` (generate, bench, serve): `eagle3.fast.core.FastCore.compile_drafting`.
-EAGER_DRAFTING_HELP = "do not inductor-compile the cycle's drafting (same tokens either way)"
-
-# One help text for `--graph-prefill` (generate, eval, bench, serve, scripts/bench_serving.py):
-# `eagle3.fast.engine.FastOptions.graph_prefill`.
-GRAPH_PREFILL_HELP = "prefill via CUDA graphs (prompts padded to powers of two); auto: on for CUDA"
-
-
-# The fast engine's flags, defined once for every command that takes them (`add_fast_engine_args`).
-FAST_ENGINE_ARGS: dict[str, tuple[str, dict]] = {
-    "no_graphs": ("--no-graphs", dict(action="store_true", help="run the fast path eagerly (no CUDA graphs)")),
-    "compile": ("--compile", dict(action="store_true", help="inductor-compile the fast-path steps before capture")),
-    "fuse_pointwise": ("--fuse-pointwise", dict(choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all",
-                                                default="auto", help=FUSE_POINTWISE_HELP)),
-    "sdpa_heads": ("--sdpa-heads", dict(action="store_true", help=SDPA_HEADS_HELP)),
-    "eager_drafting": ("--eager-drafting", dict(action="store_true", help=EAGER_DRAFTING_HELP)),
-    "graph_prefill": ("--graph-prefill", dict(choices=("auto", "on", "off"), default="auto", help=GRAPH_PREFILL_HELP)),
-    "drafter_attention": ("--drafter-attention", dict(choices=DRAFTER_ATTENTION, default="auto",
-                                                      help=DRAFTER_ATTENTION_HELP)),
-    "target_attention": ("--target-attention", dict(choices=TARGET_ATTENTION, default="auto",
-                                                    help=TARGET_ATTENTION_HELP)),
-    "no_pipeline": ("--no-pipeline", dict(action="store_true", help="read each cycle's result before launching "
-                                          "the next")),
-}
-
-
-def add_fast_engine_args(group, names: tuple[str, ...] = tuple(FAST_ENGINE_ARGS)) -> None:
-    """Add the fast engine's flags `names` (keys of FAST_ENGINE_ARGS) to an argparse parser or group."""
-    for name in names:
-        flag, kwargs = FAST_ENGINE_ARGS[name]
-        group.add_argument(flag, **kwargs)
+# The one fast-engine flag of the decoding commands (generate, bench): a debugging switch.
+NO_GRAPHS_HELP = "run the fast path eagerly (no CUDA graphs; slower, for debugging)"
 
 
 def help_formatter(prog: str) -> argparse.HelpFormatter:
@@ -91,8 +60,8 @@ AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as
 
 
 def on_for_device(choice: str, device) -> bool:
-    """An auto/on/off option (`--fast-lane`, `--fast-rows`, `--graph-prefill`) for `device`: auto means on for
-    CUDA only."""
+    """An auto/on/off option (`--fast-lane`, `--fast-rows`, `FastOptions.graph_prefill` of the server's lane) for
+    `device`: auto means on for CUDA only."""
     if choice not in AUTO_ON_OFF:
         raise ConfigError(f"an auto/on/off option must be auto, on or off, not {choice!r}")
     on = AUTO_ON_OFF[choice]

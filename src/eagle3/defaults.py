@@ -150,7 +150,7 @@ def tuned_choice(model, target: str, drafter_dir, engine: str, temperature: floa
 
 
 def decoder_from_args(rt, args, target: str):
-    """The engine a command's flags ask for (`--tree`/`--chain`, `--engine`, `--guard`, the fast engine's flags),
+    """The engine a command's flags ask for (`--tree`/`--chain`, `--engine`, `--guard`, `--no-graphs`),
     each flag left out resolved by `decoding_for`; logs what has no effect."""
     from eagle3.fast.engine import FastOptions
     from eagle3.runtime import decoder
@@ -166,25 +166,11 @@ def decoder_from_args(rt, args, target: str):
             d = decoding_for(rt.model, rt.draft, engine=d.engine, tuned=tuned)
     d = with_flags(d, getattr(args, "guard", "auto"))
     if d.engine == "generic":
-        fast_only = [flag for flag, attr in (("--no-graphs", "no_graphs"), ("--compile", "compile"),
-                                             ("--sdpa-heads", "sdpa_heads"), ("--eager-drafting", "eager_drafting"))
-                     if getattr(args, attr, False)]
-        fast_only += [f"{flag} {getattr(args, attr)}" for flag, attr in (
-            ("--fuse-pointwise", "fuse_pointwise"), ("--drafter-attention", "drafter_attention"),
-            ("--target-attention", "target_attention")) if getattr(args, attr, "auto") not in ("auto", "off")]
-        fast_only += ["--graph-prefill on"] if getattr(args, "graph_prefill", "auto") == "on" else []
-        if fast_only:
-            log.warning("%s %s no effect: decoding runs on the generic engine (they apply to the static-cache fast "
-                        "path of Llama/Mistral/Qwen targets)", " and ".join(fast_only),
-                        "has" if len(fast_only) == 1 else "have")
+        if getattr(args, "no_graphs", False):
+            log.warning("--no-graphs has no effect: decoding runs on the generic engine (it applies to the "
+                        "static-cache fast path of Llama/Mistral/Qwen targets)")
         return decoder(rt, d)
-    options = FastOptions(graphs=not getattr(args, "no_graphs", False), compile=getattr(args, "compile", False),
-                          fuse_pointwise=getattr(args, "fuse_pointwise", "auto"),
-                          sdpa_heads=getattr(args, "sdpa_heads", False),
-                          drafter_attention=getattr(args, "drafter_attention", "auto"),
-                          target_attention=getattr(args, "target_attention", "auto"),
-                          compile_drafting=False if getattr(args, "eager_drafting", False) else None,
-                          graph_prefill=AUTO_ON_OFF[getattr(args, "graph_prefill", "auto")])
+    options = FastOptions(graphs=not getattr(args, "no_graphs", False))  # the variants: library options only
     if options.compile or (options.graphs and next(rt.model.parameters()).device.type == "cuda"):
         d = replace(d, guard=False, chain_stop=None)  # both act between draft steps: eager cycles only
     return decoder(rt, d, options)

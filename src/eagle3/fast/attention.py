@@ -118,7 +118,7 @@ def _split_unusable(device: torch.device | str, head_dim: int) -> str | None:
 
 def target_attention_for(choice: str | None, device: torch.device | str, head_dim: int,
                          sdpa_heads: bool = False) -> str:
-    """`FastOptions.target_attention` (`--target-attention`) for a target on `device`: "split", "sdpa" or
+    """`FastOptions.target_attention` for a target on `device`: "split", "sdpa" or
     "matmul". None or "auto": split where it can run (CUDA, Triton, a head size `eagle3.fast.split_attention`
     takes), sdpa elsewhere and with `sdpa_heads` (the query heads as SDPA heads were asked for). "split" where it
     cannot run is a configuration error."""
@@ -128,5 +128,5 @@ def target_attention_for(choice: str | None, device: torch.device | str, head_di
     if choice not in TARGET_ATTENTION:
         raise ConfigError(f"target attention {choice!r}: expected one of {TARGET_ATTENTION}")
     if choice == "split" and unusable is not None:
-        raise ConfigError(f"--target-attention split {unusable}; use auto or sdpa")
+        raise ConfigError(f"target attention split {unusable}; use auto or sdpa")
     return choice

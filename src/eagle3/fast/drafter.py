@@ -56,11 +56,11 @@ def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
 
 def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False,
                           head_dim: int | None = None) -> str:
-    """`FastOptions.drafter_attention` (`--drafter-attention`) for a drafter on `device`: "sdpa", "matmul"
+    """`FastOptions.drafter_attention` for a drafter on `device`: "sdpa", "matmul"
     (`FastDrafter.use_matmul_attention`), "split" (`FastDrafter.use_split_attention`) or "prefix"
     (`prefix_attention`). None or "auto": on CUDA split where Triton imports and the head size `head_dim` is one
     the kernels take (None: not known, taken as one), else matmul; prefix elsewhere, where drafting runs eagerly;
-    sdpa with `sdpa_heads` (`--sdpa-heads`: the drafter's query heads as SDPA heads too).
+    sdpa with `sdpa_heads` (`FastOptions.sdpa_heads`: the drafter's query heads as SDPA heads too).
 
     On a CPU, eager drafting attends fastest over only the slots in use in fp32 (`prefix_attention`), rather
     than SDPA over the whole cache or bf16 products. On CUDA, split launches fewer kernels than matmul, and matmul
@@ -76,9 +76,9 @@ def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_h
     if choice not in DRAFTER_ATTENTION:
         raise ConfigError(f"drafter attention {choice!r}: expected one of {DRAFTER_ATTENTION}")
     if choice == "split" and (torch.device(device).type != "cuda" or not triton_available()):
-        raise ConfigError("--drafter-attention split needs a CUDA device and Triton; use auto, matmul or sdpa")
+        raise ConfigError("drafter attention split needs a CUDA device and Triton; use auto, matmul or sdpa")
     if choice == "prefix" and torch.device(device).type == "cuda":
-        raise ConfigError("--drafter-attention prefix reads the last slot in use on the host, which CUDA graphs "
+        raise ConfigError("drafter attention prefix reads the last slot in use on the host, which CUDA graphs "
                           "cannot; use auto, split, matmul or sdpa on CUDA")
     return choice
 

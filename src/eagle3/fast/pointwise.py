@@ -1,5 +1,5 @@
 """The elementwise work of a decoder layer (RMSNorm, RoPE, SwiGLU, residual adds), eager or compiled
-(`Pointwise`, at the `--fuse-pointwise` levels of `fuse_level`), and where the residual adds go (`residual_in_gemm`)."""
+(`Pointwise`, at the `FastOptions.fuse_pointwise` levels of `fuse_level`), and where the residual adds go (`residual_in_gemm`)."""
 
 from __future__ import annotations
 
@@ -95,12 +95,12 @@ def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
 # them compiled, bf16 chains part from plain decoding (docs/benchmarks.md).
 POINTWISE_PIECES = ("norm", "add_norm", "rope", "rope_heads", "gate", "qkv_rope")
 ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
-# `--fuse-pointwise` levels (`FastOptions.fuse_pointwise`, read by `fuse_level`): the pieces each compiles.
+# `FastOptions.fuse_pointwise` levels (read by `fuse_level`): the pieces each compiles.
 FUSE_LEVELS = dict(zip(FUSE_POINTWISE_LEVELS, (ELEMENTWISE_PIECES, POINTWISE_PIECES), strict=True))
 
 
 def fuse_level(value: bool | str | None, device: torch.device | str) -> str | None:
-    """`FastOptions.fuse_pointwise` (or `--fuse-pointwise`) for a target on `device`, as a `FUSE_LEVELS` key or
+    """`FastOptions.fuse_pointwise` for a target on `device`, as a `FUSE_LEVELS` key or
     None (off). None or "auto": "elementwise" on CUDA (faster, and bf16 chains stay identical to plain decoding),
     off elsewhere (the auto of
     every auto/on/off option, `eagle3.config.on_for_device`: on a CPU compiled pieces run outside CUDA graphs and
@@ -112,7 +112,7 @@ def fuse_level(value: bool | str | None, device: torch.device | str) -> str | No
         return None
     level = "all" if value is True else value
     if level not in FUSE_LEVELS:
-        raise ConfigError(f"--fuse-pointwise {value!r}: expected one of {FUSE_POINTWISE_CHOICES}")
+        raise ConfigError(f"fuse_pointwise {value!r}: expected one of {FUSE_POINTWISE_CHOICES}")
     return level
 
 

@@ -151,7 +151,7 @@ class FastTarget(nn.Module):
         compiled = "norm" in self.pointwise.fused
         if self.norm_kernel == "fold" and (compiled or not self.foldable):
             raise ConfigError("the norms cannot be folded into this target's products: "
-                              + ("they are compiled (--fuse-pointwise all)" if compiled else
+                              + ("they are compiled (fuse_pointwise 'all')" if compiled else
                                  "its q/k/v or gate/up projections have biases"))
         decoding_path = self.attention == "split"
         fold = self.norm_kernel == "fold" or (self.norm_kernel == "auto" and decoding_path and self.rope_kernel
@@ -194,7 +194,7 @@ class FastTarget(nn.Module):
         if self.device.type != "cuda":
             # Without CUDA graphs every compiled call pays its guard checks in Python, about 120 per step, which
             # makes CPU decoding slower (docs/benchmarks.md).
-            log.warning("--fuse-pointwise on %s: compiled pieces are not captured in graphs here, and their call "
+            log.warning("fuse_pointwise on %s: compiled pieces are not captured in graphs here, and their call "
                         "overhead makes decoding slower; it is meant for CUDA", self.device)
         self.pointwise = Pointwise(backend, FUSE_LEVELS[level])
         self.select_norm()
@@ -376,7 +376,7 @@ class FastTarget(nn.Module):
         exact = self.exact_rows or self.attention == "matmul"
         stacked, groups = gqa_layout(self.stacked or exact, nh, nkv)
         by_splits = (self.attention == "split" and not shapes_vary() and split.supports(self.hd, t)
-                     and not torch.compiler.is_compiling())  # `--compile` traces whole steps: SDPA there
+                     and not torch.compiler.is_compiling())  # `FastOptions.compile` traces whole steps: SDPA there
         by_kernel = by_splits and self.rope_kernel  # RoPE and the cache write in one kernel (`rope_cache`)
         cos, sin = (None, None) if by_kernel else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]

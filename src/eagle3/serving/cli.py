@@ -13,8 +13,6 @@ from pathlib import Path
 from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
     DEFAULT_MAX_NEW_TOKENS,
-    FUSE_POINTWISE_CHOICES,
-    FUSE_POINTWISE_HELP,
     ConfigError,
     DraftShape,
     on_for_device,
@@ -99,15 +97,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     help="requests decode as rows of a static-cache batch, one CUDA graph per batch size")
     fp.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len, metavar="N",
                     help="cache slots per fast row; longer requests use the generic batch")
-    fp.add_argument("--compile", action="store_true",
-                    help="inductor-compile the fast lane's steps before capture (longer start-up)")
-    fp.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
-                    metavar="MODE", help="fast lane: prefill via CUDA graphs (auto, on, off); auto: on for CUDA")
-    fp.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
-                    help=FUSE_POINTWISE_HELP)
-    # comparison knobs, kept out of --help: `SDPA_HEADS_HELP`, `EAGER_DRAFTING_HELP`
-    fp.add_argument("--sdpa-heads", action="store_true", help=argparse.SUPPRESS)
-    fp.add_argument("--eager-drafting", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
     return s
 
@@ -176,22 +165,9 @@ def load_server(args):
         policy = SpecPolicy(largest=None)
     target = Target(model, aux_ids)
     fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
-                            d if draft == "eagle3" else None, device, config, compile=args.compile,
-                            fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
-                            sdpa_heads=args.sdpa_heads, graph_prefill=args.graph_prefill)
-    for flag, on in (("--compile", args.compile), ("--graph-prefill", args.graph_prefill == "on")):
-        if on and fast is None:
-            log.warning("%s has no effect: there is no fast lane (--fast-lane off, a CPU device, or a target "
-                        "outside the fast-path families); it applies to the lane only", flag)
+                            d if draft == "eagle3" else None, device, config)
     rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
-                     target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                     fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
-    fuse_named = args.fuse_pointwise not in ("auto", "off")
-    unused = [flag for flag, on in (("--fuse-pointwise", fuse_named), ("--sdpa-heads", args.sdpa_heads)) if on]
-    if unused and fast is None and rows is None:
-        log.warning("%s %s no effect: there is neither a fast lane nor fast rows (--fast-lane/--fast-rows off, a CPU "
-                    "device with them on auto, or a target outside the fast-path families)", " and ".join(unused),
-                    "has" if len(unused) == 1 else "have")
+                     target=fast.target if fast is not None else None, token_budget=args.spec_budget)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     if draft == "eagle3":
@@ -202,11 +178,11 @@ def load_server(args):
 def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, device: str, config,
                      compile: bool = False, fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
                      sdpa_heads: bool = False, graph_prefill: str = "auto"):
-    """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`); `compile`: its steps are
-    inductor-compiled before capture (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`;
-    `eager_drafting`: `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`;
-    `graph_prefill`: "on"/"off" set `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device (see
-    `GRAPH_PREFILL_HELP`)."""
+    """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`). `serve` takes the defaults; the
+    variants are for developers (scripts/bench_serving.py): `compile`: its steps are inductor-compiled before capture
+    (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`; `eager_drafting`:
+    `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`; `graph_prefill`: "on"/"off" set
+    `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device."""
     if not on_for_device(choice, device):
         return None
     from eagle3.fast.engine import FastEngine, FastOptions
