@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import threading
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from eagle3.config import ConfigError
 from eagle3.models import load_tokenizer
 from eagle3.training.backends import Generation, LocalBackend
 from eagle3.training.data import BadRow, conversation_tools, normalize_conversation
+from eagle3.training.endpoint import EndpointBackend
 from eagle3.training.prepare import PreparedDataset, prepare
 from eagle3.training.regenerate import regenerate
 from eagle3.training.render import TURN_TOOL_CALL, ChatRenderer
@@ -247,6 +250,139 @@ def test_regenerate_local_backend_prompt_holds_the_tools(tok, tmp_path):
     (record,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert record["tools"] == [{"type": "function", "function": WEATHER}]
     assert [m["role"] for m in record["messages"]][:2] == ["user", "assistant"]
+
+
+def tiny_llama(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)).eval()
+
+
+def test_regenerate_local_backend_renders_tools_with_the_template(tok, tmp_path):
+    """A template that takes tools gets them as `tools=`: its own tool block, no Hermes text; its calls are read
+    with its parser and the dataset's result is rendered as its `tool` turn."""
+    backend = LocalBackend(tiny_llama(tok), tok, chat_template=TOOLS_TEMPLATE, engine="hf")
+    assert backend.takes_tools
+    seen = []
+    encode = backend.encode
+    backend.encode = lambda messages: seen.append(tok.decode(encode(messages))) or encode(messages)
+    answers = ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', "Snowing."]
+    backend._generate_batch = lambda batch, t, n: [Generation(text=answers.pop(0), num_tokens=3) for _ in batch]
+    regenerate(write_jsonl(tmp_path / "in.jsonl", [SHAREGPT_ROW]), tmp_path / "out.jsonl", backend,
+               max_new_tokens=4, progress=False)
+    first, second = seen
+    tool_block = "# Tools\n<tools>\n" + json.dumps({"type": "function", "function": WEATHER}) + "\n</tools>"
+    for prompt in seen:
+        assert tool_block in prompt and "You may call" not in prompt and "<tool_response>" not in prompt
+    assert "Weather in Oslo?" in first
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in second
+    assert "tool\nsnow" in second  # the dataset's result, as the template's `tool` turn
+    (record,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert record["messages"][1]["tool_calls"] == [call("call_0", "get_weather", '{"city": "Oslo"}')]
+    assert record["messages"][3]["content"] == "Snowing."
+
+
+def test_local_backend_without_tool_template_keeps_the_hermes_layout(tok):
+    backend = LocalBackend(tiny_llama(tok), tok, chat_template=CHATML, engine="hf")
+    assert not backend.takes_tools
+
+
+class ToolCallingServer:
+    """An OpenAI-compatible server (test_regenerate's canned handler): a call for the first request, then text."""
+
+    def __enter__(self):
+        from test_regenerate import _Handler
+
+        outer = self
+
+        class Handler(_Handler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                if len(outer.requests) == 1:
+                    message = {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "chatcmpl-tool-1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+                else:
+                    message = {"role": "assistant", "content": "It is 24 degrees."}
+                self._send(200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                                 "usage": {"completion_tokens": 5}})
+
+        self.requests: list[dict] = []
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        return self
+
+    def __exit__(self, *exc):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def test_regenerate_endpoint_sends_tools_and_reads_tool_calls(tmp_path):
+    with ToolCallingServer() as server:
+        backend = EndpointBackend(server.url, "tiny", concurrency=1, backoff_s=0.01)
+        regenerate(write_jsonl(tmp_path / "in.jsonl", [OPENAI_ROW]), tmp_path / "out.jsonl", backend,
+                   progress=False)
+    first, second = server.requests
+    assert first["tools"] == OPENAI_ROW["tools"] and second["tools"] == OPENAI_ROW["tools"]
+    assert first["messages"] == OPENAI_ROW["messages"][:2]  # plain messages: no Hermes block in the system turn
+    # the target's call (arguments as a JSON string, the dataset's id), then the dataset's result for it
+    assert second["messages"][2]["tool_calls"] == [call("call_a", "get_weather", '{"city": "Paris"}')]
+    assert second["messages"][3]["role"] == "tool" and second["messages"][3]["content"] == "24 C"
+    (record,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert record["tools"] == OPENAI_ROW["tools"]
+    assert [m["role"] for m in record["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert record["messages"][2]["content"] is None
+    assert record["messages"][2]["tool_calls"] == [call("call_a", "get_weather", '{"city": "Paris"}')]
+    assert record["messages"][4]["content"] == "It is 24 degrees."
+
+
+class NoToolsServer(ToolCallingServer):
+    """A server without tool calling (vLLM without a tool-call parser): a 400 for any request with tools; the
+    answer to the rest is a Hermes call written as text, then text."""
+
+    def __enter__(self):
+        from test_regenerate import _Handler
+
+        outer = self
+
+        class Handler(_Handler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                if "tools" in body:
+                    self._send(400, {"error": {"message": "\"auto\" tool choice requires --enable-auto-tool-choice"}})
+                    return
+                answered = sum("tools" not in r for r in outer.requests)
+                text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                        if answered == 1 else "It is 24 degrees.")
+                self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                              "finish_reason": "stop"}], "usage": {"completion_tokens": 5}})
+
+        self.requests: list[dict] = []
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        return self
+
+
+def test_an_endpoint_that_refuses_tools_gets_them_as_prompt_text(tmp_path, caplog):
+    with NoToolsServer() as server, caplog.at_level("WARNING"):
+        backend = EndpointBackend(server.url, "tiny", concurrency=1, backoff_s=0.01)
+        regenerate(write_jsonl(tmp_path / "in.jsonl", [OPENAI_ROW]), tmp_path / "out.jsonl", backend,
+                   progress=False)
+    # one refused request, then every request with the tools in a Hermes system turn and no `tools` field
+    assert ["tools" in r for r in server.requests] == [True, False, False]
+    assert "<tools>" in server.requests[1]["messages"][0]["content"]
+    assert caplog.text.count("refused a request with tools") == 1
+    (record,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert record["messages"][2]["tool_calls"][0]["function"]["name"] == "get_weather"  # read from the text
+    assert record["messages"][4]["content"] == "It is 24 degrees."
 
 
 # ------------------------------------------------------------------------------------------------

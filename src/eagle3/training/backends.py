@@ -3,21 +3,18 @@ OpenAI-compatible server (`EndpointBackend`, with retries and clear errors). `re
 
 from __future__ import annotations
 
-import http.client
-import json
+import logging
 import os
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError
+from eagle3.serving.tools import hermes_messages, parser_for, takes_tools, template_source
 from eagle3.training.data import PLAIN
+
+log = logging.getLogger("eagle3")
 
 try:  # POSIX advisory lock: two runs must not append to the same output
     import fcntl
@@ -27,8 +24,6 @@ except ImportError:  # pragma: no cover - Windows
 Message = dict[str, str]
 
 ENGINES = ("auto", "hf", "fast")
-RETRYABLE_STATUS = {408, 409, 425, 429}
-FATAL_STATUS = {401, 403, 404, 405}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -46,6 +41,18 @@ class Generation:
     finish_reason: str = "stop"
     error: str | None = None
     reasoning: str | None = None  # a server's separate `reasoning_content`, kept in the output turn
+    # the calls of a backend that reads them itself (a server's `message.tool_calls`), as rows hold them:
+    # {"id", "type": "function", "function": {"name", "arguments": dict}}; None: any calls are in `text`
+    tool_calls: list[dict] | None = None
+
+
+class Prompt(list):
+    """Chat messages (tool calls and results in the OpenAI shape, arguments as objects) with the tools offered
+    to the target. Given to a backend whose `takes_tools` is true; other backends get plain Hermes-layout lists."""
+
+    def __init__(self, messages: Sequence[dict] = (), tools: Sequence[dict] = ()):
+        super().__init__(messages)
+        self.tools = list(tools)
 
 
 class Backend(Protocol):
@@ -95,6 +102,10 @@ class LocalBackend:
         self.chat_template = chat_template
         self.raw_text = chat_template == PLAIN
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        source = "" if self.raw_text else template_source(tokenizer, chat_template)
+        # a template with its own tool format (Llama 3.1, Qwen, Mistral) renders `tools=` and teaches its calls
+        self.tool_parser = parser_for(source) if takes_tools(source) else None
+        self.takes_tools = self.tool_parser is not None
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ConfigError(
                 f"tokenizer {type(tokenizer).__name__} has no chat_template; regeneration must prompt the "
@@ -156,14 +167,24 @@ class LocalBackend:
         return batch_size * (16 if self.engine == "fast" else 4)
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        """The prompt text; a `Prompt`'s tools go to a template that takes them (`tools=`), else into the
+        messages in the Hermes layout."""
         if self.raw_text:
             return "".join(m["content"] for m in messages)
+        kwargs = dict(self.chat_template_kwargs)
+        if isinstance(messages, Prompt):
+            if self.takes_tools:
+                if messages.tools:
+                    kwargs["tools"] = messages.tools
+                messages = list(messages)
+            else:
+                messages = hermes_messages([dict(m) for m in messages], messages.tools)
         return self.tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=self.chat_template,
-            **self.chat_template_kwargs,
+            **kwargs,
         )
 
     def _stop_ids(self, extra: Sequence[int]) -> list[int]:
@@ -395,195 +416,3 @@ class LocalBackend:
                 )
             )
         return gens
-
-
-class EndpointError(RuntimeError):
-    """A request to the endpoint failed; `status` is the HTTP status (None for network errors)."""
-
-    def __init__(self, message: str, status: int | None = None, fatal: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.fatal = fatal  # the endpoint or credentials are wrong: no later request can succeed
-
-
-def _chat_url(endpoint: str) -> str:
-    url = endpoint.rstrip("/")
-    if url.endswith("/chat/completions"):
-        return url
-    return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
-
-
-class EndpointBackend:
-    """An OpenAI-compatible `/v1/chat/completions` server, `concurrency` requests in flight.
-
-    Run the server without a reasoning parser so that thinking text stays in `content` as the target
-    wrote it; a separate `reasoning_content` is kept beside the answer in the output.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        model: str,
-        *,
-        concurrency: int = 16,
-        timeout_s: float = 600.0,
-        max_retries: int = 5,
-        backoff_s: float = 1.0,
-        api_key: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        extra_body: dict[str, Any] | None = None,
-    ):
-        if concurrency < 1:
-            raise ConfigError(f"concurrency must be >= 1 (got {concurrency})")
-        if max_retries < 0:
-            raise ConfigError(f"max_retries must be >= 0 (got {max_retries})")
-        self.url = _chat_url(endpoint)
-        self.model = model
-        self.concurrency = concurrency
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.api_key = api_key
-        self.chat_template_kwargs = chat_template_kwargs
-        self.extra_body = dict(extra_body or {})
-
-    def describe(self) -> str:
-        return f"endpoint {self.url} model {self.model!r} concurrency {self.concurrency}"
-
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
-    def check(self) -> None:
-        """Fail early, with what to do, if the server is unreachable or does not serve `model`."""
-        models_url = self.url[: -len("/chat/completions")] + "/models"
-        request = urllib.request.Request(models_url, headers=self._headers())
-        try:
-            with urllib.request.urlopen(request, timeout=min(self.timeout_s, 30.0)) as resp:
-                listing = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            if exc.code in (401, 403):
-                raise ConfigError(f"HTTP {exc.code} from {models_url}: check the API key") from exc
-            return  # some servers have no /models; the first request will tell
-        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
-            raise ConfigError(
-                f"cannot reach {models_url} ({getattr(exc, 'reason', exc)}); start the server "
-                "(e.g. `vllm serve MODEL`) or fix the endpoint URL"
-            ) from exc
-        except json.JSONDecodeError:
-            return
-        served = (
-            [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
-            if isinstance(listing, dict)
-            else []
-        )
-        if served and self.model not in served:
-            raise ConfigError(
-                f"model {self.model!r} is not served at {models_url}; served: {served}. Pass one of these."
-            )
-
-    def _client_error(self, status: int, body: str) -> EndpointError:
-        try:
-            detail = json.loads(body)
-            detail = detail.get("error", detail) if isinstance(detail, dict) else detail
-            detail = detail.get("message", detail) if isinstance(detail, dict) else detail
-        except json.JSONDecodeError:
-            detail = body
-        hint = {
-            401: "check the API key",
-            403: "check the API key",
-            404: "check the endpoint URL (an OpenAI-compatible server, /v1/chat/completions) and the model name",
-            405: "check the endpoint URL (an OpenAI-compatible server, /v1/chat/completions)",
-        }.get(
-            status,
-            "the server rejected this request; check the model name and that max_new_tokens fits its context",
-        )
-        return EndpointError(
-            f"HTTP {status} from {self.url}: {str(detail)[:500]} ({hint})", status, status in FATAL_STATUS
-        )
-
-    def _post(self, payload: dict[str, Any], stop: threading.Event | None) -> dict[str, Any]:
-        data = json.dumps(payload).encode("utf-8")
-        last, delay = "", 0.0
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                if stop is not None and stop.wait(delay):
-                    raise EndpointError("stopped while waiting to retry")
-                if stop is None:
-                    time.sleep(delay)
-            delay = min(self.backoff_s * 2**attempt, 60.0)
-            request = urllib.request.Request(self.url, data=data, headers=self._headers(), method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                    raw = resp.read()
-            except urllib.error.HTTPError as exc:
-                body = exc.read()[:2000].decode("utf-8", "replace")
-                if exc.code < 500 and exc.code not in RETRYABLE_STATUS:
-                    raise self._client_error(exc.code, body) from exc
-                last = f"HTTP {exc.code}: {body[:300]}"
-                retry_after = exc.headers.get("Retry-After") if exc.headers else None
-                if retry_after and retry_after.isdigit():
-                    delay = min(float(retry_after), 60.0)
-                continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
-                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-                continue
-            try:
-                return json.loads(raw)
-            except json.JSONDecodeError:
-                last = f"response is not JSON: {raw[:200]!r}"
-        raise EndpointError(f"{self.url} failed {self.max_retries + 1} times; last error: {last}")
-
-    def chat(
-        self,
-        messages: list[Message],
-        temperature: float,
-        max_new_tokens: int,
-        stop: threading.Event | None = None,
-    ) -> Generation:
-        """One completion; raises EndpointError on a 4xx or when retries run out (a context overflow is returned)."""
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "temperature": temperature,
-            "max_tokens": max_new_tokens,
-            "stream": False,
-            **self.extra_body,
-        }
-        if self.chat_template_kwargs:
-            payload["chat_template_kwargs"] = self.chat_template_kwargs
-        try:
-            body = self._post(payload, stop)
-        except EndpointError as exc:
-            # vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length"
-            if exc.status == 400 and "context length" in str(exc).lower():
-                return Generation(finish_reason="prompt_too_long", error=str(exc))
-            raise
-        try:
-            choice = body["choices"][0]
-            message = choice["message"]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise EndpointError(f"unexpected response from {self.url}: {str(body)[:300]}") from exc
-        usage = body.get("usage") or {}
-        return Generation(
-            text=message.get("content") or "",
-            num_tokens=int(usage.get("completion_tokens") or 0),
-            finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            reasoning=message.get("reasoning_content") or message.get("reasoning") or None,
-        )
-
-    def generate(
-        self, prompts: list[list[Message]], temperature: float, max_new_tokens: int, batch_size: int = 0
-    ) -> list[Generation]:
-        """`chat` for each prompt on `concurrency` threads; failures come back as error Generations."""
-
-        def one(messages: list[Message]) -> Generation:
-            try:
-                return self.chat(messages, temperature, max_new_tokens)
-            except EndpointError as exc:
-                return Generation(finish_reason="error", error=str(exc))
-
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(one, prompts))

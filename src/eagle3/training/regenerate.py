@@ -57,7 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import ConfigError
-from eagle3.training.backends import Backend, EndpointBackend, EndpointError, Generation, LocalBackend
+from eagle3.training.backends import Backend, Generation, LocalBackend
+from eagle3.training.endpoint import EndpointBackend, EndpointError
 from eagle3.training.regenerate_loop import (
     _Conversation,
     _drive_batched,

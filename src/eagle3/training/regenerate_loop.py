@@ -1,10 +1,13 @@
 """The answering loop of `eagle3 regenerate`: each conversation's on-policy prompts, and the drivers that answer
 them (turn-synchronous batches, continuous batching across turns, one endpoint worker per conversation).
 
-A conversation with tools (a `tools` list, or tool-call turns) is answered with the tools in the target's prompt,
-in the Hermes layout the server falls back to (`eagle3.serving.tools.hermes_messages`: the tools in the system
-turn, calls as `<tool_call>` blocks, results as `<tool_response>` blocks), since a backend renders plain messages.
-The target answers after each user turn and after each run of tool results; its answer is read for Hermes calls.
+A conversation with tools (a `tools` list, or tool-call turns) is answered with the tools in the target's prompt.
+A backend that takes tools (`takes_tools`: a local template with its own tool format, an OpenAI-compatible server)
+gets a `Prompt` (OpenAI messages with the tools) and renders them in the target's own format; its answer's calls
+come back in `Generation.tool_calls` (a server) or are read with the template's parser (local). Other backends get
+the Hermes layout the server falls back to (`eagle3.serving.tools.hermes_messages`: the tools in the system turn,
+calls as `<tool_call>` blocks, results as `<tool_response>` blocks) and their answers are read for Hermes calls.
+The target answers after each user turn and after each run of tool results.
 Where the dataset called tools at that point and the target makes the same calls (names and arguments), the
 dataset's results answer them and the conversation goes on; otherwise it ends with the target's answer (there is
 no tool to run the target's own calls). Such rows are written as OpenAI `messages` with the row's `tools`."""
@@ -19,8 +22,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
 from eagle3.config import ConfigError
-from eagle3.serving.tools import HermesParser, ToolCalls, hermes_messages
-from eagle3.training.backends import Backend, EndpointBackend, EndpointError, Generation, LocalBackend
+from eagle3.serving.tools import HermesParser, ToolCalls, ToolParser, hermes_messages
+from eagle3.training.backends import Backend, Generation, LocalBackend, Prompt
+from eagle3.training.endpoint import EndpointBackend, EndpointError
 from eagle3.training.regenerate_output import RegenerateReport, _Output
 from eagle3.training.regenerate_rows import Message, _Row
 
@@ -57,16 +61,25 @@ class _Conversation:
         self.status = ""  # "done" | "skipped" | "failed"
         self.reason = ""
         self.fatal = False
+        self.native = False  # the backend takes the tools (a `Prompt`); else the Hermes layout
+        self.parser: ToolParser = HermesParser()  # reads calls written in the answer's text
+
+    def use(self, backend: Any) -> None:
+        """Prompt `backend` as it takes tools: natively (`takes_tools`), else in the Hermes layout."""
+        self.native = bool(getattr(backend, "takes_tools", False))
+        self.parser = (getattr(backend, "tool_parser", None) if self.native else None) or HermesParser()
 
     def next_prompt(self) -> list[Message]:
         """The messages up to and including the next user turn or run of tool results (system turns before it
-        included); with tools, in the Hermes layout."""
+        included); with tools, a `Prompt` for a backend that takes them, else in the Hermes layout."""
         while self.pending:
             message = self.pending.popleft()
             self.messages.append(message)
             if message["role"] == "user" or (message["role"] == "tool" and
                                              not (self.pending and self.pending[0]["role"] == "tool")):
                 self.prompts_left -= 1
+                if self.with_tools and self.native:
+                    return Prompt([dict(m) for m in self.messages], self.tools)
                 if self.with_tools:
                     return hermes_messages([dict(m) for m in self.messages], self.tools)
                 return [dict(m) for m in self.messages]
@@ -92,7 +105,7 @@ class _Conversation:
             self.cut.add(len(self.messages))
         answer: Message = {"role": "assistant", "content": gen.text}
         if self.with_tools:
-            answer = self._with_calls(answer)
+            answer = self._with_calls(answer, gen.tool_calls)
         self.messages.append(answer)
         self.committed = len(self.messages)
         self.answered += 1
@@ -101,17 +114,23 @@ class _Conversation:
         self.status = "done"
         return False
 
-    def _with_calls(self, answer: Message) -> Message:
-        """The answer with its Hermes calls read out. A dataset call at this point is consumed: the same calls
-        take its ids and the conversation goes on to its results; other calls, or none, end the conversation."""
+    def _with_calls(self, answer: Message, given: list[dict] | None = None) -> Message:
+        """The answer with its calls: `given` (a server's), else read out of its text. A dataset call at this point
+        is consumed: the same calls take its ids and the conversation goes on to its results; other calls, or
+        none, end the conversation."""
         expected = self.pending.popleft() if self.pending and self.pending[0]["role"] == "assistant" else None
-        names = {t["function"]["name"] for t in self.tools}
-        names |= {c["function"]["name"] for c in (expected or {}).get("tool_calls", ())}
-        content, calls = ToolCalls(HermesParser(), names).parse(answer["content"])
+        if given is not None:
+            content, calls = answer["content"], [
+                {"function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in given]
+        else:
+            names = {t["function"]["name"] for t in self.tools}
+            names |= {c["function"]["name"] for c in (expected or {}).get("tool_calls", ())}
+            content, parsed = ToolCalls(self.parser, names).parse(answer["content"])
+            calls = [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                     for c in parsed]
         if calls:
             answer = {"role": "assistant", "content": content or "", "tool_calls": [
-                {"id": f"call_{len(self.messages)}_{j}", "type": "function",
-                 "function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                {"id": f"call_{len(self.messages)}_{j}", "type": "function", "function": c["function"]}
                 for j, c in enumerate(calls)]}
         answered = self.pending and self.pending[0]["role"] == "tool"  # the dataset has results for its calls
         if expected is not None and calls and answered and _same_calls(answer["tool_calls"], expected["tool_calls"]):
@@ -221,6 +240,8 @@ def _drive_batched(
     batch_size: int,
 ) -> None:
     """Turn-synchronous: all conversations of a window answer turn i in batches, then turn i+1."""
+    for conv in convs:
+        conv.use(backend)
     window = backend.window(batch_size) if hasattr(backend, "window") else batch_size * WINDOW_BATCHES
     for start in range(0, len(convs), window):
         active = convs[start : start + window]
@@ -259,6 +280,8 @@ def _drive_chains(
         run.complete(conv)
         return None
 
+    for conv in convs:
+        conv.use(backend)
     backend.answer_chains([c.next_prompt() for c in convs], on_answer, temperature, max_new_tokens, batch_size)
 
 
@@ -267,6 +290,8 @@ def _drive_concurrent(
 ) -> None:
     """One worker per conversation: turns run back to back, no waiting for other conversations' turns."""
     stop = threading.Event()
+    for conv in convs:
+        conv.use(backend)
 
     def work(conv: _Conversation) -> _Conversation:
         while not stop.is_set():
