@@ -172,6 +172,9 @@ def decoder_from_args(rt, args, target: str):
         return decoder(rt, d)
     options = FastOptions(graphs=not getattr(args, "no_graphs", False))  # the variants: library options only
     if options.compile or (options.graphs and next(rt.model.parameters()).device.type == "cuda"):
+        if getattr(args, "guard", "auto") == "on":
+            log.warning("--guard on has no effect here: cycles replay as CUDA graphs, and the guard acts between "
+                        "them on eager cycles only (--no-graphs runs them eagerly)")
         d = replace(d, guard=False, chain_stop=None)  # both act between draft steps: eager cycles only
     return decoder(rt, d, options)
 
