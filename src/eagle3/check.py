@@ -43,7 +43,7 @@ from eagle3.evaluate import RunResult, load_prompts, method_name
 MIN_TAU = 1.2
 PROFILE_TOLERANCE = 0.8  # a measured tau below this share of the profile's fails
 # what must match for a tau to be compared with the profile's (the prompts by content, not by file name)
-PROFILE_SETTINGS = ("prompts_sha256", "max_new_tokens", "spec", "dtype")
+PROFILE_SETTINGS = ("prompts_sha256", "max_new_tokens", "spec", "chain_stop", "dtype")
 
 
 @dataclass
@@ -131,14 +131,18 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
         profile["spec"] = DraftShape.from_dict(profile["spec"]).to_dict()
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
     decoding = decoding_for(model, "eagle3")  # the device's defaults: what generate and serve draft here
-    given = spec or (DraftShape.from_dict(profile["spec"]) if "spec" in profile else None)
+    # the profile's drafting where it was measured in this dtype (a profile from another device's dtype says
+    # nothing about this one: the device's defaults run, and the profile is reported as not compared)
+    use_profile = spec is None and "spec" in profile and profile.get("dtype") == dtype_name
+    given = spec or (DraftShape.from_dict(profile["spec"]) if use_profile else None)
     if given is not None:
-        decoding = decoding_for(model, "eagle3", shape=given, chain_stop=0)
+        stop = profile.get("chain_stop") if use_profile else None
+        decoding = decoding_for(model, "eagle3", shape=given, chain_stop=stop or 0)
     spec = decoding.shape
     settings = {"dataset": dataset or profile.get("dataset", "mt_bench"),
                 "limit": profile.get("limit", 4) if limit is None else limit,
                 "max_new_tokens": profile.get("max_new_tokens", 64) if max_new_tokens is None else max_new_tokens,
-                "spec": spec.to_dict(), "dtype": dtype_name, "device": device}
+                "spec": spec.to_dict(), "chain_stop": decoding.chain_stop, "dtype": dtype_name, "device": device}
     if settings["limit"] < 1 or settings["max_new_tokens"] < 1:
         raise ConfigError(f"--limit {settings['limit']} and --max-new-tokens {settings['max_new_tokens']} must be >= 1")
     name, prompts = load_prompts(settings["dataset"], settings["limit"])
@@ -222,8 +226,9 @@ def run_check(target: str, drafter: str | Path, device: str = "cpu", dtype: str 
             report.add("profile", "warn", f"the drafter's acceptance profile was measured with other {', '.join(differ)} "
                                           f"(dataset {profile.get('dataset')!r}, limit {profile.get('limit')}, "
                                           f"{profile.get('max_new_tokens')} tokens, {profile.get('spec')}, "
-                                          f"{profile.get('dtype')}); not compared. Run without those options to "
-                                          "use the profile's")
+                                          f"{profile.get('dtype')}); not compared. Pass the profile's settings to compare "
+                                          "(--dtype, --chain/--tree, --dataset, --limit, --max-new-tokens), or "
+                                          "--write-profile to store this run's")
         elif tau < PROFILE_TOLERANCE * profile["tau"]:
             report.add("profile", "fail", f"tau {tau:.2f} is below {PROFILE_TOLERANCE:.0%} of the {profile['tau']:.2f} "
                                           f"this drafter reached when its profile was measured "
