@@ -96,13 +96,16 @@ def test_bad_input_is_a_clear_error(capsys, args, needle):
 
 def test_draft_shape_reads_flags_and_stored_profiles():
     """`--tree D,K,N` and `--chain K` give one `DraftShape`; its JSON form is the profile's `spec`, and the profiles
-    drafters already carry (the bundled one stores a chain of 2) read back."""
+    drafters already carry (the bundled one stores the CPU default: a chain of up to 6 stopping below 0.2) read
+    back."""
     assert DraftShape.from_flags(None, None) is None and DraftShape.from_flags("6,10,60") == DraftShape()
     assert DraftShape.from_flags(chain=5) == DraftShape(5, 1, 5) and str(DraftShape.chain(5)) == "chain 5"
     assert DraftShape.parse("2,2,100").text == "2,2,6"  # the expansion records 2 + 2·2 nodes
     bundled = json.loads((resources.files("eagle3") / "assets/smollm2-drafter/config.json").read_text())
-    stored = bundled["eagle3"]["acceptance_profile"]["spec"]
-    assert stored == {"mode": "chain", "chain_length": 2} and DraftShape.from_dict(stored) == DraftShape.chain(2)
+    profile = bundled["eagle3"]["acceptance_profile"]
+    stored = profile["spec"]
+    assert stored == {"mode": "chain", "chain_length": 6} and DraftShape.from_dict(stored) == DraftShape.chain(6)
+    assert profile["chain_stop"] == 0.2
     tree = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 12}
     assert DraftShape.from_dict(tree) == DraftShape(4, 3, 12) and DraftShape(4, 3, 12).to_dict() == tree
 
