@@ -28,9 +28,10 @@ from eagle3.runtime import init_drafter
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter
 from eagle3.serving.policy import SpecPolicy
-from eagle3.serving.requests import GenParams, RequestHandle
+from eagle3.serving.requests import GenParams
 from eagle3.serving.server import build_scheduler
 from eagle3.target import Target
+from test_batching import run_one
 
 CLIENTS = 16
 LATE = 4  # the last LATE clients arrive while the others decode (rows join a running batch)
@@ -82,20 +83,6 @@ def _scheduler(model, prompts, refs, drafter_kind: str):
                            config=ServeConfig(max_batch_size=CLIENTS))
 
 
-def _ask(sched, params: GenParams, timeout: float = 60.0):
-    """One client: submit, wait for the final event."""
-    got, flag = {}, threading.Event()
-
-    def sink(ev):
-        if ev.kind != "delta":
-            got["ev"] = ev
-            flag.set()
-
-    sched.submit(RequestHandle(params, sink))
-    assert flag.wait(timeout), "request hung"
-    return got["ev"]
-
-
 @pytest.mark.parametrize("drafter_kind", ["chain", "tree", "eagle3"])
 def test_concurrent_greedy_clients_equal_single_requests(family, drafter_kind):
     arch, model, prompts, max_tokens, refs = family
@@ -106,7 +93,7 @@ def test_concurrent_greedy_clients_equal_single_requests(family, drafter_kind):
     try:
         # each prompt alone through this scheduler (speculating): the single-request answer
         for i, (p, n, ref) in enumerate(zip(prompts, max_tokens, refs, strict=True)):
-            ev = _ask(sched, GenParams(p, n))
+            ev = run_one(sched, GenParams(p, n))
             assert ev.kind == "done" and ev.finish_reason == "length", ev.text
             assert ev.token_ids == ref, f"{arch} {drafter_kind}: prompt {i} alone"
         alone = sched.cycles_traced
@@ -125,7 +112,7 @@ def test_concurrent_greedy_clients_equal_single_requests(family, drafter_kind):
                     deadline = time.monotonic() + 30
                     while sched.cycles_traced < alone + 2 * (i - CLIENTS + LATE + 1) and time.monotonic() < deadline:
                         time.sleep(0.001)
-                out[i] = _ask(sched, GenParams(prompts[i], max_tokens[i]))
+                out[i] = run_one(sched, GenParams(prompts[i], max_tokens[i]))
             except BaseException as e:  # reported below, in the test's thread
                 errors.append(e)
 

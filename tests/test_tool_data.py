@@ -291,8 +291,11 @@ def test_local_backend_without_tool_template_keeps_the_hermes_layout(tok):
     assert not backend.takes_tools
 
 
-class ToolCallingServer:
-    """An OpenAI-compatible server (test_regenerate's canned handler): a call for the first request, then text."""
+class CannedServer:
+    """An OpenAI-compatible server (test_regenerate's canned handler); `answer(body)` gives (status, JSON body)."""
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        raise NotImplementedError
 
     def __enter__(self):
         from test_regenerate import _Handler
@@ -303,14 +306,7 @@ class ToolCallingServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(body)
-                if len(outer.requests) == 1:
-                    message = {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": "chatcmpl-tool-1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
-                else:
-                    message = {"role": "assistant", "content": "It is 24 degrees."}
-                self._send(200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                                 "usage": {"completion_tokens": 5}})
+                self._send(*outer.answer(body))
 
         self.requests: list[dict] = []
         self.srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -321,6 +317,22 @@ class ToolCallingServer:
     def __exit__(self, *exc):
         self.srv.shutdown()
         self.srv.server_close()
+
+
+def _message(message: dict) -> tuple[int, dict]:
+    return 200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                 "usage": {"completion_tokens": 5}}
+
+
+class ToolCallingServer(CannedServer):
+    """A call for the first request, then text."""
+
+    def answer(self, body):
+        if len(self.requests) == 1:
+            return _message({"role": "assistant", "content": None, "tool_calls": [
+                {"id": "chatcmpl-tool-1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]})
+        return _message({"role": "assistant", "content": "It is 24 degrees."})
 
 
 def test_regenerate_endpoint_sends_tools_and_reads_tool_calls(tmp_path):
@@ -342,33 +354,17 @@ def test_regenerate_endpoint_sends_tools_and_reads_tool_calls(tmp_path):
     assert record["messages"][4]["content"] == "It is 24 degrees."
 
 
-class NoToolsServer(ToolCallingServer):
+class NoToolsServer(CannedServer):
     """A server without tool calling (vLLM without a tool-call parser): a 400 for any request with tools; the
     answer to the rest is a Hermes call written as text, then text."""
 
-    def __enter__(self):
-        from test_regenerate import _Handler
-
-        outer = self
-
-        class Handler(_Handler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append(body)
-                if "tools" in body:
-                    self._send(400, {"error": {"message": "\"auto\" tool choice requires --enable-auto-tool-choice"}})
-                    return
-                answered = sum("tools" not in r for r in outer.requests)
-                text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-                        if answered == 1 else "It is 24 degrees.")
-                self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                              "finish_reason": "stop"}], "usage": {"completion_tokens": 5}})
-
-        self.requests: list[dict] = []
-        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
-        return self
+    def answer(self, body):
+        if "tools" in body:
+            return 400, {"error": {"message": "\"auto\" tool choice requires --enable-auto-tool-choice"}}
+        answered = sum("tools" not in r for r in self.requests)
+        text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                if answered == 1 else "It is 24 degrees.")
+        return _message({"role": "assistant", "content": text})
 
 
 def test_an_endpoint_that_refuses_tools_gets_them_as_prompt_text(tmp_path, caplog):
