@@ -29,10 +29,17 @@ def drive(guard: SpeculationGuard, cycles: int, spec_s: float, spec_tokens: int,
 
 def test_guard_keeps_drafting_that_pays():
     g = SpeculationGuard()
-    decisions = drive(g, 200, spec_s=1.3, spec_tokens=3)  # 2.3 tokens in a plain step's time
+    decisions = drive(g, 200, spec_s=2.5, spec_tokens=3)  # 1.2 tokens in a plain step's time: a close win
     assert g.switches == 0
     # plain steps only to measure one: the first cycle, then one after every `remeasure_every` drafting cycles
     assert decisions[0] is False and decisions.count(False) == 1 + (200 - 1) // (g.remeasure_every + 1)
+
+
+def test_guard_measures_plain_steps_rarely_while_drafting_clearly_wins():
+    g = SpeculationGuard()
+    decisions = drive(g, 600, spec_s=1.3, spec_tokens=3)  # 2.3 tokens in a plain step's time
+    assert g.switches == 0
+    assert decisions[0] is False and decisions.count(False) == 1 + (600 - 1) // (g.remeasure_when_clear + 1)
 
 
 def test_guard_stops_drafting_that_loses_and_probes_less_and_less():
@@ -158,3 +165,26 @@ def test_guard_needs_eager_drafting(pair):
     model, tok, _ = pair
     with pytest.raises(ConfigError, match="guard"):
         FastEngine(model, draft="none", tokenizer=tok, options=FastOptions(guard=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_engine_under_guard_with_cuda_graphs_is_plain_decoding(pair, monkeypatch, dtype):
+    """Plain steps replay their own graph between the cycles' graphs, pipelined; the tokens stay plain decoding's
+    (bf16: a chain's rows round as one-token steps do)."""
+    model, tok, drafter = pair
+    model = copy.deepcopy(model).to("cuda", dtype)
+    drafter = copy.deepcopy(drafter).to("cuda", dtype)
+    plain = FastEngine(model, draft="none", tokenizer=tok)
+    monkeypatch.setattr("eagle3.fast.engine.SpeculationGuard", Flaky)
+    guarded = FastEngine(model, draft="eagle3", spec=DraftShape.chain(4), drafter=drafter, tokenizer=tok,
+                         options=FastOptions(guard=True))
+    ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
+    for temperature in (0.0, 0.8):
+        sampling = SamplingConfig(temperature=temperature, seed=7)
+        a = plain.generate(ids, max_new_tokens=96, sampling=sampling)
+        b = guarded.generate(ids, max_new_tokens=96, sampling=sampling)
+        assert guarded.graphed
+        assert a.token_ids == b.token_ids
+        assert 0 < b.stats.plain_steps < b.stats.cycles

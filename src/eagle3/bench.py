@@ -256,9 +256,10 @@ def run_bench(
     def engine_for(kind: str, spec: DraftShape | None):
         draft = {"plain": "none", "ngram": "ngram", "chain": "eagle3", "tree": "eagle3"}[kind]
         opts = options
-        if kind in ("chain", "tree") and eager:  # the guard and a stopped chain act between draft steps
+        if kind in ("chain", "tree") and shared is not None:
             how = device_chain if kind == "chain" else device_tree
-            opts = replace(options, guard=how.guard, chain_stop=how.chain_stop if kind == "chain" else None)
+            # a stopped chain acts between draft steps: eager cycles only
+            opts = replace(options, guard=how.guard, chain_stop=how.chain_stop if kind == "chain" and eager else None)
         if shared is not None:
             return FastEngine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=opts, target=shared)
         return build_engine(model, draft=draft, spec=spec, drafter=d, tokenizer=tok, options=opts)

@@ -7,8 +7,7 @@
 - Other CPUs and families: fp32 on the generic engine with a chain of 2: in fp32 a CPU verifies more than two
   tokens at well over the cost of one.
 
-On a CPU the speculation guard (`eagle3.decoding.guard`) pauses drafting wherever it is slower than plain
-decoding. A choice tuned for the device, target and drafter (`eagle3 tune`) replaces the device's draft shape.
+The speculation guard (`eagle3.decoding.guard`) pauses drafting wherever it is slower than plain decoding. A choice tuned for the device, target and drafter (`eagle3 tune`) replaces the device's draft shape.
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ def decoding_for(model, draft: str, shape: DraftShape | None = None, engine: str
         fast_ok = draft in FAST_DRAFT_KINDS and fast_support(model) is None
         engine = "fast" if fast_ok and (not cpu or param.dtype == torch.bfloat16) else "generic"
     eager_chain = cpu and engine == "fast" and draft == "eagle3"
-    guard = cpu and draft in ("eagle3", "mtp") and (engine == "generic" or draft == "eagle3")
+    guard = draft in ("eagle3", "mtp") and (engine == "generic" or draft == "eagle3")
     if shape is not None:
         stop = chain_stop if chain_stop else None
         return Decoding(engine, shape, stop if eager_chain and shape.is_chain else None, guard, source="flags")
@@ -172,10 +171,7 @@ def decoder_from_args(rt, args, target: str):
         return decoder(rt, d)
     options = FastOptions(graphs=not getattr(args, "no_graphs", False))  # the variants: library options only
     if options.compile or (options.graphs and next(rt.model.parameters()).device.type == "cuda"):
-        if getattr(args, "guard", "auto") == "on":
-            log.warning("--guard on has no effect here: cycles replay as CUDA graphs, and the guard acts between "
-                        "them on eager cycles only (--no-graphs runs them eagerly)")
-        d = replace(d, guard=False, chain_stop=None)  # both act between draft steps: eager cycles only
+        d = replace(d, chain_stop=None)  # it acts between draft steps: eager cycles only
     return decoder(rt, d, options)
 
 

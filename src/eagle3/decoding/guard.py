@@ -19,7 +19,8 @@ class SpeculationGuard:
     how it went. `plain_s`: a plain step's seconds when known (a tuned device), else measured first."""
 
     def __init__(self, plain_s: float | None = None, decay: float = 0.85, min_cycles: int = 4, probe: int = 2,
-                 first_wait: int = 8, max_wait: int = 512, probe_budget: float = 0.03, remeasure_every: int = 64):
+                 first_wait: int = 8, max_wait: int = 512, probe_budget: float = 0.03, remeasure_every: int = 64,
+                 clear_win: float = 1.5, remeasure_when_clear: int = 256):
         self.decay = decay  # weight of the older drafting cycles at each new one (about 1 / (1 - decay) counted)
         self.min_cycles = min_cycles  # drafting cycles before a close comparison is trusted
         self.probe = probe  # drafting cycles a probe runs before it is judged
@@ -27,6 +28,9 @@ class SpeculationGuard:
         self.max_wait = max_wait
         self.probe_budget = probe_budget  # share of the time failed probes may cost
         self.remeasure_every = remeasure_every  # drafting cycles between plain steps that refresh `plain_s`
+        self.clear_win = clear_win  # drafting at this many times plain speed or more: refresh `plain_s` less often
+        self.remeasure_when_clear = remeasure_when_clear
+        self.ratio = 0.0  # drafting's speed over plain decoding's, as last judged
         self.plain_s = plain_s
         self.tokens = self.seconds = 0.0  # decayed sums over drafting cycles
         self.cycles = 0  # drafting cycles since the guard last changed its mind
@@ -38,7 +42,8 @@ class SpeculationGuard:
 
     def drafting(self) -> bool:
         if self.on:
-            return self.plain_s is not None and self.since_plain < self.remeasure_every
+            every = self.remeasure_when_clear if self.ratio >= self.clear_win else self.remeasure_every
+            return self.plain_s is not None and self.since_plain < every
         return self.wait <= 0
 
     def record(self, drafted: bool, seconds: float, emitted: int) -> None:
@@ -53,7 +58,7 @@ class SpeculationGuard:
         self.since_plain += 1
         if self.plain_s is None or self.seconds <= 0:
             return
-        ratio = (self.tokens / self.seconds) * self.plain_s  # tokens per plain step's time
+        ratio = self.ratio = (self.tokens / self.seconds) * self.plain_s  # tokens per plain step's time
         if self.on:
             if ratio < 0.5 or (self.cycles >= self.min_cycles and ratio < 1.0):  # a clear loss, or a settled one
                 self.switches += 1

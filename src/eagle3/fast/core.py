@@ -131,9 +131,13 @@ class FastCore(nn.Module):
         # cycles run eagerly on a CPU (the host read costs nothing there); fixed shapes everywhere else
         self.feed_accepted_only = self.device.type == "cpu"
         self._valid_all = True  # tree_valid is all True (what `draft`'s trees assume)
-        self.backlog_aux: torch.Tensor | None = None  # `plain_step`
-        self.backlog_tok: torch.Tensor | None = None
-        self.backlog_n = 0
+        if drafter is not None:  # the rows of plain steps the drafter has not seen yet (`plain_step`)
+            self.register_buffer("backlog_aux", torch.zeros(self.BACKLOG, 3 * target.hidden_size,
+                                                            dtype=target.dtype, device=dev), persistent=False)
+            self.register_buffer("backlog_tok", torch.zeros(self.BACKLOG, dtype=torch.long, device=dev),
+                                 persistent=False)
+            self.register_buffer("backlog_at", torch.zeros(1, dtype=torch.long, device=dev), persistent=False)
+        self.backlog_n = 0  # the same count, on the host
 
     @property
     def device(self) -> torch.device:
@@ -172,6 +176,7 @@ class FastCore(nn.Module):
         self.backlog_n = 0
         if self.drafter is not None:
             self.last_out.zero_()
+            self.backlog_at.zero_()
 
     def compile_drafting(self, backend: str | Callable = "inductor", mode: str | None = None) -> None:
         """Compile the cycle's pieces that do not run the target (`DRAFTING_PIECES`) with inductor from now on;
@@ -438,28 +443,36 @@ class FastCore(nn.Module):
         self.root.copy_(self.emitted.gather(0, n_acc))
         self.length.add_(n_acc + 1)
 
-    # -- plain steps between cycles (`eagle3.decoding.guard`; eager cycles only) -----------------
+    # -- plain steps between cycles (`eagle3.decoding.guard`) --------------------------------------
     BACKLOG = 64  # plain steps whose rows wait for the drafter at most; then they are fed together
 
-    def plain_step(self, mode: int = GREEDY) -> None:
-        """Verify the root alone (no drafting), advance by the target's token; the root's aux row and that token
-        wait in a backlog that `feed_backlog` gives the drafter before it next drafts."""
-        if self.drafter is not None and self.backlog_n == self.BACKLOG:
-            self.feed_backlog()
-        self.tree_valid.fill_(False)
-        self._valid_all = False
+    def plain_verify(self, mode: int = GREEDY) -> None:
+        """A plain step's fixed-shape work (what the engine captures): verify the root alone, advance by the
+        target's token, and put the root's aux row and that token in the backlog's next slot."""
+        if self.n_nodes:
+            self.tree_valid.fill_(False)
         self.verify(mode, rows=1)
         self.piece("accept")  # no node is valid: n_acc 0, the packet carries the target's token
+        if self.n_nodes:
+            self.tree_valid.fill_(True)  # what a captured cycle's drafting assumes
         if self.drafter is not None:
-            if self.backlog_aux is None:
-                self.backlog_aux = torch.zeros(self.BACKLOG, self.aux.shape[1], dtype=self.aux.dtype,
-                                               device=self.device)  # [B, 3·Ht]
-                self.backlog_tok = torch.zeros(self.BACKLOG, dtype=torch.long, device=self.device)  # [B]
-            self.backlog_aux[self.backlog_n].copy_(self.aux[0])
-            self.backlog_tok[self.backlog_n].copy_(self.emitted[0])
-            self.backlog_n += 1
+            self.backlog_aux.index_copy_(0, self.backlog_at, self.aux[:1])
+            self.backlog_tok.index_copy_(0, self.backlog_at, self.emitted[:1])
+            self.backlog_at.add_(1)
         self.root.copy_(self.emitted[:1])
         self.length.add_(1)
+
+    def plain_step(self, mode: int = GREEDY, run: Callable[[], None] | None = None) -> None:
+        """One step without drafting: `plain_verify`, eagerly or by `run` (its captured graph). The drafter sees
+        the step's row later, when `feed_backlog` runs before it next drafts (or here, once the backlog is full)."""
+        if self.drafter is not None and self.backlog_n == self.BACKLOG:
+            self.feed_backlog()
+        if run is None:
+            self.plain_verify(mode)
+        else:
+            run()
+        self.backlog_n += self.drafter is not None
+        self._valid_all = True
 
     def feed_backlog(self) -> None:
         """Feed the drafter the rows of the plain steps since it last drafted, in one forward (see `feed`)."""
@@ -472,6 +485,7 @@ class FastCore(nn.Module):
         out = self.drafter(hidden, self.backlog_tok[:m], dst, dst, mask)  # [m, H]
         self.last_out.copy_(out[m - 1 :])
         self.backlog_n = 0
+        self.backlog_at.zero_()
 
     # -- whole cycles (what the engine captures) ----------------------------------------------
     def cycle(self, mode: int = GREEDY) -> None:

@@ -83,7 +83,7 @@ class FastOptions:
     # the full chain every cycle.
     chain_stop: float | None = None
     # time each request's cycles and pause drafting while it is slower than plain decoding
-    # (`eagle3.decoding.guard`); EAGLE-3 drafting on cycles that run eagerly only (a CPU, or graphs off)
+    # (`eagle3.decoding.guard`; EAGLE-3 drafting). Its plain steps are captured like the cycles.
     guard: bool = False
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
 
@@ -186,9 +186,8 @@ class FastEngine:
                 raise ConfigError("chain_stop (--chain-stop) needs cycles that run eagerly, where the host can "
                                   "read each draft step: a CPU, or CUDA with graphs and compilation off")
             self.core.chain_stop = o.chain_stop
-        if o.guard and (mode != "eagle3" or not self.eager):
-            raise ConfigError("the speculation guard needs EAGLE-3 drafting on cycles that run eagerly: a CPU, or "
-                              "CUDA with graphs and compilation off")
+        if o.guard and mode != "eagle3":
+            raise ConfigError("the speculation guard is for EAGLE-3 drafting (--draft eagle3)")
         self.mode = mode
         self.device = self.target.device
         self._pool = None
@@ -230,6 +229,7 @@ class FastEngine:
         if name not in self._runners:
             kind, _, arg = name.partition("_")  # "prefill_64": `prefill_fixed(64)`; "cycle_1": `cycle(1)`
             fn = {"cycle": lambda: self.core.cycle(int(arg)),
+                  "plain": lambda: self.core.plain_verify(int(arg)),
                   "prefill": lambda: self.core.prefill_fixed(int(arg)),
                   "begin": lambda: self.core.begin_fixed(int(arg))}[kind]
             o = self.options
@@ -248,6 +248,8 @@ class FastEngine:
         t0 = time.perf_counter()
         self.reserve(prompt_len, max_new_tokens)
         self._runner(f"cycle_{mode}")
+        if self.options.guard:
+            self._runner(f"plain_{mode}")
         if self.options.graph_prefill:  # every width that fits and a prompt of up to prompt_len tokens can need
             w = PREFILL_MIN_WIDTH
             while w <= self.seq_len and (w == PREFILL_MIN_WIDTH or w // 2 < prompt_len):
@@ -417,19 +419,41 @@ class FastEngine:
             i += 1
 
     def _loop_guarded(self, cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
-        """Eager cycles under a `SpeculationGuard`: each one drafts, or is a plain step, as the guard says."""
+        """Cycles under a `SpeculationGuard`: each drafts, or is a plain step (its own graph), as the guard says,
+        timed from one packet to the next. Pipelined on CUDA as `_loop_device`: the GPU runs a step while the
+        host reads the last, and the guard's decisions trail its measurements by that one step."""
         core, guard = self.core, SpeculationGuard()
-        while True:
-            drafting = guard.drafting()
-            t0 = time.perf_counter()
-            if drafting:
+        plain = self._runner(f"plain_{mode}")
+        cuda = self.device.type == "cuda"
+        pipeline = cuda and self.options.pipeline
+        bufs = [torch.empty(core.packet.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        drafted = [False, False]
+
+        def launch(i: int) -> None:
+            drafted[i % 2] = guard.drafting()
+            if drafted[i % 2]:
                 core.feed_backlog()
                 cycle()
             else:
-                core.plain_step(mode)
-            pkt = core.packet.tolist()  # [n_acc, drafted depth, emitted...]
-            n_acc = pkt[0]
-            guard.record(drafting, time.perf_counter() - t0, n_acc + 1)
+                core.plain_step(mode, plain)
+            bufs[i % 2].copy_(core.packet, non_blocking=cuda)
+            if cuda:
+                events[i % 2].record(torch.cuda.current_stream(self.device))
+
+        t = time.perf_counter()
+        launch(0)
+        i = 0
+        while True:
+            if pipeline:
+                launch(i + 1)
+            if cuda:
+                events[i % 2].synchronize()
+            pkt = bufs[i % 2].tolist()  # [n_acc, drafted depth, emitted...]
+            now = time.perf_counter()
+            n_acc, drafting = pkt[0], drafted[i % 2]
+            guard.record(drafting, now - t, n_acc + 1)
+            t = now
             stats.cycles += 1
             stats.plain_steps += not drafting
             stats.accepted_per_cycle.append(n_acc)
@@ -438,6 +462,9 @@ class FastEngine:
             finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
             if finish is not None:
                 return finish
+            if not pipeline:
+                launch(i + 1)
+            i += 1
 
     def _loop_host(self, cycle, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
         """A host proposer: write its tree, run the cycle graph, read the packet."""
