@@ -54,7 +54,7 @@ def help_formatter(prog: str) -> argparse.HelpFormatter:
 
 # One help text for `--dtype` and `--guard` of the decoding commands (`eagle3.defaults`).
 DTYPE_HELP = "auto: bf16 on CUDA and on CPUs with native bf16 (fast-engine families), else fp32"
-GUARD_HELP = "pause drafting while slower than plain decoding (auto: on for EAGLE-3 drafting)"
+GUARD_HELP = "pause drafting while slower than plain decoding (auto: on a CPU)"
 
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as an optional bool (None: auto)
 

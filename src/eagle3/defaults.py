@@ -7,7 +7,8 @@
 - Other CPUs and families: fp32 on the generic engine with a chain of 2: in fp32 a CPU verifies more than two
   tokens at well over the cost of one.
 
-The speculation guard (`eagle3.decoding.guard`) pauses drafting wherever it is slower than plain decoding. A choice tuned for the device, target and drafter (`eagle3 tune`) replaces the device's draft shape.
+On a CPU the speculation guard (`eagle3.decoding.guard`) pauses drafting wherever it is slower than plain
+decoding. A choice tuned for the device, target and drafter (`eagle3 tune`) replaces the device's draft shape.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def decoding_for(model, draft: str, shape: DraftShape | None = None, engine: str
         fast_ok = draft in FAST_DRAFT_KINDS and fast_support(model) is None
         engine = "fast" if fast_ok and (not cpu or param.dtype == torch.bfloat16) else "generic"
     eager_chain = cpu and engine == "fast" and draft == "eagle3"
-    guard = draft in ("eagle3", "mtp") and (engine == "generic" or draft == "eagle3")
+    # the guard by default on a CPU only: on an H200 it slowed a good drafter and did not save a random one
+    # (docs/benchmarks.md); `--guard on` runs it there
+    guard = cpu and draft in ("eagle3", "mtp") and (engine == "generic" or draft == "eagle3")
     if shape is not None:
         stop = chain_stop if chain_stop else None
         return Decoding(engine, shape, stop if eager_chain and shape.is_chain else None, guard, source="flags")

@@ -3,7 +3,9 @@
 Speculation pays only where the tokens a cycle emits outweigh what drafting and a many-token verification cost
 on this device. The guard times the request's own cycles: a plain step (the root verified alone) first and now
 and then, and the tokens per second of the drafting cycles, weighted towards the recent ones. When drafting
-loses it switches to plain steps and probes again later; each failed probe doubles the wait, and the wait is at
+loses it switches to plain steps and probes again later. Acceptance comes in bursts, so a switch needs the
+loss to hold beyond the noise of the cycles seen: the mean tokens per cycle plus `z` standard errors must still
+lose (a drafter that is never right has no noise and loses at once; a good one in a hard stretch keeps drafting); each failed probe doubles the wait, and the wait is at
 least what keeps the probes' cost near `probe_budget` of the time, so an expensive tree on a slow device is
 probed rarely. A drafter that does not fit the traffic costs a few cycles, and one that fits again (the text
 changed) is picked up. Every token is the target's own either way: the guard only decides whether a cycle drafts.
@@ -18,9 +20,9 @@ class SpeculationGuard:
     """Per request: `drafting()` says whether the next cycle drafts; `record(drafted, seconds, emitted)` reports
     how it went. `plain_s`: a plain step's seconds when known (a tuned device), else measured first."""
 
-    def __init__(self, plain_s: float | None = None, decay: float = 0.85, min_cycles: int = 4, probe: int = 2,
+    def __init__(self, plain_s: float | None = None, decay: float = 0.9, min_cycles: int = 4, probe: int = 2,
                  first_wait: int = 8, max_wait: int = 512, probe_budget: float = 0.03, remeasure_every: int = 64,
-                 clear_win: float = 1.5, remeasure_when_clear: int = 256):
+                 clear_win: float = 1.5, remeasure_when_clear: int = 256, z: float = 1.5, min_var: float = 0.25):
         self.decay = decay  # weight of the older drafting cycles at each new one (about 1 / (1 - decay) counted)
         self.min_cycles = min_cycles  # drafting cycles before a close comparison is trusted
         self.probe = probe  # drafting cycles a probe runs before it is judged
@@ -31,6 +33,9 @@ class SpeculationGuard:
         self.clear_win = clear_win  # drafting at this many times plain speed or more: refresh `plain_s` less often
         self.remeasure_when_clear = remeasure_when_clear
         self.ratio = 0.0  # drafting's speed over plain decoding's, as last judged
+        self.z = z  # standard errors of the mean tokens per cycle that a loss must hold beyond
+        self.min_var = min_var  # the least variance of tokens per cycle assumed (a few cycles can all agree)
+        self.weight = self.tokens2 = 0.0  # decayed count and sum of squared tokens over drafting cycles
         self.plain_s = plain_s
         self.tokens = self.seconds = 0.0  # decayed sums over drafting cycles
         self.cycles = 0  # drafting cycles since the guard last changed its mind
@@ -53,6 +58,8 @@ class SpeculationGuard:
             self.wait -= not self.on
             return
         self.tokens = self.decay * self.tokens + emitted
+        self.tokens2 = self.decay * self.tokens2 + emitted * emitted
+        self.weight = self.decay * self.weight + 1.0
         self.seconds = self.decay * self.seconds + seconds
         self.cycles += 1
         self.since_plain += 1
@@ -60,7 +67,10 @@ class SpeculationGuard:
             return
         ratio = self.ratio = (self.tokens / self.seconds) * self.plain_s  # tokens per plain step's time
         if self.on:
-            if ratio < 0.5 or (self.cycles >= self.min_cycles and ratio < 1.0):  # a clear loss, or a settled one
+            mean = self.tokens / self.weight
+            var = max(self.tokens2 / self.weight - mean * mean, self.min_var)
+            high = ratio * (1.0 + self.z * math.sqrt(var / min(self.cycles, self.weight)) / mean)
+            if ratio < 0.5 or (self.cycles >= self.min_cycles and high < 1.0):  # a clear loss, or a settled one
                 self.switches += 1
                 self._off(self.first_wait)
         elif self.cycles >= self.probe:  # a probe, judged on its own cycles
@@ -74,5 +84,5 @@ class SpeculationGuard:
 
     def _off(self, wait: int) -> None:
         self.on, self.wait = False, wait
-        self.tokens = self.seconds = 0.0
+        self.tokens = self.tokens2 = self.weight = self.seconds = 0.0
         self.cycles = 0

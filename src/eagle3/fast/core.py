@@ -447,20 +447,23 @@ class FastCore(nn.Module):
     BACKLOG = 64  # plain steps whose rows wait for the drafter at most; then they are fed together
 
     def plain_verify(self, mode: int = GREEDY) -> None:
-        """A plain step's fixed-shape work (what the engine captures): verify the root alone, advance by the
-        target's token, and put the root's aux row and that token in the backlog's next slot."""
-        if self.n_nodes:
-            self.tree_valid.fill_(False)
-        self.verify(mode, rows=1)
-        self.piece("accept")  # no node is valid: n_acc 0, the packet carries the target's token
-        if self.n_nodes:
-            self.tree_valid.fill_(True)  # what a captured cycle's drafting assumes
+        """A plain step's fixed-shape work (what the engine captures): the root alone through the target (the
+        tree's buffers untouched: the step costs what plain decoding's does), advance by the target's token, and
+        put the root's aux row and that token in the backlog's next slot."""
+        length = self.length  # [1]: the root's slot and RoPE position
+        mask = self.ar_s[None, :] <= length  # [1, S] the prefix and the root itself
+        logits, aux = self.target(self.root, length, length, mask, want_aux=self.drafter is not None)  # [1, V]
+        tok = self.choose(logits, length, mode)  # [1]
+        self.n_acc.zero_()
+        self.keep.zero_()
+        self.emitted[:1].copy_(tok)
+        self.packet[:3].copy_(torch.cat([self.n_acc, self.n_acc, tok]))  # [n_acc 0, drafted 0, token]
         if self.drafter is not None:
-            self.backlog_aux.index_copy_(0, self.backlog_at, self.aux[:1])
-            self.backlog_tok.index_copy_(0, self.backlog_at, self.emitted[:1])
+            self.backlog_aux.index_copy_(0, self.backlog_at, aux)
+            self.backlog_tok.index_copy_(0, self.backlog_at, tok)
             self.backlog_at.add_(1)
-        self.root.copy_(self.emitted[:1])
-        self.length.add_(1)
+        self.root.copy_(tok)
+        length.add_(1)
 
     def plain_step(self, mode: int = GREEDY, run: Callable[[], None] | None = None) -> None:
         """One step without drafting: `plain_verify`, eagerly or by `run` (its captured graph). The drafter sees
@@ -472,7 +475,6 @@ class FastCore(nn.Module):
         else:
             run()
         self.backlog_n += self.drafter is not None
-        self._valid_all = True
 
     def feed_backlog(self) -> None:
         """Feed the drafter the rows of the plain steps since it last drafted, in one forward (see `feed`)."""

@@ -22,6 +22,7 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
     """Measure, predict, time and choose (module docstring); returns the run record with the stored entry."""
     from eagle3.defaults import decoding_for
     from eagle3.evaluate import load_prompts
+    from eagle3.fast.engine import FastOptions
     from eagle3.record import run_record
     from eagle3.runtime import decoder, encode_messages, load_runtime
     from eagle3.tuning.cache import drafter_store, tuning_key, user_store
@@ -38,12 +39,16 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
     _, chats = load_prompts(dataset, limit=limit)
     prompts = [encode_messages(rt.tokenizer, m) for m in chats]
     param = next(rt.model.parameters())
+    # Every shape is a new engine: compiling its drafting pieces (inductor, on CUDA) and capturing its prefills
+    # would cost seconds to tens of seconds per shape; the cycles are timed with eager pieces in their graphs and
+    # prompts prefilled eagerly (prefills are not timed).
+    options = FastOptions(compile_drafting=False, graph_prefill=False)
     echo(f"eagle3 tune: {base.engine} engine, {str(param.dtype).removeprefix('torch.')} on {param.device}; "
          f"{len(prompts)} prompts x {max_new_tokens} tokens")
 
     def run(shape: DraftShape, temperature: float, chain_stop: float | None = None, label: str | None = None):
         d = replace(base, shape=shape, chain_stop=chain_stop, guard=False, speculate=True)
-        r = time_engine(decoder(rt, d), prompts, max_new_tokens, SamplingConfig(temperature=temperature),
+        r = time_engine(decoder(rt, d, options), prompts, max_new_tokens, SamplingConfig(temperature=temperature),
                         label or str(shape))
         echo(f"  T={temperature:g} {r.label:>18}: tau {r.tau:.2f}, {r.tokens_per_s:.1f} tok/s")
         return r
@@ -59,8 +64,8 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
             runs[stop_label] = run(base.shape, temp, base.chain_stop, stop_label)
         if costs is None:
             costs, _ = measure_costs(rt, base, prompts, max_new_tokens, tree_shapes, runs[str(chains[-1])],
-                                     {t.text: runs[str(t)] for t in tree_shapes}, echo=echo)
-        plain = time_engine(decoder(rt, replace(base, guard=False, speculate=False)), prompts, max_new_tokens,
+                                     {t.text: runs[str(t)] for t in tree_shapes}, options, echo=echo)
+        plain = time_engine(decoder(rt, replace(base, guard=False, speculate=False), options), prompts, max_new_tokens,
                             greedy, "plain")
         profile = AcceptanceProfile(temperature=temp, chain=tuple(runs[str(chains[-1])].acceptance),
                                     tree_tau={t.text: runs[str(t)].tau for t in tree_shapes})
