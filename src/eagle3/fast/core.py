@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from eagle3.config import DraftShape
-from eagle3.decoding.sampling import GREEDY, SamplingRows
+from eagle3.decoding.sampling import FILTERED, GREEDY, SamplingRows, exponential_noise_rows, filter_scores_rows
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
@@ -123,6 +123,12 @@ class FastCore(nn.Module):
         # the draft steps' log-softmax and top-k as two Triton kernels (`eagle3.fast.draft_top_k`) where they can
         # run; None: as PyTorch work (`top_k_last` of `FastDrafter.log_probs`)
         self.top_k_op = draft_top_k_op_for(drafter, self.top_k)
+        # Sampled requests draft with the noise of the target's own draws (`choose_drafts`); False: the drafter's
+        # top-k, as for greedy ones (`FastOptions.coupled_drafts`)
+        self.coupled = True
+        if drafter is not None:  # the noise keys of the draft vocabulary's tokens (target ids)
+            draft_ids = drafter.to_target_ids(torch.arange(drafter.lm_head.shape[0], device=dev))  # [Vd]
+            self.register_buffer("draft_vocab_h", self.sampling.vocab_h[draft_ids], persistent=False)
         # A chain's drafting stops once the drafted tokens' joint draft probability falls below this, and only the
         # drafted tokens are verified (`draft_chain_until`); None: every cycle drafts `depth` tokens. The host
         # reads each step's score, so only cycles that run eagerly take it (`FastOptions.chain_stop`: CPUs).
@@ -258,11 +264,12 @@ class FastCore(nn.Module):
         self.backlog_n = 0
 
     # -- step functions (fixed shapes, no host sync) ------------------------------------------
-    def draft(self) -> None:
-        """EAGLE-2 dynamic tree expansion and rerank (as `Eagle3Proposer.propose`) into the tree buffers."""
+    def draft(self, mode: int = GREEDY) -> None:
+        """EAGLE-2 dynamic tree expansion and rerank (as `Eagle3Proposer.propose`) into the tree buffers; the
+        children of each node as `choose_drafts` picks them for `mode`."""
         d, k, dev = self.drafter, self.top_k, self.device
         length = self.length  # [1]
-        scores, ids = (t[0] for t in self.draft_top_k(self.last_out))  # [k]
+        scores, ids, _ = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [k]
         rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
         rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
         ar_k = self.ar[:k]
@@ -278,7 +285,7 @@ class FastCore(nn.Module):
             mask = prefix_and_window(self.ar_sd, length, anc)  # [k, Sd]: committed rows + ancestry in scratch
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
             out = d(f_hidden, all_tokens[frontier], pos, slots, mask)  # [k, H]
-            top_lp, top_ids = self.draft_top_k(out)  # [k, k]
+            top_lp, top_ids, _ = self.choose_drafts(out, length + 1 + step, mode)  # [k, k]
             cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
             rec_scores.append(cum)
             rec_tokens.append(d.to_target_ids(top_ids.reshape(-1)))
@@ -302,14 +309,14 @@ class FastCore(nn.Module):
         self.tree_parents1[1:].copy_(parents + 1)
         self.tree_parents1[:1].zero_()
 
-    def draft_chain_until(self) -> int:
+    def draft_chain_until(self, mode: int = GREEDY) -> int:
         """Draft a chain of at most `depth` tokens, stopping after the first token whose chain's joint draft
         probability (the product of the drafter's top-1 probabilities so far) is below `chain_stop`; the rest of
         the tree buffers become invalid nodes. Returns the number of tokens drafted (at least one). The same
         proposals as `draft` up to where it stops (the same drafter calls on the same rows and slots), so a chain
         verified in full would accept the same prefix; one host read per drafted token."""
         d, length, stop = self.drafter, self.length, self.chain_stop
-        scores, ids = (t[0] for t in self.draft_top_k(self.last_out))  # [1]
+        _, ids, scores = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [1]
         tokens, cum = [d.to_target_ids(ids)], scores
         hidden = d.feedback(self.last_out)  # [1, H]
         one = self.ar[:1]
@@ -318,7 +325,7 @@ class FastCore(nn.Module):
             step = len(tokens)
             mask = prefix_and_window(self.ar_sd, length, anc)  # [1, Sd]
             out = d(hidden, tokens[-1], (length - 1 + step).expand(1), length + step - 1 + one, mask)  # [1, H]
-            scores, ids = (t[0] for t in self.draft_top_k(out))
+            _, ids, scores = (t[0] for t in self.choose_drafts(out, length + 1 + step, mode))
             cum = cum + scores
             tokens.append(d.to_target_ids(ids))
             hidden = d.feedback(out)
@@ -331,6 +338,31 @@ class FastCore(nn.Module):
         self.tree_valid.copy_(self.ar[: self.n_nodes] < n)
         self._valid_all = False
         return n
+
+    def choose_drafts(self, out: torch.Tensor, pos: torch.Tensor,
+                      mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `top_k` drafts after each of the drafter's outputs out [T, H], all candidates for the token at
+        absolute position `pos` [1]: ranking scores [T, k] (descending), draft-vocabulary ids [T, k] and their
+        draft log-probabilities [T, k].
+
+        Greedy: the drafter's top k by log-probability (scores = log-probabilities). Sampled (`coupled`): the top k
+        of the drafter's log-probabilities, processed as the request's draws are (temperature, top-k, top-p),
+        plus the Gumbel noise the target's own draw at `pos` adds (`eagle3.decoding.sampling`: the same
+        position-keyed Exp(1) variables, -log E). The first is then the drafter's draw coupled to the target's:
+        it equals the target's token whenever the two distributions agree closely, where a top-1 draft is
+        accepted with probability p(x) only. The rest are draws without replacement (Gumbel-top-k). Verification
+        is unchanged (a draft is accepted where it equals the target's draw), so the output stays the target's
+        own draws, token for token."""
+        if mode == GREEDY or not self.coupled:
+            lp, ids = self.draft_top_k(out)
+            return lp, ids, lp
+        s = self.sampling
+        logits = self.drafter.logits(out)[None]  # [1, T, Vd]
+        scores = filter_scores_rows(logits, s.temp[:1], s.top_p[:1], s.top_k[:1], filters=mode == FILTERED)[0]
+        lq = torch.log_softmax(scores, dim=-1)  # [T, Vd] processed draft log-probabilities
+        noise = exponential_noise_rows(s.seed_h[:1], pos.view(1, 1), self.draft_vocab_h)[0]  # [1, Vd]
+        ranked, ids = top_k_last(lq - noise.log(), self.top_k, self.ranked)  # [T, k]
+        return ranked, ids, lq.gather(-1, ids)
 
     def draft_top_k(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` best draft tokens after each of the drafter's pre-norm outputs out [T, H]: their
@@ -494,12 +526,12 @@ class FastCore(nn.Module):
         """Draft, verify, accept, commit: one whole cycle, choosing tokens by `mode` (what the engine captures)."""
         rows = None
         if self.mode == "eagle3" and self.chain_stop is not None and self.top_k == 1:
-            rows = self.draft_chain_until() + 1  # root and the drafted tokens
+            rows = self.draft_chain_until(mode) + 1  # root and the drafted tokens
         elif self.mode == "eagle3":
             if not self._valid_all:  # after `draft_chain_until`: every node valid again
                 self.tree_valid.fill_(True)
                 self._valid_all = True
-            self.piece("draft")
+            self.piece("draft", mode)
         self.verify(mode, rows=rows)
         self.piece("accept")
         self.commit()

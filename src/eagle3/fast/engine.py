@@ -86,6 +86,9 @@ class FastOptions:
     # (`eagle3.decoding.guard`; EAGLE-3 drafting). Its plain steps are captured like the cycles.
     guard: bool = False
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
+    # sampled requests: draft with the noise of the target's own draws, coupling each draft to the token the
+    # target will draw (`FastCore.choose_drafts`); False: the drafter's top-k, as for greedy requests
+    coupled_drafts: bool = True
 
 
 PREFILL_MIN_WIDTH = 16  # the narrowest fixed prefill (`FastOptions.graph_prefill`)
@@ -177,6 +180,7 @@ class FastEngine:
             else o.compile_drafting
         if cd and not o.compile and mode != "none":
             self.core.compile_drafting(o.compile_backend)
+        self.core.coupled = o.coupled_drafts
         if o.chain_stop is not None:
             if mode != "eagle3" or not self.spec.is_chain:
                 raise ConfigError("chain_stop (--chain-stop) is for EAGLE-3 chains")
@@ -277,7 +281,7 @@ class FastEngine:
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
                 "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
                 "target_attention": self.target_attention, "norms_folded": self.target.folded,
-                "chain_stop": self.core.chain_stop, "guard": o.guard}
+                "chain_stop": self.core.chain_stop, "guard": o.guard, "coupled_drafts": o.coupled_drafts}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,0 +1,67 @@
+"""Coupled drafts for sampled requests (`FastCore.choose_drafts`): the drafter draws with the noise of the target's
+own position-keyed draw, so a drafter that matches the target drafts exactly the token the target will draw; the
+target's tokens, and so the output, stay its own draws."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.config import DraftShape, SamplingConfig
+from eagle3.decoding.sampling import FILTERED, TEMPERATURE, race_sample
+from eagle3.fast import FastEngine, FastOptions
+from eagle3.runtime import init_drafter
+
+SEED = 7
+
+
+def core_for(model, vocab: int | None, coupled: bool = True, k: int = 1):
+    drafter = init_drafter(model, draft_vocab_size=vocab, seed=2).eval()
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape(3, k, 3 * k if k > 1 else 3), drafter=drafter,
+                        options=FastOptions(coupled_drafts=coupled))
+    return engine.core
+
+
+def coupled_hits(core, sampling: SamplingConfig, mode: int, positions: range, outside: float) -> int:
+    """How often the first draft equals the target's draw when the drafter's logits are the target's on the draft
+    vocabulary (the target's logits elsewhere: `outside`)."""
+    d = core.drafter
+    vocab = core.sampling.vocab_h.shape[0]
+    draft_to_target = d.to_target_ids(torch.arange(d.lm_head.shape[0]))  # [Vd]
+    core.sampling.set(0, [sampling])
+    g = torch.Generator().manual_seed(0)
+    hits = 0
+    for p in positions:
+        target = torch.full((vocab,), outside)
+        target[draft_to_target] = 3.0 * torch.randn(len(draft_to_target), generator=g)
+        d.logits = lambda out, t=target: t[draft_to_target][None].expand(out.shape[0], -1)  # [T, Vd]
+        _, ids, _ = core.choose_drafts(torch.zeros(1, d.hidden_size), torch.tensor([p]), mode)
+        drawn = race_sample(target[None], torch.tensor([p]), SEED, sampling.temperature, sampling.top_p,
+                            sampling.top_k)
+        hits += int(d.to_target_ids(ids[0, :1])) == int(drawn)
+    return hits
+
+
+@pytest.mark.parametrize("vocab", [None, 200])  # the whole vocabulary, or a draft vocabulary of 200 ids
+@pytest.mark.parametrize("sampling, mode", [(SamplingConfig(temperature=1.0, seed=SEED), TEMPERATURE),
+                                            (SamplingConfig(temperature=0.7, top_p=0.9, top_k=50, seed=SEED),
+                                             FILTERED)])
+def test_a_drafter_that_is_the_target_drafts_the_targets_draw(stories260k, vocab, sampling, mode):
+    model, _ = stories260k
+    positions = range(40, 240)
+    assert coupled_hits(core_for(model, vocab), sampling, mode, positions, float("-inf")) == len(positions)
+    # negative control: the drafter's top-1 is the target's draw far less often at these temperatures
+    assert coupled_hits(core_for(model, vocab, coupled=False), sampling, mode, positions,
+                        float("-inf")) < 0.8 * len(positions)
+
+
+def test_siblings_are_draws_without_replacement(stories260k):
+    """A tree's k children of one node: distinct tokens, the first the coupled draw."""
+    model, _ = stories260k
+    core = core_for(model, None, k=4)
+    core.sampling.set(0, [SamplingConfig(temperature=1.0, seed=SEED)])
+    out = torch.randn(3, core.drafter.hidden_size)
+    ranked, ids, lq = core.choose_drafts(out, torch.tensor([55]), TEMPERATURE)
+    assert ids.shape == (3, 4) and all(len(set(row.tolist())) == 4 for row in ids)
+    assert torch.all(ranked[:, :-1] >= ranked[:, 1:])  # the perturbed scores, best first
+    assert torch.all(lq <= 0)
