@@ -34,8 +34,8 @@ def coupled_hits(core, sampling: SamplingConfig, mode: int, positions: range, ou
     for p in positions:
         target = torch.full((vocab,), outside)
         target[draft_to_target] = 3.0 * torch.randn(len(draft_to_target), generator=g)
-        d.logits = lambda out, t=target: t[draft_to_target][None].expand(out.shape[0], -1)  # [T, Vd]
-        _, ids, _ = core.choose_drafts(torch.zeros(1, d.hidden_size), torch.tensor([p]), mode)
+        d.logits = lambda out, t=target: t[draft_to_target].expand(*out.shape[:-1], -1)  # [..., Vd]
+        ids, _ = core.choose_drafts(torch.zeros(1, d.hidden_size), torch.tensor([p]), mode)
         drawn = race_sample(target[None], torch.tensor([p]), SEED, sampling.temperature, sampling.top_p,
                             sampling.top_k)
         hits += int(d.to_target_ids(ids[0, :1])) == int(drawn)
@@ -61,7 +61,41 @@ def test_siblings_are_draws_without_replacement(stories260k):
     core = core_for(model, None, k=4)
     core.sampling.set(0, [SamplingConfig(temperature=1.0, seed=SEED)])
     out = torch.randn(3, core.drafter.hidden_size)
-    ranked, ids, lq = core.choose_drafts(out, torch.tensor([55]), TEMPERATURE)
+    ids, lq = core.choose_drafts(out, torch.tensor([55]), TEMPERATURE)
     assert ids.shape == (3, 4) and all(len(set(row.tolist())) == 4 for row in ids)
-    assert torch.all(ranked[:, :-1] >= ranked[:, 1:])  # the perturbed scores, best first
     assert torch.all(lq <= 0)
+
+
+def test_the_generic_engines_proposer_couples_its_drafts_too(stories260k):
+    """`Eagle3Proposer` (the generic engine): with the target's own logits as the drafter's, its first draft is
+    the target's draw; its sampled output is plain sampling's, token for token."""
+    from eagle3.decoding.engine import SpeculativeEngine
+    from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+    from eagle3.target import Target
+
+    model, tok = stories260k
+    drafter = init_drafter(model, draft_vocab_size=None, seed=2).eval()
+    prop = Eagle3Proposer(drafter, DraftShape.chain(3))
+    sampling = SamplingConfig(temperature=1.0, seed=SEED)
+    prop.sample_with(sampling, SEED)
+    g = torch.Generator().manual_seed(1)
+    hits = 0
+    for p in range(10, 110):
+        target = 3.0 * torch.randn(drafter.lm_head.weight.shape[0], generator=g)
+        drafter.logits = lambda out, t=target: t.expand(*out.shape[:-1], -1)
+        lp, ids = prop._children(torch.zeros(1, drafter.config.hidden_size), p)
+        drawn = race_sample(target[None], torch.tensor([p]), SEED, 1.0)
+        hits += int(drafter.draft_ids_to_target(ids[0, :1])) == int(drawn)
+        assert float(lp[0, 0]) <= 0
+    assert hits == 100
+    del drafter.logits
+
+    t = Target(model, drafter.config.aux_layer_ids)
+    try:
+        ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
+        plain = SpeculativeEngine(t, NoDraftProposer()).generate(ids, max_new_tokens=40, sampling=sampling)
+        coupled = SpeculativeEngine(t, Eagle3Proposer(drafter, DraftShape(3, 2, 5))).generate(
+            ids, max_new_tokens=40, sampling=sampling)
+    finally:
+        t.close()
+    assert coupled.token_ids == plain.token_ids

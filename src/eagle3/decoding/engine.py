@@ -179,6 +179,7 @@ class SpeculativeEngine:
         first = int(req.choose(logits[0, -1:], torch.tensor([t], device=dev), fused)[0])  # the token at position t
         out: list[int] = [first]
         finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
+        self.proposer.sample_with(req.sampling, req.seed)
         self.proposer.begin(prompt[0], aux if self.proposer.needs_aux else None, first)
         self._sync()
         stats.prefill_s = time.perf_counter() - t0

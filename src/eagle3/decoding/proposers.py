@@ -13,10 +13,12 @@ target's tokenizer; with the target itself it is the always-right drafter the te
 from __future__ import annotations
 
 import abc
+from dataclasses import replace
 
 import torch
 
-from eagle3.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DraftShape
+from eagle3.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DraftShape, SamplingConfig
+from eagle3.decoding.sampling import GREEDY, SamplingRows, coupled_draft_scores, sampling_mode, token_hash
 from eagle3.decoding.tree import DraftTree
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 
@@ -29,6 +31,9 @@ class Proposer(abc.ABC):
 
     def begin(self, prompt_ids: torch.Tensor, aux: torch.Tensor | None, first_token: int) -> None:  # noqa: B027
         """After prefill: the prompt, its aux features (if `needs_aux`) and the first sampled token."""
+
+    def sample_with(self, sampling: SamplingConfig, seed: int) -> None:  # noqa: B027
+        """Before `begin`: the request's sampling settings and the seed of its draws."""
 
     @abc.abstractmethod
     def propose(self) -> DraftTree:
@@ -143,9 +148,14 @@ class Eagle3Proposer(Proposer):
     name = "eagle3"
     needs_aux = True
 
-    def __init__(self, drafter: Eagle3Drafter, shape: DraftShape):
+    def __init__(self, drafter: Eagle3Drafter, shape: DraftShape, coupled: bool = True):
+        """`coupled`: sampled requests draft coupled to the target's draws (`coupled_draft_scores`); False:
+        the drafter's top-k, as greedy requests do."""
         self.drafter = drafter.eval()
         self.depth, self.top_k, self.budget = shape.depth, shape.top_k, shape.total
+        self.coupled = coupled
+        self.draws: tuple[SamplingRows, int] | None = None  # a sampled request's settings and mode
+        self.draft_h: torch.Tensor | None = None  # [Vd] noise keys of the draft vocabulary, on first sampled use
         self.cache = DrafterKV()
         self.next_pos = 0  # RoPE position of the next target-feature row
         self.last_out: torch.Tensor | None = None  # [1, H] pre-norm output of the newest row
@@ -168,6 +178,31 @@ class Eagle3Proposer(Proposer):
         self.next_pos += m
         self.last_out = out[:, -1]  # [1, H]
 
+    def sample_with(self, sampling, seed):
+        mode = sampling_mode(sampling.temperature, sampling.top_p, sampling.top_k)
+        if mode == GREEDY or not self.coupled:
+            self.draws = None
+            return
+        rows = SamplingRows(1, None, self.device)
+        rows.set(0, [replace(sampling, seed=seed)])
+        self.draws = (rows, mode)
+
+    def _children(self, out: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k drafts after each of the drafter's outputs out [T, H], candidates for the token at absolute
+        `position`: their log-probabilities [T, k] (a tree ranks paths by them) and draft ids [T, k]. Greedy:
+        the drafter's top k; sampled: coupled to the target's draws (`eagle3.fast.core.FastCore.choose_drafts`)."""
+        logits = self.drafter.logits(out)  # [T, Vd]
+        if self.draws is None:
+            return torch.log_softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        rows, mode = self.draws
+        if self.draft_h is None:
+            vd = logits.shape[-1]
+            self.draft_h = token_hash(self.drafter.draft_ids_to_target(torch.arange(vd, device=self.device)))
+        pos = torch.tensor([position], device=self.device)
+        perturbed, lq = (t[0] for t in coupled_draft_scores(logits[None], pos, rows, mode, self.draft_h))
+        ids = perturbed.topk(self.top_k, dim=-1).indices  # [T, k]
+        return lq.gather(-1, ids), ids
+
     def begin(self, prompt_ids, aux, first_token):
         self.cache = DrafterKV()
         self.next_pos = 0
@@ -188,8 +223,7 @@ class Eagle3Proposer(Proposer):
         d, k, dev = self.drafter, self.top_k, self.device
         stable = self.cache.length
         p_last = self.next_pos - 1
-        logp = torch.log_softmax(d.logits(self.last_out).float(), dim=-1)[0]  # [Vd]
-        scores, draft_ids = logp.topk(k)  # [k]
+        scores, draft_ids = (t[0] for t in self._children(self.last_out, p_last + 2))  # [k]: the token at p_last + 2
         rec_scores = [scores]
         rec_tokens = [d.draft_ids_to_target(draft_ids)]
         rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
@@ -203,8 +237,7 @@ class Eagle3Proposer(Proposer):
             pos = torch.full((1, k), p_last + step, device=dev)
             mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=dev), anc], dim=1)[None, None]
             out = d(f_hidden, tokens[None], pos, mask=mask, cache=self.cache)  # [1, k, H]
-            child_logp = torch.log_softmax(d.logits(out).float(), dim=-1)[0]  # [k, Vd]
-            top_lp, top_ids = child_logp.topk(k, dim=-1)  # [k, k]
+            top_lp, top_ids = self._children(out[0], p_last + 2 + step)  # [k, k]
             cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k*k]
             rec_scores.append(cum)
             rec_tokens.append(d.draft_ids_to_target(top_ids.reshape(-1)))

@@ -35,9 +35,10 @@ import torch
 
 from eagle3.config import SamplingConfig
 
-__all__ = ["FILTERED", "GREEDY", "TEMPERATURE", "SamplingRows", "choose", "exponential_noise", "exponential_noise_rows", "filter_scores", "filter_scores_rows",
-           "fused_draw_available", "hash_u32", "new_seed", "process_logits", "race_sample", "race_sample_rows",
-           "sampling_mode", "seed_hash", "vocab_hash"]
+__all__ = ["FILTERED", "GREEDY", "TEMPERATURE", "SamplingRows", "choose", "coupled_draft_scores", "exponential_noise",
+           "exponential_noise_rows", "filter_scores", "filter_scores_rows", "fused_draw_available", "hash_u32",
+           "new_seed", "process_logits", "race_sample", "race_sample_rows", "sampling_mode", "seed_hash",
+           "token_hash", "vocab_hash"]
 
 log = logging.getLogger("eagle3.decoding")
 
@@ -150,7 +151,12 @@ def seed_hash(seed: int) -> int:
 
 def vocab_hash(vocab: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The per-token key of the noise, [V] long (the same for every request and position)."""
-    return hash_u32(torch.arange(vocab, dtype=torch.long, device=device) + 0x9E3779B9)
+    return token_hash(torch.arange(vocab, dtype=torch.long, device=device))
+
+
+def token_hash(ids: torch.Tensor) -> torch.Tensor:
+    """`vocab_hash` of the token ids `ids` [...] (long): the keys of a draft vocabulary's tokens."""
+    return hash_u32(ids + 0x9E3779B9)
 
 
 def exponential_noise_rows(seed_hashes: torch.Tensor, positions: torch.Tensor, vocab_h: torch.Tensor) -> torch.Tensor:
@@ -260,6 +266,27 @@ def race_sample_rows(
     return _draw_rows(logits, scores, positions, seed_hashes, temperature, vocab_h)
 
 
+def coupled_draft_scores(
+    logits: torch.Tensor,  # [R, T, Vd] a drafter's logits: T rows of request r all drafting the token at positions[r]
+    positions: torch.Tensor,  # [R] long, the absolute position of each request's drafted token
+    rows: SamplingRows,  # the requests' settings, rows 0..R-1
+    mode: int,  # the largest of the requests' modes: TEMPERATURE or FILTERED
+    draft_h: torch.Tensor,  # [Vd] `token_hash` of the draft vocabulary's target ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coupled drafting: (log q + G, log q), both [R, T, Vd] fp32, with q the drafter's distribution processed as
+    each request's draws are (temperature, top-k, top-p) and G = -log E the Gumbel noise of the target's own draw
+    at that request's position. The top k of log q + G are k draws without replacement from q (Gumbel-top-k); the
+    first is coupled to the target's draw there, and equals it wherever q is close to the target's distribution,
+    where the drafter's top-1 would be accepted with probability p(x) only. Greedy requests (temperature 0) get
+    their plain log-probabilities in both. Fixed-shape tensor ops (CUDA-graph safe)."""
+    r = logits.shape[0]
+    scores = filter_scores_rows(logits, rows.temp[:r], rows.top_p[:r], rows.top_k[:r], filters=mode == FILTERED)
+    sampled = (rows.temp[:r] > 0)[:, None, None]  # [R, 1, 1]
+    lq = torch.where(sampled, torch.log_softmax(scores, dim=-1), torch.log_softmax(logits.float(), dim=-1))
+    noise = exponential_noise_rows(rows.seed_h[:r], positions.view(r, 1), draft_h)  # [R, 1, Vd]
+    return torch.where(sampled, lq - noise.log(), lq), lq
+
+
 def new_seed() -> int:
     """A fresh 32-bit seed for a request that gives none (its draws are then not reproducible)."""
     return secrets.randbits(32)
@@ -284,12 +311,13 @@ class SamplingRows:
     """Each row's sampling settings on the device, for cycles that choose tokens without a host sync (CUDA-graph
     safe): temperature [R] (0 = greedy), top_p [R], top_k [R], seed hash [R], and the vocabulary's noise keys."""
 
-    def __init__(self, rows: int, vocab: int, device: torch.device | str):
+    def __init__(self, rows: int, vocab: int | None, device: torch.device | str):
+        """`vocab`: the target's vocabulary size, for the draws' noise keys (None: settings only)."""
         self.temp = torch.zeros(rows, dtype=torch.float32, device=device)
         self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(rows, dtype=torch.long, device=device)
         self.seed_h = torch.zeros(rows, dtype=torch.long, device=device)
-        self.vocab_h = vocab_hash(vocab, device)  # [V]
+        self.vocab_h = vocab_hash(vocab, device) if vocab is not None else None  # [V]
 
     def set(self, lo: int, settings: list[SamplingConfig | None]) -> None:
         """Rows lo, lo+1, ... get `settings` (None or temperature 0: greedy), in one copy per buffer."""

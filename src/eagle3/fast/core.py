@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from eagle3.config import DraftShape
-from eagle3.decoding.sampling import FILTERED, GREEDY, SamplingRows, exponential_noise_rows, filter_scores_rows
+from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k, top_k_last, top_n_in_order
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
@@ -126,9 +126,6 @@ class FastCore(nn.Module):
         # Sampled requests draft with the noise of the target's own draws (`choose_drafts`); False: the drafter's
         # top-k, as for greedy ones (`FastOptions.coupled_drafts`)
         self.coupled = True
-        if drafter is not None:  # the noise keys of the draft vocabulary's tokens (target ids)
-            draft_ids = drafter.to_target_ids(torch.arange(drafter.lm_head.shape[0], device=dev))  # [Vd]
-            self.register_buffer("draft_vocab_h", self.sampling.vocab_h[draft_ids], persistent=False)
         # A chain's drafting stops once the drafted tokens' joint draft probability falls below this, and only the
         # drafted tokens are verified (`draft_chain_until`); None: every cycle drafts `depth` tokens. The host
         # reads each step's score, so only cycles that run eagerly take it (`FastOptions.chain_stop`: CPUs).
@@ -269,7 +266,7 @@ class FastCore(nn.Module):
         children of each node as `choose_drafts` picks them for `mode`."""
         d, k, dev = self.drafter, self.top_k, self.device
         length = self.length  # [1]
-        scores, ids, _ = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [k]
+        ids, scores = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [k]
         rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
         rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
         ar_k = self.ar[:k]
@@ -285,7 +282,7 @@ class FastCore(nn.Module):
             mask = prefix_and_window(self.ar_sd, length, anc)  # [k, Sd]: committed rows + ancestry in scratch
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
             out = d(f_hidden, all_tokens[frontier], pos, slots, mask)  # [k, H]
-            top_lp, top_ids, _ = self.choose_drafts(out, length + 1 + step, mode)  # [k, k]
+            top_ids, top_lp = self.choose_drafts(out, length + 1 + step, mode)  # [k, k]
             cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
             rec_scores.append(cum)
             rec_tokens.append(d.to_target_ids(top_ids.reshape(-1)))
@@ -316,7 +313,7 @@ class FastCore(nn.Module):
         proposals as `draft` up to where it stops (the same drafter calls on the same rows and slots), so a chain
         verified in full would accept the same prefix; one host read per drafted token."""
         d, length, stop = self.drafter, self.length, self.chain_stop
-        _, ids, scores = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [1]
+        ids, scores = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [1]
         tokens, cum = [d.to_target_ids(ids)], scores
         hidden = d.feedback(self.last_out)  # [1, H]
         one = self.ar[:1]
@@ -325,7 +322,7 @@ class FastCore(nn.Module):
             step = len(tokens)
             mask = prefix_and_window(self.ar_sd, length, anc)  # [1, Sd]
             out = d(hidden, tokens[-1], (length - 1 + step).expand(1), length + step - 1 + one, mask)  # [1, H]
-            _, ids, scores = (t[0] for t in self.choose_drafts(out, length + 1 + step, mode))
+            ids, scores = (t[0] for t in self.choose_drafts(out, length + 1 + step, mode))
             cum = cum + scores
             tokens.append(d.to_target_ids(ids))
             hidden = d.feedback(out)
@@ -340,29 +337,16 @@ class FastCore(nn.Module):
         return n
 
     def choose_drafts(self, out: torch.Tensor, pos: torch.Tensor,
-                      mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` drafts after each of the drafter's outputs out [T, H], all candidates for the token at
-        absolute position `pos` [1]: ranking scores [T, k] (descending), draft-vocabulary ids [T, k] and their
-        draft log-probabilities [T, k].
-
-        Greedy: the drafter's top k by log-probability (scores = log-probabilities). Sampled (`coupled`): the top k
-        of the drafter's log-probabilities, processed as the request's draws are (temperature, top-k, top-p),
-        plus the Gumbel noise the target's own draw at `pos` adds (`eagle3.decoding.sampling`: the same
-        position-keyed Exp(1) variables, -log E). The first is then the drafter's draw coupled to the target's:
-        it equals the target's token whenever the two distributions agree closely, where a top-1 draft is
-        accepted with probability p(x) only. The rest are draws without replacement (Gumbel-top-k). Verification
-        is unchanged (a draft is accepted where it equals the target's draw), so the output stays the target's
-        own draws, token for token."""
+        absolute position `pos` [1]: draft-vocabulary ids [T, k] and their draft log-probabilities [T, k] (what
+        a tree ranks its paths by: a child never scores above its parent). Greedy: the drafter's top k. Sampled
+        (`coupled`): `FastDrafter.coupled_drafts`, the first coupled to the target's own draw. A draft is accepted where it equals the target's draw either way: the output is the target's."""
         if mode == GREEDY or not self.coupled:
             lp, ids = self.draft_top_k(out)
-            return lp, ids, lp
-        s = self.sampling
-        logits = self.drafter.logits(out)[None]  # [1, T, Vd]
-        scores = filter_scores_rows(logits, s.temp[:1], s.top_p[:1], s.top_k[:1], filters=mode == FILTERED)[0]
-        lq = torch.log_softmax(scores, dim=-1)  # [T, Vd] processed draft log-probabilities
-        noise = exponential_noise_rows(s.seed_h[:1], pos.view(1, 1), self.draft_vocab_h)[0]  # [1, Vd]
-        ranked, ids = top_k_last(lq - noise.log(), self.top_k, self.ranked)  # [T, k]
-        return ranked, ids, lq.gather(-1, ids)
+            return ids, lp
+        ids, lq = self.drafter.coupled_drafts(out[None], pos, self.sampling, mode, self.top_k, self.ranked)
+        return ids[0], lq[0]  # [T, k] each
 
     def draft_top_k(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` best draft tokens after each of the drafter's pre-norm outputs out [T, H]: their

@@ -14,6 +14,7 @@ from torch import nn
 
 from eagle3.attention import shapes_vary
 from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
+from eagle3.decoding.sampling import SamplingRows, coupled_draft_scores, token_hash
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention
 from eagle3.fast.attention import (
@@ -215,6 +216,7 @@ class FastDrafter(nn.Module):
         buf("norm", drafter.norm.weight)
         buf("lm_head", drafter.lm_head.weight)
         buf("d2t", drafter.d2t)
+        buf("draft_h", token_hash(self.to_target_ids(torch.arange(self.lm_head.shape[0], device=self.d2t.device))))
         self._rotary = [drafter.rotary_emb]  # a list, so it is not registered as a submodule
         self.dtype = self.fc.dtype
         self.register_buffer("cos", None, persistent=False)
@@ -398,3 +400,12 @@ class FastDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def coupled_drafts(self, out: torch.Tensor, positions: torch.Tensor, rows: SamplingRows, mode: int, k: int,
+                       ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """For sampled requests: the top k drafts after out [R, T, H], request r's T rows all drafting its token at
+        positions[r], coupled to its own draws (`coupled_draft_scores`): ids [R, T, k] and their draft
+        log-probabilities [R, T, k] (what a tree ranks its paths by: a child never scores above its parent)."""
+        perturbed, lq = coupled_draft_scores(self.logits(out), positions, rows, mode, self.draft_h)
+        ids = top_k_last(perturbed, k, ranked)[1]
+        return ids, lq.gather(-1, ids)

@@ -7,13 +7,9 @@ bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
 
     spec cycle   draft a tree per row (EAGLE-2 expansion as `FastCore.draft`), verify [nb, N+1], accept greedily
                  per row, move each row's accepted K/V next to its prefix, feed the drafter, advance.
-    plain cycle  one token per row. With a drafter, each row's target features and new token are held back
-                 (`feed_window` of them per row) instead of being fed to the drafter one cycle at a time; a
-                 feed step gives the drafter every held token of every row in one batched forward, before the
-                 next speculative cycle or when a row's window is full. So a bucket can switch between plain
-                 and speculative cycles at any time, and a plain cycle costs about what a drafter-less one does
-                 (feeding the drafter in every plain cycle costs noticeably more: `scripts/bench_rows.py
-                 --feed-windows 0 32`). `feed_window=0` feeds it in every plain cycle.
+    plain cycle  one token per row; with a drafter, each row's features and new token are held back (up to
+                 `feed_window`, 0: none) and fed to the drafter in one batched step before the next speculative
+                 cycle, so a plain cycle costs about what a drafter-less one does (`scripts/bench_rows.py`).
 
 State per row: length [B] (committed tokens), root [B] (last emitted token, not yet cached), last_out [B, H]
 (drafter output of the newest committed row, once held tokens are fed), held_n [B] (tokens held back for the
@@ -25,13 +21,10 @@ up to a prefill bucket (R to a batch bucket, T to a power of two), and copies th
 Every bucket up to `prefill_tokens` padded tokens is a fixed-shape function replayed as a CUDA graph too, since
 every running row waits while an eager prefill launches its kernels one by one. Rows [n, nb) of a bucket are
 idle: they decode garbage into their own caches, their lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
-Sampled rows: a row may carry its own temperature, top-p, top-k and seed (`add_many(..., sampling=)`). Its
-tokens are then the position-keyed draws of `eagle3.decoding.sampling` (the noise of position p depends only on
-the seed and p), so verification stays "accept the draft where it equals the target's choice", per row, and a
-request gets the same text here as anywhere else. Buckets that hold a sampled row run their own
-captured cycles that compute those draws (`race_sample_rows`): one set for rows that only set a temperature, one
-that also applies top-p / top-k (two sorts over the vocabulary per predicted token); all-greedy buckets keep the
-argmax cycles. Prefills always compute the draws (small next to the prefill itself).
+Sampled rows carry their own temperature, top-p, top-k and seed (`add_many(..., sampling=)`): their tokens are
+the position-keyed draws of `eagle3.decoding.sampling`, so a request gets the same text here as anywhere else,
+and they draft coupled to those draws (`FastDrafter.coupled_drafts`). Buckets that hold a sampled row run their
+own captured cycles (one set for temperature alone, one with top-p / top-k); all-greedy buckets keep the argmax.
 """
 
 from __future__ import annotations
@@ -473,20 +466,27 @@ class FastRows:
         self.held_n[:nb].zero_()
 
     def _spec_cycle(self, nb: int, mode: int) -> None:
-        tokens, parents1 = self._draft(nb)  # [nb, N], [nb, N+1]
+        tokens, parents1 = self._draft(nb, mode)  # [nb, N], [nb, N+1]
         anc, top, aux = self._verify(nb, tokens, parents1, mode)
         keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
         self._commit(nb, keep, n_acc, emitted, aux)
 
-    def _draft(self, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _children(self, out: torch.Tensor, positions: torch.Tensor, mode: int, k: int):
+        """Ids [nb, T, k] and draft log-probabilities of the top k drafts after out [nb, T, H], row r's drafting
+        its token at positions[r] (`FastCore.choose_drafts` with a row axis)."""
+        if mode == GREEDY:
+            lp, ids = top_k_last(self.d.log_probs(out), k)
+            return ids, lp
+        return self.d.coupled_drafts(out, positions, self.row_sampling, mode, k)
+
+    def _draft(self, nb: int, mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
         """EAGLE-2 expansion and rerank per row (`FastCore.draft` with a row axis): tokens [nb, N] and parents
         [nb, N+1] (N+1 indexing; the root is its own parent)."""
         shape = self.shapes[nb]
         d, k, dev = self.d, shape.top_k, self.device
         length = self.length[:nb]
         rows = torch.arange(nb, device=dev)[:, None]  # [nb, 1]
-        lp0 = d.log_probs(self.last_out[:nb])  # [nb, Vd]
-        scores, ids = top_k_last(lp0, k)  # [nb, k]
+        ids, scores = (t[:, 0] for t in self._children(self.last_out[:nb, None], length + 1, mode, k))  # [nb, k]
         rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
         rec_parents = [torch.full((nb, k), -1, dtype=torch.long, device=dev)]
         ar_k = self.ar[:k]
@@ -504,7 +504,7 @@ class FastRows:
             pos = (length - 1 + step)[:, None].expand(nb, k)  # [nb, k]
             out = d.forward_rows(f_hidden, all_tokens.gather(1, frontier), pos, cols[:, -k:], mask, self.dk[:nb],
                                  self.dv[:nb], self.d_rope)  # [nb, k, H]
-            top_lp, top_ids = top_k_last(d.log_probs(out), k)  # [nb, k, k]
+            top_ids, top_lp = self._children(out, length + 1 + step, mode, k)  # [nb, k, k]
             cum = (f_scores[:, :, None] + top_lp).reshape(nb, k * k)  # [nb, k·k]
             rec_scores.append(cum)
             rec_tokens.append(d.to_target_ids(top_ids.reshape(nb, k * k)))
