@@ -31,3 +31,11 @@ def test_bf16_demo_answers_equal_bf16_plain_decoding(tmp_path):
     assert summary["spec"]["chain_length"] == CPU_BF16_SHAPE.depth
     assert summary["identical"], lines
     assert summary["tau"] > 1.0 and (tmp_path / "demo.json").is_file()
+
+
+def test_demo_rejects_a_negative_temperature(capsys):
+    from eagle3.cli import main
+
+    assert main(["demo", "--temperature", "-0.5"]) != 0
+    err = capsys.readouterr().err
+    assert "eagle3: error: --temperature -0.5" in err and "Traceback" not in err

@@ -320,9 +320,12 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from eagle3.demo import run_demo
 
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature {args.temperature}: expected 0 (greedy) or more")
     spec = DraftShape.from_flags(args.tree, args.chain)
     summary = run_demo(prompts=args.prompts, max_new_tokens=args.max_new_tokens, spec=spec, device=args.device,
-                       drafter=args.drafter, record=args.record, dtype=args.dtype, chain_stop=args.chain_stop)
+                       drafter=args.drafter, record=args.record, dtype=args.dtype, chain_stop=args.chain_stop,
+                       temperature=args.temperature)
     return 0 if summary["identical"] else 1
 
 
@@ -546,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="on the CPU fast path, stop a chain's drafting once its joint draft probability falls "
                          "below P and verify only what was drafted (default: 0.2 with the default chain of up to 6; "
                          "0: the full chain every cycle)")
+    dm.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                    help="sample at T (prompt i with seed i, both ways; the answers stay identical); default 0")
     dm.add_argument("--record", default="runs/demo.json", help="where to write the run record")
     dm.set_defaults(func=cmd_demo)
 

@@ -1,6 +1,7 @@
 """`eagle3 demo`: the README's main job. SmolLM2-135M-Instruct answers a few MT-bench prompts twice, with
 plain decoding and with EAGLE-3 (the bundled drafter), shows that the answers are identical token for token,
-and prints tau and the measured speedup. Offline; CPU by default. It decodes as every command does on the device
+and prints tau and the measured speedup. Offline; CPU by default. With `temperature` > 0 prompt i samples with seed
+i both ways: the answers are draws from the target's distribution, and still identical token for token. It decodes as every command does on the device
 (`eagle3.defaults`): on a CPU with native bf16, bf16 on the fast engine with a chain that stops where the drafter
 is unsure; elsewhere fp32 on the generic engine with a chain of 2.
 """
@@ -38,7 +39,7 @@ def bundled_drafter() -> Path:
 
 def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: DraftShape | None = None, device: str = "cpu",
              drafter: str | Path | None = None, record: str | Path | None = None, print_fn=print,
-             dtype: str = "auto", chain_stop: float | None = None) -> dict:
+             dtype: str = "auto", chain_stop: float | None = None, temperature: float = 0.0) -> dict:
     from eagle3.defaults import decoding_for
     from eagle3.runtime import decoder, load_runtime
 
@@ -63,8 +64,9 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: DraftShape | Non
     tot = {"plain_s": 0.0, "eagle_s": 0.0, "tokens": 0, "cycles": 0, "emitted": 0}
     for i, msgs in enumerate(questions, 1):
         ids = encode_prompt(tok, chat=msgs)
-        a = plain.generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingConfig(), eos_token_ids=eos)
-        b = eagle.generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingConfig(), eos_token_ids=eos)
+        sampling = SamplingConfig(temperature=temperature, seed=i)
+        a = plain.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos)
+        b = eagle.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos)
         same = a.token_ids == b.token_ids
         sa, sb = a.stats, b.stats
         rows.append({"prompt": msgs[0]["content"][:80], "identical": same, "tokens": sa.new_tokens,
@@ -90,7 +92,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 128, spec: DraftShape | Non
         print_fn(hint)
     summary = {"identical": all_same, "tau": round(tau, 3), "speedup": round(speedup, 3), "rows": rows,
                "spec": eagle_how.shape.to_dict(), "chain_stop": eagle_how.chain_stop, "max_new_tokens": max_new_tokens, "dtype": dtype,
-               "engine": engine, "device": str(device)}
+               "engine": engine, "device": str(device), "temperature": temperature}
     if record:
         write_json(run_record("demo", **summary), record)
         print_fn(f"run record: {record}")
