@@ -99,3 +99,27 @@ def test_the_generic_engines_proposer_couples_its_drafts_too(stories260k):
     finally:
         t.close()
     assert coupled.token_ids == plain.token_ids
+
+
+def test_the_servers_batch_drafter_couples_each_sampled_row(stories260k):
+    """`Eagle3BatchDrafter` (the server's batch on the generic engine): with the target's logits as the drafter's,
+    each sampled row's first draft is that row's own draw at its position; a greedy row beside it drafts the argmax."""
+    from eagle3.serving.drafting import Eagle3BatchDrafter
+
+    model, _ = stories260k
+    drafter = init_drafter(model, draft_vocab_size=None, seed=2).eval()
+    batch = Eagle3BatchDrafter(drafter)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 14, 5)]
+    aux = torch.randn(3, 14, 3 * model.config.hidden_size)
+    batch.add(prompts, aux, [7, 8, 9])
+    target = 3.0 * torch.randn(3, drafter.lm_head.weight.shape[0], generator=g)  # per row
+    drafter.logits = lambda out: target.view(3, *([1] * (out.dim() - 2)), -1).expand(*out.shape[:-1], -1)
+    sampling = [SamplingConfig(temperature=1.0, seed=11), SamplingConfig(), SamplingConfig(temperature=0.8, seed=12)]
+    tokens, _ = batch.propose([0, 1, 2], DraftShape.chain(1), sampling)
+    for r, (p, s) in enumerate(zip(prompts, sampling, strict=True)):
+        pos = torch.tensor([len(p) + 1])  # the token after the first generated one
+        want = target[r].argmax() if s.temperature == 0 else race_sample(target[r : r + 1], pos, s.seed,
+                                                                          s.temperature)[0]
+        assert int(tokens[r, 0]) == int(want), r
+    del drafter.logits

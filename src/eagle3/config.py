@@ -395,7 +395,8 @@ class DraftShape:
 
 @dataclass
 class SamplingConfig:
-    """Temperature 0 means greedy. top_p/top_k are applied to the target distribution only."""
+    """Temperature 0 means greedy. temperature, top_p and top_k process the target's distribution (and the
+    drafter's, where sampled requests draft coupled to the target's draws: `eagle3.decoding.sampling`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0

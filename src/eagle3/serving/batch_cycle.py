@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from eagle3.config import SamplingConfig
 from eagle3.decoding.sampling import race_sample
 from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, batched_forward, prefill
 from eagle3.serving.policy import RowAcceptance
@@ -123,7 +124,9 @@ class BatchCycleMixin:
             return empty, empty.clone(), wanting
         for i in drafting:
             rows[i].drafted = True
-        t, p = self.drafter.propose(drafting, shape)  # [R, N]
+        sampling = [SamplingConfig(temperature=h.params.temperature, top_p=h.params.top_p, top_k=h.params.top_k,
+                                   seed=h.seed) for h in (rows[i].handle for i in drafting)]
+        t, p = self.drafter.propose(drafting, shape, sampling)  # [R, N]
         tokens = torch.full((b, t.shape[1]), -1, dtype=torch.long, device=dev)  # [B, N]
         parents = tokens.clone()
         idx = torch.tensor(drafting, dtype=torch.long, device=dev)

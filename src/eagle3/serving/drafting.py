@@ -4,7 +4,9 @@ Both keep one drafter state per batch row, in the scheduler's row order, and sha
 
     drafter.add(prompts, aux, first_tokens)      # rows joining after their prefill (appended at the end)
     drafter.select(rows)                         # rows that stay, in their new order
-    tokens, parents = drafter.propose(rows, shape)   # padded trees [R, N] for these rows (padding: -1)
+    tokens, parents = drafter.propose(rows, shape, sampling)  # padded trees [R, N] for these rows (padding: -1);
+                                                  # sampling: each row's settings and seed (sampled rows draft
+                                                  # coupled to their draws: `eagle3.decoding.sampling`)
     drafter.extend(aux_rows, new_tokens, counts)  # after verification: row b's first counts[b] kept features
                                                   # with the token following each (counts[b] = 0: no update)
 
@@ -25,9 +27,10 @@ from collections.abc import Callable
 
 import torch
 
-from eagle3.config import DraftShape
+from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, Proposer
+from eagle3.decoding.sampling import GREEDY, SamplingRows, coupled_draft_scores, sampling_mode, token_hash
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 from eagle3.target import Target
 
@@ -48,7 +51,8 @@ class BatchDrafter(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def propose(self, rows: list[int], shape: DraftShape) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, rows: list[int], shape: DraftShape,
+                sampling: list[SamplingConfig] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
     @abc.abstractmethod
@@ -174,7 +178,27 @@ class Eagle3BatchDrafter(BatchDrafter):
 
     # -- drafting --------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, rows, shape):
+    def _coupling(self, sampling: list[SamplingConfig] | None, positions: torch.Tensor):
+        """A function from drafter outputs [R, T, H] to (log-probabilities, ids) [R, T, k] of the top k drafts,
+        sampled rows' coupled to their draws at `positions` [R] + the step (`coupled_draft_scores`)."""
+        d = self.drafter
+        modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling or []]
+        if not any(m != GREEDY for m in modes):
+            return lambda out, step, k: torch.log_softmax(d.logits(out).float(), dim=-1).topk(k, dim=-1)
+        rows = SamplingRows(len(modes), None, self.device)
+        rows.set(0, sampling)
+        if getattr(self, "draft_h", None) is None:
+            vd = d.lm_head.weight.shape[0]
+            self.draft_h = token_hash(d.draft_ids_to_target(torch.arange(vd, device=self.device)))  # [Vd]
+
+        def top(out: torch.Tensor, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            perturbed, lq = coupled_draft_scores(d.logits(out), positions + step, rows, max(modes), self.draft_h)
+            ids = perturbed.topk(k, dim=-1).indices
+            return lq.gather(-1, ids), ids
+
+        return top
+
+    def propose(self, rows, shape, sampling=None):
         """The EAGLE-2 dynamic tree of `Eagle3Proposer.propose`, for every row in `rows` at once."""
         d, k, dev = self.drafter, shape.top_k, self.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -188,8 +212,8 @@ class Eagle3BatchDrafter(BatchDrafter):
             cache = DrafterKV(self.cache.keys.index_select(0, idx)[:, :, :width],
                               self.cache.values.index_select(0, idx)[:, :, :width])
             last = self.last_out.index_select(0, idx)  # [R, H]
-        logp = torch.log_softmax(d.logits(last).float(), dim=-1)  # [R, Vd]
-        scores, draft_ids = logp.topk(k, dim=-1)  # [R, k]
+        top = self._coupling(sampling, lengths + 1)  # the first drafts are for the token at lengths + 1
+        scores, draft_ids = (t[:, 0] for t in top(last[:, None], 0, k))  # [R, k]
         rec_scores, rec_tokens = [scores], [d.draft_ids_to_target(draft_ids)]
         rec_parents = [torch.full((r, k), -1, dtype=torch.long, device=dev)]
         frontier = torch.arange(k, device=dev).expand(r, k)  # [R, k] record indices of the frontier
@@ -204,8 +228,7 @@ class Eagle3BatchDrafter(BatchDrafter):
             pos = (lengths - 1 + step)[:, None].expand(r, k)  # [R, k]
             mask = torch.cat([prefix.expand(r, k, width), anc], dim=2)[:, None]  # [R, 1, k, S + rows]
             out = d(f_hidden, tokens, pos, mask=mask, cache=cache)  # [R, k, H]
-            child_logp = torch.log_softmax(d.logits(out).float(), dim=-1)  # [R, k, Vd]
-            top_lp, top_ids = child_logp.topk(k, dim=-1)  # [R, k, k]
+            top_lp, top_ids = top(out, step, k)  # [R, k, k]
             cum = (f_scores[:, :, None] + top_lp).reshape(r, k * k)  # [R, k²]
             rec_scores.append(cum)
             rec_tokens.append(d.draft_ids_to_target(top_ids.reshape(r, k * k)))
@@ -254,7 +277,7 @@ class ProposerBatchDrafter(BatchDrafter):
     def select(self, rows):
         self.rows = [self.rows[r] for r in rows]
 
-    def propose(self, rows, shape):
+    def propose(self, rows, shape, sampling=None):
         trees = []
         for r in rows:
             t = self.rows[r].propose()
