@@ -63,7 +63,7 @@ def measure(target: str, drafter: str, limit: int, tokens: int, work: Path, chat
     for name, extra in (("plain", ["--draft", "none"]), ("eagle", ["--drafter", drafter])):
         out = work / f"eval-{name}"
         assert quiet(["eval", "--target", target, *extra, "--datasets", "mt_bench", "--limit", str(limit),
-                      "--max-new-tokens", str(tokens), "--out", str(out)]) == 0
+                      "--max-new-tokens", str(tokens), "--temperatures", "0", "--out", str(out)]) == 0
         evals[name] = json.loads((out / "eval.json").read_text())["runs"][0]
     res["eval"] = {"speedup": round(evals["eagle"]["tokens_per_s"] / evals["plain"]["tokens_per_s"], 3),
                    "tau": evals["eagle"]["tau"], "plain_tok_s": evals["plain"]["tokens_per_s"],

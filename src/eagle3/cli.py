@@ -519,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bundled sets (mt_bench humaneval gsm8k alpaca sum qa), JSONL or .txt files; default all six")
     ev.add_argument("--chat-template", default=None, metavar="FILE|NAME", help=CHAT_TEMPLATE_HELP)
     ev.add_argument("--limit", type=int, default=None, help="prompts per dataset")
-    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T")
+    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0], metavar="T",
+                    help="greedy (0) and sampled temperatures; default 0 0.7 1 (prompt i samples with seed --seed + i)")
     ev.add_argument("--guard", choices=("auto", "on", "off"), default="off",
                     help="pause drafting where it is slower than plain decoding (default off: eval measures drafts)")
     ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N")
