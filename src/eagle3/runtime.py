@@ -48,6 +48,17 @@ class Runtime:
     def eos_token_ids(self) -> list[int]:
         return eos_token_ids(self.model, self.tokenizer)
 
+    def reload_target(self, state_dict: dict) -> None:
+        """Load new target weights (an RL policy's, after an update) into the running decoders: the model takes
+        them in place (`load_state_dict`, strict), and the shared `FastTarget` rewrites its fused copies, so
+        engines built before, and their captured graphs, decode with the new policy."""
+        try:
+            self.model.load_state_dict(state_dict, strict=True)
+        except RuntimeError as e:
+            raise ConfigError(f"these weights do not fit the target: {str(e).splitlines()[0]}") from None
+        if self._fast_target is not None:
+            self._fast_target.reload_weights()
+
 
 def eos_token_ids(model, tokenizer) -> list[int]:
     ids: set[int] = set()

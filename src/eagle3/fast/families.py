@@ -85,6 +85,21 @@ class _Layer(nn.Module):
                              persistent=False)
 
     @torch.no_grad()
+    def refresh(self, folded: bool) -> None:
+        """Copy the HF layer's current weights into the fused matrices and biases in place (the same tensors, so
+        graphs captured on them replay the new weights); the other buffers are the layer's own tensors."""
+        a, m = self._hf[0].self_attn, self._hf[0].mlp
+        wqkv = torch.cat([p.weight.detach() for p in (a.q_proj, a.k_proj, a.v_proj)])
+        w13 = torch.cat([p.weight.detach() for p in (m.gate_proj, m.up_proj)])
+        if folded:
+            wqkv, w13 = fold_columns(wqkv, self.ln1), fold_columns(w13, self.ln2)
+        self.wqkv.copy_(wqkv)
+        self.w13.copy_(w13)
+        for fused, parts in ((self.bqkv, [a.q_proj, a.k_proj, a.v_proj]), (self.b13, [m.gate_proj, m.up_proj])):
+            if fused is not None:
+                fused.copy_(_cat_bias(parts))
+
+    @torch.no_grad()
     def fuse(self, folded: bool) -> None:
         """(Re)build the fused q/k/v and gate/up matrices from the HF layer, with the input and post-attention norm
         weights folded into their columns (`eagle3.fast.norm_fold`) or not."""

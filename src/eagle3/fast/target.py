@@ -116,6 +116,16 @@ class FastTarget(nn.Module):
         self.foldable = all(lw.bqkv is None and lw.b13 is None for lw in self.layers)
         self.select_norm()
 
+    @torch.no_grad()
+    def reload_weights(self) -> None:
+        """Take the model's weights again after they changed in place (`model.load_state_dict`, an RL policy
+        step): the fused copies are rewritten in their own tensors, so every engine sharing this target, and the
+        CUDA graphs captured on it, decode with the new weights. The other weights are the model's tensors."""
+        for lw in self.layers:
+            lw.refresh(self.folded)
+        if self.packed is not None:  # CPU packed copies (never captured in graphs)
+            self.packed = pack_weights(self.device, self.dtype, self.matrices())
+
     def matrices(self) -> list[torch.Tensor]:
         """The weight matrices of the products: each layer's four, then the lm_head."""
         return [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2)] + [self.lm_head]
