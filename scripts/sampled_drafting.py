@@ -61,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in args.temperatures:
         _, ref, plain_s = run(decoder(rt, replace(how, speculate=False)), prompts, args.max_new_tokens, t, "plain")
         for label, coupled in (("top-k drafts", False), ("coupled drafts", True)):
-            engine = decoder(rt, how, FastOptions(coupled_drafts=coupled)) if how.engine == "fast" else None
-            if engine is None:
-                raise SystemExit("coupled drafts run on the fast engine (Llama/Mistral/Qwen families)")
+            if how.engine == "fast":
+                engine = decoder(rt, how, FastOptions(coupled_drafts=coupled))
+            else:  # the generic engine's proposer
+                engine = decoder(rt, how)
+                engine.proposer.coupled = coupled
             res, outs, tok_s = run(engine, prompts, args.max_new_tokens, t, label)
             same = sum(a == b for a, b in zip(outs, ref, strict=True))
             rows.append({"temperature": t, "drafts": label, "tau": round(res.tau, 3),
