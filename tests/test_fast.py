@@ -27,7 +27,7 @@ from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProp
 from eagle3.decoding.sampling import FILTERED, TEMPERATURE
 from eagle3.decoding.tree import DraftTree
 from eagle3.decoding.verify import accept
-from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine
+from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine, fast_support
 from eagle3.fast.core import prefix_and_window
 from eagle3.fast.cpu import argmax_ids
 from eagle3.fast.drafter import drafter_attention_for, top_k_last, top_n_in_order
@@ -958,3 +958,33 @@ def test_cuda_graphs_match_hf_generate(kind):
             assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == ref
         assert engine.graphed == opts.graphs
 
+
+
+WINDOWED = {"mistral": dict(sliding_window=12),  # every layer, as Mistral sets it
+            "qwen2": dict(sliding_window=12, use_sliding_window=True, max_window_layers=0)}  # every layer windowed
+
+
+@pytest.mark.parametrize("arch", sorted(WINDOWED))
+@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
+def test_sliding_windows_match_hf_generate(arch, kind):
+    """An active sliding window (12 positions; prompts of 35 and 24 new tokens) on the fast path: prefill,
+    verification and plain steps hide what lies outside it, as HF's `sliding_window_overlay` does."""
+    model = build_tiny_target(arch, **WINDOWED[arch])
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    engine = FastEngine(model, draft="none" if kind == "none" else "eagle3",
+                        spec={"none": None, "chain": CHAIN, "tree": TREE}[kind], drafter=d)
+    assert engine.target.window == 12
+    for plen, seed in ((35, 3), (9, 4)):
+        prompt = prompt_of(plen, seed)
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == \
+            hf_greedy(model, prompt, NEW), plen
+    # negative control: the same model attending without its window answers otherwise
+    full = FastEngine(model, draft="none")
+    full.target.window = None
+    prompt = prompt_of(35, 3)
+    assert full.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids != hf_greedy(model, prompt, NEW)
+
+
+def test_mixed_window_layers_stay_off_the_fast_path():
+    model = build_tiny_target("qwen2", sliding_window=12, use_sliding_window=True, max_window_layers=1)
+    assert "mixed" in fast_support(model)

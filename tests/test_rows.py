@@ -344,3 +344,17 @@ def test_prefill_staging_covers_every_admission():
                     for r in range(1, 65) for t in range(1, min(m // r, 2048) + 1))
         assert worst <= staging <= 4 * m, (m, worst, staging)
     assert prefill_staging_tokens(4096) == 8192  # the default: twice max_prefill_tokens, as before
+
+
+def test_rows_with_a_sliding_window_match_hf_generate():
+    """The server's rows hide what lies outside an active sliding window (12 positions) as HF does."""
+    model = build_tiny_target("mistral", vocab_size=64, sliding_window=12)
+    d = init_drafter(model, draft_vocab_size=64, seed=1)
+    rows = make_rows(model, d, 4, {1: TREE, 2: TREE, 4: DraftShape(3, 1, 3)})
+    prompts = prompts_of([30, 9, 21], 64, seed=5)
+    outs = [[t] for t in rows.add_many(prompts)]
+    for spec in [True, False] * 12:
+        for j, new in enumerate(rows.cycle(spec)):
+            outs[j] += new
+    for p, out in zip(prompts, outs, strict=True):
+        assert out[:20] == hf_greedy(model, p, 20)

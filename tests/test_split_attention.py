@@ -183,6 +183,21 @@ def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, k
     assert engine.generate(prompt, max_new_tokens=10, eos_token_ids=[]).token_ids == ref
 
 
+def test_split_attention_hides_what_a_sliding_window_leaves_out(interpreted):
+    """A windowed Mistral (window 12) past a 150-token prompt: the first of the cache's two splits holds no slot
+    any row may see (the kernel's running max stays finite there and the merge gives it no weight), and greedy
+    decoding by the kernel is HF `generate`'s."""
+    model = build_tiny_target("mistral", sliding_window=12)
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    engine = FastEngine(model, draft="eagle3", spec=DraftShape(4, 3, 12), drafter=d,
+                        options=FastOptions(max_seq_len=256))
+    engine.target.attention = "split"
+    engine.target.select_norm()
+    prompt = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(prompt[None], max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 150:].tolist()
+    assert engine.generate(prompt, max_new_tokens=10, eos_token_ids=[]).token_ids == ref
+
+
 def test_drafter_attends_by_splits(interpreted):
     """`FastDrafter.use_split_attention` (`FastOptions.drafter_attention="split"`): a drafter forward close to the matmul
     attention's, and from the state a 4,3,12 tree's decoding left (HF `generate`'s tokens), the same tree drafted

@@ -16,6 +16,17 @@ def _text_config(model: nn.Module):
     return getattr(model.config, "text_config", None) or model.config
 
 
+def attention_window(cfg) -> int | None:
+    """The sliding window every layer attends within (a token at position p sees positions above p - window, as
+    transformers' `sliding_window_overlay`), or None for full attention. Mistral sets `sliding_window` alone;
+    Qwen2/Qwen3 also `use_sliding_window` and, per layer, `layer_types`."""
+    window = getattr(cfg, "sliding_window", None)
+    types = set(getattr(cfg, "layer_types", None) or [])
+    if not window or getattr(cfg, "use_sliding_window", True) is False or (types and types != {"sliding_attention"}):
+        return None
+    return int(window)
+
+
 def fast_support(model: nn.Module) -> str | None:
     """None when `model` can run on the fast path, else the reason it cannot (for the fallback notice)."""
     cfg = _text_config(model)
@@ -32,11 +43,8 @@ def fast_support(model: nn.Module) -> str | None:
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}: the fast path implements SwiGLU (silu) only"
     types = set(getattr(cfg, "layer_types", None) or [])
-    if "sliding_attention" in types and getattr(cfg, "use_sliding_window", True):
-        return "sliding-window layers are not implemented on the fast path"
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True) and window < cfg.max_position_embeddings:
-        return f"sliding_window={window} < max_position_embeddings: sliding attention is not on the fast path"
+    if getattr(cfg, "use_sliding_window", True) is not False and "sliding_attention" in types and len(types) > 1:
+        return "sliding-window and full-attention layers mixed: the fast path takes one window for every layer"
     if getattr(model, "hf_quantizer", None) is not None:
         return "quantized weights (the fast path reads plain float matrices)"
     attn = layers[0].self_attn

@@ -38,7 +38,7 @@ from eagle3.fast.attention import (
 )
 from eagle3.fast.cpu import argmax_ids, exact_rows, pack_weights
 from eagle3.fast.cpu import cpu_has_bf16 as cpu_has_bf16  # re-exported for eagle3.demo, eagle3.defaults
-from eagle3.fast.families import _Layer, _text_config, fast_support
+from eagle3.fast.families import _Layer, _text_config, attention_window, fast_support
 from eagle3.fast.norm_fold import scale_rows, scaled_gate
 from eagle3.fast.pointwise import (
     EAGER,
@@ -74,7 +74,7 @@ class FastTarget(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.eps = float(cfg.rms_norm_eps)
         self.scale = float(getattr(base.layers[0].self_attn, "scaling", self.hd**-0.5))
-        self.max_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.window = attention_window(cfg)  # every layer's sliding window (`windowed`), or None
         self.aux_layer_ids = sorted(aux_layer_ids or [])
         for k in self.aux_layer_ids:
             if not 0 <= k <= self.num_layers:
@@ -223,11 +223,6 @@ class FastTarget(nn.Module):
         moves the accepted path's K and V with one gather and one copy."""
         if seq_len == self.seq_len:
             return
-        if self.max_window and seq_len > self.max_window:
-            raise ConfigError(
-                f"the fast path needs {seq_len} cache slots but this target's sliding_window is "
-                f"{self.max_window}; shorten the prompt or max_new_tokens, or use the generic engine"
-            )
         dev, dt = self.device, self.dtype
         self.cos, self.sin = self.rope_table(seq_len)
         self.kv_cache = torch.zeros(self.num_layers, 2 * self.nkv, seq_len, self.hd, dtype=dt, device=dev)
@@ -365,6 +360,15 @@ class FastTarget(nn.Module):
         return 2 * self.num_layers * self.nkv * context * self.hd * self.k_cache.element_size()
 
     # -- forward -------------------------------------------------------------------------------
+    def windowed(self, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """`mask` [..., T, S] less the slots outside the sliding window of the tokens at positions `pos` [..., T].
+        Slot s of the prefix holds position s; a draft tree's own slots lie above its positions, within any
+        window longer than the tree is deep, so the slot index stands for the position."""
+        if self.window is None:
+            return mask
+        slots = torch.arange(mask.shape[-1], device=mask.device)  # [S]
+        return mask & (slots > pos[..., None] - self.window)
+
     def forward(
         self,
         ids: torch.Tensor,  # [T] long
@@ -376,6 +380,7 @@ class FastTarget(nn.Module):
         logits_at: torch.Tensor | None = None,  # [1] long: logits for this token only (a padded prefill's last)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux)."""
+        mask = self.windowed(mask, pos)
         t = ids.shape[0]
         if t == 1 and self.exact_rows:  # one token as two equal rows: the many-row kernels' bits (`exact_rows`)
             logits, aux = self.forward(ids.repeat(2), pos.repeat(2), slots.repeat(2), mask.expand(2, -1),
@@ -442,7 +447,7 @@ class FastTarget(nn.Module):
         h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
         stacked, groups = gqa_layout(self.stacked, nh, nkv)
-        bias = row_attention_bias(mask, groups, self.dtype)  # [B, 1, g·T, S]
+        bias = row_attention_bias(self.windowed(mask, pos), groups, self.dtype)  # [B, 1, g·T, S]
         aux: list[torch.Tensor] = []
         folded = self.folded
         x = None if folded else self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
