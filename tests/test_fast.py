@@ -988,3 +988,20 @@ def test_sliding_windows_match_hf_generate(arch, kind):
 def test_mixed_window_layers_stay_off_the_fast_path():
     model = build_tiny_target("qwen2", sliding_window=12, use_sliding_window=True, max_window_layers=1)
     assert "mixed" in fast_support(model)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
+def test_cuda_graphs_with_a_sliding_window_match_hf_generate(kind):
+    """On a GPU, fp32: a windowed Mistral (window 12) decodes by captured cycles, split-KV kernels and graph
+    prefills as HF `generate` does past its window."""
+    model = build_tiny_target("mistral", **WINDOWED["mistral"]).cuda()
+    d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
+    engine = FastEngine(model, draft="none" if kind == "none" else "eagle3",
+                        spec={"none": None, "chain": CHAIN, "tree": TREE}[kind], drafter=d)
+    for plen, seed in ((35, 3), (150, 4)):
+        prompt = prompt_of(plen, seed)
+        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == \
+            hf_greedy(model, prompt.cuda(), NEW), plen
+    assert engine.graphed
