@@ -354,10 +354,9 @@ class FastEngine:
             cycle = self._runner(f"cycle_{mode}")
             if self.mode == "host":
                 finish = self._loop_host(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
-            elif self.options.guard:
-                finish = self._loop_guarded(cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings)
             else:
-                finish = self._loop_device(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
+                guard = SpeculationGuard() if self.options.guard else None
+                finish = self._loop_device(cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings, guard)
         self._sync()
         stats.verify_s = time.perf_counter() - t1  # cycles are fused: drafting time is inside verify_s
 
@@ -388,62 +387,30 @@ class FastEngine:
         s = req.sampling
         return sampling_mode(s.temperature, s.top_p, s.top_k)
 
-    def _loop_device(self, cycle, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
-        """Drafting on device: one graph and one packet read per cycle, optionally pipelined."""
+    def _loop_device(self, cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings,
+                     guard: SpeculationGuard | None = None) -> str:
+        """Drafting on device: one graph and one packet read per cycle, pipelined on CUDA (cycle i+1 is launched
+        before cycle i's packet is read). Under a `guard` each step drafts, or is a plain step (its own graph), as
+        the guard says, timed from one packet to the next; its decisions then trail its measurements by a step."""
         core = self.core
+        plain = self._runner(f"plain_{mode}") if guard is not None else None
         cuda = self.device.type == "cuda"
         pipeline = cuda and self.options.pipeline
         bufs = [torch.empty(core.packet.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        drafted = [True, True]
 
         def launch(i: int) -> None:
-            cycle()
-            bufs[i % 2].copy_(core.packet, non_blocking=cuda)
-            if cuda:
-                events[i % 2].record(torch.cuda.current_stream(self.device))  # this GPU's, current or not
-
-        launch(0)
-        i = 0
-        while True:
-            if pipeline:
-                launch(i + 1)
-            if cuda:
-                events[i % 2].synchronize()
-            pkt = bufs[i % 2].tolist()  # [n_acc, drafted depth, emitted...]
-            n_acc = pkt[0]
-            stats.cycles += 1
-            stats.accepted_per_cycle.append(n_acc)
-            stats.drafted_depth_per_cycle.append(pkt[1])
-            stats.drafted_tokens += core.n_nodes if core.chain_stop is None else pkt[1]  # a stopped chain's depth
-            finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
-            if finish is not None:
-                return finish
-            if not pipeline:
-                launch(i + 1)
-            i += 1
-
-    def _loop_guarded(self, cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
-        """Cycles under a `SpeculationGuard`: each drafts, or is a plain step (its own graph), as the guard says,
-        timed from one packet to the next. Pipelined on CUDA as `_loop_device`: the GPU runs a step while the
-        host reads the last, and the guard's decisions trail its measurements by that one step."""
-        core, guard = self.core, SpeculationGuard()
-        plain = self._runner(f"plain_{mode}")
-        cuda = self.device.type == "cuda"
-        pipeline = cuda and self.options.pipeline
-        bufs = [torch.empty(core.packet.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        drafted = [False, False]
-
-        def launch(i: int) -> None:
-            drafted[i % 2] = guard.drafting()
+            drafted[i % 2] = guard is None or guard.drafting()
             if drafted[i % 2]:
-                core.feed_backlog()
+                if guard is not None:
+                    core.feed_backlog()
                 cycle()
             else:
                 core.plain_step(mode, plain)
             bufs[i % 2].copy_(core.packet, non_blocking=cuda)
             if cuda:
-                events[i % 2].record(torch.cuda.current_stream(self.device))
+                events[i % 2].record(torch.cuda.current_stream(self.device))  # this GPU's, current or not
 
         t = time.perf_counter()
         launch(0)
@@ -454,15 +421,17 @@ class FastEngine:
             if cuda:
                 events[i % 2].synchronize()
             pkt = bufs[i % 2].tolist()  # [n_acc, drafted depth, emitted...]
-            now = time.perf_counter()
             n_acc, drafting = pkt[0], drafted[i % 2]
-            guard.record(drafting, now - t, n_acc + 1)
-            t = now
+            if guard is not None:
+                now = time.perf_counter()
+                guard.record(drafting, now - t, n_acc + 1)
+                t = now
             stats.cycles += 1
             stats.plain_steps += not drafting
             stats.accepted_per_cycle.append(n_acc)
             stats.drafted_depth_per_cycle.append(pkt[1])
-            stats.drafted_tokens += 0 if not drafting else core.n_nodes if core.chain_stop is None else pkt[1]
+            if drafting:  # a stopped chain drafts its depth
+                stats.drafted_tokens += core.n_nodes if core.chain_stop is None else pkt[1]
             finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
             if finish is not None:
                 return finish
