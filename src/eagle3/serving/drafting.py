@@ -81,6 +81,7 @@ class Eagle3BatchDrafter(BatchDrafter):
         self.cache = DrafterKV()  # keys [B, n_kv, S, hd]
         self.lengths: list[int] = []  # rows computed from target features (= RoPE position of the next one)
         self.last_out: torch.Tensor | None = None  # [B, H] pre-norm output of each row's newest row
+        self.draft_h: torch.Tensor | None = None  # [Vd] noise keys of the draft vocabulary, on first sampled use
 
     @property
     def device(self) -> torch.device:
@@ -187,7 +188,7 @@ class Eagle3BatchDrafter(BatchDrafter):
             return lambda out, step, k: torch.log_softmax(d.logits(out).float(), dim=-1).topk(k, dim=-1)
         rows = SamplingRows(len(modes), None, self.device)
         rows.set(0, sampling)
-        if getattr(self, "draft_h", None) is None:
+        if self.draft_h is None:
             vd = d.lm_head.weight.shape[0]
             self.draft_h = token_hash(d.draft_ids_to_target(torch.arange(vd, device=self.device)))  # [Vd]
 
