@@ -8,7 +8,7 @@ import torch
 from eagle3.config import ConfigError
 from eagle3.fast.batched import BatchedGenerator, span_buckets
 
-FAST_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+FAST_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
 
 @torch.inference_mode()

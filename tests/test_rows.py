@@ -1,8 +1,8 @@
 """Batched greedy rows on the fast path (`eagle3.fast.rows.FastRows`), on CPU (same code as on CUDA, eager).
 
 - rows that join (several in one padded prefill) and leave at different cycles, in buckets that change as they
-  do, with plain and speculative cycles mixed at random, each produce HF `generate`'s greedy output (Llama and
-  Qwen3 layouts);
+  do, with plain and speculative cycles mixed at random, each produce HF `generate`'s greedy output (Llama,
+  Qwen3 and Qwen3-MoE layouts);
 - run side by side, each row accepts exactly what the batch-1 `FastEngine` accepts for its prompt, cycle by
   cycle (a vocabulary of 8 makes accepted paths of 2 common, so per-row KV compaction is exercised);
 - the cycles run on the meta device (no host sync, nothing created off-device: what CUDA graph capture needs);
@@ -46,7 +46,7 @@ def make_rows(model, drafter, capacity: int, shapes: dict, seq_len: int = 256) -
     return rows
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_rows_joining_and_leaving_match_hf_generate(arch, head_layout):
     model = build_tiny_target(arch, vocab_size=64)
     d = init_drafter(model, draft_vocab_size=64, seed=1)

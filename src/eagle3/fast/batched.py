@@ -16,7 +16,7 @@ rows in flight have filled (prompts are served longest first, so the rows in fli
 
 Greedy output equals plain greedy decoding of the same weights (tested against HF on CPU in fp32); sampling draws
 from the full softmax at the given temperature (no top-k / top-p), i.e. from the target's own distribution.
-Weights and RoPE tables are shared with `FastTarget` (same families: Llama/Mistral/Qwen2/Qwen3).
+Weights and RoPE tables are shared with `FastTarget` (same families, `FAST_MODEL_TYPES`).
 """
 
 from __future__ import annotations

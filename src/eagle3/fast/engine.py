@@ -11,8 +11,8 @@ Draft kinds: "none" (plain decoding), "eagle3" (chain or EAGLE-2 tree drafted on
 cycle). Sampled requests (temperature > 0) run the same cycles: the target's choice after each node is the
 request's position-keyed draw (`eagle3.decoding.sampling`) instead of the argmax, computed inside the cycle.
 
-`build_engine` returns a `FastEngine` when the target is a Llama/Mistral/Qwen2/Qwen3 model, else the generic
-engine with a logged notice.
+`build_engine` returns a `FastEngine` when the target is of a fast-path family (`FAST_MODEL_TYPES`), else the
+generic engine with a logged notice.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A compact functional forward for Llama/Mistral/Qwen2/Qwen3 targets over a preallocated, position-indexed KV cache.
+"""A compact functional forward for Llama/Mistral/Qwen2/Qwen3 targets, and Qwen3-MoE/Mixtral (their routed experts:
+`eagle3.fast.moe`), over a preallocated, position-indexed KV cache.
 
 The weights are read from the loaded HF model (no modeling file is copied): q/k/v and gate/up are fused into one
 matrix each (a copy; the rest are shared), RoPE cos/sin come from the model's own rotary module evaluated once for
@@ -113,7 +114,7 @@ class FastTarget(nn.Module):
         self.norm_kernel = "auto"
         # whether the q/k/v and gate/up matrices hold their norms' weights (`select_norm`); not with biases there
         self.folded = False
-        self.foldable = all(lw.bqkv is None and lw.b13 is None for lw in self.layers)
+        self.foldable = all(lw.bqkv is None and lw.b13 is None and lw.moe is None for lw in self.layers)
         self.select_norm()
 
     @torch.no_grad()
@@ -127,8 +128,8 @@ class FastTarget(nn.Module):
             self.packed = pack_weights(self.device, self.dtype, self.matrices())
 
     def matrices(self) -> list[torch.Tensor]:
-        """The weight matrices of the products: each layer's four, then the lm_head."""
-        return [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2)] + [self.lm_head]
+        """The weight matrices of the products: each layer's four (two with experts), then the lm_head."""
+        return [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2) if m is not None] + [self.lm_head]
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
@@ -304,6 +305,10 @@ class FastTarget(nn.Module):
             return scaled_gate(self.linear(x, lw.w13), x, self.eps)
         return self.pointwise.gate(self.linear(x, lw.w13, lw.b13))
 
+    def experts(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
+        """Layer lw's routed experts on the normed x [N, H] -> [N, H] (`eagle3.fast.moe`)."""
+        return lw.moe(x, self.linear, self.pointwise.gate)
+
     def _adds_in_product(self, b: torch.Tensor | None) -> bool:
         """Whether a residual add goes into the epilogue of a product with bias `b` (`residual_in_gemm`; a bias
         keeps the add after the product)."""
@@ -329,6 +334,8 @@ class FastTarget(nn.Module):
     def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """The post-attention half of a decoder layer: h + the MLP of the normed h, [N, H]."""
         x = h if self.folded else self.pointwise.norm(h, lw.ln2, self.eps)
+        if lw.moe is not None:
+            return h + self.experts(x, lw)
         return self.add_linear(h, self.gated(x, lw), lw.w2, lw.b2)
 
     def post_attention(
@@ -347,12 +354,16 @@ class FastTarget(nn.Module):
             return self.add_linear_norm(h, self.gated(h, lw), lw.w2, lw.b2, self.norm)
         h, x = self.add_linear_norm(h, o, lw.wo, lw.bo, lw.ln2)
         after = self.norm if last else self.layers[i + 1].ln1
+        if lw.moe is not None:
+            return self.pointwise.add_norm(h, self.experts(x, lw), after, self.eps)
         return self.add_linear_norm(h, self.gated(x, lw), lw.w2, lw.b2, after)
 
     def weight_bytes(self) -> int:
-        """Bytes read per decoding step for weights: layers, final norm and lm_head (the embedding table is
-        read one row at a time, so it counts only when it is the lm_head too)."""
-        n = sum(b.numel() * b.element_size() for layer in self.layers for b in layer.buffers())
+        """Bytes read per decoding step for weights: layers (of routed experts, the router and k experts),
+        final norm and lm_head (the embedding table is read one row at a time, so it counts only when it is the
+        lm_head too)."""
+        n = sum(b.numel() * b.element_size() for layer in self.layers for b in layer.buffers(recurse=False))
+        n += sum(layer.moe.active_bytes() for layer in self.layers if layer.moe is not None)
         return n + self.norm.numel() * self.norm.element_size() + self.lm_head.numel() * self.lm_head.element_size()
 
     def kv_bytes(self, context: int) -> int:
