@@ -12,6 +12,8 @@ CPU, fp32 unless said. Run: pytest tests/test_fast_moe.py
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -178,15 +180,18 @@ def test_experts_with_biases_stay_off_the_fast_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pieces", ["eager", "compiled"])
 @pytest.mark.parametrize("experts", [8, 64])
 @pytest.mark.parametrize("kind", sorted(SHAPES))
-def test_cuda_graphs_match_hf_generate(experts, kind):
-    """On a GPU, fp32: routed experts inside captured cycles and graph prefills give HF's greedy tokens."""
+def test_cuda_graphs_match_hf_generate(pieces, experts, kind):
+    """On a GPU, fp32: routed experts inside captured cycles and graph prefills give HF's greedy tokens, with the
+    elementwise pieces and drafting eager or compiled (the CUDA defaults)."""
     model = build("qwen3_moe", experts).cuda()
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda()
     prompt = prompt_of(9, seed=13)
     ref = hf_greedy(model, prompt.cuda(), NEW)
-    for opts in (FastOptions(), FastOptions(graph_prefill=True)):
+    base = FastOptions() if pieces == "compiled" else FastOptions(fuse_pointwise="off", compile_drafting=False)
+    for opts in (base, replace(base, graph_prefill=True)):
         engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=SHAPES[kind], drafter=d,
                             options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first
