@@ -10,6 +10,10 @@ depends on the step's token count N, fixed per captured shape:
 - **N·k ≥ E** (trees, prefill): every expert runs on every token, and each token keeps its k chosen outputs.
   Gathering N·k matrices would copy more than all E.
 Either way a token's k outputs are summed in the router's rank order with fp32 weights.
+
+On a CPU, where nothing is captured and the host waits for every kernel anyway, the (token, expert) pairs are
+grouped by expert on the host instead, and each expert multiplies its rows with its own matrices, as HF's loop
+does: no weights are copied.
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ class RoutedExperts(nn.Module):
         self.renormalise = bool(getattr(router, "norm_topk_prob", True))
         self.num_experts = self.w13.shape[0]
 
+    def matrices(self) -> list[torch.Tensor]:
+        """The router and each expert's two matrices [2·I, H] and [H, I] (views), for `PackedWeights`."""
+        return [self.router] + [w for e in range(self.num_experts) for w in (self.w13[e], self.w2[e])]
+
     def active_bytes(self) -> int:
         """Bytes a one-token step reads: the router and k experts."""
         per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
@@ -78,10 +86,16 @@ class RoutedExperts(nn.Module):
             weight = weight / weight.sum(dim=-1, keepdim=True)
         return index, weight
 
-    def forward(self, x: torch.Tensor, linear=torch.nn.functional.linear, gate=silu_gate) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, linear=torch.nn.functional.linear, gate=silu_gate, on_host: bool = False,
+                min_rows: int = 1) -> torch.Tensor:
+        """x [N, H] -> [N, H]. `on_host`: group by expert on the host (CPUs); `min_rows`: there, an expert's
+        product takes at least this many rows (repeating its last), so that a product never drops to a one-row
+        kernel whose rounding differs (`eagle3.fast.cpu.exact_rows`)."""
         n, k, hidden = x.shape[0], self.top_k, x.shape[-1]
         index, weight = self.route(x, linear)
-        if n * k < self.num_experts:  # the chosen experts' matrices, gathered: [N·k, 2·I, H] and [N·k, H, I]
+        if on_host:
+            out = self._by_expert(x, index.reshape(-1), linear, gate, min_rows).view(n, k, hidden)
+        elif n * k < self.num_experts:  # the chosen experts' matrices, gathered: [N·k, 2·I, H] and [N·k, H, I]
             chosen = index.reshape(-1)  # [N·k]
             rows = x[:, None].expand(n, k, hidden).reshape(n * k, 1, hidden)  # [N·k, 1, H]
             up = torch.bmm(rows, self.w13[chosen].transpose(1, 2))  # [N·k, 1, 2·I]
@@ -91,3 +105,19 @@ class RoutedExperts(nn.Module):
             every = torch.matmul(gate(up), self.w2.transpose(1, 2))  # [E, N, H]
             out = every[index, torch.arange(n, device=x.device)[:, None]]  # [N, k, H]
         return (out.float() * weight[..., None]).sum(dim=1).to(x.dtype)  # [N, H]
+
+    def _by_expert(self, x: torch.Tensor, chosen: torch.Tensor, linear, gate, min_rows: int) -> torch.Tensor:
+        """The outputs [N·k, H] of the pairs `chosen` [N·k] (token i // k, expert chosen[i]), expert by expert."""
+        k = self.top_k
+        order = torch.argsort(chosen, stable=True)  # [N·k]: pairs grouped by expert
+        rows = x[order // k]  # [N·k, H]
+        experts, counts = torch.unique_consecutive(chosen[order], return_counts=True)
+        out = torch.empty_like(rows)
+        start = 0
+        for e, m in zip(experts.tolist(), counts.tolist(), strict=True):
+            group = rows[start : start + m]
+            if m < min_rows:
+                group = torch.cat([group, group[-1:].expand(min_rows - m, -1)])
+            out[start : start + m] = linear(gate(linear(group, self.w13[e])), self.w2[e])[:m]
+            start += m
+        return out[torch.argsort(order)]  # back to pair order

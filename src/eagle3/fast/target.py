@@ -98,6 +98,7 @@ class FastTarget(nn.Module):
         self.exact_rows = exact_rows(self.device, self.dtype)
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
         self.packed = pack_weights(self.device, self.dtype, self.matrices())  # `cpu_packs_weights`
+        self.experts_on_host = self.device.type == "cpu"  # routed experts grouped on the host (`eagle3.fast.moe`)
         # How decoding forwards attend (`target_attention_for`, `use_attention`). "matmul" (`rows_exact_attention`
         # in every forward, not only with `exact_rows`) is an experiment; on CUDA it is no faster than cuDNN's
         # SDPA.
@@ -128,8 +129,10 @@ class FastTarget(nn.Module):
             self.packed = pack_weights(self.device, self.dtype, self.matrices())
 
     def matrices(self) -> list[torch.Tensor]:
-        """The weight matrices of the products: each layer's four (two with experts), then the lm_head."""
-        return [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2) if m is not None] + [self.lm_head]
+        """The weight matrices of the products: each layer's four (with experts: two, the router and each
+        expert's two), then the lm_head."""
+        dense = [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2) if m is not None]
+        return dense + [m for lw in self.layers if lw.moe is not None for m in lw.moe.matrices()] + [self.lm_head]
 
     def use_sdpa_heads(self) -> None:
         """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
@@ -307,7 +310,8 @@ class FastTarget(nn.Module):
 
     def experts(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """Layer lw's routed experts on the normed x [N, H] -> [N, H] (`eagle3.fast.moe`)."""
-        return lw.moe(x, self.linear, self.pointwise.gate)
+        on_host = self.experts_on_host and not torch.compiler.is_compiling()  # not where a whole step is traced
+        return lw.moe(x, self.linear, self.pointwise.gate, on_host=on_host, min_rows=2 if self.exact_rows else 1)
 
     def _adds_in_product(self, b: torch.Tensor | None) -> bool:
         """Whether a residual add goes into the epilogue of a product with bias `b` (`residual_in_gemm`; a bias
