@@ -338,16 +338,28 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse, g
     qwen2 has q/k/v biases but none on o_proj and down_proj, so both its adds still fuse)."""
     over = {"hidden_size": 256, "intermediate_size": 2048} if wide else {}
     model = build_tiny_target(arch, **over).to(torch.bfloat16)
-    ids = prompt_of(24, seed=3)
-    logits = {}
-    for mode in ("rows", "steps"):
+
+    def fresh() -> FastTarget:
         t = FastTarget(model)
         t.exact_rows = t.exact_rows or wide
         t.residual_in_gemm = gemm
         if fuse:
             t.fuse_pointwise(level=fuse)
+        return t
+
+    rows, steps = verification_and_steps(fresh)
+    assert torch.equal(rows, steps)
+
+
+def verification_and_steps(fresh) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [6, V] of tokens 18..23 of a 24-token prompt after the same 18-token prefill, on two fresh targets
+    (`fresh()`): as one 6-token causal forward, and as six one-token steps."""
+    ids = prompt_of(24, seed=3)
+    ar = torch.arange(32)
+    logits = {}
+    for mode in ("rows", "steps"):
+        t = fresh()
         t.allocate(32)
-        ar = torch.arange(32)
         t(ids[:18], ar[:18], ar[:18], ar[None, :] <= ar[:18, None])  # the same prefill for both
         if mode == "rows":
             pos = ar[18:24]
@@ -355,7 +367,7 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse, g
         else:
             logits[mode] = torch.cat([t(ids[p : p + 1], ar[p : p + 1], ar[p : p + 1], (ar <= p)[None])[0]
                                       for p in range(18, 24)])
-    assert torch.equal(logits["rows"], logits["steps"])
+    return logits["rows"], logits["steps"]
 
 
 def _random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:

@@ -24,7 +24,7 @@ from eagle3.decoding.sampling import TEMPERATURE
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, fast_support
 from eagle3.fast.moe import RoutedExperts
 from eagle3.runtime import init_drafter
-from test_fast import forward_outputs, hf_greedy, prompt_of
+from test_fast import forward_outputs, hf_greedy, prompt_of, verification_and_steps
 
 NEW = 24
 SHAPES = {"none": None, "chain": DraftShape.chain(4), "tree": DraftShape(4, 3, 12)}
@@ -102,23 +102,16 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(family, on_host):
     wide = {"hidden_size": 256, "moe_intermediate_size": 2048} if family == "qwen3_moe" else \
         {"hidden_size": 256, "intermediate_size": 2048}  # where one-row products round otherwise
     model = build(family, experts=64, **wide).to(torch.bfloat16)
-    ids = prompt_of(24, seed=3)
-    ar = torch.arange(32)
-    logits = {}
-    for mode in ("rows", "steps"):
+
+    def fresh() -> FastTarget:
         t = FastTarget(model)
         t.exact_rows = True
         t.experts_on_host = on_host
         t.packed = None  # torch's own products, whose one-row kernel rounds otherwise
-        t.allocate(32)
-        t(ids[:18], ar[:18], ar[:18], ar[None, :] <= ar[:18, None])
-        if mode == "rows":
-            pos = ar[18:24]
-            logits[mode] = t(ids[18:24], pos, pos, ar[None, :] <= pos[:, None])[0]
-        else:
-            logits[mode] = torch.cat([t(ids[p : p + 1], ar[p : p + 1], ar[p : p + 1], (ar <= p)[None])[0]
-                                      for p in range(18, 24)])
-    assert torch.equal(logits["rows"], logits["steps"])
+        return t
+
+    rows, steps = verification_and_steps(fresh)
+    assert torch.equal(rows, steps)
 
 
 @pytest.mark.parametrize("experts", [8, 64])
