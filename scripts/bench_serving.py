@@ -77,8 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the fast lane's drafting op by op (FastOptions.compile_drafting=False)")
     p.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
                    help="the fast lane prefills via CUDA graphs (FastOptions.graph_prefill; auto: on for CUDA)")
-    p.add_argument("--sdpa-heads", action="store_true",
-                   help="query heads as SDPA heads, fast lane and fast rows (FastOptions.sdpa_heads)")
     p.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-rows` (auto: on for CUDA targets of the fast-path families)")
     p.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size)
@@ -127,10 +125,10 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
                             drafter if batch_drafter else None, device, config, compile=args.compile,
                             fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
-                            sdpa_heads=args.sdpa_heads, graph_prefill=args.graph_prefill)
+                            graph_prefill=args.graph_prefill)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
                    target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                   fuse_pointwise=args.fuse_pointwise, sdpa_heads=args.sdpa_heads)
+                   fuse_pointwise=args.fuse_pointwise)
     sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast,
                             rows=fr)
     rows = []

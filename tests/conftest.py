@@ -120,19 +120,6 @@ def arch(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(params=[True, False], ids=["stacked-heads", "sdpa-heads"])
-def head_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both GQA layouts of the fast path's attention: query heads stacked along the query axis (the default) and
-    query heads as SDPA heads with `enable_gqa` (opt-in; `stack_query_heads`), for every FastTarget and
-    FastDrafter built in the test."""
-    import eagle3.fast.drafter
-    import eagle3.fast.target
-
-    for mod in (eagle3.fast.target, eagle3.fast.drafter):
-        monkeypatch.setattr(mod, "stack_query_heads", lambda stacked=request.param: stacked)
-    return request.param
-
-
 @pytest.fixture(scope="session")
 def stories260k():
     """(model, tokenizer) of the bundled stories260K Llama; shared, do not modify in place."""

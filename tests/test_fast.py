@@ -197,46 +197,6 @@ def test_stops_at_eos_and_max_new_tokens_inside_a_cycle(models):
     assert res.token_ids == ref[:7] and res.finish_reason == "length"
 
 
-@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
-def test_both_head_layouts_match_hf_generate(head_layout, kind):
-    """Both GQA layouts, query heads stacked along the query axis (the default) and as SDPA heads (`FastOptions.sdpa_heads`),
-    give HF's greedy output, for the target and the drafter (Llama and Qwen3, 2 query heads per KV head)."""
-    for arch in ("llama", "qwen3"):
-        model = build_tiny_target(arch)
-        d = init_drafter(model, draft_vocab_size=200, seed=1)
-        spec = {"none": None, "chain": CHAIN, "tree": TREE}[kind]
-        engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d)
-        assert engine.target.stacked == head_layout
-        if kind != "none":
-            assert engine.core.drafter.stacked == head_layout
-        prompt = prompt_of(19, seed=8)
-        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
-
-
-def test_sdpa_heads_option_and_stacked_prefill(monkeypatch):
-    """`FastOptions(sdpa_heads=True)` switches target and drafter to the SDPA-heads layout; prefills (inside
-    `varying_shape_attention`) still stack the heads, cycles do not; the answer is HF's."""
-    import eagle3.fast.target as target_mod
-
-    seen = []
-    real = target_mod.grouped_attention
-
-    def spy(q, k_all, v_all, bias, scale, stacked=True, exact=False):
-        seen.append((q.shape[1], stacked))  # q [nh, T, hd]
-        return real(q, k_all, v_all, bias, scale, stacked, exact)
-
-    monkeypatch.setattr(target_mod, "grouped_attention", spy)
-    model = build_tiny_target("llama")
-    d = init_drafter(model, draft_vocab_size=200, seed=1)
-    engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(sdpa_heads=True))
-    assert not engine.target.stacked and not engine.core.drafter.stacked
-    prompt = prompt_of(13, seed=9)
-    assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
-    layers = model.config.num_hidden_layers
-    assert seen[:layers] == [(13, True)] * layers  # the prefill: stacked
-    assert {st for t, st in seen[layers:]} == {False} and {t for t, _ in seen[layers:]} == {5}  # chain of 4 + root
-
-
 @pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_device_tree_equals_generic_proposer(models, drafters, arch, ranked):
@@ -664,7 +624,7 @@ def test_feeding_only_the_accepted_rows_keeps_the_drafter_state(models, drafters
 def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
     """`FastOptions.drafter_attention` "auto" (the default; also profile_step's): split on
     CUDA where Triton imports and the head size is one the kernels take (faster on an H200), else matmul;
-    prefix on a CPU; sdpa wherever `sdpa_heads` asks for SDPA heads;
+    prefix on a CPU;
     a named choice is kept on any device (split needs CUDA, prefix eager drafting off CUDA), and the engine and
     `settings()` say which one runs."""
     from eagle3.fast.split_attention import triton_available
@@ -674,7 +634,6 @@ def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
     assert resolve("auto", "cuda:0") == resolve(None, torch.device("cuda"), head_dim=64) == split
     assert resolve("auto", "cuda:0", head_dim=96) == "matmul"  # not a head size of the kernels
     assert resolve("auto", "cpu") == resolve(None, "cpu") == "prefix"
-    assert resolve("auto", "cuda:0", sdpa_heads=True) == resolve("auto", "cpu", sdpa_heads=True) == "sdpa"
     assert resolve("matmul", "cpu") == "matmul" and resolve("sdpa", "cuda") == "sdpa"
     if triton_available():
         assert resolve("split", "cuda") == "split"

@@ -47,12 +47,11 @@ def make_rows(model, drafter, capacity: int, shapes: dict, seq_len: int = 256) -
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
-def test_rows_joining_and_leaving_match_hf_generate(arch, head_layout):
+def test_rows_joining_and_leaving_match_hf_generate(arch):
     model = build_tiny_target(arch, vocab_size=64)
     d = init_drafter(model, draft_vocab_size=64, seed=1)
     shapes = {1: TREE, 2: DraftShape(4, 2, 8), 4: DraftShape(3, 1, 3), 8: None}  # shrinking, then plain only
     rows = make_rows(model, d, 8, shapes)
-    assert rows.t.stacked == head_layout and rows.d.stacked == head_layout
     prompts = prompts_of([5, 35, 12, 7, 20, 9, 3, 16, 11], 64)
     budget = [24, 10, 30, 16, 24, 5, 12, 20, 8]
     refs = [hf_greedy(model, p, n) for p, n in zip(prompts, budget, strict=True)]

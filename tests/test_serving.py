@@ -42,11 +42,10 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
 
 
 def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, lane_compile: bool = False,
-                sdpa_heads: bool = False, graph_prefill: bool = False, **config) -> ServerThread:
+                graph_prefill: bool = False, **config) -> ServerThread:
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
     `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`;
     `lane_compile`: the lane's steps traced by torch.compile (the "aot_eager" backend: no C++ codegen on CPU);
-    `sdpa_heads`: lane and rows attend with the query heads as SDPA heads (`FastOptions.sdpa_heads`);
     `graph_prefill`: the lane prefills at fixed widths (`FastOptions.graph_prefill`)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
@@ -64,9 +63,9 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
         fast.prepare(16, 16)
     elif lane:
         fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d,
-                          options=FastOptions(sdpa_heads=sdpa_heads, graph_prefill=graph_prefill))
+                          options=FastOptions(graph_prefill=graph_prefill))
     fr = fast_rows("on", model, d, policy or SpecPolicy(largest=None), cfg, "cpu",
-                   target=fast.target if fast is not None else None, sdpa_heads=sdpa_heads) if rows else None
+                   target=fast.target if fast is not None else None) if rows else None
     sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast,
                             rows=fr)
     return ServerThread(create_app(sched), shutdown_timeout=cfg.shutdown_timeout).start()
@@ -233,26 +232,6 @@ def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
             next(r2.iter_lines())  # two requests: the lane has handed over to the fast rows
         assert wait_idle(srv)
         assert sched.fast_rows.n == 0
-    finally:
-        srv.stop()
-
-
-def test_sdpa_heads_server_answers_like_the_reference(stories260k, ref):
-    """`sdpa_heads=True` (`fast_lane_engine`, `fast_rows`): the lane and the rows (sharing one target) attend with the query heads as SDPA heads,
-    the rows' drafter too; lone and concurrent greedy requests answer as the bs=1 reference (fp32)."""
-    srv = make_server(*stories260k, lane=True, rows=True, sdpa_heads=True, max_batch_size=8)
-    try:
-        sched = srv.app.state.scheduler
-        assert sched.fast.target is sched.fast_rows.t and not sched.fast_rows.t.stacked
-        assert not sched.fast.core.drafter.stacked and not sched.fast_rows.d.stacked
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)  # the lane
-        assert r.choices[0].text == ref(24, prompt=PROMPTS[0]).text
-        with ThreadPoolExecutor(8) as pool:  # the rows
-            texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
-                                  .choices[0].text, PROMPTS, timeout=120))
-        assert texts == [ref(13, prompt=p).text for p in PROMPTS]
-        assert sched.fast_rows.spec_cycles > 0
     finally:
         srv.stop()
 
@@ -578,8 +557,6 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypa
                  (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None),
                  # the lane's variants, library options of `fast_lane_engine` (not serve flags)
                  (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
-                  {"sdpa_heads": True}),
-                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
                   {"graph_prefill": "on"}),
                  (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
                   {"graph_prefill": "off"})):
@@ -603,7 +580,6 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypa
         assert ("plain batched decoding" in line) == (drafter_name is None)
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
-            assert sched.fast.target.stacked == (not variant.get("sdpa_heads"))
             gp = variant.get("graph_prefill") == "on"  # auto (the default) is off on a CPU
             assert sched.fast.options.graph_prefill == gp and ("captured prefills" in line) == gp
         with ServerThread(app) as srv:

@@ -11,9 +11,6 @@ static-cache fast path (`eagle3.fast`) only the prefill varies (one prompt lengt
 per batched prefill) and runs under it; its decoding cycles have fixed shapes, captured once in CUDA graphs, and
 keep the default order.
 
-Inside the context the fast path also stacks each KV head's query heads along the query axis (`shapes_vary`,
-`eagle3.fast.target.gqa_layout`): without cuDNN, a masked attention with fewer KV heads than query heads has no
-fused kernel (flash takes no mask) and would run as the math kernel with K/V repeated.
 """
 
 from __future__ import annotations

@@ -154,7 +154,6 @@ def run_bench(
     compile: bool = False,
     fuse_pointwise: bool | str | None = None,
     pipeline: bool = True,
-    sdpa_heads: bool = False,
     drafter_attention: str | None = None,
     target_attention: str | None = None,
     warmup: int = 1,
@@ -233,15 +232,13 @@ def run_bench(
     max_depth = max(*(t.depth for t in trees), chain, ngram_tokens)
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
     options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
-                          max_seq_len=cache_len, compile_drafting=compile_drafting, sdpa_heads=sdpa_heads,
+                          max_seq_len=cache_len, compile_drafting=compile_drafting,
                           drafter_attention=drafter_attention, target_attention=target_attention,
                           graph_prefill=graph_prefill)
     eager = dev.type == "cpu" and not compile and reason is None
     shared, attention = None, "sdpa"  # the generic engine attends through HF's modules
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
-        if sdpa_heads:
-            shared.use_sdpa_heads()
         attention = shared.use_attention(target_attention)  # resolved for the record
 
     # (method name in the record, kind, spec): one "tree" entry per shape when several are given
@@ -281,9 +278,9 @@ def run_bench(
                   "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
             options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
                      "pipeline": pipeline,
-                     "compile_drafting": compile_drafting, "sdpa_heads": sdpa_heads,
+                     "compile_drafting": compile_drafting,
                      "drafter_attention": drafter_attention_for(
-                         drafter_attention, dev, sdpa_heads, d.layers[0].self_attn.hd if d is not None else None),
+                         drafter_attention, dev, d.layers[0].self_attn.hd if d is not None else None),
                      "target_attention": attention, "norms_folded": shared is not None and shared.folded,
                      "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                      "warmup": warmup, "device": str(dev),

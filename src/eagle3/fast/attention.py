@@ -1,39 +1,22 @@
-"""The fast target's attention over its static cache: GQA with the query heads stacked or as SDPA heads
-(`stack_query_heads`), over one cache or one per row, and the choice among split, sdpa and matmul."""
+"""The fast target's attention over its static cache: GQA with each KV head's query heads stacked along the query
+axis, over one cache or one per row, and the choice among split, sdpa and matmul.
+
+Stacked: q [n_kv, g·T, hd] against k [n_kv, S, hd], one plain batched attention, K/V never repeated. (The query
+heads as SDPA heads with `enable_gqa` made plain decoding on CUDA faster, but cuDNN then runs one query row with
+other kernels than several, so bf16 chains were no longer identical to plain decoding: docs/benchmarks.md.)"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.attention import shapes_vary
 from eagle3.config import TARGET_ATTENTION, ConfigError
 from eagle3.fast import split_attention as split
 
 
-def stack_query_heads() -> bool:
-    """The GQA layout a new `FastTarget` / `FastDrafter` starts with: stacked, on every device.
-
-    Stacked: each KV head's g query heads go along the query axis, q [n_kv, g·T, hd] against k [n_kv, S, hd]:
-    one plain batched attention, K/V never repeated. The other layout (`FastTarget.use_sdpa_heads`, opt-in) keeps
-    the query heads as SDPA heads, q [1, nh, T, hd] (no stacking copy for any T) against k [1, n_kv, S, hd]
-    with `enable_gqa`. That makes plain decoding on CUDA faster but the speculative cycles barely, and cuDNN then
-    runs one query row with other kernels than several, so bf16 chains are no longer identical to plain decoding
-    (docs/benchmarks.md). Stacked it stays by default.
-    """
-    return True
-
-
-def gqa_layout(stacked: bool, nh: int, nkv: int) -> tuple[bool, int]:
-    """(stacked, bias rows per token) for one forward: the module's layout, but stacked wherever attention shapes
-    vary (`eagle3.attention.shapes_vary`: prefills), where masked GQA has no fused kernel without cuDNN."""
-    stacked = stacked or shapes_vary()
-    return stacked, (nh // nkv if stacked else 1)
-
-
 def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask [T, S] -> additive bias [1, 1, g·T, S] for `grouped_attention` (built once per forward; g = 1
-    when the query heads are not stacked)."""
+    """Bool mask [T, S] -> additive bias [1, 1, g·T, S] for `grouped_attention` (built once per forward; g query
+    heads per KV head)."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return bias.repeat(groups, 1)[None, None]  # row r·T + t belongs to token t
 
@@ -42,18 +25,13 @@ def grouped_attention(
     q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.qkv_heads_first`: no copy here)
     k_all: torch.Tensor,  # [nkv, S, hd]
     v_all: torch.Tensor,  # [nkv, S, hd]
-    bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias (g = 1 unless stacked)
+    bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias
     scale: float,
-    stacked: bool = True,
     exact: bool = False,
 ) -> torch.Tensor:
-    """GQA attention over a static cache without repeating K/V, the query heads stacked or as SDPA heads
-    (`stack_query_heads`); `exact` (stacked only): by `rows_exact_attention` (`exact_rows`). Returns [T, nh·hd]."""
+    """GQA attention over a static cache without repeating K/V, the query heads stacked; `exact`: by
+    `rows_exact_attention` (`exact_rows`). Returns [T, nh·hd]."""
     nh, t, hd = q.shape
-    if not stacked:
-        o = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=bias,
-                                           scale=scale, enable_gqa=True)  # [1, nh, T, hd]
-        return o[0].transpose(0, 1).reshape(t, nh * hd)
     nkv = k_all.shape[0]
     g = nh // nkv
     qg = q.reshape(nkv, g * t, hd)  # [nkv, g·T, hd] (a view if q is contiguous); row r·T + t: head kv·g + r, token t
@@ -88,16 +66,11 @@ def row_attention(
     q: torch.Tensor,  # [B, T, nh, hd]
     k_rows: torch.Tensor,  # [B, nkv, S, hd]
     v_rows: torch.Tensor,  # [B, nkv, S, hd]
-    bias: torch.Tensor,  # [B, 1, g·T, S] from row_attention_bias (g = 1 unless stacked)
+    bias: torch.Tensor,  # [B, 1, g·T, S] from row_attention_bias
     scale: float,
-    stacked: bool = True,
 ) -> torch.Tensor:
     """`grouped_attention` for B rows, each over its own cache; returns [B·T, nh·hd]."""
     b, t, nh, hd = q.shape
-    if not stacked:
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k_rows, v_rows, attn_mask=bias, scale=scale,
-                                           enable_gqa=True)  # [B, nh, T, hd]
-        return o.transpose(1, 2).reshape(b * t, nh * hd)
     nkv = k_rows.shape[1]
     g = nh // nkv
     qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)  # head kv·g + r: row r·T + t
@@ -116,15 +89,13 @@ def _split_unusable(device: torch.device | str, head_dim: int) -> str | None:
     return None
 
 
-def target_attention_for(choice: str | None, device: torch.device | str, head_dim: int,
-                         sdpa_heads: bool = False) -> str:
+def target_attention_for(choice: str | None, device: torch.device | str, head_dim: int) -> str:
     """`FastOptions.target_attention` for a target on `device`: "split", "sdpa" or
     "matmul". None or "auto": split where it can run (CUDA, Triton, a head size `eagle3.fast.split_attention`
-    takes), sdpa elsewhere and with `sdpa_heads` (the query heads as SDPA heads were asked for). "split" where it
-    cannot run is a configuration error."""
+    takes), sdpa elsewhere. "split" where it cannot run is a configuration error."""
     unusable = _split_unusable(device, head_dim)
     if choice is None or choice == "auto":
-        return "split" if unusable is None and not sdpa_heads else "sdpa"
+        return "split" if unusable is None else "sdpa"
     if choice not in TARGET_ATTENTION:
         raise ConfigError(f"target attention {choice!r}: expected one of {TARGET_ATTENTION}")
     if choice == "split" and unusable is not None:

@@ -120,13 +120,8 @@ class BatchedGenerator:
             self.v_cache[i, self.ar_b, :, pos] = v
             keys = self.k_cache[i, :, :, :span]  # [B, nkv, span, hd], a view
             values = self.v_cache[i, :, :, :span]
-            if t.stacked:  # the target's GQA layout (`stack_query_heads`)
-                qg = q.view(b, nkv, g, hd)  # query heads kv·g + r share kv head `kv`
-                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible,
-                                                   scale=t.scale)  # [B, nkv, g, hd]
-            else:
-                o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
-                                                   scale=t.scale, enable_gqa=True)  # [B, nh, 1, hd]
+            qg = q.view(b, nkv, g, hd)  # query heads kv·g + r share kv head `kv` (`eagle3.fast.attention`)
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible, scale=t.scale)  # [B, nkv, g, hd]
             h = t.mlp_block(t.add_linear(h, o.reshape(b, nh * hd), lw.wo, lw.bo), lw)
         return t.linear(rms_norm(h, t.norm, t.eps), t.lm_head)  # [B, V]
 

@@ -19,11 +19,9 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention
 from eagle3.fast.attention import (
     attention_bias,
-    gqa_layout,
     grouped_attention,
     row_attention,
     row_attention_bias,
-    stack_query_heads,
 )
 from eagle3.fast.cpu import pack_weights
 from eagle3.fast.pointwise import apply_rope, rms_norm, rope_tables
@@ -55,21 +53,17 @@ def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
     return draft_top_k.draft_top_k_op() if draft_top_k.takes(k, drafter.lm_head.shape[0]) else None
 
 
-def drafter_attention_for(choice: str | None, device: torch.device | str, sdpa_heads: bool = False,
-                          head_dim: int | None = None) -> str:
+def drafter_attention_for(choice: str | None, device: torch.device | str, head_dim: int | None = None) -> str:
     """`FastOptions.drafter_attention` for a drafter on `device`: "sdpa", "matmul"
     (`FastDrafter.use_matmul_attention`), "split" (`FastDrafter.use_split_attention`) or "prefix"
     (`prefix_attention`). None or "auto": on CUDA split where Triton imports and the head size `head_dim` is one
-    the kernels take (None: not known, taken as one), else matmul; prefix elsewhere, where drafting runs eagerly;
-    sdpa with `sdpa_heads` (`FastOptions.sdpa_heads`: the drafter's query heads as SDPA heads too).
+    the kernels take (None: not known, taken as one), else matmul; prefix elsewhere, where drafting runs eagerly.
 
     On a CPU, eager drafting attends fastest over only the slots in use in fp32 (`prefix_attention`), rather
     than SDPA over the whole cache or bf16 products. On CUDA, split launches fewer kernels than matmul, and matmul
     beats cuDNN's SDPA because compiled drafting fuses its mask and softmax between two GEMMs
     (docs/benchmarks.md)."""
     if choice is None or choice == "auto":
-        if sdpa_heads:
-            return "sdpa"
         if not on_for_device("auto", device):
             return "prefix"
         takes = head_dim is None or split_attention.supports(head_dim, 1)
@@ -99,7 +93,7 @@ def prefix_attention(
     n = int(slots.max()) + 1
     groups = q.shape[0] // k_cache.shape[0]
     bias = attention_bias(mask[:, :n], groups, torch.float32)  # [1, 1, g·T, n]
-    o = grouped_attention(q.float(), k_cache[:, :n].float(), v_cache[:, :n].float(), bias, scale, stacked=True,
+    o = grouped_attention(q.float(), k_cache[:, :n].float(), v_cache[:, :n].float(), bias, scale,
                           exact=True)  # [T, nh·hd]: `rows_exact_attention`'s two products, here in fp32
     return o.to(q.dtype)
 
@@ -225,7 +219,6 @@ class FastDrafter(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.seq_len = 0
         self.alloc_id = 0
-        self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.matmul_attention = False  # `use_matmul_attention`
         self.split_op = None  # `use_split_attention`
         self.prefix = False  # `use_prefix_attention`
@@ -240,10 +233,6 @@ class FastDrafter(nn.Module):
         """`F.linear`, over a packed copy of `w` where this drafter packs its weights (`cpu_packs_weights`)."""
         return F.linear(x, w, b) if self.packed is None else self.packed.linear(x, w, b)
 
-    def use_sdpa_heads(self) -> None:
-        """As `FastTarget.use_sdpa_heads`."""
-        self.stacked = False
-
     def use_matmul_attention(self) -> None:
         """Attend by two batched matrix products around an fp32 softmax (`rows_exact_attention`) instead of SDPA,
         with the query heads stacked; call before capturing graphs. The default on CUDA where the split kernels
@@ -251,7 +240,6 @@ class FastDrafter(nn.Module):
         and softmax into one kernel between two small GEMMs, where cuDNN's attention needs its own kernels and a
         bias built apart. The drafter's rounding only changes which tokens are proposed, never what the target
         emits."""
-        self.stacked = True
         self.matmul_attention = True
 
     def use_split_attention(self) -> None:
@@ -268,10 +256,10 @@ class FastDrafter(nn.Module):
         """Attend by `prefix_attention` in eager forwards (compiled ones keep SDPA); the default off CUDA."""
         self.prefix = True
 
-    def use_attention(self, choice: str | None, sdpa_heads: bool = False) -> str:
+    def use_attention(self, choice: str | None) -> str:
         """Attend as `choice` says (`drafter_attention_for` on this drafter's device; call before capturing
         graphs); returns what it resolved to, "sdpa", "matmul", "split" or "prefix"."""
-        attention = drafter_attention_for(choice, self.device, sdpa_heads, self.hd)
+        attention = drafter_attention_for(choice, self.device, self.hd)
         if attention == "matmul":
             self.use_matmul_attention()
         elif attention == "split":
@@ -346,9 +334,8 @@ class FastDrafter(nn.Module):
         elif self.prefix and not torch.compiler.is_compiling():
             o = prefix_attention(q, self.k_cache, self.v_cache, mask, slots, self.scale)  # [T, nh·hd]
         else:
-            stacked, groups = gqa_layout(self.stacked, nh, nkv)
-            bias = attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
-            o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale, stacked,
+            bias = attention_bias(mask, nh // nkv, self.dtype)  # [1, 1, g·T, S]
+            o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale,
                                   exact=self.matmul_attention)  # [T, nh·hd]
         r1 = residual + self.linear(o, self.wo, self.bo)
         gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
@@ -379,9 +366,8 @@ class FastDrafter(nn.Module):
         k = apply_rope(qkv[..., nh * hd : (nh + nkv) * hd].reshape(b * t, nkv, hd), cos, sin)
         k_rows[rows, :, slots] = k.view(b, t, nkv, hd)
         v_rows[rows, :, slots] = qkv[..., (nh + nkv) * hd :].reshape(b, t, nkv, hd)
-        stacked, groups = gqa_layout(self.stacked, nh, nkv)
-        bias = row_attention_bias(mask, groups, self.dtype)  # [B, 1, g·T, S]
-        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale, stacked).view(b, t, nh * hd)
+        bias = row_attention_bias(mask, nh // nkv, self.dtype)  # [B, 1, g·T, S]
+        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale).view(b, t, nh * hd)
         r1 = residual + self.linear(o, self.wo, self.bo)
         gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + self.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]

@@ -62,7 +62,6 @@ class FastOptions:
     # None: on CUDA, where the compiled kernels are captured in the cycle's graph and shorten it; not on a CPU,
     # where compiling takes seconds and the target dominates a cycle.
     compile_drafting: bool | None = None
-    sdpa_heads: bool = False  # query heads as SDPA heads (`stack_query_heads`); a shared target stays so
     # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`),
     # "split" (`FastDrafter.use_split_attention`), "prefix" (`prefix_attention`) or None / "auto": split on CUDA
     # where Triton and the head size allow, else matmul; prefix elsewhere
@@ -155,18 +154,13 @@ class FastEngine:
                               f"{aux_ids}: build the FastTarget with the drafter's aux_layer_ids")
         if not target.pointwise.compiled:  # `fuse_pointwise` resolves auto/off for the target's device
             target.fuse_pointwise(self.options.compile_backend, self.options.fuse_pointwise)
-        if self.options.sdpa_heads:
-            target.use_sdpa_heads()
         self.target_attention = target.use_attention(self.options.target_attention)
         self.target = target
         fd = FastDrafter(drafter) if mode == "eagle3" else None
-        if fd is not None and self.options.sdpa_heads:
-            fd.use_sdpa_heads()
         if fd is not None:  # "sdpa" | "matmul" | "split"
-            self.drafter_attention = fd.use_attention(self.options.drafter_attention, self.options.sdpa_heads)
+            self.drafter_attention = fd.use_attention(self.options.drafter_attention)
         else:
-            self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device,
-                                                           self.options.sdpa_heads)
+            self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device)
         if mode == "eagle3":
             self.core = FastCore(self.target, "eagle3", fd, self.spec)
         elif mode == "host":

@@ -107,8 +107,6 @@ class FastRows:
                               f"{sorted(drafter.config.aux_layer_ids)}")
         self.t, self.capacity, self.seq_len = target, capacity, seq_len
         self.d = FastDrafter(drafter) if drafter is not None else None
-        if self.d is not None and not target.stacked:
-            self.d.use_sdpa_heads()  # the target's GQA layout (`FastTarget.use_sdpa_heads`) for the drafter too
         self.buckets = buckets(capacity)
         self.shapes = {b: (shapes(b) if self.d is not None and shapes is not None else None) for b in self.buckets}
         d_max = max([s.depth for s in self.shapes.values() if s] + [0])

@@ -9,8 +9,7 @@ every cache slot (so every static HF rope type is honoured). The KV cache is one
 graph (the habit of pytorch-labs/gpt-fast `model.py`: `KVCache.update` writes by `input_pos`).
 
 GQA without copying K/V: the g = n_heads / n_kv query heads that share a KV head are stacked along the query axis,
-`q [n_kv, g·T, hd]` against `k [n_kv, S, hd]`, with the `[T, S]` mask tiled g times; or, opt-in, they stay SDPA
-heads with `enable_gqa` (`stack_query_heads` says what that gains and costs).
+`q [n_kv, g·T, hd]` against `k [n_kv, S, hd]`, with the `[T, S]` mask tiled g times (`eagle3.fast.attention`).
 
 Aux features (EAGLE-3): id k is HF `hidden_states[k]`, the residual stream entering decoder layer k; k = L is the
 input of the final norm.
@@ -30,11 +29,9 @@ from eagle3.config import ConfigError
 from eagle3.fast import split_attention as split
 from eagle3.fast.attention import (
     attention_bias,
-    gqa_layout,
     grouped_attention,
     row_attention,
     row_attention_bias,
-    stack_query_heads,
     target_attention_for,
 )
 from eagle3.fast.cpu import argmax_ids, exact_rows, pack_weights
@@ -94,7 +91,6 @@ class FastTarget(nn.Module):
         self.seq_len = 0
         self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
         self.pointwise = EAGER
-        self.stacked = stack_query_heads()  # the GQA layout of attention (`stack_query_heads`)
         self.exact_rows = exact_rows(self.device, self.dtype)
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
         self.packed = pack_weights(self.device, self.dtype, self.matrices())  # `cpu_packs_weights`
@@ -133,14 +129,6 @@ class FastTarget(nn.Module):
         expert's two), then the lm_head."""
         dense = [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w13, lw.w2) if m is not None]
         return dense + [m for lw in self.layers if lw.moe is not None for m in lw.moe.matrices()] + [self.lm_head]
-
-    def use_sdpa_heads(self) -> None:
-        """Attend with the query heads as SDPA heads from now on (`stack_query_heads` says what it gains and
-        costs); call before capturing graphs."""
-        self.stacked = False
-        if self.attention == "split":
-            self.attention = "sdpa"
-            self.select_norm()
 
     def use_norm_kernel(self) -> None:
         """Run the RMSNorms through `eagle3.fast.row_norm` (one Triton program per row) whatever the attention
@@ -194,7 +182,7 @@ class FastTarget(nn.Module):
     def use_attention(self, choice: str | None) -> str:
         """Attend in decoding forwards as `choice` says (`target_attention_for`; call before capturing graphs),
         with the norms that go with it (`select_norm`); returns what it resolved to."""
-        self.attention = target_attention_for(choice, self.device, self.hd, sdpa_heads=not self.stacked)
+        self.attention = target_attention_for(choice, self.device, self.hd)
         self.select_norm()
         return self.attention
 
@@ -404,7 +392,7 @@ class FastTarget(nn.Module):
         nh, nkv = self.nh, self.nkv
         h = F.embedding(ids, self.embed)  # [T, H]
         exact = self.exact_rows or self.attention == "matmul"
-        stacked, groups = gqa_layout(self.stacked or exact, nh, nkv)
+        groups = nh // nkv  # query heads per KV head, stacked along the query axis
         by_splits = (self.attention == "split" and not shapes_vary() and split.supports(self.hd, t)
                      and not torch.compiler.is_compiling())  # `FastOptions.compile` traces whole steps: SDPA there
         by_kernel = by_splits and self.rope_kernel  # RoPE and the cache write in one kernel (`rope_cache`)
@@ -430,8 +418,7 @@ class FastTarget(nn.Module):
                 o = split.split_attention(q.view(nkv, -1, self.hd), self.k_cache[i], self.v_cache[i], mask,
                                           self.scale, last=slots)  # [T, nh·hd]
             else:
-                o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, stacked,
-                                      exact)  # [T, nh·hd]
+                o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, exact)  # [T, nh·hd]
             h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
@@ -461,8 +448,7 @@ class FastTarget(nn.Module):
         rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
         h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
-        stacked, groups = gqa_layout(self.stacked, nh, nkv)
-        bias = row_attention_bias(self.windowed(mask, pos), groups, self.dtype)  # [B, 1, g·T, S]
+        bias = row_attention_bias(self.windowed(mask, pos), nh // nkv, self.dtype)  # [B, 1, g·T, S]
         aux: list[torch.Tensor] = []
         folded = self.folded
         x = None if folded else self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
@@ -475,7 +461,7 @@ class FastTarget(nn.Module):
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
-            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale, stacked)  # [B·T, nh·hd]
+            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
             h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)

@@ -177,11 +177,11 @@ def load_server(args):
 
 def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, device: str, config,
                      compile: bool = False, fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
-                     sdpa_heads: bool = False, graph_prefill: str = "auto"):
+                     graph_prefill: str = "auto"):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`). `serve` takes the defaults; the
     variants are for developers (scripts/bench_serving.py): `compile`: its steps are inductor-compiled before capture
     (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`; `eager_drafting`:
-    `FastOptions.compile_drafting=False`; `sdpa_heads`: `FastOptions.sdpa_heads`; `graph_prefill`: "on"/"off" set
+    `FastOptions.compile_drafting=False`; `graph_prefill`: "on"/"off" set
     `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device."""
     if not on_for_device(choice, device):
         return None
@@ -198,14 +198,13 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
     engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
                         options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
-                                            sdpa_heads=sdpa_heads,
                                             graph_prefill=on_for_device(graph_prefill, device)))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
     return engine
 
 
 def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
-              token_budget: int | None = None, fuse_pointwise: bool | str | None = None, sdpa_heads: bool = False):
+              token_budget: int | None = None, fuse_pointwise: bool | str | None = None):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
     shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`)."""
@@ -232,8 +231,6 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
         target = FastTarget(model, aux)
     if not target.pointwise.compiled:
         target.fuse_pointwise(level=fuse_pointwise)  # None or "auto": elementwise on CUDA (`fuse_level`)
-    if sdpa_heads:
-        target.use_sdpa_heads()  # shared with the lane, which set it already when both have the option
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
     seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
 
