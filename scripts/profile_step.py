@@ -84,15 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-norm", choices=("auto", "fold", "torch", "triton"), default="auto",
                    help="experiment: the target's RMSNorms folded into the products after them (eagle3.fast."
                         "norm_fold), by torch (F.rms_norm on CUDA) or by one Triton program per row (eagle3.fast."
-                        "row_norm; CUDA only); auto: FastTarget's default (fold where the target attends by splits "
-                        "with the RoPE kernel)")
-    p.add_argument("--target-rope", choices=("kernel", "torch"), default="kernel",
-                   help="experiment: in forwards that attend by splits, RoPE and the KV-cache write as one Triton "
-                        "kernel per layer (eagle3.fast.rope_cache, the default) or as compiled RoPE and an index "
-                        "copy (torch)")
-    p.add_argument("--target-argmax", choices=("kernel", "torch"), default="kernel",
-                   help="experiment: in forwards that attend by splits, the greedy ids by two Triton kernels "
-                        "(eagle3.fast.row_argmax, the default) or by torch's argmax")
+                        "row_norm; CUDA only); auto: FastTarget's default (fold where the target attends by splits)")
     p.add_argument("--split-blocks", type=int, default=None, metavar="N",
                    help="experiment: key blocks per split at least in the split attention (default "
                         "eagle3.fast.split_attention.MIN_SPLIT_BLOCKS)")
@@ -263,13 +255,11 @@ def main(argv=None) -> int:
     if args.residual_add != "auto":
         target.residual_in_gemm = args.residual_add == "gemm"
     target_attention = target.use_attention(args.target_attention)
-    target.rope_kernel = args.target_rope == "kernel"
     if args.target_norm == "triton":
         target.use_norm_kernel()
-    else:  # auto: folded where the target attends by splits with the RoPE kernel (`FastTarget.select_norm`)
+    else:  # auto: folded where the target attends by splits (`FastTarget.select_norm`)
         target.norm_kernel = {"torch": "off", "fold": "fold"}.get(args.target_norm, "auto")
         target.select_norm()
-    target.argmax_kernel = args.target_argmax == "kernel"
     if args.split_blocks is not None:
         split_attention.MIN_SPLIT_BLOCKS = args.split_blocks
     seq_len = -(-(args.context + 2 * shape.total + shape.depth + 16) // 128) * 128
@@ -320,7 +310,6 @@ def main(argv=None) -> int:
                           residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
                           target_norm="fold" if target.folded else
                           "triton" if target.pointwise.norm is rms_norm_rows else "torch",
-                          target_rope=args.target_rope, target_argmax=args.target_argmax,
                           split_blocks=split_attention.MIN_SPLIT_BLOCKS,
                           draft_top_k=core.top_k_op is not None if drafter is not None else None,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")

@@ -81,9 +81,6 @@ def test_target_takes_the_kernel_where_it_attends_by_splits(interpreted):
         assert calls == []  # off CUDA: torch's argmax
         target.attention = "split"
         assert target.argmax(logits).tolist() == logits.argmax(-1).tolist() and calls == [(3, 300)]
-        target.argmax_kernel = False
-        target.argmax(logits)
-        assert calls == [(3, 300)]
     finally:
         target_module.argmax_rows = saved
 

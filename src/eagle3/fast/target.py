@@ -99,13 +99,6 @@ class FastTarget(nn.Module):
         # in every forward, not only with `exact_rows`) is an experiment; on CUDA it is no faster than cuDNN's
         # SDPA.
         self.attention = target_attention_for("auto", self.device, self.hd)
-        # Forwards that attend by splits also rotate q and k and write K and V in one kernel per layer
-        # (`eagle3.fast.rope_cache`); False (`scripts/profile_step.py --target-rope torch`) keeps the compiled
-        # rotation and the index copy, for comparison.
-        self.rope_kernel = True
-        # ... and take their greedy ids by `eagle3.fast.row_argmax` (`argmax`); False (`profile_step.py
-        # --target-argmax torch`): torch's argmax, for comparison
-        self.argmax_kernel = True
         # "auto" | "fold" | "on" | "off": the layers' RMSNorms folded into their products (`eagle3.fast.norm_fold`),
         # or by `eagle3.fast.row_norm`, or torch's (`select_norm`)
         self.norm_kernel = "auto"
@@ -142,8 +135,8 @@ class FastTarget(nn.Module):
     def select_norm(self) -> None:
         """Set the RMSNorms of every forward, as `norm_kernel` says; call before capturing graphs.
 
-        Folded ("fold", or "auto" where the target attends by splits with the RoPE kernel, the Triton decoding
-        path): each layer's two norm weights go into its q/k/v and gate/up matrices and the kernels after those
+        Folded ("fold", or "auto" where the target attends by splits, the Triton decoding path, whose RoPE
+        kernel applies the scale): each layer's two norm weights go into its q/k/v and gate/up matrices and the kernels after those
         products apply the rows' scale (`eagle3.fast.norm_fold`); not where those products have biases (Qwen2), nor
         with compiled norms (`fuse_pointwise` "all"). The final norm, and every norm otherwise, is
         `eagle3.fast.row_norm` ("on", or "auto"/"fold" on that path, where it is faster than `F.rms_norm`), else
@@ -156,8 +149,8 @@ class FastTarget(nn.Module):
                               + ("they are compiled (fuse_pointwise 'all')" if compiled else
                                  "its q/k/v or gate/up projections have biases"))
         decoding_path = self.attention == "split"
-        fold = self.norm_kernel == "fold" or (self.norm_kernel == "auto" and decoding_path and self.rope_kernel
-                                              and self.foldable and not compiled)
+        fold = self.norm_kernel == "fold" or (self.norm_kernel == "auto" and decoding_path and self.foldable
+                                              and not compiled)
         if fold != self.folded:
             for lw in self.layers:
                 lw.fuse(folded=fold)
@@ -173,9 +166,9 @@ class FastTarget(nn.Module):
             self.pointwise.norm = want
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy ids [T] of logits [T, V]: by `eagle3.fast.row_argmax` where the target attends by splits and
-        `argmax_kernel` is on, else `argmax_ids` (the same ids)."""
-        if self.attention == "split" and self.argmax_kernel:
+        """Greedy ids [T] of logits [T, V]: by `eagle3.fast.row_argmax` where the target attends by splits, else
+        `argmax_ids` (the same ids)."""
+        if self.attention == "split":
             return argmax_rows(logits)
         return argmax_ids(logits)
 
@@ -395,8 +388,8 @@ class FastTarget(nn.Module):
         groups = nh // nkv  # query heads per KV head, stacked along the query axis
         by_splits = (self.attention == "split" and not shapes_vary() and split.supports(self.hd, t)
                      and not torch.compiler.is_compiling())  # `FastOptions.compile` traces whole steps: SDPA there
-        by_kernel = by_splits and self.rope_kernel  # RoPE and the cache write in one kernel (`rope_cache`)
-        cos, sin = (None, None) if by_kernel else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
+        # forwards that attend by splits also rotate q and k and write K and V in one kernel per layer (`rope_cache`)
+        cos, sin = (None, None) if by_splits else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
         aux: list[torch.Tensor] = []
         folded = self.folded  # then x is None between layers: the products read h (`eagle3.fast.norm_fold`)
@@ -405,7 +398,7 @@ class FastTarget(nn.Module):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
             qkv = self.linear(h if folded else x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
-            if by_kernel:  # q [nh, T, hd]; K and V written at `slots` of [2·nkv, S, hd]
+            if by_splits:  # q [nh, T, hd]; K and V written at `slots` of [2·nkv, S, hd]
                 q = rope_into_cache(qkv, self.cos, self.sin, pos, slots, self.kv_cache[i], nh,
                                     None if lw.q_norm is None else (lw.q_norm, lw.k_norm), self.eps,
                                     rms=h if folded else None)
