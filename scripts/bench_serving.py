@@ -70,7 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
     # the fast path's variants (library options of `fast_lane_engine` / `fast_rows`; `eagle3 serve` takes the defaults)
-    p.add_argument("--compile", action="store_true", help="inductor-compile the fast lane's steps (FastOptions.compile)")
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
                    help=FUSE_POINTWISE_HELP)
     p.add_argument("--eager-drafting", action="store_true",
@@ -123,7 +122,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
                          admit_wait=args.admit_wait, stream_interval=args.stream_interval)
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
-                            drafter if batch_drafter else None, device, config, compile=args.compile,
+                            drafter if batch_drafter else None, device, config,
                             fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
                             graph_prefill=args.graph_prefill)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,

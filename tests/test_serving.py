@@ -41,11 +41,10 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
            "The little dog", "Mia found a shiny"]
 
 
-def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, lane_compile: bool = False,
-                graph_prefill: bool = False, **config) -> ServerThread:
+def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, graph_prefill: bool = False,
+                **config) -> ServerThread:
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
     `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`;
-    `lane_compile`: the lane's steps traced by torch.compile (the "aot_eager" backend: no C++ codegen on CPU);
     `graph_prefill`: the lane prefills at fixed widths (`FastOptions.graph_prefill`)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
@@ -57,11 +56,7 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
         policy = SpecPolicy(shape, token_budget=64, min_accept=0.0)
     cfg = ServeConfig(model_name=MODEL, chat_template=TEMPLATE, **config)
     fast = None
-    if lane_compile:  # as `fast_lane_engine(..., compile=True)`, with small caches (128 slots)
-        options = FastOptions(compile=True, compile_backend="aot_eager")
-        fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d, options=options)
-        fast.prepare(16, 16)
-    elif lane:
+    if lane:
         fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d,
                           options=FastOptions(graph_prefill=graph_prefill))
     fr = fast_rows("on", model, d, policy or SpecPolicy(largest=None), cfg, "cpu",
@@ -170,29 +165,6 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref, graph_prefill
             texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
                                   .choices[0].text, PROMPTS * 2, timeout=120))
         assert texts == [ref(13, prompt=p).text for p in PROMPTS * 2]
-    finally:
-        srv.stop()
-
-
-def test_compiled_fast_lane_is_ready_at_start_and_never_grows_mid_request(stories260k, ref):
-    """`fast_lane_engine(compile=True)`: the lane's speculative and plain engines are compiled and captured before the first
-    request; answers equal the reference; a request larger than the lane's prepared caches decodes on the batch
-    instead of reallocating (which would recompile in the middle of serving)."""
-    srv = make_server(*stories260k, lane_compile=True)
-    try:
-        sched = srv.app.state.scheduler
-        lane, plain = sched.fast, sched._lane_plain
-        assert lane.compiled and plain is not None and plain.compiled  # both prepared before any request
-        size = lane.seq_len
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        for p in PROMPTS[:4]:  # enough lone requests for the lane's gate to run both engines
-            r = c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
-            assert r.choices[0].text == ref(24, prompt=p).text
-        lane_steps = metric(srv, "eagle3_verify_steps_total")
-        assert lane_steps > 0 and not lane.fits(len(ref.ids(PROMPTS[4])), 160)
-        r = c.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=160, temperature=0)
-        assert r.choices[0].text == ref(160, prompt=PROMPTS[4]).text
-        assert lane.seq_len == size and lane.compiled  # untouched: the long request went to the batch
     finally:
         srv.stop()
 

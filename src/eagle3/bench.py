@@ -151,7 +151,6 @@ def run_bench(
     device: str | None = None,
     dtype: str = "auto",
     graphs: bool = True,
-    compile: bool = False,
     fuse_pointwise: bool | str | None = None,
     pipeline: bool = True,
     drafter_attention: str | None = None,
@@ -231,11 +230,11 @@ def run_bench(
     max_nodes = max(*(t.total for t in trees), chain, ngram_tokens)
     max_depth = max(*(t.depth for t in trees), chain, ngram_tokens)
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
-    options = FastOptions(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
+    options = FastOptions(graphs=graphs, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
                           max_seq_len=cache_len, compile_drafting=compile_drafting,
                           drafter_attention=drafter_attention, target_attention=target_attention,
                           graph_prefill=graph_prefill)
-    eager = dev.type == "cpu" and not compile and reason is None
+    eager = dev.type == "cpu" and reason is None
     shared, attention = None, "sdpa"  # the generic engine attends through HF's modules
     if reason is None:
         shared = FastTarget(model, d.config.aux_layer_ids if d is not None else [])
@@ -276,7 +275,7 @@ def run_bench(
             drafting={"chain": device_chain.describe(), "tree": device_tree.describe()},
             spec={"chain": chain, "tree": _dims(trees[0]), "trees": [_dims(t) for t in trees],
                   "ngram_tokens": ngram_tokens, "hf_lookup_tokens": HF_LOOKUP_TOKENS},
-            options={"graphs": graphs, "compile": compile, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
+            options={"graphs": graphs, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
                      "pipeline": pipeline,
                      "compile_drafting": compile_drafting,
                      "drafter_attention": drafter_attention_for(
@@ -307,7 +306,7 @@ def run_bench(
         warm_s = time.perf_counter() - t0
         results[m] = [run(ids, seed + i) for i, ids in enumerate(prompts)]
         fast = isinstance(engine, FastEngine)
-        compiled = (kind == "hf_static" and dev.type == "cuda") or (fast and engine.compiled)
+        compiled = kind == "hf_static" and dev.type == "cuda"
         ran = "hf" if engine is None else ("fast" if fast else "generic")
         summary.append({"method": m, "letter": letter, "label": label, "engine": ran, "warmup_s": round(warm_s, 3),
                         "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed,

@@ -173,7 +173,7 @@ def decoder_from_args(rt, args, target: str):
                         "static-cache fast path of Llama/Mistral/Qwen targets)")
         return decoder(rt, d)
     options = FastOptions(graphs=not getattr(args, "no_graphs", False))  # the variants: library options only
-    if options.compile or (options.graphs and next(rt.model.parameters()).device.type == "cuda"):
+    if options.graphs and next(rt.model.parameters()).device.type == "cuda":
         d = replace(d, chain_stop=None)  # it acts between draft steps: eager cycles only
     return decoder(rt, d, options)
 

@@ -191,9 +191,9 @@ class FastCore(nn.Module):
         self.ranked = ranked_top_k(self.device)
 
     @staticmethod
-    def drafting_compiled_by_default(device: torch.device, compile: bool = False) -> bool:
-        """`compile_drafting`'s default: on CUDA, unless the whole cycle is compiled anyway (`compile`)."""
-        return torch.device(device).type == "cuda" and not compile
+    def drafting_compiled_by_default(device: torch.device) -> bool:
+        """`compile_drafting`'s default: on CUDA."""
+        return torch.device(device).type == "cuda"
 
     @property
     def drafting_compiled(self) -> bool:

@@ -52,8 +52,7 @@ class FastOptions:
     """How the fast path runs. `graphs` and `pipeline` only matter on CUDA."""
 
     graphs: bool = True  # capture each cycle in a CUDA graph (False: eager kernels, same code)
-    compile: bool = False  # inductor-compile the step functions before capture (slower start, fewer kernels)
-    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" checks tracing without codegen)
+    compile_backend: str = "inductor"  # the compiled pieces' torch.compile backend ("aot_eager": no codegen)
     # compile only the target's elementwise work (`Pointwise`, `fuse_level`): "elementwise" (no norms: bf16
     # rounding alike at every row count), "all" (True) or "off" (False); None or "auto": elementwise on CUDA,
     # off on a CPU (`fuse_level`). A shared target stays as it is.
@@ -172,7 +171,7 @@ class FastEngine:
         o = self.options
         cd = FastCore.drafting_compiled_by_default(self.target.device) if o.compile_drafting is None \
             else o.compile_drafting
-        if cd and not o.compile and mode != "none":
+        if cd and mode != "none":
             self.core.compile_drafting(o.compile_backend)
         self.core.coupled = o.coupled_drafts
         if o.chain_stop is not None:
@@ -198,7 +197,7 @@ class FastEngine:
     def eager(self) -> bool:
         """Whether cycles run eagerly (no graph, nothing compiled), so the host can act between draft steps."""
         o = self.options
-        return not ((o.graphs and self.target.device.type == "cuda") or o.compile or self.core.drafting_compiled)
+        return not ((o.graphs and self.target.device.type == "cuda") or self.core.drafting_compiled)
 
     @property
     def seq_len(self) -> int:
@@ -230,10 +229,7 @@ class FastEngine:
                   "plain": lambda: self.core.plain_verify(int(arg)),
                   "prefill": lambda: self.core.prefill_fixed(int(arg)),
                   "begin": lambda: self.core.begin_fixed(int(arg))}[kind]
-            o = self.options
-            r = StepRunner(fn, self.device, graphs=o.graphs, pool=self._pool, name=name,
-                           compile=o.compile and kind not in ("prefill", "begin"),  # one compile per width: no
-                           compile_backend=o.compile_backend)
+            r = StepRunner(fn, self.device, graphs=self.options.graphs, pool=self._pool, name=name)
             r.prepare()
             self.core.reset()
             self._runners[name] = r
@@ -264,14 +260,10 @@ class FastEngine:
         capture failure)."""
         return bool(self._runners) and all(r.graph is not None for r in self._runners.values())
 
-    @property
-    def compiled(self) -> bool:
-        return bool(self._runners) and all(r.compiled for r in self._runners.values())
-
     def settings(self) -> dict:
         """What this engine runs with, resolved for its device (for run records: `eagle3 eval`)."""
         o = self.options
-        return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda", "compile": o.compile,
+        return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda",
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
                 "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
                 "target_attention": self.target_attention, "norms_folded": self.target.folded,

@@ -45,71 +45,55 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 class StepRunner:
     """`runner()` runs `fn`; on CUDA with `graphs`, `prepare()` captures it and later calls replay the graph."""
 
-    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool = True, compile: bool = False,
-                 pool=None, name: str = "step", warmup: int = 2, compile_backend: str = "inductor"):
+    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool = True, pool=None,
+                 name: str = "step", warmup: int = 2):
         self.fn, self.name, self.warmup = fn, name, warmup
         self.device = torch.device(device)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.pool = pool
-        self.compiled = False
         self.call = fn
-        if compile:
-            raise_recompile_limit()
-            self.call = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
-            self.compiled = True
         self.graph: torch.cuda.CUDAGraph | None = None
         self.prepare_s = 0.0
 
     def _warm(self) -> None:
-        if self.compiled:
-            try:
-                self.call()
-            except Exception as e:  # an inductor or dynamo failure must not stop decoding: run eager instead
-                log.warning("torch.compile of %s failed (%s: %s); capturing the eager function instead",
-                            self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self.call, self.compiled = self.fn, False
         for _ in range(self.warmup):
             self.call()
 
     def prepare(self) -> None:
-        """Warm up (compiles on the first call) and capture; a no-op for eager runners without compile."""
-        if self.graph is not None or not (self.use_graphs or self.compiled):
+        """Warm up and capture; a no-op for eager runners."""
+        if self.graph is not None or not self.use_graphs:
             return
         t0 = time.perf_counter()
-        if not self.use_graphs:
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
             self._warm()
-        else:
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(self.device)
+        # A CUDA graph freed while another is being captured (by the cyclic garbage collector: engines and
+        # their runners reference each other) invalidates that capture, and every later capture into the
+        # pool then fails. torch no longer collects before a capture, so collect here and not during it.
+        gc.collect()
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
+                self.call()
             torch.cuda.synchronize(self.device)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._warm()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.current_stream(self.device)
-            # A CUDA graph freed while another is being captured (by the cyclic garbage collector: engines and
-            # their runners reference each other) invalidates that capture, and every later capture into the
-            # pool then fails. torch no longer collects before a capture, so collect here and not during it.
-            gc.collect()
-            gc_enabled = gc.isenabled()
-            gc.disable()
-            try:
-                with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
-                    self.call()
-                torch.cuda.synchronize(self.device)
-                self.graph = graph
-            except RuntimeError as e:  # keep decoding (eagerly) and say so; --no-graphs avoids the attempt
-                torch.cuda.set_stream(stream)  # a capture that failed to begin leaves its side stream current
-                log.warning("CUDA graph capture of %s failed (%s); running it eagerly", self.name,
-                            str(e).splitlines()[0] if str(e) else type(e).__name__)
-                self.use_graphs = False
-            finally:
-                if gc_enabled:
-                    gc.enable()
+            self.graph = graph
+        except RuntimeError as e:  # keep decoding (eagerly) and say so; --no-graphs avoids the attempt
+            torch.cuda.set_stream(stream)  # a capture that failed to begin leaves its side stream current
+            log.warning("CUDA graph capture of %s failed (%s); running it eagerly", self.name,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            self.use_graphs = False
+        finally:
+            if gc_enabled:
+                gc.enable()
         self.prepare_s = time.perf_counter() - t0
-        log.info("prepared %s in %.2fs (graph=%s, compiled=%s)", self.name, self.prepare_s,
-                 self.graph is not None, self.compiled)
+        log.info("prepared %s in %.2fs (graph=%s)", self.name, self.prepare_s, self.graph is not None)
 
     def __call__(self) -> None:
         if self.graph is not None:

@@ -125,7 +125,7 @@ def scale_rows(y: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
 
 def scaled_gate(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
     """SwiGLU's activation after a folded gate/up product: the Triton kernel on CUDA, else (and inside traced
-    code: `FastOptions.compile` traces whole steps) the same in PyTorch."""
+    code) the same in PyTorch."""
     if _kernel_path(gate_up):
         return scaled_gate_triton(gate_up, h, eps)
     return scaled_gate_torch(gate_up, h, eps)

@@ -123,7 +123,6 @@ def measure_overhead(
     tree_depth: int = 6,
     tree_top_k: int = 10,
     graphs: bool = True,
-    compile: bool = False,
     fuse_pointwise: bool | str | None = None,
     reps: int = 20,
     log: Callable[[str], None] = print,
@@ -145,7 +144,7 @@ def measure_overhead(
     dev = target.device
     attention = fdrafter.use_attention(drafter_attention)
     if compile_drafting is None:
-        compile_drafting = FastCore.drafting_compiled_by_default(dev, compile)
+        compile_drafting = FastCore.drafting_compiled_by_default(dev)
     vocab = target.vocab_size
     biggest = max([*trees, *chains, 1])
     seq_len = -(-(context + 2 * biggest + tree_depth + 16) // 128) * 128
@@ -155,7 +154,7 @@ def measure_overhead(
     # pool trips the caching allocator's `use_count > 0` assertion (torch 2.11; pytorch/pytorch#175276).
     runners: list[StepRunner] = []
     def runner(fn, name):
-        r = StepRunner(fn, dev, graphs=graphs, compile=compile, pool=pool, name=name)
+        r = StepRunner(fn, dev, graphs=graphs, pool=pool, name=name)
         r.prepare()
         runners.append(r)
         return r
@@ -170,7 +169,7 @@ def measure_overhead(
     bw = copy_bandwidth(dev)
     out: dict = {
         "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
-        "graphs": graphs and dev.type == "cuda", "compile": compile,
+        "graphs": graphs and dev.type == "cuda",
         "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
         "compile_drafting": compile_drafting, "drafter_attention": attention, "target_attention": target_attention,
         "norms_folded": target.folded,
@@ -235,7 +234,7 @@ SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 12288)}
 
 
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
-                 compile: bool = False, fuse_pointwise: bool | str | None = None, reps: int | None = None,
+                 fuse_pointwise: bool | str | None = None, reps: int | None = None,
                  log: Callable[[str], None] = print, compile_drafting: bool | None = None,
                  shape: str = "llama-3.1-8b", drafter_attention: str | None = None,
                  target_attention: str | None = None, on_progress: Callable[[dict], None] | None = None) -> dict:
@@ -243,7 +242,7 @@ def run_overhead(device: str, tiny: bool = False, context: int | None = None, gr
     (`on_progress` as `measure_overhead`, each result with its `shape`)."""
     dev = torch.device(device)
     name = "tiny-llama" if tiny else shape
-    common = dict(graphs=graphs, compile=compile, fuse_pointwise=fuse_pointwise, log=log,
+    common = dict(graphs=graphs, fuse_pointwise=fuse_pointwise, log=log,
                   compile_drafting=compile_drafting, drafter_attention=drafter_attention,
                   target_attention=target_attention,
                   on_progress=None if on_progress is None else lambda r: on_progress({"shape": name, **r}))

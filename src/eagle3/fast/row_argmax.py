@@ -62,7 +62,7 @@ def chunk_size(vocab: int) -> int:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The index [R] (int64) of each row's largest value of logits [R, V] (any float dtype), as
     `logits.argmax(dim=-1)`: the lowest index among equals, NaN first."""
-    if torch.compiler.is_compiling():  # `FastOptions.compile` traces whole steps: torch's argmax there
+    if torch.compiler.is_compiling():  # inside torch.compile (compiled drafting's pieces): torch's argmax
         return logits.argmax(dim=-1)
     if logits.dim() != 2:
         raise ValueError(f"argmax_rows takes logits [R, V], got {tuple(logits.shape)}")

@@ -36,7 +36,7 @@ def _kernel():
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., H] (last dimension contiguous) over its last dimension, scaled by weight [H]; x's dtype."""
-    if torch.compiler.is_compiling():  # `FastOptions.compile` traces whole steps: the fused norm there
+    if torch.compiler.is_compiling():  # inside torch.compile: the fused norm
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = x.shape[-1]
     if x.stride(-1) != 1:

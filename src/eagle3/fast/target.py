@@ -291,7 +291,7 @@ class FastTarget(nn.Module):
 
     def experts(self, x: torch.Tensor, lw: _Layer) -> torch.Tensor:
         """Layer lw's routed experts on the normed x [N, H] -> [N, H] (`eagle3.fast.moe`)."""
-        on_host = self.experts_on_host and not torch.compiler.is_compiling()  # not where a whole step is traced
+        on_host = self.experts_on_host and not torch.compiler.is_compiling()  # not in traced code
         return lw.moe(x, self.linear, self.pointwise.gate, on_host=on_host, min_rows=2 if self.exact_rows else 1)
 
     def _adds_in_product(self, b: torch.Tensor | None) -> bool:
@@ -387,7 +387,7 @@ class FastTarget(nn.Module):
         exact = self.exact_rows or self.attention == "matmul"
         groups = nh // nkv  # query heads per KV head, stacked along the query axis
         by_splits = (self.attention == "split" and not shapes_vary() and split.supports(self.hd, t)
-                     and not torch.compiler.is_compiling())  # `FastOptions.compile` traces whole steps: SDPA there
+                     and not torch.compiler.is_compiling())  # traced code (torch.compile) attends by SDPA
         # forwards that attend by splits also rotate q and k and write K and V in one kernel per layer (`rope_cache`)
         cos, sin = (None, None) if by_splits else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]

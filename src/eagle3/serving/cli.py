@@ -176,11 +176,10 @@ def load_server(args):
 
 
 def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, device: str, config,
-                     compile: bool = False, fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
+                     fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
                      graph_prefill: str = "auto"):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`). `serve` takes the defaults; the
-    variants are for developers (scripts/bench_serving.py): `compile`: its steps are inductor-compiled before capture
-    (`FastOptions.compile`); `fuse_pointwise`: `FastOptions.fuse_pointwise`; `eager_drafting`:
+    variants are for developers (scripts/bench_serving.py): `fuse_pointwise`: `FastOptions.fuse_pointwise`; `eager_drafting`:
     `FastOptions.compile_drafting=False`; `graph_prefill`: "on"/"off" set
     `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device."""
     if not on_for_device(choice, device):
@@ -196,7 +195,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
         log.warning("fast lane off: %s", reason)
         return None
     engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
-                        options=FastOptions(compile=compile, fuse_pointwise=fuse_pointwise,
+                        options=FastOptions(fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
                                             graph_prefill=on_for_device(graph_prefill, device)))
     engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request

@@ -25,12 +25,8 @@ class FastPathsMixin:
 
     # -- the fast lane: one greedy request alone on the batch-1 fast path ------------------------
     def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
-        if not (self.fast is not None and not self._rows and not self._frows and len(admitted) == 1
-                and not self._waiting and admitted[0].params.temperature == 0):
-            return False
-        # a compiled lane takes only what its prepared caches hold: growing them would recompile mid-request
-        p = admitted[0].params
-        return not self.fast.options.compile or self.fast.fits(len(p.prompt_ids), p.max_tokens)
+        return (self.fast is not None and not self._rows and not self._frows and len(admitted) == 1
+                and not self._waiting and admitted[0].params.temperature == 0)
 
     def _run_lane(self, h: RequestHandle) -> _Row | None:
         """Decode `h` on the fast engine until it finishes, is cancelled, or another request arrives; returns
