@@ -42,11 +42,6 @@ def moe_support(mlp: nn.Module) -> str | None:
     router, experts = found
     if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
         return "its experts have biases"
-    if getattr(mlp, "shared_expert", None) is not None or getattr(mlp, "shared_experts", None) is not None:
-        return "it has a shared expert"
-    act = getattr(experts, "act_fn", None)
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
-        return f"its experts' activation is {type(act).__name__}, not SiLU"
     e, two_i, h = experts.gate_up_proj.shape
     if tuple(experts.down_proj.shape) != (e, h, two_i // 2) or tuple(router.weight.shape) != (e, h):
         return "its expert or router weights are not laid out as [E, 2·I, H], [E, H, I] and [E, H]"
