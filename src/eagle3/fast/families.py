@@ -66,7 +66,6 @@ def fast_support(model: nn.Module) -> str | None:
     return None
 
 
-
 def _cat_bias(parts: list[nn.Linear]) -> torch.Tensor | None:
     if all(p.bias is None for p in parts):
         return None
