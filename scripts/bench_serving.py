@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
     # the fast path's variants (library options of `fast_lane_engine` / `fast_rows`; `eagle3 serve` takes the defaults)
-    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
+    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="elementwise", default="auto",
                    help=FUSE_POINTWISE_HELP)
     p.add_argument("--eager-drafting", action="store_true",
                    help="the fast lane's drafting op by op (FastOptions.compile_drafting=False)")

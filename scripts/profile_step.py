@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="cached tokens before the profiled step")
     p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="all", default="auto",
+    p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="elementwise", default="auto",
                    help="the target's elementwise work compiled (Pointwise, FastOptions.fuse_pointwise; "
                         "auto: elementwise on CUDA, off on a CPU)")
     p.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",

@@ -32,7 +32,7 @@ from eagle3.fast.core import prefix_and_window
 from eagle3.fast.cpu import argmax_ids
 from eagle3.fast.drafter import drafter_attention_for, top_k_last, top_n_in_order
 from eagle3.fast.pointwise import (
-    FUSE_LEVELS,
+    ELEMENTWISE_PIECES,
     apply_rope,
     apply_rope_heads,
     fuse_level,
@@ -255,17 +255,16 @@ def test_rope_heads_first_is_bit_exact(dtype, tokens):
 
 def test_fuse_levels_and_bad_levels():
     """`FastOptions.fuse_pointwise`: None or "auto" is elementwise on CUDA and off on a CPU; False or "off" is off;
-    True is "all"; "elementwise" leaves the norms eager; anything else stops with the option's choices. A default
-    engine on a CPU leaves the target eager."""
-    values = (None, "auto", False, "off", True, "elementwise", "all")
+    True and "elementwise" compile RoPE and SwiGLU, never the norms; anything else stops with the option's choices.
+    A default engine on a CPU leaves the target eager."""
+    values = (None, "auto", False, "off", True, "elementwise")
     assert [fuse_level(v, "cuda:1") for v in values] == [
-        "elementwise", "elementwise", None, None, "all", "elementwise", "all"]
+        "elementwise", "elementwise", None, None, "elementwise", "elementwise"]
     assert [fuse_level(v, torch.device("cpu")) for v in values] == [
-        None, None, None, None, "all", "elementwise", "all"]
-    assert "norm" not in FUSE_LEVELS["elementwise"] and "add_norm" not in FUSE_LEVELS["elementwise"]
-    assert set(FUSE_LEVELS["elementwise"]) < set(FUSE_LEVELS["all"])
-    with pytest.raises(ConfigError, match=r"expected one of \('auto', 'off', 'elementwise', 'all'\)"):
-        fuse_level("norms", "cpu")
+        None, None, None, None, "elementwise", "elementwise"]
+    assert not {"norm", "add_norm"} & set(ELEMENTWISE_PIECES)
+    with pytest.raises(ConfigError, match=r"expected one of \('auto', 'off', 'elementwise'\)"):
+        fuse_level("all", "cpu")
     with pytest.raises(ConfigError, match="fuse_pointwise"):
         FastEngine(build_tiny_target("llama"), draft="none", options=FastOptions(fuse_pointwise="fast"))
     assert not FastEngine(build_tiny_target("llama"), draft="none").target.pointwise.compiled
@@ -652,7 +651,7 @@ def test_compiled_drafting_falls_back_to_eager_with_a_warning(models, drafters, 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_pointwise_keeps_greedy_output(models, drafters, arch):
-    """`fuse_pointwise`: norms, residual adds, RoPE and SwiGLU compiled by inductor with dynamic shapes, so one
+    """`fuse_pointwise`: RoPE and SwiGLU compiled by inductor with dynamic shapes, so one
     set of kernels serves prefill (5 and 35 tokens), plain steps and 13-row tree verification; greedy output
     still equals HF generate (qwen3: with its q/k norms), and a forward's logits and aux features equal eager's
     up to fp32 rounding, also through `forward_rows`."""
@@ -898,7 +897,7 @@ def test_cuda_sampled_cycles_match_plain_sampling(kind):
 @pytest.mark.parametrize("kind", ["none", "chain", "tree", "ngram"])
 def test_cuda_graphs_match_hf_generate(kind):
     """On a GPU: captured cycles (pipelined) give HF's greedy tokens in fp32, and really replay graphs; also with
-    the elementwise work compiled (`fuse_pointwise`: elementwise by default on CUDA, all) inside the captured
+    the elementwise work compiled (`fuse_pointwise`: elementwise by default on CUDA) inside the captured
     graphs or eager (off), with the drafter's and the target's SDPA attention (matmul and split by default on
     CUDA), and with captured prefills (`graph_prefill`)."""
     model = build_tiny_target("llama").cuda()

@@ -50,7 +50,7 @@ def test_the_switch_is_for_cuda():
 
 def test_the_norm_goes_with_the_split_attention(interpreted):
     """`select_norm`: the row kernel where the target attends by splits (auto), torch's norm with other
-    attentions or `norm_kernel = "off"`, compiled norms left alone; the shared eager pieces never change."""
+    attentions or `norm_kernel = "off"`, also with RoPE and SwiGLU compiled; the shared eager pieces never change."""
     t = FastTarget(build_tiny_target("llama"))
     assert t.attention == "sdpa" and t.pointwise.norm is rms_norm  # a CPU's default
     t.attention = "split"  # on a CPU only through the interpreter
@@ -60,8 +60,8 @@ def test_the_norm_goes_with_the_split_attention(interpreted):
     t.select_norm()
     assert t.pointwise.norm is rms_norm
     t.norm_kernel = "auto"
-    t.fuse_pointwise("aot_eager", "all")
-    assert "norm" in t.pointwise.fused and t.pointwise.norm not in (rms_norm, rms_norm_rows)
+    t.fuse_pointwise("aot_eager")
+    assert t.pointwise.compiled and "norm" not in t.pointwise.fused and t.pointwise.norm is rms_norm_rows
 
 
 @pytest.mark.gpu

@@ -28,12 +28,9 @@ DEFAULT_NGRAM_MIN = 1
 # The fast path's variants are library options only (`eagle3.fast.engine.FastOptions`, `run_bench`'s keywords,
 # `fast_lane_engine`/`fast_rows`, the scripts' own flags); their auto defaults pick per device
 # (docs/how-it-works.md, "The fast path's options"). The values each accepts, checked where they resolve:
-# `FastOptions.fuse_pointwise` (`eagle3.fast.pointwise.fuse_level`): the levels that compile something, then the two
-# that choose.
-FUSE_POINTWISE_LEVELS = ("elementwise", "all")  # their pieces: `eagle3.fast.pointwise.FUSE_LEVELS`
-FUSE_POINTWISE_CHOICES = ("auto", "off", *FUSE_POINTWISE_LEVELS)
-FUSE_POINTWISE_HELP = ("elementwise: compile RoPE, SwiGLU; all (the flag alone): also norms, residual adds (bf16 "
-                       "chains then differ); auto: elementwise on CUDA")
+# `FastOptions.fuse_pointwise` (`eagle3.fast.pointwise.fuse_level`).
+FUSE_POINTWISE_CHOICES = ("auto", "off", "elementwise")
+FUSE_POINTWISE_HELP = "elementwise (the flag alone): compile RoPE and SwiGLU; auto: elementwise on CUDA, off elsewhere"
 # `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`.
 DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split", "prefix")
 DRAFTER_ATTENTION_HELP = ("how the drafter attends; auto: split (split-KV Triton kernels) on CUDA where the head "

@@ -53,9 +53,8 @@ class FastOptions:
 
     graphs: bool = True  # capture each cycle in a CUDA graph (False: eager kernels, same code)
     compile_backend: str = "inductor"  # the compiled pieces' torch.compile backend ("aot_eager": no codegen)
-    # compile only the target's elementwise work (`Pointwise`, `fuse_level`): "elementwise" (no norms: bf16
-    # rounding alike at every row count), "all" (True) or "off" (False); None or "auto": elementwise on CUDA,
-    # off on a CPU (`fuse_level`). A shared target stays as it is.
+    # compile the target's RoPE and SwiGLU (`Pointwise`, `fuse_level`): "elementwise" (True) or "off" (False); None
+    # or "auto": elementwise on CUDA, off on a CPU. A shared target stays as it is.
     fuse_pointwise: bool | str | None = None
     # compile the cycle's pieces that do not run the target (`FastCore.compile_drafting`; emitted tokens unchanged).
     # None: on CUDA, where the compiled kernels are captured in the cycle's graph and shorten it; not on a CPU,

@@ -1,12 +1,13 @@
-"""The elementwise work of a decoder layer (RMSNorm, RoPE, SwiGLU, residual adds), eager or compiled
-(`Pointwise`, at the `FastOptions.fuse_pointwise` levels of `fuse_level`), and where the residual adds go (`residual_in_gemm`)."""
+"""The elementwise work of a decoder layer (RMSNorm, RoPE, SwiGLU, residual adds), eager or with RoPE and SwiGLU
+compiled (`Pointwise`, `FastOptions.fuse_pointwise` as `fuse_level` reads it), and where the residual adds go
+(`residual_in_gemm`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.config import FUSE_POINTWISE_CHOICES, FUSE_POINTWISE_LEVELS, ConfigError, on_for_device
+from eagle3.config import FUSE_POINTWISE_CHOICES, ConfigError, on_for_device
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,54 +89,44 @@ def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# The pieces `Pointwise` can compile. ELEMENTWISE are those without reductions: a token's values do not depend
-# on how many tokens share the forward whichever kernel inductor generates for that count (a specialised one for
-# one token, a dynamic one for many), so a one-token step and a many-token verification round alike. The norms
-# reduce over the hidden size, and inductor may split a one-row reduction where it does not split 61 rows: with
-# them compiled, bf16 chains part from plain decoding (docs/benchmarks.md).
-POINTWISE_PIECES = ("norm", "add_norm", "rope", "rope_heads", "gate", "qkv_rope")
+# The pieces `Pointwise` compiles: those without reductions, so a token's values do not depend on how many tokens
+# share the forward whichever kernel inductor generates for that count (a specialised one for one token, a dynamic
+# one for many), and a one-token step and a many-token verification round alike. The norms reduce over the hidden
+# size, and inductor may split a one-row reduction where it does not split 61 rows: compiled too, they broke bf16
+# chain identity (docs/benchmarks.md), so they stay eager.
 ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
-# `FastOptions.fuse_pointwise` levels (read by `fuse_level`): the pieces each compiles.
-FUSE_LEVELS = dict(zip(FUSE_POINTWISE_LEVELS, (ELEMENTWISE_PIECES, POINTWISE_PIECES), strict=True))
 
 
 def fuse_level(value: bool | str | None, device: torch.device | str) -> str | None:
-    """`FastOptions.fuse_pointwise` for a target on `device`, as a `FUSE_LEVELS` key or
-    None (off). None or "auto": "elementwise" on CUDA (faster, and bf16 chains stay identical to plain decoding),
-    off elsewhere (the auto of
-    every auto/on/off option, `eagle3.config.on_for_device`: on a CPU compiled pieces run outside CUDA graphs and
-    their call overhead costs more than they save); False or "off": off; True: "all" (the flag alone); a
-    level: itself."""
+    """`FastOptions.fuse_pointwise` for a target on `device`: "elementwise" (compile `ELEMENTWISE_PIECES`) or None
+    (off). None or "auto": elementwise on CUDA (faster, and bf16 chains stay identical to plain decoding), off
+    elsewhere (the auto of every auto/on/off option, `eagle3.config.on_for_device`: on a CPU compiled pieces run
+    outside CUDA graphs and their call overhead costs more than they save); False or "off": off; True or
+    "elementwise": elementwise."""
     if value is None or value == "auto":
         return "elementwise" if on_for_device("auto", device) else None
     if value is False or value == "off":
         return None
-    level = "all" if value is True else value
-    if level not in FUSE_LEVELS:
-        raise ConfigError(f"fuse_pointwise {value!r}: expected one of {FUSE_POINTWISE_CHOICES}")
-    return level
+    if value is True or value == "elementwise":
+        return "elementwise"
+    raise ConfigError(f"fuse_pointwise {value!r}: expected one of {FUSE_POINTWISE_CHOICES}")
 
 
 class Pointwise:
-    """The elementwise work of a decoder layer (norms, residual adds, RoPE, SwiGLU), eager or compiled.
+    """The elementwise work of a decoder layer (norms, residual adds, RoPE, SwiGLU), eager or with
+    `ELEMENTWISE_PIECES` compiled.
 
-    Compiled (`backend` given; `pieces`, default all of them), each piece becomes one or two inductor kernels, while
+    Compiled (`backend` given), each piece becomes one or two inductor kernels, while
     the matrix products and the attention stay with the vendor libraries (cuBLAS, cuDNN), which beats both eager
     and compiling the whole step (docs/benchmarks.md). The pieces compile for the first shapes they see and,
     once the number of tokens changes, for any number of tokens (dynamo's automatic dynamic shapes), so prefills
     of any length reuse them while the model's own sizes stay constants in the kernels. With `dynamic=True` those
     sizes would be runtime values too, and every index would go through integer divisions by them (visible in
     inductor's CPU code), which makes the kernels slower.
-    Inductor may round a one-row step (a specialised kernel) differently from a many-row verification where a
-    piece reduces (the norms; `ELEMENTWISE_PIECES` do not); in fp32 greedy output stays identical
-    (tests/test_fast.py), and in bf16 the share of identical answers is what `eagle3 bench` reports.
     """
 
-    def __init__(self, backend: str | None = None, pieces: tuple[str, ...] = POINTWISE_PIECES):
-        unknown = set(pieces) - set(POINTWISE_PIECES)
-        if unknown:
-            raise ValueError(f"unknown pointwise pieces {sorted(unknown)}; expected some of {POINTWISE_PIECES}")
-        self.fused = frozenset(pieces if backend is not None else ())
+    def __init__(self, backend: str | None = None):
+        self.fused = frozenset(ELEMENTWISE_PIECES if backend is not None else ())
         fns = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "rope_heads": apply_rope_heads,
                "gate": silu_gate, "qkv_rope": heads_first_rope}
         for name, f in fns.items():

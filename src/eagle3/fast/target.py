@@ -40,7 +40,6 @@ from eagle3.fast.families import _Layer, _text_config, attention_window, fast_su
 from eagle3.fast.norm_fold import scale_rows, scaled_gate
 from eagle3.fast.pointwise import (
     EAGER,
-    FUSE_LEVELS,
     Pointwise,
     fuse_level,
     heads_first,
@@ -136,29 +135,24 @@ class FastTarget(nn.Module):
         """Set the RMSNorms of every forward, as `norm_kernel` says; call before capturing graphs.
 
         Folded ("fold", or "auto" where the target attends by splits, the Triton decoding path, whose RoPE
-        kernel applies the scale): each layer's two norm weights go into its q/k/v and gate/up matrices and the kernels after those
-        products apply the rows' scale (`eagle3.fast.norm_fold`); not where those products have biases (Qwen2), nor
-        with compiled norms (`fuse_pointwise` "all"). The final norm, and every norm otherwise, is
+        kernel applies the scale): each layer's two norm weights go into its q/k/v and gate/up matrices and the
+        kernels after those products apply the rows' scale (`eagle3.fast.norm_fold`); not where those products
+        have biases (Qwen2) or the layer has routed experts. The final norm, and every norm otherwise, is
         `eagle3.fast.row_norm` ("on", or "auto"/"fold" on that path, where it is faster than `F.rms_norm`), else
-        `rms_norm`; compiled norms stay."""
+        `rms_norm`."""
         if self.norm_kernel not in ("auto", "fold", "on", "off"):
             raise ConfigError(f"norm_kernel {self.norm_kernel!r}: expected auto, fold, on or off")
-        compiled = "norm" in self.pointwise.fused
-        if self.norm_kernel == "fold" and (compiled or not self.foldable):
-            raise ConfigError("the norms cannot be folded into this target's products: "
-                              + ("they are compiled (fuse_pointwise 'all')" if compiled else
-                                 "its q/k/v or gate/up projections have biases"))
+        if self.norm_kernel == "fold" and not self.foldable:
+            raise ConfigError("the norms cannot be folded into this target's products: its q/k/v or gate/up "
+                              "projections have biases, or its layers have routed experts")
         decoding_path = self.attention == "split"
-        fold = self.norm_kernel == "fold" or (self.norm_kernel == "auto" and decoding_path and self.foldable
-                                              and not compiled)
+        fold = self.norm_kernel == "fold" or (self.norm_kernel == "auto" and decoding_path and self.foldable)
         if fold != self.folded:
             for lw in self.layers:
                 lw.fuse(folded=fold)
             self.folded = fold
             if self.packed is not None:  # the packed copies are of the matrices just replaced
                 self.packed = pack_weights(self.device, self.dtype, self.matrices())
-        if compiled:
-            return
         on = self.norm_kernel == "on" or (self.norm_kernel in ("auto", "fold") and decoding_path)
         want = rms_norm_rows if on else rms_norm
         if self.pointwise.norm is not want:
@@ -179,10 +173,9 @@ class FastTarget(nn.Module):
         self.select_norm()
         return self.attention
 
-    def fuse_pointwise(self, backend: str = "inductor", level: bool | str | None = "all") -> None:
-        """Run the elementwise work as compiled kernels from now on (`Pointwise`; `level` as `fuse_level`:
-        "elementwise" leaves the norms eager; "off", or "auto" off CUDA, leaves everything as it is); compiles on
-        first use, so call it before capturing graphs."""
+    def fuse_pointwise(self, backend: str = "inductor", level: bool | str | None = "elementwise") -> None:
+        """Run RoPE and SwiGLU as compiled kernels from now on (`Pointwise`; `level` as `fuse_level`: "off", or
+        "auto" off CUDA, leaves everything as it is); compiles on first use, so call it before capturing graphs."""
         level = fuse_level(level, self.device)
         if level is None:
             return
@@ -191,7 +184,7 @@ class FastTarget(nn.Module):
             # makes CPU decoding slower (docs/benchmarks.md).
             log.warning("fuse_pointwise on %s: compiled pieces are not captured in graphs here, and their call "
                         "overhead makes decoding slower; it is meant for CUDA", self.device)
-        self.pointwise = Pointwise(backend, FUSE_LEVELS[level])
+        self.pointwise = Pointwise(backend)
         self.select_norm()
 
     @property
