@@ -202,10 +202,6 @@ class FastEngine:
     def seq_len(self) -> int:
         return self.core.seq_len
 
-    def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether a request of this size runs on the caches and graphs prepared now (no reallocation)."""
-        return self._alloc is not None and self.core.slots_needed(prompt_len, max_new_tokens) <= self.seq_len
-
     def reserve(self, prompt_len: int, max_new_tokens: int) -> None:
         """Make the caches big enough for a request; (re)allocating drops captured graphs."""
         need = self.core.slots_needed(prompt_len, max_new_tokens)

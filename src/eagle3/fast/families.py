@@ -111,7 +111,8 @@ class _Layer(nn.Module):
     def _fused(self, folded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The HF layer's q/k/v and gate/up weights concatenated (None for experts), norms folded in or not."""
         wqkv = torch.cat([p.weight.detach() for p in self._qkv()])
-        w13 = torch.cat([p.weight.detach() for p in self._gate_up()]) if self.moe is None else None
+        gate_up = self._gate_up()
+        w13 = torch.cat([p.weight.detach() for p in gate_up]) if gate_up else None
         if folded:
             wqkv, w13 = fold_columns(wqkv, self.ln1), fold_columns(w13, self.ln2)
         return wqkv, w13

@@ -47,11 +47,10 @@ class StepRunner:
 
     def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool = True, pool=None,
                  name: str = "step", warmup: int = 2):
-        self.fn, self.name, self.warmup = fn, name, warmup
+        self.call, self.name, self.warmup = fn, name, warmup
         self.device = torch.device(device)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.pool = pool
-        self.call = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.prepare_s = 0.0
 

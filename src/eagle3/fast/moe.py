@@ -107,7 +107,7 @@ class RoutedExperts(nn.Module):
         order = torch.argsort(chosen, stable=True)  # [N·k]: pairs grouped by expert
         rows = x[order // k]  # [N·k, H]
         experts, counts = torch.unique_consecutive(chosen[order], return_counts=True)
-        out = torch.empty_like(rows)
+        out = torch.empty_like(rows)  # in grouped order
         start = 0
         for e, m in zip(experts.tolist(), counts.tolist(), strict=True):
             group = rows[start : start + m]
@@ -115,4 +115,6 @@ class RoutedExperts(nn.Module):
                 group = torch.cat([group, group[-1:].expand(min_rows - m, -1)])
             out[start : start + m] = linear(gate(linear(group, self.w13[e])), self.w2[e])[:m]
             start += m
-        return out[torch.argsort(order)]  # back to pair order
+        paired = torch.empty_like(out)
+        paired[order] = out  # back to pair order
+        return paired

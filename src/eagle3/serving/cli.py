@@ -179,8 +179,8 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
                      fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
                      graph_prefill: str = "auto"):
     """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`). `serve` takes the defaults; the
-    variants are for developers (scripts/bench_serving.py): `fuse_pointwise`: `FastOptions.fuse_pointwise`; `eager_drafting`:
-    `FastOptions.compile_drafting=False`; `graph_prefill`: "on"/"off" set
+    variants are for developers (scripts/bench_serving.py): `fuse_pointwise`: `FastOptions.fuse_pointwise`;
+    `eager_drafting`: `FastOptions.compile_drafting=False`; `graph_prefill`: "on"/"off" set
     `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device."""
     if not on_for_device(choice, device):
         return None
