@@ -355,17 +355,17 @@ def test_profile_step_script_groups_kernels(tmp_path, capsys):
 
 
 def test_profile_step_experiments_reach_the_target(tmp_path):
-    """`--residual-add gemm` and `--target-attention matmul` set the target's switches, and the record says so;
-    the residual then goes through Tensor.addmm_, and the attention through baddbmm."""
+    """`--residual-add gemm` and `--target-attention sdpa` set the target's switches, and the record says so;
+    the residual then goes through Tensor.addmm_."""
     mod = script("profile_step")
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--device", "cpu", "--context", "16", "--reps", "1",
-                     "--residual-add", "gemm", "--target-attention", "matmul", "--by-source", "40",
+                     "--residual-add", "gemm", "--target-attention", "sdpa", "--by-source", "40",
                      "--out", str(out)]) == 0
     rec = json.loads((out / "profile_step.json").read_text())
-    assert rec["residual_in_gemm"] is True and rec["target_attention"] == "matmul"
+    assert rec["residual_in_gemm"] is True and rec["target_attention"] == "sdpa"
     ops = {(x["where"].split(" ")[-1], x["op"]) for x in rec["results"]["plain_step"]["sources"]}
-    assert ("add_linear_norm", "aten::addmm_") in ops and ("rows_exact_attention", "aten::baddbmm") in ops, ops
+    assert ("add_linear_norm", "aten::addmm_") in ops, ops
 
 
 def test_position_accuracy_script_buckets_every_answer_token(tmp_path, capsys):

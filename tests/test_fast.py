@@ -749,18 +749,6 @@ def test_packed_weights_give_the_bits_of_f_linear(models, drafters):
     assert torch.equal(t16.linear(x16, t16.lm_head), F.linear(x16, t16.lm_head))
 
 
-@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
-def test_matmul_target_attention_keeps_greedy_output(models, drafters, kind):
-    """`FastTarget.use_attention("matmul")` (the experiment of `profile_step.py --target-attention matmul`): every
-    target forward attends by `rows_exact_attention`, and greedy output still equals HF generate."""
-    model, d = models["qwen3"], drafters["qwen3"]
-    spec = {"none": None, "chain": CHAIN, "tree": TREE}[kind]
-    engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d)
-    engine.target.use_attention("matmul")
-    prompt = prompt_of(17, seed=43)
-    assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
-
-
 @pytest.mark.parametrize("kind", ["none", "tree"])
 def test_sampling_matches_generic_engine_with_same_seed(models, drafters, kind):
     model, d = models["llama"], drafters["llama"]

@@ -136,6 +136,96 @@ def test_chain_rows_keep_the_bits_of_one_token_calls(interpreted, dtype):
             assert torch.equal(rows[i : i + 1], one), i
 
 
+def random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Parents of n nodes in N+1 indexing (node 0 the root, node i's parent before it): [N+1], root's is 0."""
+    parents = [0] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n + 1)]
+    return torch.tensor(parents)
+
+
+def tree_paths(parents: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree verified at slots length + [0, N]: each node's position [N+1] and the slots of its path by position
+    [N+1, D+1] (root first), as `Paths` takes them."""
+    n1 = parents.shape[0]
+    chains = []
+    for i in range(n1):
+        path = [i]
+        while path[-1] != 0:
+            path.append(int(parents[path[-1]]))
+        chains.append(path[::-1])
+    width = max(map(len, chains))
+    tail = torch.tensor([[length + j for j in c] + [length] * (width - len(c)) for c in chains])
+    pos = torch.tensor([length + len(c) - 1 for c in chains])
+    return pos, tail
+
+
+def paths_mask(pos, tail, length, s):
+    """The slots each token sees under `Paths`, as a mask [T, S]."""
+    mask = torch.zeros(pos.shape[0], s, dtype=torch.bool)
+    mask[:, :length] = True
+    for t in range(pos.shape[0]):
+        mask[t, tail[t, : int(pos[t]) - length + 1]] = True
+    return mask
+
+
+@pytest.mark.parametrize("s,n,nkv,g,hd,dtype", [
+    (100, 12, 3, 3, 64, F32),  # one split
+    (700, 20, 2, 4, 32, F32),  # several splits
+    (700, 60, 3, 3, 64, F16),
+    (450, 8, 1, 20, 16, F32),  # 20 query heads per KV head: two tiles of a token's heads
+])
+def test_paths_match_softmax_attention_over_the_same_slots(interpreted, s, n, nkv, g, hd, dtype):
+    gen = torch.Generator().manual_seed(n)
+    length = s - n - 70
+    pos, tail = tree_paths(random_tree(n, gen), length)
+    q, k, v, _ = inputs(s, n + 1, nkv, g, hd, dtype, seed=n)
+    out = split.split_attention(q, k, v, None, hd**-0.5, paths=split.Paths(torch.tensor([length]), tail, pos))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), reference(q, k, v, paths_mask(pos, tail, length, s), hd**-0.5),
+                               atol=tol, rtol=tol)
+
+
+def test_paths_window_and_padding(interpreted):
+    """A sliding window counts positions, not slots; padding tokens (beyond `valid`) are not computed (zero)."""
+    s, n, nkv, g, hd, window = 300, 10, 2, 3, 32, 40
+    gen = torch.Generator().manual_seed(4)
+    length = 150
+    pos, tail = tree_paths(random_tree(n, gen), length)
+    q, k, v, _ = inputs(s, n + 1, nkv, g, hd, F32, seed=4)
+    paths = split.Paths(torch.tensor([length]), tail, pos, valid=n - 2)
+    out = split.split_attention(q, k, v, None, hd**-0.5, paths=paths, window=window)
+    mask = paths_mask(pos, tail, length, s)
+    mask[:, :length] &= torch.arange(length)[None, :] > pos[:, None] - window  # the prefix: slot = position
+    for t in range(n + 1):  # a path's slots are not its positions: window them by position
+        for j, slot in enumerate(tail[t, : int(pos[t]) - length + 1].tolist()):
+            mask[t, slot] = length + j > int(pos[t]) - window
+    ref = reference(q, k, v, mask, hd**-0.5)
+    torch.testing.assert_close(out[: n - 2].double(), ref[: n - 2], atol=1e-5, rtol=1e-5)
+    assert not out[n - 2 :].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_tree_node_keeps_the_bits_of_a_one_token_step_at_its_position(interpreted, dtype):
+    """Walked by position, a node whose path sits at scattered slots attends exactly as a one-token step does
+    with the same path laid out at the slots of its positions (what plain decoding's cache holds): the same
+    blocks, splits and tiles, so the same bits, whatever else the forward holds."""
+    s, n, nkv, g, hd = 600, 30, 2, 3, 64
+    gen = torch.Generator().manual_seed(7)
+    length = 260
+    pos, tail = tree_paths(random_tree(n, gen), length)
+    q, k, v, _ = inputs(s, n + 1, nkv, g, hd, dtype, seed=7)
+    tree = split.split_attention(q, k, v, None, hd**-0.5, paths=split.Paths(torch.tensor([length]), tail, pos))
+    for t in range(n + 1):
+        depth = int(pos[t]) - length
+        k1, v1 = k.clone(), v.clone()  # the cache plain decoding has: the path at its positions
+        k1[:, length : length + depth + 1] = k[:, tail[t, : depth + 1]]
+        v1[:, length : length + depth + 1] = v[:, tail[t, : depth + 1]]
+        qt = q.view(nkv, g, n + 1, hd)[:, :, t].contiguous()  # [nkv, g, hd]
+        p = torch.tensor([length + depth])
+        one = split.split_attention(qt, k1, v1, None, hd**-0.5,
+                                    paths=split.Paths(torch.tensor([length + depth]), p[:, None], p))
+        assert torch.equal(tree[t : t + 1], one), t
+
+
 def test_split_size_depends_on_the_cache_only():
     blocks = split.MIN_SPLIT_BLOCKS
     assert split.split_size(1) == split.split_size(blocks * split.BLOCK_N) == blocks * split.BLOCK_N
@@ -150,20 +240,23 @@ def test_split_size_depends_on_the_cache_only():
 def test_target_attention_choices():
     assert target_attention_for("auto", "cpu", 64) == "sdpa"
     assert target_attention_for(None, "cpu", 64) == "sdpa"
-    assert target_attention_for("matmul", "cpu", 64) == "matmul"
+    with pytest.raises(ConfigError, match="expected one of"):
+        target_attention_for("matmul", "cpu", 64)
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         target_attention_for("split", "cpu", 64)
     with pytest.raises(ConfigError, match="expected one of"):
         target_attention_for("flash", "cpu", 64)
 
 
-@pytest.mark.parametrize("arch,kind,norms", [("llama", "none", "auto"), ("llama", "tree", "auto"),
-                                             ("qwen3", "chain", "auto"), ("llama", "tree", "on")])
-def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, kind, norms):
-    """Greedy decoding through the fast path with every decoding forward attending by the kernel (the target's
-    head size is 16, its cache 256 slots: two splits and the merge), rotating and writing the cache by
-    `rope_cache`, the layers' norms folded into their products (`eagle3.fast.norm_fold`; "on": normalising by
-    `row_norm` instead), as on CUDA: HF `generate`'s tokens. Qwen3 covers the q/k norms."""
+@pytest.mark.parametrize("arch,kind,norms,pad", [("llama", "none", "auto", 16), ("llama", "tree", "auto", 0),
+                                                 ("llama", "tree", "auto", 16), ("qwen3", "chain", "auto", 0),
+                                                 ("llama", "tree", "on", 0)])
+def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, kind, norms, pad):
+    """Greedy decoding through the fast path with every decoding forward attending by the kernel by position
+    (`Paths`; the target's head size is 16, its cache 256 slots: two splits and the merge), rotating and writing
+    the cache by `rope_cache`, the layers' norms folded into their products (`eagle3.fast.norm_fold`; "on":
+    normalising by `row_norm` instead), decoding forwards padded to `pad` tokens (`step_rows`), as on CUDA: HF
+    `generate`'s tokens. Qwen3 covers the q/k norms."""
     model = build_tiny_target(arch)
     gen = torch.Generator().manual_seed(2)
     for name, w in model.named_parameters():  # norm weights start at one, where folding changes nothing
@@ -174,6 +267,7 @@ def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, k
     engine = FastEngine(model, draft="none" if kind == "none" else "eagle3", spec=spec, drafter=d,
                         options=FastOptions(max_seq_len=256))
     engine.target.attention = "split"  # on a CPU only through the interpreter: `target_attention_for` refuses
+    engine.target.step_rows = pad
     engine.target.norm_kernel = norms
     engine.target.select_norm()  # and the norms that go with it
     assert engine.target.folded == (norms == "auto")
@@ -265,3 +359,60 @@ def test_bf16_chains_stay_identical_to_plain_decoding_with_split_attention():
         assert chain.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids == want, seed
         assert split_drafter.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids == want, seed
     assert {"draft", "feed"} <= set(split_drafter.core.pieces.fns)  # compiled with the custom op, not eager
+
+
+def _tree_over_a_path(path: list[int], n: int, gen: torch.Generator) -> tuple[list[int], list[int], list[int]]:
+    """A tree of n nodes whose path of tokens `path` (below the root) sits at scattered nodes: at each depth a
+    decoy sibling comes first. Returns tokens, parents (N+1 indexing, root 0) and the path's node indices."""
+    tokens, parents, nodes = [], [0], []
+    parent = 0
+    for tok in path:
+        tokens += [int(torch.randint(3, 300, (1,), generator=gen)), tok]
+        parents += [parent, parent]
+        parent = len(tokens)
+        nodes.append(parent)
+    while len(tokens) < n:  # the rest hang off random earlier nodes
+        tokens.append(int(torch.randint(3, 300, (1,), generator=gen)))
+        parents.append(int(torch.randint(0, len(tokens), (1,), generator=gen)))
+    return tokens, parents, nodes
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_tree_nodes_get_the_bits_of_plain_steps(arch):
+    """On CUDA in bf16, batch-invariant (`FastOptions.batch_invariant`): a 40-node tree verified in one forward
+    whose accepted path sits at scattered slots gives that path's tokens the logits of one-token plain steps, bit
+    for bit: attention walks by position (`Paths`) and every decoding forward is padded to `step_rows` tokens,
+    so the products run the same kernels."""
+    from eagle3.fast.target import STEP_ROWS, FastTarget
+
+    model = build_tiny_target(arch).cuda().to(torch.bfloat16)
+    ft = FastTarget(model)
+    assert ft.attention == "split" and ft.step_rows == 0
+    ft.step_rows = STEP_ROWS  # what `FastOptions.batch_invariant` sets
+    ft.allocate(512)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 300, (200,), generator=gen).cuda()
+    ar = torch.arange(512, device="cuda")
+    n0 = prompt.shape[0]
+    ft(prompt, ar[:n0], ar[:n0], ar[None, :] <= ar[:n0, None])
+    path = torch.randint(3, 300, (6,), generator=gen).tolist()  # root, then 5 nodes
+    plain = []
+    for j, tok in enumerate(path):  # one-token steps at positions n0 + j, slots n0 + j
+        p = ar[n0 + j : n0 + j + 1]
+        plain.append(ft(torch.tensor([tok], device="cuda"), p, p, None, path=(p, p[:, None]))[0][0])
+    tokens, parents, nodes = _tree_over_a_path(path[1:], 40, gen)
+    anc = torch.eye(41, dtype=torch.bool)
+    for i in range(1, 41):
+        anc[i] |= anc[parents[i]]
+    depth = anc.sum(-1) - 1
+    tail = torch.full((41, int(depth.max()) + 1), n0)
+    for i in range(41):
+        chain = [j for j in range(41) if anc[i, j]]  # its ancestors in index order = by depth
+        tail[i, : len(chain)] = n0 + torch.tensor(chain)
+    ids = torch.tensor([path[0], *tokens], device="cuda")
+    length = ar[n0 : n0 + 1]
+    logits, _ = ft(ids, (n0 + depth).cuda(), n0 + ar[:41], None, path=(length, tail.cuda()))
+    for j, node in enumerate([0, *nodes]):
+        assert torch.equal(logits[node], plain[j]), j

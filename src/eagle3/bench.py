@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import (
+    BATCH_INVARIANT_HELP,
     DEFAULT_MAX_NEW_TOKENS,
     DTYPE_HELP,
     GUARD_HELP,
@@ -163,6 +164,7 @@ def run_bench(
     temperature: float = 0.0,
     seed: int = 0,
     guard: str = "auto",
+    batch_invariant: bool = False,
 ) -> dict:
     """Run the selected methods; returns the run record (rows, summary, bandwidth), without writing it.
 
@@ -233,7 +235,7 @@ def run_bench(
     options = FastOptions(graphs=graphs, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
                           max_seq_len=cache_len, compile_drafting=compile_drafting,
                           drafter_attention=drafter_attention, target_attention=target_attention,
-                          graph_prefill=graph_prefill)
+                          graph_prefill=graph_prefill, batch_invariant=batch_invariant)
     eager = dev.type == "cpu" and reason is None
     shared, attention = None, "sdpa"  # the generic engine attends through HF's modules
     if reason is None:
@@ -284,7 +286,7 @@ def run_bench(
                      "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                      "warmup": warmup, "device": str(dev),
                      "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                     "cache_slots": cache_len},
+                     "cache_slots": cache_len, "batch_invariant": batch_invariant},
             summary=summary, bandwidth=bandwidth, rows=rows, complete=bandwidth is not None,
         )
         rec["device"]["torch_device"] = str(dev)  # "device" also describes the machine (run_record)
@@ -498,6 +500,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up runs per method on the longest prompt")
     b.add_argument("--out", default="bench-out", metavar="DIR", help="folder for bench.json / bench.png (overhead.json)")
     b.add_argument("--no-graphs", action="store_true", help=NO_GRAPHS_HELP)
+    b.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     ov = b.add_argument_group("--overhead")
     ov.add_argument("--overhead", action="store_true", help="per-cycle cost with random weights (--shape)")
     ov.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), metavar="SHAPE",
@@ -547,6 +550,7 @@ def cmd_bench(args) -> int:
         max_new_tokens=args.max_new_tokens, methods=parse_methods(args.methods), chain=args.chain, tree=trees,
         ngram_tokens=args.ngram_tokens, device=args.device, dtype=args.dtype, graphs=graphs, warmup=args.warmup,
         on_progress=save, temperature=args.temperature, seed=args.seed, guard=args.guard,
+        batch_invariant=args.batch_invariant,
     )
     path = save(record)
     png = plot_bench(record, out / "bench.png")

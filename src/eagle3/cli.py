@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from eagle3.config import (
+    BATCH_INVARIANT_HELP,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DTYPE_HELP,
@@ -360,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     g.add_argument("--fast", action="store_true", help="same as --engine fast")
     g.add_argument("--no-graphs", action="store_true", help=NO_GRAPHS_HELP)
+    g.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter shaped for a target")

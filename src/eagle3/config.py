@@ -36,12 +36,14 @@ DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split", "prefix")
 DRAFTER_ATTENTION_HELP = ("how the drafter attends; auto: split (split-KV Triton kernels) on CUDA where the head "
                           "size allows, else matmul; prefix on a CPU (never changes the output)")
 # `FastOptions.target_attention`, resolved by `eagle3.fast.attention.target_attention_for`.
-TARGET_ATTENTION = ("auto", "sdpa", "split", "matmul")
+TARGET_ATTENTION = ("auto", "sdpa", "split")
 TARGET_ATTENTION_HELP = ("how the target attends when decoding; auto: split (flash-decoding Triton kernels) on "
                          "CUDA with Triton, else sdpa")
 
 # The one fast-engine flag of the decoding commands (generate, bench): a debugging switch.
 NO_GRAPHS_HELP = "run the fast path eagerly (no CUDA graphs; slower, for debugging)"
+BATCH_INVARIANT_HELP = ("CUDA: run every decoding forward at one row count, so that greedy trees are identical "
+                        "to plain decoding by construction (slower; docs/tuning.md)")
 
 
 def help_formatter(prog: str) -> argparse.HelpFormatter:

@@ -172,7 +172,8 @@ def decoder_from_args(rt, args, target: str):
             log.warning("--no-graphs has no effect: decoding runs on the generic engine (it applies to the "
                         "static-cache fast path of Llama/Mistral/Qwen targets)")
         return decoder(rt, d)
-    options = FastOptions(graphs=not getattr(args, "no_graphs", False))  # the variants: library options only
+    options = FastOptions(graphs=not getattr(args, "no_graphs", False),  # the variants: library options only
+                          batch_invariant=getattr(args, "batch_invariant", False))
     if options.graphs and next(rt.model.parameters()).device.type == "cuda":
         d = replace(d, chain_stop=None)  # it acts between draft steps: eager cycles only
     return decoder(rt, d, options)

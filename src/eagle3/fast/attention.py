@@ -90,8 +90,8 @@ def _split_unusable(device: torch.device | str, head_dim: int) -> str | None:
 
 
 def target_attention_for(choice: str | None, device: torch.device | str, head_dim: int) -> str:
-    """`FastOptions.target_attention` for a target on `device`: "split", "sdpa" or
-    "matmul". None or "auto": split where it can run (CUDA, Triton, a head size `eagle3.fast.split_attention`
+    """`FastOptions.target_attention` for a target on `device`: "split" or "sdpa". None or "auto": split where
+    it can run (CUDA, Triton, a head size `eagle3.fast.split_attention`
     takes), sdpa elsewhere. "split" where it cannot run is a configuration error."""
     unusable = _split_unusable(device, head_dim)
     if choice is None or choice == "auto":

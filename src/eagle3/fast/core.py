@@ -367,18 +367,22 @@ class FastCore(nn.Module):
             anc = anc | (cur[:, None] == idx[None, :])
         return anc
 
-    def tree_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tree_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the verification forward reads: ids [N+1] (root, nodes), RoPE positions length + depth [N+1],
         cache slots length + [0, N] [N+1], the mask [N+1, S] (committed prefix, each node's ancestors and
-        itself) and the ancestry [N+1, N+1]."""
-        n1 = self.n_nodes + 1
+        itself), the ancestry [N+1, N+1] and each node's path by depth, tail [N+1, D+1]: the slot of its ancestor
+        at depth j (j <= its depth; `eagle3.fast.split_attention.Paths`)."""
+        n1, d1 = self.n_nodes + 1, self.max_depth + 1
         length = self.length
         ids = torch.cat([self.root, self.tree_tokens])  # [N+1]
         anc = self._ancestors()  # [N+1, N+1]
-        pos = length + anc.sum(dim=-1) - 1  # [N+1]
+        depth = anc.sum(dim=-1) - 1  # [N+1]
+        pos = length + depth  # [N+1]
         slots = length + self.ar[:n1]  # [N+1]
         mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors and itself
-        return ids, pos, slots, mask, anc
+        at = anc[:, None, :] & (depth[None, None, :] == self.ar[:d1, None])  # [N+1, D+1, N+1] ancestor at depth j
+        tail = length + (at.long() * self.ar[:n1]).sum(dim=-1)  # [N+1, D+1]
+        return ids, pos, slots, mask, anc, tail
 
     def choose(self, logits: torch.Tensor, pos: torch.Tensor, mode: int) -> torch.Tensor:
         """The target's token after each of logits [M, V] at RoPE positions `pos` [M] (each predicts the token at
@@ -391,10 +395,10 @@ class FastCore(nn.Module):
         """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N], and the
         target's choice after each node; with `rows` (a chain drafted by `draft_chain_until`), over the first
         `rows` of them only, the others' choice left at -1 (no token)."""
-        ids, pos, slots, mask, anc = self.piece("tree_inputs")
+        ids, pos, slots, mask, anc, tail = self.piece("tree_inputs")
         m = ids.shape[0] if rows is None else rows
-        logits, aux = self.target(ids[:m], pos[:m], slots[:m], mask[:m],
-                                  want_aux=self.drafter is not None)  # [m, V]
+        logits, aux = self.target(ids[:m], pos[:m], slots[:m], mask[:m], want_aux=self.drafter is not None,
+                                  path=(self.length, tail[:m]))  # [m, V]
         self.top[:m].copy_(self.choose(logits, pos[:m], mode))
         if rows is not None:
             self.top[m:].fill_(-1)
@@ -468,7 +472,8 @@ class FastCore(nn.Module):
         put the root's aux row and that token in the backlog's next slot."""
         length = self.length  # [1]: the root's slot and RoPE position
         mask = self.ar_s[None, :] <= length  # [1, S] the prefix and the root itself
-        logits, aux = self.target(self.root, length, length, mask, want_aux=self.drafter is not None)  # [1, V]
+        logits, aux = self.target(self.root, length, length, mask, want_aux=self.drafter is not None,
+                                  path=(length, length[None]))  # [1, V]
         tok = self.choose(logits, length, mode)  # [1]
         self.n_acc.zero_()
         self.keep.zero_()

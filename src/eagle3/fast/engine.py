@@ -40,7 +40,7 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter, drafter_attention_for
 from eagle3.fast.graphs import StepRunner, graph_pool
-from eagle3.fast.target import FastTarget, fast_support
+from eagle3.fast.target import STEP_ROWS, FastTarget, fast_support
 
 log = logging.getLogger("eagle3.fast")
 
@@ -65,7 +65,7 @@ class FastOptions:
     # where Triton and the head size allow, else matmul; prefix elsewhere
     drafter_attention: str | None = None
     # the target's attention in decoding forwards (`target_attention_for`): "split" (`eagle3.fast.split_attention`),
-    # "sdpa", "matmul", or None / "auto": split on CUDA where Triton imports, sdpa elsewhere. A shared target
+    # "sdpa", or None / "auto": split on CUDA where Triton imports, sdpa elsewhere. A shared target
     # takes the last engine's choice.
     target_attention: str | None = None
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
@@ -86,6 +86,10 @@ class FastOptions:
     # sampled requests: draft with the noise of the target's own draws, coupling each draft to the token the
     # target will draw (`FastCore.choose_drafts`); False: the drafter's top-k, as for greedy requests
     coupled_drafts: bool = True
+    # CUDA: pad every decoding forward to `STEP_ROWS` tokens so that each product runs one kernel whatever the
+    # forward holds (`FastTarget.step_rows`): greedy trees of up to 63 nodes then keep plain decoding's bits by
+    # construction, not only where the vendor's kernels happen to agree. A shared target takes the last choice.
+    batch_invariant: bool = False
 
 
 PREFILL_MIN_WIDTH = 16  # the narrowest fixed prefill (`FastOptions.graph_prefill`)
@@ -153,6 +157,7 @@ class FastEngine:
         if not target.pointwise.compiled:  # `fuse_pointwise` resolves auto/off for the target's device
             target.fuse_pointwise(self.options.compile_backend, self.options.fuse_pointwise)
         self.target_attention = target.use_attention(self.options.target_attention)
+        target.step_rows = STEP_ROWS if self.options.batch_invariant and target.device.type == "cuda" else 0
         self.target = target
         fd = FastDrafter(drafter) if mode == "eagle3" else None
         if fd is not None:  # "sdpa" | "matmul" | "split"
@@ -262,6 +267,7 @@ class FastEngine:
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
                 "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
                 "target_attention": self.target_attention, "norms_folded": self.target.folded,
+                "batch_invariant": self.target.step_rows > 0,
                 "chain_stop": self.core.chain_stop, "guard": o.guard, "coupled_drafts": o.coupled_drafts}
 
     def _sync(self) -> None:

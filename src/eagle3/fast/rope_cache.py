@@ -83,6 +83,7 @@ def rope_into_cache(
     head_norms: tuple[torch.Tensor, torch.Tensor] | None = None,  # Qwen3's q_norm, k_norm [hd]
     eps: float = 1e-6,
     rms: torch.Tensor | None = None,  # [T, H]: the layer's residual rows, when its input norm is folded
+    valid: int | None = None,  # the first `valid` tokens only (the rest are padding: q left unset, nothing written)
 ) -> torch.Tensor:
     """Rotate q and k (after RMSNorm over each head with `head_norms`), write K and V into `kv` at `slots`;
     returns q [nh, T, hd] (contiguous, heads first). With `rms` (the products were folded,
@@ -100,7 +101,7 @@ def rope_into_cache(
     qn, kn = head_norms if head_norms is not None else (qkv, qkv)  # unread without head norms
     res = qkv if rms is None else rms  # unread without rms
     n_res = res.shape[-1] if rms is not None else 1
-    _kernel()[(t, nh + two_nkv)](
+    _kernel()[(t if valid is None else valid, nh + two_nkv)](
         qkv, cos, signed_sin, pos, slots, q, kv, qn, kn, res,
         qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), res.stride(0), n_res,
         eps, NH=nh, NKV=two_nkv // 2, HD=hd, HEAD_NORM=head_norms is not None, RMS=rms is not None,

@@ -30,6 +30,7 @@ head kv·g + r of token t.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -76,40 +77,67 @@ def _kernels():
 
     @triton.jit
     def split_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, last_ptr, part_o_ptr, part_ml_ptr, out_ptr,
-        stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ot,
-        rows_total, tokens, seq_len, groups, n_last, scale_log2,
+        q_ptr, k_ptr, v_ptr, mask_ptr, last_ptr, part_o_ptr, part_ml_ptr, out_ptr, tail_ptr, pos_ptr, length_ptr,
+        stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ot, stride_tt,
+        rows_total, tokens, seq_len, groups, n_last, scale_log2, tail_w, window, n_valid,
         HD: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
-        BOUNDED: tl.constexpr, EP: tl.constexpr,
+        BOUNDED: tl.constexpr, EP: tl.constexpr, PATHS: tl.constexpr, CHUNKS: tl.constexpr,
     ):
         kvh = tl.program_id(0)
-        rows = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] stacked rows r·T + t
         split = tl.program_id(2)
-        row_ok = rows < rows_total
-        tok = rows % tokens
+        if PATHS:  # positions, not slots (`Paths`)
+            length = tl.load(length_ptr)  # positions below it are the committed prefix, at their own slots
+            if (split + 1) * SPLIT <= length:  # a split of the prefix alone: every token sees the same keys
+                rows = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] stacked rows r·T + t
+                row_ok = (rows < rows_total) & (rows % tokens < n_valid)
+                tok1 = rows_total * 0
+            else:  # one token's query heads per program, its own path's slots
+                tok1 = tl.program_id(1) // CHUNKS  # the token
+                heads = (tl.program_id(1) % CHUNKS) * BM + tl.arange(0, BM)  # [BM] its query heads
+                rows = heads * tokens + tok1  # [BM] stacked rows r·T + t
+                row_ok = (heads < groups) & (heads * 0 + tok1 < n_valid)
+            tok = rows % tokens
+            qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)  # [BM] each row sees positions up to its token's
+            end = tl.max(qpos, 0) + 1
+            n_blocks = tl.minimum(tl.maximum(end - split * SPLIT + BN - 1, 0) // BN, SPLIT // BN)
+        else:
+            rows = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] stacked rows r·T + t
+            row_ok = rows < rows_total
+            tok = rows % tokens
         d = tl.arange(0, HD)
         q = tl.load(q_ptr + kvh * stride_qh + rows[:, None] * stride_qr + d[None, :], mask=row_ok[:, None],
                     other=0.0)  # [BM, HD]
         m_i = tl.full([BM], -1.0e30, tl.float32)  # finite: a row with nothing visible yet keeps alpha = 1
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, HD], tl.float32)
-        if BOUNDED:  # no row sees a slot beyond the last written one: walk the split's blocks up to it only
-            e = tl.arange(0, EP)
-            end = tl.max(tl.load(last_ptr + e, mask=e < n_last, other=0), 0) + 1
-            n_blocks = tl.minimum(tl.maximum(end - split * SPLIT + BN - 1, 0) // BN, SPLIT // BN)
-        else:
-            n_blocks = SPLIT // BN
+        if not PATHS:
+            if BOUNDED:  # no row sees a slot beyond the last written one: walk the split's blocks up to it only
+                e = tl.arange(0, EP)
+                end = tl.max(tl.load(last_ptr + e, mask=e < n_last, other=0), 0) + 1
+                n_blocks = tl.minimum(tl.maximum(end - split * SPLIT + BN - 1, 0) // BN, SPLIT // BN)
+            else:
+                n_blocks = SPLIT // BN
         for b in range(0, n_blocks):
-            cols = split * SPLIT + b * BN + tl.arange(0, BN)  # [BN] slots
-            col_ok = cols < seq_len
-            seen = tl.load(mask_ptr + tok[:, None] * stride_mt + cols[None, :],
-                           mask=row_ok[:, None] & col_ok[None, :], other=0) != 0  # [BM, BN]
+            cols = split * SPLIT + b * BN + tl.arange(0, BN)  # [BN] slots (PATHS: positions)
+            if PATHS:
+                rel = cols - length  # [BN] position relative to the first uncommitted one
+                in_tail = (rel >= 0) & (rel < tail_w)
+                tail = tl.load(tail_ptr + tok1 * stride_tt + rel, mask=in_tail, other=0)
+                where = tl.where(rel < 0, cols, tail)  # [BN] the slot that holds each position for this token
+                col_ok = ((rel < 0) | in_tail) & (cols < end)
+                seen = (row_ok[:, None] & col_ok[None, :] & (cols[None, :] <= qpos[:, None])
+                        & (cols[None, :] > qpos[:, None] - window))  # [BM, BN]
+            else:
+                where = cols
+                col_ok = cols < seq_len
+                seen = tl.load(mask_ptr + tok[:, None] * stride_mt + cols[None, :],
+                               mask=row_ok[:, None] & col_ok[None, :], other=0) != 0  # [BM, BN]
             # no branch on `seen`: K and V reads go out beside the mask's instead of waiting on it, and a block no
             # row sees adds exactly nothing (its weights are exp(-inf) = 0, the running max stays)
-            k = tl.load(k_ptr + kvh * stride_kh + cols[:, None] * stride_ks + d[None, :],
+            k = tl.load(k_ptr + kvh * stride_kh + where[:, None] * stride_ks + d[None, :],
                         mask=col_ok[:, None], other=0.0)  # [BN, HD]
-            v = tl.load(v_ptr + kvh * stride_vh + cols[:, None] * stride_vs + d[None, :],
+            v = tl.load(v_ptr + kvh * stride_vh + where[:, None] * stride_vs + d[None, :],
                         mask=col_ok[:, None], other=0.0)  # [BN, HD]
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BM, BN] fp32, log2 units
             s = tl.where(seen, s, float("-inf"))
@@ -132,7 +160,7 @@ def _kernels():
 
     @triton.jit
     def combine_kernel(
-        part_o_ptr, part_ml_ptr, out_ptr, stride_ot, rows_total, tokens, groups,
+        part_o_ptr, part_ml_ptr, out_ptr, stride_ot, rows_total, tokens, groups, valid,
         HD: tl.constexpr, N_SPLITS: tl.constexpr, SP: tl.constexpr,
     ):
         kvh = tl.program_id(0)
@@ -148,60 +176,99 @@ def _kernels():
         o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * ell, 0)  # [HD]
         tok = row % tokens
         head = kvh * groups + row // tokens
-        tl.store(out_ptr + tok * stride_ot + head * HD + d, o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + tok * stride_ot + head * HD + d, o.to(out_ptr.dtype.element_ty),
+                 mask=d * 0 + tok < valid)  # padding tokens (`Paths.valid`) keep their zeros
 
     return split_kernel, combine_kernel
+
+
+class Paths(NamedTuple):
+    """What each token of a decoding forward sees, by position rather than by slot: the committed prefix
+    (positions below `length`, each at the slot of its own number), then its own path, positions length ..
+    pos[t], at the slots `tail[t]` names (a tree node's ancestors sit at other slots than their positions).
+
+    Walked by position, a token's keys fall into the same key blocks and splits wherever its path sits in the
+    cache, so a tree node on the accepted path gets the bits a one-token step at its position gets."""
+
+    length: torch.Tensor  # [1] long: the committed prefix
+    tail: torch.Tensor  # [T, W] long: tail[t, j] = the slot of token t's path at position length + j (j <= its depth)
+    pos: torch.Tensor  # [T] long: each token's position
+    valid: int | None = None  # tokens that count (the rest are padding: not computed, their outputs zero)
 
 
 def split_attention(
     q: torch.Tensor,  # [n_kv, g·T, hd], stacked query rows (row r·T + t: head kv·g + r, token t)
     k: torch.Tensor,  # [n_kv, S, hd], last dim contiguous
     v: torch.Tensor,  # [n_kv, S, hd], last dim contiguous
-    mask: torch.Tensor,  # bool [T, S]: which slots each token sees
+    mask: torch.Tensor | None,  # bool [T, S]: which slots each token sees (None with `paths`)
     scale: float,
     last: torch.Tensor | None = None,  # int [n]: no token sees a slot beyond max(last) (a forward's own slots)
+    paths: Paths | None = None,
+    window: int | None = None,  # with `paths`: a token at position p sees positions above p - window only
 ) -> torch.Tensor:
     """Attention of the stacked rows to every visible slot; returns [T, nh·hd] (nh = n_kv·g) in q's dtype.
 
-    With `last`, each program walks its split's key blocks up to slot max(last) only (the caller vouches that no
-    token sees a slot beyond it; the outputs are the same, since blocks no token sees add nothing); without it,
-    every block."""
+    Visibility is either a mask over slots or, for decoding forwards, `paths` (see `Paths`; then each token's
+    query heads form their own tile, and each token walks the key blocks up to its own position). With `last`,
+    each program walks its split's key blocks up to slot max(last) only (the caller vouches that no token sees a
+    slot beyond it; the outputs are the same, since blocks no token sees add nothing); without it, every block."""
     nkv, rows, hd = q.shape
-    tokens, seq_len = mask.shape
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("split_attention needs q, k and v contiguous in their last dimension")
+    seq_len = k.shape[1]
+    if paths is None:
+        tokens = mask.shape[0]
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        mask_bytes = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    else:
+        tokens = paths.pos.shape[0]
+        mask_bytes = paths.pos  # unused
     groups = rows // tokens
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or rows != groups * tokens:
-        raise ValueError("split_attention needs q, k and v contiguous in their last dimension and g·T query rows")
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()
+    if rows != groups * tokens:
+        raise ValueError("split_attention needs g·T query rows")
     split_kernel, combine_kernel = _kernels()
     split = split_size(seq_len)
     n_splits = -(-seq_len // split)
-    out = torch.empty(tokens, nkv * groups * hd, dtype=q.dtype, device=q.device)  # [T, nh·hd]
+    valid = tokens if paths is None or paths.valid is None else paths.valid
+    out = (torch.empty if valid == tokens else torch.zeros)(tokens, nkv * groups * hd, dtype=q.dtype,
+                                                              device=q.device)  # [T, nh·hd]
     single = n_splits == 1
     if single:
         part_o = part_ml = out  # unused
     else:
         part_o = torch.empty(nkv, rows, n_splits, hd, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(nkv, rows, n_splits, 2, dtype=torch.float32, device=q.device)
-    mask_bytes = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    bounded = last is not None
+    bounded = last is not None and paths is None
     if bounded and (last.dim() != 1 or last.is_floating_point() or not 1 <= last.numel() <= MAX_ROWS):
         raise ValueError(f"last must be an integer tensor of 1 to {MAX_ROWS} slots, got {tuple(last.shape)} "
                          f"{last.dtype}")
-    grid = (nkv, -(-rows // BLOCK_M), n_splits)
+    if paths is None:
+        chunks = 1
+        grid = (nkv, -(-rows // BLOCK_M), n_splits)
+        tail = length = pos = mask_bytes  # unused
+    else:
+        chunks = -(-groups // BLOCK_M)
+        grid = (nkv, max(valid * chunks, -(-rows // BLOCK_M)), n_splits)
+        tail, length, pos = paths.tail, paths.length, paths.pos
+        if tail.shape[0] != tokens or tail.stride(-1) != 1 or length.numel() != 1:
+            raise ValueError(f"paths: tail must be [T, W] with T = {tokens} tokens (contiguous rows), length [1]")
     split_kernel[grid](
-        q, k, v, mask_bytes, last if bounded else mask_bytes, part_o, part_ml, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask_bytes.stride(0),
-        out.stride(0), rows, tokens, seq_len, groups, last.numel() if bounded else 0,
+        q, k, v, mask_bytes, last if bounded else mask_bytes, part_o, part_ml, out, tail, pos, length,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        mask_bytes.stride(0) if paths is None else 0, out.stride(0), tail.stride(0) if paths is not None else 0,
+        rows, tokens, seq_len, groups, last.numel() if bounded else 0,
         scale * 1.4426950408889634,  # log2(e)
+        tail.shape[1] if paths is not None else 0, window or seq_len + 1, valid,
         HD=hd, SPLIT=split, N_SPLITS=n_splits, BM=BLOCK_M, BN=BLOCK_N, SINGLE=single,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", BOUNDED=bounded,
-        EP=1 << (last.numel() - 1).bit_length() if bounded else 1, num_warps=4, num_stages=2,
+        EP=1 << (last.numel() - 1).bit_length() if bounded else 1, PATHS=paths is not None, CHUNKS=chunks,
+        num_warps=4, num_stages=2,
     )
     if not single:
         sp = 1 << (n_splits - 1).bit_length()
         combine_kernel[(nkv, rows)](
-            part_o, part_ml, out, out.stride(0), rows, tokens, groups,
+            part_o, part_ml, out, out.stride(0), rows, tokens, groups, valid,
             HD=hd, N_SPLITS=n_splits, SP=sp, num_warps=1 if hd <= 64 else 2,
         )
     return out

@@ -53,6 +53,8 @@ from eagle3.fast.row_norm import rms_norm_rows
 
 log = logging.getLogger("eagle3.fast")
 
+STEP_ROWS = 64  # tokens a batch-invariant decoding forward is padded to: trees of up to 63 nodes
+
 
 class FastTarget(nn.Module):
     """The target's weights plus a static KV cache; `forward` runs T tokens at given positions and cache slots."""
@@ -91,12 +93,14 @@ class FastTarget(nn.Module):
         self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
         self.pointwise = EAGER
         self.exact_rows = exact_rows(self.device, self.dtype)
+        # decoding forwards that attend by `Paths` are padded to this many tokens (`forward`; 0: none), so that
+        # a product of 61 rows runs the kernels of one of one row (`FastOptions.batch_invariant`)
+        self.step_rows = 0
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
         self.packed = pack_weights(self.device, self.dtype, self.matrices())  # `cpu_packs_weights`
         self.experts_on_host = self.device.type == "cpu"  # routed experts grouped on the host (`eagle3.fast.moe`)
-        # How decoding forwards attend (`target_attention_for`, `use_attention`). "matmul" (`rows_exact_attention`
-        # in every forward, not only with `exact_rows`) is an experiment; on CUDA it is no faster than cuDNN's
-        # SDPA.
+        # How decoding forwards attend (`target_attention_for`, `use_attention`): split on CUDA, else SDPA (two
+        # batched products with `exact_rows`)
         self.attention = target_attention_for("auto", self.device, self.hd)
         # "auto" | "fold" | "on" | "off": the layers' RMSNorms folded into their products (`eagle3.fast.norm_fold`),
         # or by `eagle3.fast.row_norm`, or torch's (`select_norm`)
@@ -367,20 +371,53 @@ class FastTarget(nn.Module):
         last_only: bool = False,  # logits for the last token only (prefill)
         want_aux: bool = False,
         logits_at: torch.Tensor | None = None,  # [1] long: logits for this token only (a padded prefill's last)
+        path: tuple[torch.Tensor, torch.Tensor] | None = None,  # decoding forwards: (length [1], tail [T, W])
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux)."""
-        mask = self.windowed(mask, pos)
+        """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux).
+
+        `path` (decoding forwards, see `eagle3.fast.split_attention.Paths`): where the split attention runs, each
+        token attends by position over the committed prefix and its own path, and the forward is padded to
+        `step_rows` tokens, so that every product has one shape whatever the forward holds: a tree's accepted
+        nodes then get the bits of plain decoding's one-token steps."""
         t = ids.shape[0]
+        if path is not None and self.by_splits(t):
+            return self._by_paths(ids, pos, slots, path, want_aux)
+        mask = self.windowed(mask, pos)
         if t == 1 and self.exact_rows:  # one token as two equal rows: the many-row kernels' bits (`exact_rows`)
             logits, aux = self.forward(ids.repeat(2), pos.repeat(2), slots.repeat(2), mask.expand(2, -1),
                                        want_aux=want_aux)
             return logits[:1], (None if aux is None else aux[:1])
+        return self._forward(ids, pos, slots, mask, None, last_only, want_aux, logits_at)
+
+    def by_splits(self, t: int) -> bool:
+        """Whether a forward of t tokens attends by the split kernel: where it was chosen and takes t tokens, in
+        fixed-shape code (traced code, torch.compile's, and varying shapes attend by SDPA)."""
+        return (self.attention == "split" and not shapes_vary() and split.supports(self.hd, max(t, self.step_rows))
+                and not torch.compiler.is_compiling())
+
+    def _by_paths(self, ids, pos, slots, path, want_aux):
+        """`forward` of a decoding forward attending by `Paths`, padded to `step_rows` tokens: the padding
+        tokens go through the products only (they write no K or V and attend to nothing)."""
+        t = ids.shape[0]
+        length, tail = path
+        pad = max(self.step_rows - t, 0)
+        if pad:
+            ids = torch.cat([ids, ids[-1:].expand(pad)])
+            pos = torch.cat([pos, pos[-1:].expand(pad)])
+            slots = torch.cat([slots, slots[-1:].expand(pad)])
+            tail = torch.cat([tail, tail[-1:].expand(pad, -1)])
+        paths = split.Paths(length, tail, pos, valid=t)
+        logits, aux = self._forward(ids, pos, slots, None, paths, False, want_aux, None)
+        return logits[:t], (None if aux is None else aux[:t])
+
+    def _forward(self, ids, pos, slots, mask, paths, last_only, want_aux, logits_at):
+        """The layers of `forward`: visibility by `mask` [T, S], or by `paths` (split attention only)."""
+        t = ids.shape[0]
         nh, nkv = self.nh, self.nkv
         h = F.embedding(ids, self.embed)  # [T, H]
-        exact = self.exact_rows or self.attention == "matmul"
+        exact = self.exact_rows
         groups = nh // nkv  # query heads per KV head, stacked along the query axis
-        by_splits = (self.attention == "split" and not shapes_vary() and split.supports(self.hd, t)
-                     and not torch.compiler.is_compiling())  # traced code (torch.compile) attends by SDPA
+        by_splits = paths is not None or self.by_splits(t)
         # forwards that attend by splits also rotate q and k and write K and V in one kernel per layer (`rope_cache`)
         cos, sin = (None, None) if by_splits else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
         bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
@@ -394,7 +431,7 @@ class FastTarget(nn.Module):
             if by_splits:  # q [nh, T, hd]; K and V written at `slots` of [2·nkv, S, hd]
                 q = rope_into_cache(qkv, self.cos, self.sin, pos, slots, self.kv_cache[i], nh,
                                     None if lw.q_norm is None else (lw.q_norm, lw.k_norm), self.eps,
-                                    rms=h if folded else None)
+                                    rms=h if folded else None, valid=None if paths is None else paths.valid)
             else:
                 if folded:
                     qkv = scale_rows(qkv, h, self.eps)
@@ -402,7 +439,7 @@ class FastTarget(nn.Module):
                 self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
             if by_splits:  # q as [n_kv, g·T, hd] (a view): row r·T + t is head kv·g + r
                 o = split.split_attention(q.view(nkv, -1, self.hd), self.k_cache[i], self.v_cache[i], mask,
-                                          self.scale, last=slots)  # [T, nh·hd]
+                                          self.scale, last=slots, paths=paths, window=self.window)  # [T, nh·hd]
             else:
                 o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, exact)  # [T, nh·hd]
             h, x = self.post_attention(i, h, o)
