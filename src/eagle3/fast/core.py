@@ -380,8 +380,11 @@ class FastCore(nn.Module):
         pos = length + depth  # [N+1]
         slots = length + self.ar[:n1]  # [N+1]
         mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors and itself
-        at = anc[:, None, :] & (depth[None, None, :] == self.ar[:d1, None])  # [N+1, D+1, N+1] ancestor at depth j
-        tail = length + (at.long() * self.ar[:n1]).sum(dim=-1)  # [N+1, D+1]
+        if n1 == 1:  # plain steps: the root alone
+            tail = length[None]  # [1, 1]
+        else:
+            at = anc[:, None, :] & (depth[None, None, :] == self.ar[:d1, None])  # [N+1, D+1, N+1] ancestor at depth j
+            tail = length + (at.long() * self.ar[:n1]).sum(dim=-1)  # [N+1, D+1]
         return ids, pos, slots, mask, anc, tail
 
     def choose(self, logits: torch.Tensor, pos: torch.Tensor, mode: int) -> torch.Tensor:

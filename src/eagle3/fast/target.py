@@ -376,9 +376,9 @@ class FastTarget(nn.Module):
         """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux).
 
         `path` (decoding forwards, see `eagle3.fast.split_attention.Paths`): where the split attention runs, each
-        token attends by position over the committed prefix and its own path, and the forward is padded to
-        `step_rows` tokens, so that every product has one shape whatever the forward holds: a tree's accepted
-        nodes then get the bits of plain decoding's one-token steps."""
+        token attends by position over the committed prefix and its own path, so a tree's accepted nodes sum
+        what plain decoding's one-token steps sum; with `step_rows` (batch-invariant) the forward is also padded
+        to that many tokens, so that every product has one shape whatever the forward holds."""
         t = ids.shape[0]
         if path is not None and self.by_splits(t):
             return self._by_paths(ids, pos, slots, path, want_aux)
