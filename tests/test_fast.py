@@ -532,7 +532,7 @@ def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compi
         assert engine.core.drafter.matmul_attention
         out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
         assert out.token_ids == hf_greedy(model, prompt, NEW)
-    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'sdpa', 'matmul', 'split', "
+    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'matmul', 'split', "
                                           r"'prefix'\)"):
         FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
 
@@ -620,7 +620,9 @@ def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
     assert resolve("auto", "cuda:0") == resolve(None, torch.device("cuda"), head_dim=64) == split
     assert resolve("auto", "cuda:0", head_dim=96) == "matmul"  # not a head size of the kernels
     assert resolve("auto", "cpu") == resolve(None, "cpu") == "prefix"
-    assert resolve("matmul", "cpu") == "matmul" and resolve("sdpa", "cuda") == "sdpa"
+    assert resolve("matmul", "cpu") == "matmul"
+    with pytest.raises(ConfigError, match="expected one of"):
+        resolve("sdpa", "cuda")
     if triton_available():
         assert resolve("split", "cuda") == "split"
     with pytest.raises(ConfigError, match="split needs a CUDA device"):
@@ -896,7 +898,7 @@ def test_cuda_graphs_match_hf_generate(kind):
                    "ngram": ("ngram", CHAIN)}[kind]
     for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
                  FastOptions(fuse_pointwise=True), FastOptions(fuse_pointwise="off"),
-                 FastOptions(drafter_attention="sdpa"), FastOptions(target_attention="sdpa"),
+                 FastOptions(drafter_attention="matmul"), FastOptions(target_attention="sdpa"),
                  FastOptions(graph_prefill=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first

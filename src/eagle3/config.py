@@ -32,7 +32,7 @@ DEFAULT_NGRAM_MIN = 1
 FUSE_POINTWISE_CHOICES = ("auto", "off", "elementwise")
 FUSE_POINTWISE_HELP = "elementwise (the flag alone): compile RoPE and SwiGLU; auto: elementwise on CUDA, off elsewhere"
 # `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`.
-DRAFTER_ATTENTION = ("auto", "sdpa", "matmul", "split", "prefix")
+DRAFTER_ATTENTION = ("auto", "matmul", "split", "prefix")
 DRAFTER_ATTENTION_HELP = ("how the drafter attends; auto: split (split-KV Triton kernels) on CUDA where the head "
                           "size allows, else matmul; prefix on a CPU (never changes the output)")
 # `FastOptions.target_attention`, resolved by `eagle3.fast.attention.target_attention_for`.

@@ -54,7 +54,7 @@ def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
 
 
 def drafter_attention_for(choice: str | None, device: torch.device | str, head_dim: int | None = None) -> str:
-    """`FastOptions.drafter_attention` for a drafter on `device`: "sdpa", "matmul"
+    """`FastOptions.drafter_attention` for a drafter on `device`: "matmul"
     (`FastDrafter.use_matmul_attention`), "split" (`FastDrafter.use_split_attention`) or "prefix"
     (`prefix_attention`). None or "auto": on CUDA split where Triton imports and the head size `head_dim` is one
     the kernels take (None: not known, taken as one), else matmul; prefix elsewhere, where drafting runs eagerly.
@@ -71,10 +71,10 @@ def drafter_attention_for(choice: str | None, device: torch.device | str, head_d
     if choice not in DRAFTER_ATTENTION:
         raise ConfigError(f"drafter attention {choice!r}: expected one of {DRAFTER_ATTENTION}")
     if choice == "split" and (torch.device(device).type != "cuda" or not triton_available()):
-        raise ConfigError("drafter attention split needs a CUDA device and Triton; use auto, matmul or sdpa")
+        raise ConfigError("drafter attention split needs a CUDA device and Triton; use auto or matmul")
     if choice == "prefix" and torch.device(device).type == "cuda":
         raise ConfigError("drafter attention prefix reads the last slot in use on the host, which CUDA graphs "
-                          "cannot; use auto, split, matmul or sdpa on CUDA")
+                          "cannot; use auto, split or matmul on CUDA")
     return choice
 
 
@@ -258,7 +258,7 @@ class FastDrafter(nn.Module):
 
     def use_attention(self, choice: str | None) -> str:
         """Attend as `choice` says (`drafter_attention_for` on this drafter's device; call before capturing
-        graphs); returns what it resolved to, "sdpa", "matmul", "split" or "prefix"."""
+        graphs); returns what it resolved to, "matmul", "split" or "prefix"."""
         attention = drafter_attention_for(choice, self.device, self.hd)
         if attention == "matmul":
             self.use_matmul_attention()

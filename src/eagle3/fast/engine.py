@@ -60,7 +60,7 @@ class FastOptions:
     # None: on CUDA, where the compiled kernels are captured in the cycle's graph and shorten it; not on a CPU,
     # where compiling takes seconds and the target dominates a cycle.
     compile_drafting: bool | None = None
-    # the drafter's attention (`drafter_attention_for`): "sdpa", "matmul" (`FastDrafter.use_matmul_attention`),
+    # the drafter's attention (`drafter_attention_for`): "matmul" (`FastDrafter.use_matmul_attention`),
     # "split" (`FastDrafter.use_split_attention`), "prefix" (`prefix_attention`) or None / "auto": split on CUDA
     # where Triton and the head size allow, else matmul; prefix elsewhere
     drafter_attention: str | None = None
@@ -160,7 +160,7 @@ class FastEngine:
         target.step_rows = STEP_ROWS if self.options.batch_invariant and target.device.type == "cuda" else 0
         self.target = target
         fd = FastDrafter(drafter) if mode == "eagle3" else None
-        if fd is not None:  # "sdpa" | "matmul" | "split"
+        if fd is not None:  # "matmul" | "split" | "prefix"
             self.drafter_attention = fd.use_attention(self.options.drafter_attention)
         else:
             self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device)
