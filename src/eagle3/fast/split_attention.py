@@ -1,7 +1,8 @@
 """Split-KV attention over the static cache for decode-sized forwards on CUDA (Triton).
 
-A plain step, a chain's verification and a tree's verification attend a few query rows to the whole static cache
-under a `[T, S]` visibility mask. cuDNN's SDPA kernel runs such a call as one program per KV head that walks all
+A plain step, a chain's verification and a tree's verification attend a few query rows to the whole static cache,
+either under a `[T, S]` visibility mask (prefills, the drafter) or by position (`Paths`: the target's decoding
+forwards, so that a tree node's sums do not depend on the slots its path sits at). cuDNN's SDPA kernel runs such a call as one program per KV head that walks all
 S slots in turn, which leaves most of the GPU idle for a few hundred kilobytes of K/V. Splitting the slots over
 programs (flash-decoding, as Dao, Haziza, Massa and Sizov's "Flash-Decoding for long-context inference", 2023,
 describes it) keeps the GPU busy instead (docs/benchmarks.md).
@@ -19,9 +20,10 @@ Products take fp32 operands at full precision (`input_precision="ieee"`, not TF3
 Every quantity a row's output depends on is computed the same way whatever other rows come with it: the splits
 and key blocks are fixed slot ranges (a function of S only, not of how many slots are in use), a block another
 row needs but this row does not see adds exactly zero to this row (its weights are exp(-inf) = 0, its running
-max is unchanged), and a row's products are those of the same 16-row tile. So the rows of a chain's
-verification keep the bits of one-token steps, as `tests/test_split_attention.py` checks (on a GPU, and on a CPU
-in Triton's interpreter).
+max is unchanged), and a row's products do not depend on the other rows of its 16-row tile. So the rows of a
+chain's verification keep the bits of one-token steps, and with `Paths` so do a tree's, whose keys are walked by
+position (a split holding only the committed prefix takes stacked tiles, any other one token's heads per tile),
+as `tests/test_split_attention.py` checks (on a GPU, and on a CPU in Triton's interpreter).
 
 Query rows are stacked as in `eagle3.fast.target.grouped_attention`: q `[n_kv, g·T, hd]`, row r·T + t is query
 head kv·g + r of token t.
