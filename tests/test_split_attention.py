@@ -271,8 +271,8 @@ def test_fast_path_with_split_attention_matches_hf_generate(interpreted, arch, k
     engine.target.select_norm()  # and the norms that go with it
     assert engine.target.folded == (norms == "auto")
     prompt = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(5))
-    ref = model.generate(prompt[None], max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 11:].tolist()
-    assert engine.generate(prompt, max_new_tokens=10, eos_token_ids=[]).token_ids == ref
+    ref = model.generate(prompt[None], max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, 11:].tolist()
+    assert engine.generate(prompt, max_new_tokens=6, eos_token_ids=[]).token_ids == ref
 
 
 def test_split_attention_hides_what_a_sliding_window_leaves_out(interpreted):
@@ -286,8 +286,8 @@ def test_split_attention_hides_what_a_sliding_window_leaves_out(interpreted):
     engine.target.attention = "split"
     engine.target.select_norm()
     prompt = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(6))
-    ref = model.generate(prompt[None], max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 150:].tolist()
-    assert engine.generate(prompt, max_new_tokens=10, eos_token_ids=[]).token_ids == ref
+    ref = model.generate(prompt[None], max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, 150:].tolist()
+    assert engine.generate(prompt, max_new_tokens=6, eos_token_ids=[]).token_ids == ref
 
 
 def test_drafter_attends_by_splits(interpreted):
