@@ -402,16 +402,8 @@ def test_bf16_tree_nodes_get_the_bits_of_plain_steps(arch):
         p = ar[n0 + j : n0 + j + 1]
         plain.append(ft(torch.tensor([tok], device="cuda"), p, p, None, path=(p, p[:, None]))[0][0])
     tokens, parents, nodes = _tree_over_a_path(path[1:], 40, gen)
-    anc = torch.eye(41, dtype=torch.bool)
-    for i in range(1, 41):
-        anc[i] |= anc[parents[i]]
-    depth = anc.sum(-1) - 1
-    tail = torch.full((41, int(depth.max()) + 1), n0)
-    for i in range(41):
-        chain = [j for j in range(41) if anc[i, j]]  # its ancestors in index order = by depth
-        tail[i, : len(chain)] = n0 + torch.tensor(chain)
+    pos, tail = tree_paths(torch.tensor(parents), n0)  # the tree verified at slots n0 + [0, 40]
     ids = torch.tensor([path[0], *tokens], device="cuda")
-    length = ar[n0 : n0 + 1]
-    logits, _ = ft(ids, (n0 + depth).cuda(), n0 + ar[:41], None, path=(length, tail.cuda()))
+    logits, _ = ft(ids, pos.cuda(), n0 + ar[:41], None, path=(ar[n0 : n0 + 1], tail.cuda()))
     for j, node in enumerate([0, *nodes]):
         assert torch.equal(logits[node], plain[j]), j
