@@ -35,7 +35,7 @@ def coupled_hits(core, sampling: SamplingConfig, mode: int, positions: range, ou
         target = torch.full((vocab,), outside)
         target[draft_to_target] = 3.0 * torch.randn(len(draft_to_target), generator=g)
         d.logits = lambda out, t=target: t[draft_to_target].expand(*out.shape[:-1], -1)  # [..., Vd]
-        ids, _ = core.choose_drafts(torch.zeros(1, d.hidden_size), torch.tensor([p]), mode)
+        _, ids = core.choose_drafts(torch.zeros(1, d.hidden_size), torch.tensor([p]), mode)
         drawn = race_sample(target[None], torch.tensor([p]), SEED, sampling.temperature, sampling.top_p,
                             sampling.top_k)
         hits += int(d.to_target_ids(ids[0, :1])) == int(drawn)
@@ -61,7 +61,7 @@ def test_siblings_are_draws_without_replacement(stories260k):
     core = core_for(model, None, k=4)
     core.sampling.set(0, [SamplingConfig(temperature=1.0, seed=SEED)])
     out = torch.randn(3, core.drafter.hidden_size)
-    ids, lq = core.choose_drafts(out, torch.tensor([55]), TEMPERATURE)
+    lq, ids = core.choose_drafts(out, torch.tensor([55]), TEMPERATURE)
     assert ids.shape == (3, 4) and all(len(set(row.tolist())) == 4 for row in ids)
     assert torch.all(lq <= 0)
 
@@ -83,10 +83,10 @@ def test_the_generic_engines_proposer_couples_its_drafts_too(stories260k):
     for p in range(10, 110):
         target = 3.0 * torch.randn(drafter.lm_head.weight.shape[0], generator=g)
         drafter.logits = lambda out, t=target: t.expand(*out.shape[:-1], -1)
-        lp, ids = prop._children(torch.zeros(1, drafter.config.hidden_size), p)
+        lp, ids = prop._children(torch.zeros(1, 1, drafter.config.hidden_size), p)  # [1, 1, k] each
         drawn = race_sample(target[None], torch.tensor([p]), SEED, 1.0)
-        hits += int(drafter.draft_ids_to_target(ids[0, :1])) == int(drawn)
-        assert float(lp[0, 0]) <= 0
+        hits += int(drafter.draft_ids_to_target(ids[0, 0, :1])) == int(drawn)
+        assert float(lp[0, 0, 0]) <= 0
     assert hits == 100
     del drafter.logits
 

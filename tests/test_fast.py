@@ -23,6 +23,7 @@ from conftest import build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.expand import top_k_last, top_n_in_order
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.decoding.sampling import FILTERED, TEMPERATURE
 from eagle3.decoding.tree import DraftTree
@@ -30,7 +31,7 @@ from eagle3.decoding.verify import accept
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine, fast_support
 from eagle3.fast.core import prefix_and_window
 from eagle3.fast.cpu import argmax_ids
-from eagle3.fast.drafter import drafter_attention_for, top_k_last, top_n_in_order
+from eagle3.fast.drafter import drafter_attention_for
 from eagle3.fast.pointwise import (
     ELEMENTWISE_PIECES,
     apply_rope,

@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 
 from eagle3.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DraftShape, SamplingConfig
-from eagle3.decoding.sampling import GREEDY, SamplingRows, coupled_draft_scores, sampling_mode, token_hash
+from eagle3.decoding.expand import coupled_top_k, expand_tree
+from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode, token_hash
 from eagle3.decoding.tree import DraftTree
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 
@@ -131,28 +132,21 @@ class ModelProposer(Proposer):
 
 
 class Eagle3Proposer(Proposer):
-    """EAGLE-3 drafting: a chain (top-1) or the EAGLE-2 dynamic tree (SafeAILab/EAGLE `cnets.py` `topK_genrate`).
+    """EAGLE-3 drafting: a chain (top-1) or the EAGLE-2 dynamic tree (`eagle3.decoding.expand`).
 
     Drafter row t pairs target features g_t with token x_{t+1} at RoPE position t (reference §A.3). The
     drafter cache keeps only rows computed from target features; tree-expansion rows are dropped after
     each proposal.
-
-    Tree expansion, for depth D, branching k, and a budget of N nodes:
-      step 1: top-k of the last row's draft distribution -> k nodes at depth 1 (scores = log-probs)
-      step d (2..D): run the k frontier nodes (all at position p_last + d - 1); each proposes its top-k
-              children with cumulative score; all k² are recorded, the best k become the new frontier
-      rerank: keep the N highest-scoring recorded nodes; a stable sort by (score desc, record order) keeps
-              every parent ahead of its children, since a child's score never exceeds its parent's
     """
 
     name = "eagle3"
     needs_aux = True
 
     def __init__(self, drafter: Eagle3Drafter, shape: DraftShape, coupled: bool = True):
-        """`coupled`: sampled requests draft coupled to the target's draws (`coupled_draft_scores`); False:
+        """`coupled`: sampled requests draft coupled to the target's draws (`coupled_top_k`); False:
         the drafter's top-k, as greedy requests do."""
         self.drafter = drafter.eval()
-        self.depth, self.top_k, self.budget = shape.depth, shape.top_k, shape.total
+        self.shape = shape
         self.coupled = coupled
         self.draws: tuple[SamplingRows, int] | None = None  # a sampled request's settings and mode
         self.draft_h: torch.Tensor | None = None  # [Vd] noise keys of the draft vocabulary, on first sampled use
@@ -188,20 +182,17 @@ class Eagle3Proposer(Proposer):
         self.draws = (rows, mode)
 
     def _children(self, out: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-k drafts after each of the drafter's outputs out [T, H], candidates for the token at absolute
-        `position`: their log-probabilities [T, k] (a tree ranks paths by them) and draft ids [T, k]. Greedy:
-        the drafter's top k; sampled: coupled to the target's draws (`eagle3.fast.core.FastCore.choose_drafts`)."""
-        logits = self.drafter.logits(out)  # [T, Vd]
+        """The top-k drafts after each of the drafter's outputs out [1, T, H], candidates for the token at
+        absolute `position`: their log-probabilities [1, T, k] (a tree ranks paths by them) and draft ids.
+        Greedy: the drafter's top k; sampled: coupled to the target's draws (`coupled_top_k`)."""
+        logits, k = self.drafter.logits(out), self.shape.top_k  # [1, T, Vd]
         if self.draws is None:
-            return torch.log_softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+            return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         rows, mode = self.draws
         if self.draft_h is None:
             vd = logits.shape[-1]
             self.draft_h = token_hash(self.drafter.draft_ids_to_target(torch.arange(vd, device=self.device)))
-        pos = torch.tensor([position], device=self.device)
-        perturbed, lq = (t[0] for t in coupled_draft_scores(logits[None], pos, rows, mode, self.draft_h))
-        ids = perturbed.topk(self.top_k, dim=-1).indices  # [T, k]
-        return lq.gather(-1, ids), ids
+        return coupled_top_k(logits, torch.tensor([position], device=self.device), rows, mode, self.draft_h, k)
 
     def begin(self, prompt_ids, aux, first_token):
         self.cache = DrafterKV()
@@ -220,48 +211,19 @@ class Eagle3Proposer(Proposer):
             aux, tokens = zip(*self.pending, strict=True)
             self.pending = []
             self._extend(torch.cat(aux, dim=1), torch.cat(tokens))
-        d, k, dev = self.drafter, self.top_k, self.device
+        d, k, dev = self.drafter, self.shape.top_k, self.device
         stable = self.cache.length
-        p_last = self.next_pos - 1
-        scores, draft_ids = (t[0] for t in self._children(self.last_out, p_last + 2))  # [k]: the token at p_last + 2
-        rec_scores = [scores]
-        rec_tokens = [d.draft_ids_to_target(draft_ids)]
-        rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-        frontier = torch.arange(k, device=dev)  # record indices of the frontier nodes
-        f_hidden = d.feedback(self.last_out).expand(k, -1)[None]  # [1, k, H]
-        f_scores = scores
-        anc = torch.eye(k, dtype=torch.bool, device=dev)  # [k, rows so far] frontier ancestry over tree rows
-        n_rec = k
-        for step in range(1, self.depth):
-            tokens = torch.cat(rec_tokens)[frontier]  # [k]
-            pos = torch.full((1, k), p_last + step, device=dev)
-            mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=dev), anc], dim=1)[None, None]
-            out = d(f_hidden, tokens[None], pos, mask=mask, cache=self.cache)  # [1, k, H]
-            top_lp, top_ids = self._children(out[0], p_last + 2 + step)  # [k, k]
-            cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k*k]
-            rec_scores.append(cum)
-            rec_tokens.append(d.draft_ids_to_target(top_ids.reshape(-1)))
-            rec_parents.append(frontier.repeat_interleave(k))
-            best = cum.topk(k).indices  # [k] among this step's k*k
-            parent_row = best // k  # which frontier row each new frontier node extends
-            frontier = n_rec + best
-            n_rec += k * k
-            f_scores = cum[best]
-            f_hidden = d.feedback(out)[:, parent_row]  # [1, k, H]
-            # ancestry of the new frontier rows: their parent's ancestry plus themselves (rows added next step)
-            anc = torch.cat([anc[parent_row], torch.eye(k, dtype=torch.bool, device=dev)], dim=1)
-        self.cache.crop(stable)
+        p_last = self.next_pos - 1  # RoPE position of the newest committed row
 
-        all_scores = torch.cat(rec_scores)  # [R]
-        all_tokens = torch.cat(rec_tokens)
-        all_parents = torch.cat(rec_parents)
-        n = min(self.budget, all_scores.numel())
-        order = torch.sort(-all_scores, stable=True).indices[:n]  # best first, parents before children
-        keep = torch.sort(order).values  # record order: parents precede children
-        remap = torch.full((all_scores.numel(),), -1, dtype=torch.long, device=dev)
-        remap[keep] = torch.arange(n, device=dev)
-        parents = all_parents[keep]
-        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        if bool((parents[all_parents[keep] >= 0] < 0).any()):
-            raise RuntimeError("draft tree rerank dropped a parent of a kept node")
-        return DraftTree(tokens=all_tokens[keep], parents=parents)
+        def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+            # the cache holds the committed rows, then k expansion rows per step so far
+            mask = torch.cat([torch.ones(1, k, stable, dtype=torch.bool, device=dev), anc], dim=2)[:, None]
+            pos = torch.full((1, k), p_last + step, device=dev)
+            return d(hidden, tokens, pos, mask=mask, cache=self.cache)  # [1, k, H]
+
+        def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._children(out, p_last + 2 + step)  # the first drafts are for the token at p_last + 2
+
+        tokens, parents = expand_tree(self.last_out, self.shape, children, run, d.feedback, d.draft_ids_to_target)
+        self.cache.crop(stable)
+        return DraftTree(tokens=tokens[0], parents=parents[0])

@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 from eagle3.config import DraftShape
+from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import GREEDY, SamplingRows
-from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k, top_k_last, top_n_in_order
+from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
 
@@ -51,7 +52,7 @@ DRAFTING_PIECES = ("draft", "tree_inputs", "accept", "feed")
 def prefix_and_window(ar: torch.Tensor, length: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
     """Bool mask [R, S]: slots below `length` (the committed prefix), and slots length + j for j < W where
     window[r, j] (ar = arange(S); length [1]; window bool [R, W]). A scatter of `window` into the prefix mask,
-    written as a gather so that compiled pieces fuse it (see `eagle3.fast.drafter._place`)."""
+    written as a gather so that compiled pieces fuse it (see `eagle3.decoding.expand._place`)."""
     rel = ar - length  # [S] slot relative to the first uncommitted one
     w = window.shape[-1]
     inside = window.gather(1, rel.clamp(0, w - 1)[None].expand(window.shape[0], -1))  # [R, S]
@@ -81,6 +82,7 @@ class FastCore(nn.Module):
             raise ValueError("a drafter and a draft shape are needed for mode 'eagle3' and only there")
         self.target, self.drafter, self.mode = target, drafter, mode
         if mode == "eagle3":
+            self.shape = shape
             self.top_k, self.depth, self.n_nodes = shape.top_k, shape.depth, shape.total
             self.max_depth = shape.depth
             self.scratch = shape.scratch  # drafter rows of tree expansion
@@ -262,48 +264,25 @@ class FastCore(nn.Module):
 
     # -- step functions (fixed shapes, no host sync) ------------------------------------------
     def draft(self, mode: int = GREEDY) -> None:
-        """EAGLE-2 dynamic tree expansion and rerank (as `Eagle3Proposer.propose`) into the tree buffers; the
-        children of each node as `choose_drafts` picks them for `mode`."""
-        d, k, dev = self.drafter, self.top_k, self.device
-        length = self.length  # [1]
-        ids, scores = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [k]
-        rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
-        rec_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-        ar_k = self.ar[:k]
-        eye = ar_k[:, None] == ar_k[None, :]  # [k, k]
-        frontier = ar_k  # record indices of the frontier nodes
-        f_hidden = d.feedback(self.last_out).expand(k, -1)  # [k, H]
-        f_scores = scores
-        anc = eye  # [k, rows so far]: frontier ancestry over the scratch rows
-        all_tokens = rec_tokens[0]
-        n_rec = k
-        for step in range(1, self.depth):
-            slots = length + (step - 1) * k + ar_k  # [k] this step's scratch slots
-            mask = prefix_and_window(self.ar_sd, length, anc)  # [k, Sd]: committed rows + ancestry in scratch
+        """The EAGLE-2 tree (`eagle3.decoding.expand`) into the tree buffers; each node's children as
+        `choose_drafts` picks them for `mode`. Expansion step j writes the drafter's scratch slots
+        length + (j-1)·k + [0, k)."""
+        d, k, length = self.drafter, self.top_k, self.length  # length [1]
+
+        def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [1, T, H]
+            lp, ids = self.choose_drafts(out[0], length + 1 + step, mode)  # [T, k]
+            return lp[None], ids[None]
+
+        def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+            slots = length + (step - 1) * k + self.ar[:k]  # [k] this step's scratch slots
+            mask = prefix_and_window(self.ar_sd, length, anc[0])  # [k, Sd]: committed rows + ancestry in scratch
             pos = (length - 1 + step).expand(k)  # [k] all frontier rows share one position
-            out = d(f_hidden, all_tokens[frontier], pos, slots, mask)  # [k, H]
-            top_ids, top_lp = self.choose_drafts(out, length + 1 + step, mode)  # [k, k]
-            cum = (f_scores[:, None] + top_lp).reshape(-1)  # [k·k]
-            rec_scores.append(cum)
-            rec_tokens.append(d.to_target_ids(top_ids.reshape(-1)))
-            rec_parents.append(frontier[:, None].expand(k, k).reshape(-1))
-            all_tokens = torch.cat(rec_tokens)
-            best = top_k_last(cum, k, self.ranked)[1]  # [k] among this step's k·k
-            parent_row = best // k
-            frontier = n_rec + best
-            n_rec += k * k
-            f_scores = cum[best]
-            f_hidden = d.feedback(out)[parent_row]  # [k, H]
-            anc = torch.cat([anc[parent_row], eye], dim=1)  # [k, (step+1)·k]
-        all_scores = torch.cat(rec_scores)  # [R]
-        all_parents = torch.cat(rec_parents)  # [R]
-        n = self.n_nodes
-        keep = top_n_in_order(all_scores, n, self.ranked)  # [N] the best N in record order: parents precede children
-        parents = all_parents[keep]  # [N] record indices (-1: root)
-        hit = keep[None, :] == parents[:, None]  # [N, N]: node j is node i's parent (no scatter: see `_place`)
-        parents = torch.where(hit.any(dim=-1), (hit * self.ar[:n]).sum(dim=-1), -1)  # [N] node index, -1: root
-        self.tree_tokens.copy_(all_tokens[keep])
-        self.tree_parents1[1:].copy_(parents + 1)
+            return d(hidden[0], tokens[0], pos, slots, mask)[None]  # [1, k, H]
+
+        tokens, parents = expand_tree(self.last_out, self.shape, children, run, d.feedback, d.to_target_ids,
+                                      self.ranked)  # [1, N] each
+        self.tree_tokens.copy_(tokens[0])
+        self.tree_parents1[1:].copy_(parents[0] + 1)
         self.tree_parents1[:1].zero_()
 
     def draft_chain_until(self, mode: int = GREEDY) -> int:
@@ -313,7 +292,7 @@ class FastCore(nn.Module):
         proposals as `draft` up to where it stops (the same drafter calls on the same rows and slots), so a chain
         verified in full would accept the same prefix; one host read per drafted token."""
         d, length, stop = self.drafter, self.length, self.chain_stop
-        ids, scores = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [1]
+        scores, ids = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [1]
         tokens, cum = [d.to_target_ids(ids)], scores
         hidden = d.feedback(self.last_out)  # [1, H]
         one = self.ar[:1]
@@ -322,7 +301,7 @@ class FastCore(nn.Module):
             step = len(tokens)
             mask = prefix_and_window(self.ar_sd, length, anc)  # [1, Sd]
             out = d(hidden, tokens[-1], (length - 1 + step).expand(1), length + step - 1 + one, mask)  # [1, H]
-            ids, scores = (t[0] for t in self.choose_drafts(out, length + 1 + step, mode))
+            scores, ids = (t[0] for t in self.choose_drafts(out, length + 1 + step, mode))
             cum = cum + scores
             tokens.append(d.to_target_ids(ids))
             hidden = d.feedback(out)
@@ -339,14 +318,15 @@ class FastCore(nn.Module):
     def choose_drafts(self, out: torch.Tensor, pos: torch.Tensor,
                       mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` drafts after each of the drafter's outputs out [T, H], all candidates for the token at
-        absolute position `pos` [1]: draft-vocabulary ids [T, k] and their draft log-probabilities [T, k] (what
-        a tree ranks its paths by: a child never scores above its parent). Greedy: the drafter's top k. Sampled
-        (`coupled`): `FastDrafter.coupled_drafts`, the first coupled to the target's own draw. A draft is accepted where it equals the target's draw either way: the output is the target's."""
+        absolute position `pos` [1]: their draft log-probabilities [T, k] (what a tree ranks its paths by: a child
+        never scores above its parent) and draft-vocabulary ids [T, k]. Greedy: the drafter's top k. Sampled
+        (`coupled`): `coupled_top_k`, the first coupled to the target's own draw. A draft is accepted where it
+        equals the target's draw either way: the output is the target's."""
         if mode == GREEDY or not self.coupled:
-            lp, ids = self.draft_top_k(out)
-            return ids, lp
-        ids, lq = self.drafter.coupled_drafts(out[None], pos, self.sampling, mode, self.top_k, self.ranked)
-        return ids[0], lq[0]  # [T, k] each
+            return self.draft_top_k(out)
+        d = self.drafter
+        lq, ids = coupled_top_k(d.logits(out)[None], pos, self.sampling, mode, d.draft_h, self.top_k, self.ranked)
+        return lq[0], ids[0]  # [T, k] each
 
     def draft_top_k(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` best draft tokens after each of the drafter's pre-norm outputs out [T, H]: their

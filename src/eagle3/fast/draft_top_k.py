@@ -1,7 +1,7 @@
 """The drafter's top-k log-probabilities in two Triton kernels, for CUDA drafting.
 
 Each draft step of a tree takes, for each of its k frontier rows, the k best draft-vocabulary tokens and their
-log-probabilities. As PyTorch work (a log-softmax over [k, Vd] and `eagle3.fast.drafter.top_k_last`), compiled by
+log-probabilities. As PyTorch work (a log-softmax over [k, Vd] and `eagle3.decoding.expand.top_k_last`), compiled by
 inductor, that is about ten kernels per step, several of them reductions that run one program per row, a
 large share of a tree's drafting time. Log-probabilities are logits minus the row's log-sum-exp, so
 the best k log-probabilities are the best k logits shifted, and two short kernels do it all:

@@ -14,7 +14,7 @@ from torch import nn
 
 from eagle3.attention import shapes_vary
 from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
-from eagle3.decoding.sampling import SamplingRows, coupled_draft_scores, token_hash
+from eagle3.decoding.sampling import token_hash
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention
 from eagle3.fast.attention import (
@@ -27,16 +27,10 @@ from eagle3.fast.cpu import pack_weights
 from eagle3.fast.pointwise import apply_rope, rms_norm, rope_tables
 from eagle3.fast.split_attention import triton_available
 
-# Two-stage top-k above this width: torch.topk over a few long rows runs one thread block per row; top-k within
-# chunks first spreads the work over many blocks.
-TOPK_CHUNK = 256
-# `ranked` top-k: candidates come from the k chunks of this width with the largest maxima.
-RANK_CHUNK = 64
-
 
 def ranked_top_k(device: torch.device | str) -> bool:
     """Whether compiled drafting pieces (`FastCore.compile_drafting`) pick their top-k and rerank by ranking
-    (`top_k_last(..., ranked=True)`, `top_n_in_order(..., ranked=True)`): on CUDA, where each torch.topk is a
+    (`eagle3.decoding.expand.top_k_last` and `top_n_in_order` with `ranked`): on CUDA, where each torch.topk is a
     radix select in several passes however small its input, while inductor fuses the ranking's comparisons and
     sums into a few short kernels. Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more
     kernels, not fewer."""
@@ -96,80 +90,6 @@ def prefix_attention(
     o = grouped_attention(q.float(), k_cache[:, :n].float(), v_cache[:, :n].float(), bias, scale,
                           exact=True)  # [T, nh·hd]: `rows_exact_attention`'s two products, here in fp32
     return o.to(q.dtype)
-
-
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    """Each element's place [..., R] in a stable descending sort of x [..., R] (equal values: the lower index
-    first), counted from R x R comparisons instead of sorted."""
-    ar = torch.arange(x.shape[-1], device=x.device)
-    a, b = x[..., :, None], x[..., None, :]  # element i, element j
-    return ((b > a) | ((b == a) & (ar[None, :] < ar[:, None]))).sum(dim=-1)  # j sorts before i, counted
-
-
-def _place(slot: torch.Tensor, n: int) -> torch.Tensor:
-    """Indices [..., n]: out[..., slot[i]] = i for every slot[i] < n (each slot below n taken once; 0 where none).
-
-    By comparisons ([..., n, R], summed) rather than a scatter: inductor leaves an int64 or bool scatter on CUDA
-    to a separate aten kernel (tens of them per tree cycle), while comparisons and sums fuse with the ranking
-    around them."""
-    ar_r = torch.arange(slot.shape[-1], device=slot.device)
-    ar_n = torch.arange(n, device=slot.device)
-    return ((slot[..., None, :] == ar_n[:, None]) * ar_r).sum(dim=-1)  # [..., n]
-
-
-def _ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of x [..., R] in descending order and their indices, by `_ranks`."""
-    idx = _place(_ranks(x), k)  # [..., k]
-    return x.gather(-1, idx), idx
-
-
-def top_k_last(x: torch.Tensor, k: int, ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k, dim=-1)` (values descending, their indices) over [..., V]; among exactly equal values the order
-    may differ from torch.topk's.
-
-    k = 1 is a max. Otherwise, when V is a multiple of the chunk width and wider than it, in two stages: the best
-    k of each chunk, then the best k of those (torch.topk), or with `ranked` (`ranked_top_k`) in three: the k
-    chunks of `RANK_CHUNK` with the largest maxima, which hold the k largest values; the best k within each of
-    them; the best k of those k·k, all by `_ranked`. Ranking each chosen chunk on its own takes k·C² comparisons
-    where ranking their k·C values together took (k·C)² (for a 6,10,60 tree's [10, 12,288] log-probabilities:
-    0.5 M instead of 4.1 M per draft step).
-    """
-    v = x.shape[-1]
-    if k == 1:
-        vals, idx = x.max(dim=-1, keepdim=True)
-        return vals, idx
-    if ranked:
-        c = RANK_CHUNK
-        if v <= c or v % c or k > v // c or k > c:
-            return _ranked(x, k)
-        chunks = x.unflatten(-1, (v // c, c))  # [..., n, C]
-        _, ci = _ranked(chunks.amax(dim=-1), k)  # [..., k] the chunks holding the k largest values
-        cand = chunks.gather(-2, ci[..., None].expand(*ci.shape, c))  # [..., k, C]
-        cv, cj = _ranked(cand, k)  # [..., k, k] each chosen chunk's best k, their places in it
-        vals, at = _ranked(cv.flatten(-2), k)  # [..., k] the best of those, at = chunk rank · k + place
-        return vals, ci.gather(-1, at // k) * c + cj.flatten(-2).gather(-1, at)
-    if v <= TOPK_CHUNK or v % TOPK_CHUNK or k > TOPK_CHUNK:
-        return x.topk(k, dim=-1)
-    n = v // TOPK_CHUNK
-    vals, idx = x.unflatten(-1, (n, TOPK_CHUNK)).topk(k, dim=-1, sorted=False)  # [..., n, k] (stage 2 orders)
-    idx = idx + torch.arange(0, v, TOPK_CHUNK, device=x.device)[:, None]  # chunk offsets
-    best, at = vals.flatten(-2).topk(k, dim=-1)  # [..., k]
-    return best, idx.flatten(-2).gather(-1, at)
-
-
-def top_n_in_order(scores: torch.Tensor, n: int, ranked: bool = False) -> torch.Tensor:
-    """Indices [..., n] of the n best of `scores` [..., R] in increasing index order: the EAGLE-2 rerank,
-    `sort(sort(-scores, stable=True).indices[..., :n]).values` (ties go to the lower index).
-
-    With `ranked` (`ranked_top_k`) without sorting: the kept are those ranked below n (`_ranks`: R x R
-    comparisons, 260k for a 6,10,60 tree's 510 records), each placed by the running count of kept ones before it.
-    Identical keeps (tests/test_fast.py); compiled, it costs the same time as sorting.
-    """
-    if not ranked:
-        order = torch.sort(-scores, dim=-1, stable=True).indices[..., :n]  # best first; parents before children
-        return torch.sort(order, dim=-1).values
-    kept = _ranks(scores) < n  # [..., R]
-    return _place(torch.where(kept, kept.cumsum(dim=-1) - 1, n), n)
 
 
 class FastDrafter(nn.Module):
@@ -386,12 +306,3 @@ class FastDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
-
-    def coupled_drafts(self, out: torch.Tensor, positions: torch.Tensor, rows: SamplingRows, mode: int, k: int,
-                       ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """For sampled requests: the top k drafts after out [R, T, H], request r's T rows all drafting its token at
-        positions[r], coupled to its own draws (`coupled_draft_scores`): ids [R, T, k] and their draft
-        log-probabilities [R, T, k] (what a tree ranks its paths by: a child never scores above its parent)."""
-        perturbed, lq = coupled_draft_scores(self.logits(out), positions, rows, mode, self.draft_h)
-        ids = top_k_last(perturbed, k, ranked)[1]
-        return ids, lq.gather(-1, ids)

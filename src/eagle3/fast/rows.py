@@ -23,7 +23,7 @@ every running row waits while an eager prefill launches its kernels one by one. 
 idle: they decode garbage into their own caches, their lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
 Sampled rows carry their own temperature, top-p, top-k and seed (`add_many(..., sampling=)`): their tokens are
 the position-keyed draws of `eagle3.decoding.sampling`, so a request gets the same text here as anywhere else,
-and they draft coupled to those draws (`FastDrafter.coupled_drafts`). Buckets that hold a sampled row run their
+and they draft coupled to those draws (`eagle3.decoding.expand.coupled_top_k`). Buckets that hold a sampled row run their
 own captured cycles (one set for temperature alone, one with top-p / top-k); all-greedy buckets keep the argmax.
 """
 
@@ -35,9 +35,10 @@ from collections.abc import Callable
 import torch
 
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast.drafter import FastDrafter, top_k_last, top_n_in_order
+from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, argmax_ids
 
@@ -469,61 +470,29 @@ class FastRows:
         keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
         self._commit(nb, keep, n_acc, emitted, aux)
 
-    def _children(self, out: torch.Tensor, positions: torch.Tensor, mode: int, k: int):
-        """Ids [nb, T, k] and draft log-probabilities of the top k drafts after out [nb, T, H], row r's drafting
-        its token at positions[r] (`FastCore.choose_drafts` with a row axis)."""
-        if mode == GREEDY:
-            lp, ids = top_k_last(self.d.log_probs(out), k)
-            return ids, lp
-        return self.d.coupled_drafts(out, positions, self.row_sampling, mode, k)
-
     def _draft(self, nb: int, mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
-        """EAGLE-2 expansion and rerank per row (`FastCore.draft` with a row axis): tokens [nb, N] and parents
-        [nb, N+1] (N+1 indexing; the root is its own parent)."""
+        """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
+        indexing; the root is its own parent). Row r drafts its token at length[r] + 1 + step (`FastCore.draft`
+        with a row axis)."""
         shape = self.shapes[nb]
-        d, k, dev = self.d, shape.top_k, self.device
+        d, k = self.d, shape.top_k
         length = self.length[:nb]
-        rows = torch.arange(nb, device=dev)[:, None]  # [nb, 1]
-        ids, scores = (t[:, 0] for t in self._children(self.last_out[:nb, None], length + 1, mode, k))  # [nb, k]
-        rec_scores, rec_tokens = [scores], [d.to_target_ids(ids)]
-        rec_parents = [torch.full((nb, k), -1, dtype=torch.long, device=dev)]
-        ar_k = self.ar[:k]
-        eye = (ar_k[:, None] == ar_k[None, :])[None].expand(nb, k, k)  # [nb, k, k]
-        frontier = ar_k[None].expand(nb, k)  # [nb, k] record indices of the frontier
-        f_hidden = d.feedback(self.last_out[:nb])[:, None].expand(nb, k, -1)  # [nb, k, H]
-        f_scores = scores
-        anc = eye  # [nb, k, scratch rows so far]
         base = (self.ar_sd[None, :] < length[:, None])[:, None, :].expand(nb, k, -1)  # [nb, k, Sd]
-        all_tokens = rec_tokens[0]  # [nb, R]
-        n_rec = k
-        for step in range(1, shape.depth):
+
+        def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [nb, T, H]
+            if mode == GREEDY:
+                return top_k_last(d.log_probs(out), k)
+            return coupled_top_k(d.logits(out), length + 1 + step, self.row_sampling, mode, d.draft_h, k)
+
+        def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
             cols = length[:, None] + self.ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
             mask = base.clone().scatter_(2, cols[:, None, :].expand(nb, k, -1), anc)  # [nb, k, Sd]
             pos = (length - 1 + step)[:, None].expand(nb, k)  # [nb, k]
-            out = d.forward_rows(f_hidden, all_tokens.gather(1, frontier), pos, cols[:, -k:], mask, self.dk[:nb],
-                                 self.dv[:nb], self.d_rope)  # [nb, k, H]
-            top_ids, top_lp = self._children(out, length + 1 + step, mode, k)  # [nb, k, k]
-            cum = (f_scores[:, :, None] + top_lp).reshape(nb, k * k)  # [nb, k·k]
-            rec_scores.append(cum)
-            rec_tokens.append(d.to_target_ids(top_ids.reshape(nb, k * k)))
-            rec_parents.append(frontier[:, :, None].expand(nb, k, k).reshape(nb, k * k))
-            all_tokens = torch.cat(rec_tokens, dim=1)
-            best = top_k_last(cum, k)[1]  # [nb, k]
-            parent_row = best // k
-            frontier = n_rec + best
-            n_rec += k * k
-            f_scores = cum.gather(1, best)
-            f_hidden = d.feedback(out)[rows, parent_row]  # [nb, k, H]
-            anc = torch.cat([anc[rows, parent_row], eye], dim=2)  # [nb, k, (step+1)·k]
-        all_scores = torch.cat(rec_scores, dim=1)  # [nb, R]
-        all_parents = torch.cat(rec_parents, dim=1)  # [nb, R]
-        n = shape.total
-        keep = top_n_in_order(all_scores, n)  # [nb, N] the best N in record order: parents precede children
-        remap = torch.full_like(all_parents, -1).scatter_(1, keep, self.ar[:n][None].expand(nb, n))  # [nb, R]
-        par = all_parents.gather(1, keep)  # [nb, N] record indices (-1: root)
-        par = torch.where(par >= 0, remap.gather(1, par.clamp(min=0)), par)
-        parents1 = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=dev), par + 1], dim=1)  # [nb, N+1]
-        return all_tokens.gather(1, keep), parents1
+            return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, self.dk[:nb], self.dv[:nb], self.d_rope)
+
+        tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids)
+        root = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
+        return tokens, torch.cat([root, parents + 1], dim=1)  # [nb, N], [nb, N+1]
 
     def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor):
         """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache

@@ -14,8 +14,8 @@ Both keep one drafter state per batch row, in the scheduler's row order, and sha
 drafters (`Scheduler.swap_drafter`), which finish plain. `identity_probe` is the check a candidate drafter passes
 before a swap.
 
-`Eagle3BatchDrafter` runs the EAGLE-2 tree expansion of `eagle3.decoding.proposers.Eagle3Proposer` for all
-drafting rows at once: its `DrafterKV` is a padded [B, n_kv, S, hd] tensor with per-row lengths, and every
+`Eagle3BatchDrafter` runs the EAGLE-2 tree expansion (`eagle3.decoding.expand`) for all drafting rows at
+once: its `DrafterKV` is a padded [B, n_kv, S, hd] tensor with per-row lengths, and every
 drafter forward takes a bool mask [B, 1, T, S+T] that hides other rows' padding. `ProposerBatchDrafter`
 loops over per-row proposers (n-gram, test doubles): correct for any proposer, slower.
 """
@@ -29,8 +29,9 @@ import torch
 
 from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.expand import coupled_top_k, expand_tree
 from eagle3.decoding.proposers import Eagle3Proposer, Proposer
-from eagle3.decoding.sampling import GREEDY, SamplingRows, coupled_draft_scores, sampling_mode, token_hash
+from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode, token_hash
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 from eagle3.target import Target
 
@@ -178,29 +179,23 @@ class Eagle3BatchDrafter(BatchDrafter):
         self._extend(self.drafter.combine(aux_rows[:, :m].to(self.device)), toks.to(self.device), counts)
 
     # -- drafting --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _coupling(self, sampling: list[SamplingConfig] | None, positions: torch.Tensor):
-        """A function from drafter outputs [R, T, H] to (log-probabilities, ids) [R, T, k] of the top k drafts,
-        sampled rows' coupled to their draws at `positions` [R] + the step (`coupled_draft_scores`)."""
+    def _coupling(self, sampling: list[SamplingConfig] | None, positions: torch.Tensor, k: int):
+        """`expand_tree`'s children: drafter outputs [R, T, H] to the top k drafts' (log-probabilities, ids)
+        [R, T, k], sampled rows' coupled to their draws at `positions` [R] + the step (`coupled_top_k`)."""
         d = self.drafter
         modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling or []]
         if not any(m != GREEDY for m in modes):
-            return lambda out, step, k: torch.log_softmax(d.logits(out).float(), dim=-1).topk(k, dim=-1)
+            return lambda out, step: torch.log_softmax(d.logits(out).float(), dim=-1).topk(k, dim=-1)
         rows = SamplingRows(len(modes), None, self.device)
         rows.set(0, sampling)
         if self.draft_h is None:
             vd = d.lm_head.weight.shape[0]
             self.draft_h = token_hash(d.draft_ids_to_target(torch.arange(vd, device=self.device)))  # [Vd]
+        return lambda out, step: coupled_top_k(d.logits(out), positions + step, rows, max(modes), self.draft_h, k)
 
-        def top(out: torch.Tensor, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-            perturbed, lq = coupled_draft_scores(d.logits(out), positions + step, rows, max(modes), self.draft_h)
-            ids = perturbed.topk(k, dim=-1).indices
-            return lq.gather(-1, ids), ids
-
-        return top
-
+    @torch.inference_mode()
     def propose(self, rows, shape, sampling=None):
-        """The EAGLE-2 dynamic tree of `Eagle3Proposer.propose`, for every row in `rows` at once."""
+        """The EAGLE-2 tree (`eagle3.decoding.expand`) of every row in `rows` at once."""
         d, k, dev = self.drafter, shape.top_k, self.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
         r = len(rows)
@@ -213,47 +208,16 @@ class Eagle3BatchDrafter(BatchDrafter):
             cache = DrafterKV(self.cache.keys.index_select(0, idx)[:, :, :width],
                               self.cache.values.index_select(0, idx)[:, :, :width])
             last = self.last_out.index_select(0, idx)  # [R, H]
-        top = self._coupling(sampling, lengths + 1)  # the first drafts are for the token at lengths + 1
-        scores, draft_ids = (t[:, 0] for t in top(last[:, None], 0, k))  # [R, k]
-        rec_scores, rec_tokens = [scores], [d.draft_ids_to_target(draft_ids)]
-        rec_parents = [torch.full((r, k), -1, dtype=torch.long, device=dev)]
-        frontier = torch.arange(k, device=dev).expand(r, k)  # [R, k] record indices of the frontier
-        f_hidden = d.feedback(last)[:, None].expand(r, k, -1)  # [R, k, H]
-        f_scores = scores
-        eye = torch.eye(k, dtype=torch.bool, device=dev)
-        anc = eye.expand(r, k, k)  # [R, k, tree rows so far]
         prefix = torch.arange(width, device=dev)[None, None, :] < lengths[:, None, None]  # [R, 1, S]
-        n_rec = k
-        for step in range(1, shape.depth):
-            tokens = torch.cat(rec_tokens, dim=1).gather(1, frontier)  # [R, k]
-            pos = (lengths - 1 + step)[:, None].expand(r, k)  # [R, k]
+
+        def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
             mask = torch.cat([prefix.expand(r, k, width), anc], dim=2)[:, None]  # [R, 1, k, S + rows]
-            out = d(f_hidden, tokens, pos, mask=mask, cache=cache)  # [R, k, H]
-            top_lp, top_ids = top(out, step, k)  # [R, k, k]
-            cum = (f_scores[:, :, None] + top_lp).reshape(r, k * k)  # [R, k²]
-            rec_scores.append(cum)
-            rec_tokens.append(d.draft_ids_to_target(top_ids.reshape(r, k * k)))
-            rec_parents.append(frontier.repeat_interleave(k, dim=1))
-            best = cum.topk(k, dim=-1).indices  # [R, k] among this step's k²
-            parent_row = best // k  # [R, k]
-            frontier = n_rec + best
-            n_rec += k * k
-            f_scores = cum.gather(1, best)
-            fb = d.feedback(out)  # [R, k, H]
-            f_hidden = fb.gather(1, parent_row[:, :, None].expand(-1, -1, fb.shape[-1]))
-            anc = torch.cat([anc.gather(1, parent_row[:, :, None].expand(-1, -1, anc.shape[2])),
-                             eye.expand(r, k, k)], dim=2)
-        all_scores = torch.cat(rec_scores, dim=1)  # [R, rec]
-        all_tokens = torch.cat(rec_tokens, dim=1)
-        all_parents = torch.cat(rec_parents, dim=1)
-        n = min(shape.total, all_scores.shape[1])
-        order = torch.sort(-all_scores, dim=1, stable=True).indices[:, :n]  # best first, parents first
-        keep = torch.sort(order, dim=1).values  # [R, n] record order: parents precede children
-        remap = torch.full_like(all_parents, -1)
-        remap.scatter_(1, keep, torch.arange(n, device=dev).expand(r, n))
-        parents = all_parents.gather(1, keep)  # [R, n] record indices
-        parents = torch.where(parents >= 0, remap.gather(1, parents.clamp(min=0)), parents)
-        return all_tokens.gather(1, keep), parents
+            pos = (lengths - 1 + step)[:, None].expand(r, k)  # [R, k]
+            return d(hidden, tokens, pos, mask=mask, cache=cache)  # [R, k, H]
+
+        # the first drafts are for the token at lengths + 1
+        return expand_tree(last, shape, self._coupling(sampling, lengths + 1, k), run, d.feedback,
+                           d.draft_ids_to_target)
 
 
 class ProposerBatchDrafter(BatchDrafter):
