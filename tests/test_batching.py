@@ -22,10 +22,10 @@ from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
 from eagle3.decoding.sampling import exponential_noise, race_sample
-from eagle3.decoding.tree import DraftTree
+from eagle3.decoding.tree import DraftTree, ancestry
 from eagle3.decoding.verify import accept
 from eagle3.runtime import eos_token_ids, init_drafter
-from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, prefill
+from eagle3.serving.batch import accept_batch, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
 from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate
@@ -300,7 +300,7 @@ def test_batched_eagle3_drafter_matches_per_row_proposer(stories260k):
 
 
 # -- batched acceptance ------------------------------------------------------------------------
-def test_accept_greedy_batch_matches_accept():
+def test_padded_batch_acceptance_matches_each_tree_alone():
     g = torch.Generator().manual_seed(0)
     trees = []
     for n in [0, 1, 5, 9]:
@@ -309,7 +309,8 @@ def test_accept_greedy_batch_matches_accept():
     for trial in range(30):
         tokens, parents = pad_trees([(t.tokens, t.parents) for t in trees], "cpu")
         logits = torch.randn(len(trees), tokens.shape[1] + 1, 4, generator=g)
-        paths, nxt = accept_greedy_batch(tokens, parents, batch_ancestors(parents), logits.argmax(-1))
+        parents1 = torch.cat([torch.zeros(len(trees), 1, dtype=torch.long), parents + 1], dim=1)
+        paths, nxt = accept_batch(tokens, parents1, ancestry(parents1, tokens.shape[1]), logits.argmax(-1))
         for i, t in enumerate(trees):
             single = accept(t, logits[i, : t.n + 1].argmax(-1))
             assert (paths[i], nxt[i]) == (single.path, single.next_token), f"trial {trial} tree {i}"

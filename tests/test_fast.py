@@ -26,7 +26,7 @@ from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.expand import top_k_last, top_n_in_order
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
 from eagle3.decoding.sampling import FILTERED, TEMPERATURE
-from eagle3.decoding.tree import DraftTree
+from eagle3.decoding.tree import DraftTree, ancestry
 from eagle3.decoding.verify import accept
 from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine, fast_support
 from eagle3.fast.core import prefix_and_window
@@ -353,7 +353,7 @@ def test_device_acceptance_equals_accept(models, seed):
     core.load_tree(tree.tokens.tolist(), tree.parents.tolist())
     top = torch.cat([logits.argmax(-1), torch.zeros(n_max - n, dtype=torch.long)])  # padding rows: any value
     core.top.copy_(top)
-    core.anc.copy_(core._ancestors())
+    core.anc.copy_(ancestry(core.tree_parents1, core.max_depth))
     core.accept()
     ref = accept(tree, logits.argmax(-1))
     a = int(core.n_acc)

@@ -11,7 +11,23 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DraftTree"]
+__all__ = ["DraftTree", "ancestry"]
+
+
+def ancestry(parents1: torch.Tensor, depth: int) -> torch.Tensor:
+    """Bool [..., N+1, N+1]: [i, j] iff node j is node i or one of its ancestors, for trees given by parents1
+    [..., N+1] (N+1 indexing: the root is node 0 and its own parent; padding nodes hang off the root) whose paths
+    are at most `depth` long. By pointer jumping: each step joins every node's set with that of its ancestor
+    2^s levels up, so ceil(log2(depth)) steps of fixed shape, no host reads."""
+    idx = torch.arange(parents1.shape[-1], device=parents1.device)
+    anc = (idx[:, None] == idx[None, :]) | (parents1[..., :, None] == idx)  # self or parent
+    up = parents1  # each node's ancestor `covered` levels up (the root stays the root)
+    covered = 1
+    while covered < depth:
+        anc = anc | anc.gather(-2, up[..., :, None].expand(anc.shape))
+        up = up.gather(-1, up)
+        covered *= 2
+    return anc
 
 
 @dataclass
@@ -96,22 +112,13 @@ class DraftTree:
             raise ValueError(f"DraftTree tokens must be vocabulary ids >= 0, got {self.tokens.tolist()}")
 
     # -- what the target needs ----------------------------------------------------------------
-    def ancestors(self) -> torch.Tensor:
-        """Bool [N+1, N+1]: entry [i, j] is True iff node j is node i or an ancestor of it (N+1 indexing).
+    def parents1(self) -> torch.Tensor:
+        """Long [N+1]: each node's parent in N+1 indexing (the root, node 0, is its own parent)."""
+        return torch.cat([torch.zeros(1, dtype=torch.long, device=self.parents.device), self.parents + 1])
 
-        Computed without host syncs: start from "self or parent" and square the relation until it
-        covers paths of length N (each squaring doubles the covered length).
-        """
-        n1 = self.n + 1
-        dev = self.parents.device
-        parent1 = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.parents + 1])  # [N+1]
-        reach = torch.eye(n1, dtype=torch.float32, device=dev)  # [N+1, N+1]
-        reach[torch.arange(n1, device=dev), parent1] = 1.0
-        covered = 1
-        while covered < self.n:
-            reach = ((reach @ reach) > 0).float()  # [N+1, N+1]
-            covered *= 2
-        return reach > 0
+    def ancestors(self) -> torch.Tensor:
+        """Bool [N+1, N+1]: entry [i, j] is True iff node j is node i or an ancestor of it (N+1 indexing)."""
+        return ancestry(self.parents1(), self.n)
 
     def attention_mask(self) -> torch.Tensor:
         """Bool [N+1, N+1]: row i may attend to column j (itself and its ancestors; column 0 all True)."""

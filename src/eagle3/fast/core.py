@@ -40,6 +40,8 @@ from torch import nn
 from eagle3.config import DraftShape
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import GREEDY, SamplingRows
+from eagle3.decoding.tree import ancestry
+from eagle3.decoding.verify import accept_rows
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces
 from eagle3.fast.target import FastTarget
@@ -101,7 +103,6 @@ class FastCore(nn.Module):
         self.register_buffer("tree_tokens", torch.zeros(n, dtype=torch.long, device=dev), persistent=False)
         self.register_buffer("tree_parents1", torch.zeros(n + 1, dtype=torch.long, device=dev), persistent=False)
         self.register_buffer("tree_valid", torch.ones(n, dtype=torch.bool, device=dev), persistent=False)
-        self.register_buffer("earlier", torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1), persistent=False)
         self.register_buffer("top", torch.zeros(n + 1, dtype=torch.long, device=dev), persistent=False)
         self.register_buffer("anc", torch.zeros(n + 1, n + 1, dtype=torch.bool, device=dev), persistent=False)
         self.register_buffer("keep", torch.zeros(d + 1, dtype=torch.long, device=dev), persistent=False)
@@ -336,17 +337,6 @@ class FastCore(nn.Module):
             return self.top_k_op(d.logits(out), self.top_k)
         return top_k_last(d.log_probs(out), self.top_k, self.ranked)
 
-    def _ancestors(self) -> torch.Tensor:
-        """Bool [N+1, N+1]: [i, j] iff j is i or an ancestor of i, by walking parent pointers max_depth times."""
-        n1 = self.n_nodes + 1
-        idx = self.ar[:n1]
-        anc = idx[:, None] == idx[None, :]  # [N+1, N+1]
-        cur = idx
-        for _ in range(self.max_depth):
-            cur = self.tree_parents1[cur]  # [N+1]
-            anc = anc | (cur[:, None] == idx[None, :])
-        return anc
-
     def tree_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the verification forward reads: ids [N+1] (root, nodes), RoPE positions length + depth [N+1],
         cache slots length + [0, N] [N+1], the mask [N+1, S] (committed prefix, each node's ancestors and
@@ -355,7 +345,7 @@ class FastCore(nn.Module):
         n1, d1 = self.n_nodes + 1, self.max_depth + 1
         length = self.length
         ids = torch.cat([self.root, self.tree_tokens])  # [N+1]
-        anc = self._ancestors()  # [N+1, N+1]
+        anc = ancestry(self.tree_parents1, self.max_depth)  # [N+1, N+1]
         depth = anc.sum(dim=-1) - 1  # [N+1]
         pos = length + depth  # [N+1]
         slots = length + self.ar[:n1]  # [N+1]
@@ -390,35 +380,14 @@ class FastCore(nn.Module):
         self.anc.copy_(anc)
 
     def accept(self) -> None:
-        """Acceptance against the target's choices, on device (the rule of `eagle3.decoding.verify.accept`)."""
-        n, d = self.n_nodes, self.max_depth
+        """Acceptance against the target's choices, on device (`eagle3.decoding.verify.accept_rows`)."""
         top = self.top  # [N+1]
-        if n == 0:
-            self.keep.zero_()
-            self.n_acc.zero_()
-            self.emitted.copy_(top[:1])
-            self.packet.copy_(torch.cat([self.n_acc, self.n_acc, top[:1]]))
-            return
-        tok = self.tree_tokens  # [N]
-        par = self.tree_parents1[1:]  # [N] parent in N+1 indexing
-        match = (tok == top[par]) & self.tree_valid  # [N] draft equals the choice after its parent
-        same = (par[:, None] == par[None, :]) & (tok[:, None] == tok[None, :])  # [N, N] sibling, same token
-        ok = match & ~(same & self.earlier).any(dim=-1)  # [N] the first of equal siblings only
-        anc = self.anc[1:, 1:]  # [N, N]
-        accepted = ~(anc & ~ok[None, :]).any(dim=-1)  # [N] every node on the path to it is ok
-        depth = anc.sum(dim=-1)  # [N] 1 for children of the root
-        n_acc = accepted.sum().view(1)  # [1]
-        at_depth = accepted[None, :] & (depth[None, :] == self.ar[1 : d + 1, None])  # [D, N] one-hot rows
-        path = (at_depth.long() * self.ar[1 : n + 1][None, :]).sum(dim=-1)  # [D] N+1 index at depth i+1, or 0
-        keep = torch.cat([self.ar[:1], path])  # [D+1]
-        bonus = top[keep.gather(0, n_acc)]  # [1] target choice after the deepest accepted node
-        tok1 = torch.cat([self.root, tok])  # [N+1]
-        emitted = torch.where(self.ar[: d + 1] == n_acc, bonus, torch.cat([tok1[path], bonus]))  # [D+1]
-        drafted = (depth * self.tree_valid).max().view(1)  # [1] deepest valid node
-        self.keep.copy_(keep)
-        self.n_acc.copy_(n_acc)
-        self.emitted.copy_(emitted)
-        self.packet.copy_(torch.cat([n_acc, drafted, emitted]))
+        acc = accept_rows(self.tree_tokens[None], self.tree_parents1[None], self.anc[None], top[None],
+                          self.max_depth, self.tree_valid[None], self.root)
+        self.keep.copy_(acc.keep[0])
+        self.n_acc.copy_(acc.n_acc)
+        self.emitted.copy_(acc.emitted[0])
+        self.packet.copy_(torch.cat([acc.n_acc, acc.drafted, acc.emitted[0]]))
 
     def commit(self) -> None:
         """Move the accepted path's K/V next to the prefix, then `feed`."""

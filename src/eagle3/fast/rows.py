@@ -37,6 +37,8 @@ import torch
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
+from eagle3.decoding.tree import ancestry
+from eagle3.decoding.verify import accept_rows
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
@@ -501,11 +503,7 @@ class FastRows:
         n1 = tokens.shape[1] + 1
         length = self.length[:nb]
         idx = self.ar[:n1]
-        anc = (idx[:, None] == idx[None, :])[None].expand(nb, n1, n1)  # [nb, N+1, N+1]
-        cur = idx[None].expand(nb, n1)
-        for _ in range(shape.depth):
-            cur = parents1.gather(1, cur)  # [nb, N+1]
-            anc = anc | (cur[:, :, None] == idx[None, None, :])
+        anc = ancestry(parents1, shape.depth)  # [nb, N+1, N+1]
         ids = torch.cat([self.root[:nb, None], tokens], dim=1)  # [nb, N+1]
         pos = length[:, None] + anc.sum(dim=-1) - 1  # [nb, N+1]
         slots = length[:, None] + idx[None]  # [nb, N+1]
@@ -524,26 +522,11 @@ class FastRows:
         return anc, top, aux
 
     def _accept(self, nb: int, tokens, parents1, anc, top):
-        """Greedy acceptance per row (`FastCore.accept`): keep [nb, D+1], n_acc [nb], emitted [nb, D+1]."""
-        n, d = tokens.shape[1], self.packet.shape[1] - 3
-        par = parents1[:, 1:]  # [nb, N]
-        match = tokens == top.gather(1, par)  # [nb, N] the draft equals the argmax after its parent
-        same = (par[:, :, None] == par[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])  # [nb, N, N]
-        earlier = torch.ones(n, n, dtype=torch.bool, device=self.device).tril(-1)
-        ok = match & ~(same & earlier).any(dim=-1)  # the first of equal siblings only
-        a = anc[:, 1:, 1:]  # [nb, N, N]
-        accepted = ~(a & ~ok[:, None, :]).any(dim=-1)  # [nb, N] every node on its path is ok
-        depth = a.sum(dim=-1)  # [nb, N]
-        n_acc = accepted.sum(dim=-1)  # [nb]
-        at_depth = accepted[:, None, :] & (depth[:, None, :] == self.ar[1 : d + 1][None, :, None])  # [nb, D, N]
-        path = (at_depth.long() * self.ar[1 : n + 1][None, None, :]).sum(dim=-1)  # [nb, D] node at depth i+1 or 0
-        keep = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=self.device), path], dim=1)  # [nb, D+1]
-        bonus = top.gather(1, keep.gather(1, n_acc[:, None]))  # [nb, 1]
-        tok1 = torch.cat([self.root[:nb, None], tokens], dim=1)  # [nb, N+1]
-        emitted = torch.cat([tok1.gather(1, path), bonus], dim=1).scatter(1, n_acc[:, None], bonus)  # [nb, D+1]
-        drafted = depth.max(dim=-1).values  # [nb]
-        self.packet[:nb].copy_(torch.cat([n_acc[:, None], drafted[:, None], emitted], dim=1))
-        return keep, n_acc, emitted
+        """Acceptance per row (`eagle3.decoding.verify.accept_rows`): keep [nb, D+1], n_acc [nb], emitted
+        [nb, D+1]."""
+        acc = accept_rows(tokens, parents1, anc, top, self.packet.shape[1] - 3, root=self.root[:nb])
+        self.packet[:nb].copy_(torch.cat([acc.n_acc[:, None], acc.drafted[:, None], acc.emitted], dim=1))
+        return acc.keep, acc.n_acc, acc.emitted
 
     def _commit(self, nb: int, keep, n_acc, emitted, aux) -> None:
         """Accepted K/V next to each row's prefix, then `_feed_rows`."""

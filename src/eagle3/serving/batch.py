@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3.config import ConfigError
+from eagle3.decoding.verify import accept_rows
 from eagle3.target import Target
 
 __all__ = [
     "BatchKV",
-    "accept_greedy_batch",
-    "batch_ancestors",
+    "accept_batch",
     "batched_forward",
     "build_mask",
     "prefill",
@@ -207,51 +207,14 @@ def prefill(
     return kv, last, aux
 
 
-# -- trees ------------------------------------------------------------------------------------
-def batch_ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """Bool [B, N+1, N+1] ancestor-or-self relation of padded trees (N+1 indexing, root = 0).
-
-    parents: [B, N] long in -1..i-1 (padding nodes use -1). Same squaring trick as `DraftTree.ancestors`.
-    """
-    b, n = parents.shape
-    dev = parents.device
-    n1 = n + 1
-    parent1 = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), parents + 1], dim=1)  # [B, N+1]
-    reach = torch.eye(n1, device=dev).repeat(b, 1, 1)  # [B, N+1, N+1]
-    reach.scatter_(2, parent1[:, :, None], 1.0)
-    covered = 1
-    while covered < n:
-        reach = (torch.bmm(reach, reach) > 0).float()  # [B, N+1, N+1]
-        covered *= 2
-    return reach > 0
-
-
-def accept_greedy_batch(
+def accept_batch(
     tokens: torch.Tensor,  # [B, N] draft tokens (padding: -1)
-    parents: torch.Tensor,  # [B, N]
-    anc: torch.Tensor,  # bool [B, N+1, N+1] from batch_ancestors
+    parents1: torch.Tensor,  # [B, N+1] parents, N+1 indexing (padding nodes hang off the root)
+    anc: torch.Tensor,  # bool [B, N+1, N+1] (`eagle3.decoding.tree.ancestry`)
     top: torch.Tensor,  # [B, N+1] the target's choice after each node (argmax, or a seeded sample)
 ) -> tuple[list[list[int]], list[int]]:
-    """Per row: the accepted path (N+1 indexing, root to deepest) and the next token; one host sync.
-
-    The batched form of `eagle3.decoding.verify.accept`: follow from the root the child whose token
-    equals the target's choice after its parent; the first of equal siblings wins.
-    """
-    b, n = tokens.shape
-    if n == 0:
-        return [[] for _ in range(b)], top[:, 0].tolist()
-    dev = tokens.device
-    match = tokens == top.gather(1, parents + 1)  # [B, N]
-    same_parent = parents[:, :, None] == parents[:, None, :]  # [B, N, N]
-    same_token = tokens[:, :, None] == tokens[:, None, :]  # [B, N, N]
-    earlier = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)  # [N, N] j < i
-    ok = match & ~(same_parent & same_token & earlier).any(dim=-1)  # [B, N]
-    a = anc[:, 1:, 1:]  # [B, N, N] draft-node ancestors, self included
-    accepted = ~(a & ~ok[:, None, :]).any(dim=-1)  # [B, N] whole path to the node is ok
-    depth = a.sum(dim=-1)  # [B, N]
-    deepest = torch.where(accepted, depth, 0).argmax(dim=-1)  # [B]
-    last = torch.where(accepted.any(dim=-1), deepest + 1, 0)  # [B] N+1 indexing
-    nxt = top.gather(1, last[:, None])[:, 0]  # [B]
-    packed = torch.cat([accepted.long(), nxt[:, None]], dim=1).tolist()  # one host sync
-    paths = [[i + 1 for i, v in enumerate(row[:-1]) if v] for row in packed]
-    return paths, [row[-1] for row in packed]
+    """Per row: the accepted path (N+1 indexing, root to deepest) and the next token
+    (`eagle3.decoding.verify.accept_rows`); one host sync."""
+    acc = accept_rows(tokens, parents1, anc, top, tokens.shape[1])
+    packed = torch.cat([acc.n_acc[:, None], acc.bonus[:, None], acc.keep[:, 1:]], dim=1).tolist()  # one host sync
+    return [row[2 : 2 + row[0]] for row in packed], [row[1] for row in packed]

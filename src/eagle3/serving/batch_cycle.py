@@ -9,7 +9,8 @@ import torch
 
 from eagle3.config import SamplingConfig
 from eagle3.decoding.sampling import race_sample
-from eagle3.serving.batch import accept_greedy_batch, batch_ancestors, batched_forward, prefill
+from eagle3.decoding.tree import ancestry
+from eagle3.serving.batch import accept_batch, batched_forward, prefill
 from eagle3.serving.policy import RowAcceptance
 from eagle3.serving.requests import RequestHandle, _Row
 
@@ -72,13 +73,14 @@ class BatchCycleMixin:
         n = tokens.shape[1]
         roots = torch.tensor([r.root for r in rows], dtype=torch.long, device=dev)  # [B]
         ids = torch.cat([roots[:, None], tokens.clamp(min=0)], dim=1)  # [B, N+1]
-        anc = batch_ancestors(parents)  # [B, N+1, N+1]
+        parents1 = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), parents + 1], dim=1)  # [B, N+1]
+        anc = ancestry(parents1, n)  # [B, N+1, N+1]
         offsets = anc.sum(dim=-1) - 1  # [B, N+1] depth of each node
         lengths = list(self._kv.lengths)
         appended_at = self._kv.width
         logits, aux = batched_forward(self.target, ids, self._kv, anc, offsets)  # [B, N+1, V]
         top = self._choose(rows, logits, offsets, lengths)  # [B, N+1]
-        paths, nxt = accept_greedy_batch(tokens, parents, anc, top)
+        paths, nxt = accept_batch(tokens, parents1, anc, top)
         keep = [[0, *p] for p in paths]  # root + accepted nodes, offsets into the appended block
         self._kv.compact(appended_at, keep)
         tok_host = tokens.tolist()
