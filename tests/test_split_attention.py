@@ -172,6 +172,7 @@ def paths_mask(pos, tail, length, s):
     (700, 20, 2, 4, 32, F32),  # several splits
     (700, 30, 3, 3, 64, F16),
     (450, 8, 1, 20, 16, F32),  # 20 query heads per KV head: two tiles of a token's heads
+    (145, 12, 2, 3, 32, F32),  # the prefix ends one slot before a split's end: paths run into the next split
 ])
 def test_paths_match_softmax_attention_over_the_same_slots(interpreted, s, n, nkv, g, hd, dtype):
     gen = torch.Generator().manual_seed(n)
@@ -203,14 +204,14 @@ def test_paths_window_and_padding(interpreted):
     assert not out[n - 2 :].any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_tree_node_keeps_the_bits_of_a_one_token_step_at_its_position(interpreted, dtype):
+@pytest.mark.parametrize("dtype,length", [(torch.float32, 260), (torch.float16, 260),
+                                          (torch.float32, 319)])  # 319: paths run from split 4 into split 5
+def test_a_tree_node_keeps_the_bits_of_a_one_token_step_at_its_position(interpreted, dtype, length):
     """Walked by position, a node whose path sits at scattered slots attends exactly as a one-token step does
     with the same path laid out at the slots of its positions (what plain decoding's cache holds): the same
     blocks, splits and tiles, so the same bits, whatever else the forward holds."""
     s, n, nkv, g, hd = 600, 30, 2, 3, 64
     gen = torch.Generator().manual_seed(7)
-    length = 260
     pos, tail = tree_paths(random_tree(n, gen), length)
     q, k, v, _ = inputs(s, n + 1, nkv, g, hd, dtype, seed=7)
     tree = split.split_attention(q, k, v, None, hd**-0.5, paths=split.Paths(torch.tensor([length]), tail, pos))

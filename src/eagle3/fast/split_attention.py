@@ -11,7 +11,9 @@ Two kernels:
 - `split_kernel`, one program per (KV head, block of 16 stacked query rows, split of the slots): an online
   softmax over its split's key blocks up to the forward's last slot (`last`; blocks past it no row sees); it
   writes its rows' partial (max, sum, weighted V), or, when one split covers the cache, the normalised output
-  itself. Each block's K and V loads go out beside its mask's rather than waiting for a check that some row
+  itself. By position (`Paths`), the programs are the stacked tiles of every split that holds only the committed
+  prefix, then one token's heads over each split from the one holding the prefix's end to the last a path
+  reaches (so a tree's grid grows by its tokens for one or two splits, not for all of them). Each block's K and V loads go out beside its mask's rather than waiting for a check that some row
   sees the block, which would put three dependent loads in a row.
 - `combine_kernel`, one program per (KV head, stacked row): merges the splits in order and writes the row into
   the `[T, nh·hd]` output, the layout the output projection reads (no transposing copy after attention).
@@ -81,24 +83,28 @@ def _kernels():
     def split_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, last_ptr, part_o_ptr, part_ml_ptr, out_ptr, tail_ptr, pos_ptr, length_ptr,
         stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ot, stride_tt,
-        rows_total, tokens, seq_len, groups, n_last, scale_log2, tail_w, window, n_valid,
+        rows_total, tokens, seq_len, groups, n_last, scale_log2, tail_w, window, n_valid, tiles, tok_progs,
         HD: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
         BOUNDED: tl.constexpr, EP: tl.constexpr, PATHS: tl.constexpr, CHUNKS: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
-        if PATHS:  # positions, not slots (`Paths`)
+        if PATHS:  # positions, not slots (`Paths`); axis 1 numbers prefix tiles, then tail programs
             length = tl.load(length_ptr)  # positions below it are the committed prefix, at their own slots
-            if (split + 1) * SPLIT <= length:  # a split of the prefix alone: every token sees the same keys
-                rows = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] stacked rows r·T + t
-                row_ok = (rows < rows_total) & (rows % tokens < n_valid)
+            pid = tl.program_id(1)
+            if pid < tiles * N_SPLITS:  # stacked rows over a split of the prefix alone: every token sees its keys
+                split = pid // tiles
+                rows = (pid % tiles) * BM + tl.arange(0, BM)  # [BM] stacked rows r·T + t
+                row_ok = (rows < rows_total) & (rows % tokens < n_valid) & (rows * 0 + (split + 1) * SPLIT <= length)
                 tok1 = rows_total * 0
-            else:  # one token's query heads per program, its own path's slots
-                tok1 = tl.program_id(1) // CHUNKS  # the token
-                heads = (tl.program_id(1) % CHUNKS) * BM + tl.arange(0, BM)  # [BM] its query heads
+            else:  # one token's query heads over a split from the one holding `length` on: its own path's slots
+                j = pid - tiles * N_SPLITS
+                split = (length // SPLIT).to(tl.int32) + j // tok_progs
+                tok1 = (j % tok_progs) // CHUNKS  # the token
+                heads = (j % CHUNKS) * BM + tl.arange(0, BM)  # [BM] its query heads
                 rows = heads * tokens + tok1  # [BM] stacked rows r·T + t
-                row_ok = (heads < groups) & (heads * 0 + tok1 < n_valid)
+                row_ok = (heads < groups) & (heads * 0 + tok1 < n_valid) & (heads * 0 + split < N_SPLITS)
             tok = rows % tokens
             qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)  # [BM] each row sees positions up to its token's
             end = tl.max(qpos, 0) + 1
@@ -162,21 +168,27 @@ def _kernels():
 
     @triton.jit
     def combine_kernel(
-        part_o_ptr, part_ml_ptr, out_ptr, stride_ot, rows_total, tokens, groups, valid,
-        HD: tl.constexpr, N_SPLITS: tl.constexpr, SP: tl.constexpr,
+        part_o_ptr, part_ml_ptr, out_ptr, pos_ptr, stride_ot, rows_total, tokens, groups, valid,
+        HD: tl.constexpr, N_SPLITS: tl.constexpr, SP: tl.constexpr, SPLIT: tl.constexpr, PATHS: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         row = tl.program_id(1)
         sp = tl.arange(0, SP)  # [SP] splits, padded to a power of two
         d = tl.arange(0, HD)
+        tok = row % tokens
         sp_ok = sp < N_SPLITS
         base = (kvh * rows_total + row) * N_SPLITS
         m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp_ok, other=-1.0e30)  # [SP]
         ell = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
         acc = tl.load(part_o_ptr + (base + sp)[:, None] * HD + d[None, :], mask=sp_ok[:, None], other=0.0)
+        if PATHS:  # splits past the token's position hold no partials (`split_kernel` runs no program there):
+            # loaded beside the position rather than after it (a dependent load per row), then dropped
+            reach = sp <= tl.load(pos_ptr + tok) // SPLIT
+            m = tl.where(reach, m, -1.0e30)
+            ell = tl.where(reach, ell, 0.0)
+            acc = tl.where(reach[:, None], acc, 0.0)
         w = tl.exp2(m - tl.max(m, 0))  # [SP]: splits this row does not see have m = -1e30, so w = 0
         o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * ell, 0)  # [HD]
-        tok = row % tokens
         head = kvh * groups + row // tokens
         tl.store(out_ptr + tok * stride_ot + head * HD + d, o.to(out_ptr.dtype.element_ty),
                  mask=d * 0 + tok < valid)  # padding tokens (`Paths.valid`) keep their zeros
@@ -245,13 +257,18 @@ def split_attention(
     if bounded and (last.dim() != 1 or last.is_floating_point() or not 1 <= last.numel() <= MAX_ROWS):
         raise ValueError(f"last must be an integer tensor of 1 to {MAX_ROWS} slots, got {tuple(last.shape)} "
                          f"{last.dtype}")
+    tiles = -(-rows // BLOCK_M)
     if paths is None:
-        chunks = 1
-        grid = (nkv, -(-rows // BLOCK_M), n_splits)
+        chunks = tok_progs = 1
+        grid = (nkv, tiles, n_splits)
         tail = length = pos = mask_bytes  # unused
     else:
+        # prefix tiles of every split, then one token's heads per program over the splits a path reaches: positions
+        # length .. length + W - 1 span at most this many splits from the one holding `length`
         chunks = -(-groups // BLOCK_M)
-        grid = (nkv, max(valid * chunks, -(-rows // BLOCK_M)), n_splits)
+        tok_progs = valid * chunks
+        tail_splits = min(n_splits, 1 + (split + paths.tail.shape[1] - 2) // split)
+        grid = (nkv, tiles * n_splits + tail_splits * tok_progs, 1)
         tail, length, pos = paths.tail, paths.length, paths.pos
         if tail.shape[0] != tokens or tail.stride(-1) != 1 or length.numel() != 1:
             raise ValueError(f"paths: tail must be [T, W] with T = {tokens} tokens (contiguous rows), length [1]")
@@ -261,7 +278,7 @@ def split_attention(
         mask_bytes.stride(0) if paths is None else 0, out.stride(0), tail.stride(0) if paths is not None else 0,
         rows, tokens, seq_len, groups, last.numel() if bounded else 0,
         scale * 1.4426950408889634,  # log2(e)
-        tail.shape[1] if paths is not None else 0, window or seq_len + 1, valid,
+        tail.shape[1] if paths is not None else 0, window or seq_len + 1, valid, tiles, tok_progs,
         HD=hd, SPLIT=split, N_SPLITS=n_splits, BM=BLOCK_M, BN=BLOCK_N, SINGLE=single,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", BOUNDED=bounded,
         EP=1 << (last.numel() - 1).bit_length() if bounded else 1, PATHS=paths is not None, CHUNKS=chunks,
@@ -270,8 +287,8 @@ def split_attention(
     if not single:
         sp = 1 << (n_splits - 1).bit_length()
         combine_kernel[(nkv, rows)](
-            part_o, part_ml, out, out.stride(0), rows, tokens, groups, valid,
-            HD=hd, N_SPLITS=n_splits, SP=sp, num_warps=1 if hd <= 64 else 2,
+            part_o, part_ml, out, pos, out.stride(0), rows, tokens, groups, valid,
+            HD=hd, N_SPLITS=n_splits, SP=sp, SPLIT=split, PATHS=paths is not None, num_warps=1 if hd <= 64 else 2,
         )
     return out
 
