@@ -20,7 +20,10 @@ def ancestry(parents1: torch.Tensor, depth: int) -> torch.Tensor:
     are at most `depth` long. By pointer jumping: each step joins every node's set with that of its ancestor
     2^s levels up, so ceil(log2(depth)) steps of fixed shape, no host reads."""
     idx = torch.arange(parents1.shape[-1], device=parents1.device)
-    anc = (idx[:, None] == idx[None, :]) | (parents1[..., :, None] == idx)  # self or parent
+    anc = idx[:, None] == idx[None, :]  # self
+    if depth < 1:  # the root alone
+        return anc.expand(*parents1.shape, parents1.shape[-1])
+    anc = anc | (parents1[..., :, None] == idx)  # self or parent
     up = parents1  # each node's ancestor `covered` levels up (the root stays the root)
     covered = 1
     while covered < depth:

@@ -382,6 +382,12 @@ class FastCore(nn.Module):
     def accept(self) -> None:
         """Acceptance against the target's choices, on device (`eagle3.decoding.verify.accept_rows`)."""
         top = self.top  # [N+1]
+        if self.n_nodes == 0:  # plain decoding's cycle: a few writes, not `accept_rows`'s kernels
+            self.keep.zero_()
+            self.n_acc.zero_()
+            self.emitted.copy_(top[:1])
+            self.packet.copy_(torch.cat([self.n_acc, self.n_acc, top[:1]]))
+            return
         acc = accept_rows(self.tree_tokens[None], self.tree_parents1[None], self.anc[None], top[None],
                           self.max_depth, self.tree_valid[None], self.root)
         self.keep.copy_(acc.keep[0])
