@@ -104,6 +104,19 @@ class _Stream:
             self.callback(text[self.sent:end])
             self.sent = end
 
+    def result(self, out: list[int], finish: str | None, stats: GenerationStats, t0: float) -> GenerationResult:
+        """The finished generation: its text cut at the first stop string, the rest of it streamed."""
+        text = ""
+        if self.tokenizer is not None:
+            text = self.text(out)
+            cut = self.find_stop(text)
+            if cut >= 0:
+                text = text[:cut]
+            self.push(text, final=True)
+        stats.total_s = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        return GenerationResult(token_ids=out, text=text, finish_reason=finish, stats=stats)
+
 
 @dataclass
 class Request:
@@ -221,16 +234,7 @@ class SpeculativeEngine:
                 guard.record(drafting, t3 - t1, len(new))
                 stats.plain_steps += not drafting
 
-        text = ""
-        if self.tokenizer is not None:
-            text = stream.text(out)
-            cut = stream.find_stop(text)
-            if cut >= 0:
-                text = text[:cut]
-            stream.push(text, final=True)
-        stats.total_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        return GenerationResult(token_ids=out, text=text, finish_reason=finish, stats=stats)
+        return stream.result(out, finish, stats, t0)
 
     @staticmethod
     def _finished(out, eos, max_new_tokens, stream: _Stream, stop_strings) -> str | None:

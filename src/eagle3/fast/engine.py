@@ -347,16 +347,7 @@ class FastEngine:
         self._sync()
         stats.verify_s = time.perf_counter() - t1  # cycles are fused: drafting time is inside verify_s
 
-        text = ""
-        if self.tokenizer is not None:
-            text = stream.text(out)
-            cut = stream.find_stop(text)
-            if cut >= 0:
-                text = text[:cut]
-            stream.push(text, final=True)
-        stats.total_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        return GenerationResult(token_ids=out, text=text, finish_reason=finish, stats=stats)
+        return stream.result(out, finish, stats, t0)
 
     def _emit(self, out, new, eos, max_new_tokens, stream, stop_strings) -> str | None:
         if self._on_tokens is not None and self._on_tokens(list(new)):
