@@ -27,7 +27,7 @@ __all__ = ["Acceptance", "Accepted", "accept", "accept_rows"]
 class Accepted(NamedTuple):
     """Acceptance of R trees at once (`accept_rows`), as fixed-shape tensors."""
 
-    keep: torch.Tensor  # [R, D+1] long: the root (0), then the accepted node at depth 1, 2, ... (N+1 indexing), 0-padded
+    keep: torch.Tensor  # [R, D+1] long: the root (0), then the accepted node at each depth (N+1 indexing), 0-padded
     n_acc: torch.Tensor  # [R] long: accepted nodes
     bonus: torch.Tensor  # [R] long: the target's choice after the deepest accepted node (or the root)
     drafted: torch.Tensor  # [R] long: the deepest valid node's depth

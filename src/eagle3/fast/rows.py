@@ -23,8 +23,9 @@ every running row waits while an eager prefill launches its kernels one by one. 
 idle: they decode garbage into their own caches, their lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
 Sampled rows carry their own temperature, top-p, top-k and seed (`add_many(..., sampling=)`): their tokens are
 the position-keyed draws of `eagle3.decoding.sampling`, so a request gets the same text here as anywhere else,
-and they draft coupled to those draws (`eagle3.decoding.expand.coupled_top_k`). Buckets that hold a sampled row run their
-own captured cycles (one set for temperature alone, one with top-p / top-k); all-greedy buckets keep the argmax.
+and they draft coupled to those draws (`eagle3.decoding.expand.coupled_top_k`). Buckets that hold a sampled row
+run their own captured cycles (one set for temperature alone, one with top-p / top-k); all-greedy buckets keep
+the argmax.
 """
 
 from __future__ import annotations

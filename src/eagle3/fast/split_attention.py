@@ -13,8 +13,9 @@ Two kernels:
   writes its rows' partial (max, sum, weighted V), or, when one split covers the cache, the normalised output
   itself. By position (`Paths`), the programs are the stacked tiles of every split that holds only the committed
   prefix, then one token's heads over each split from the one holding the prefix's end to the last a path
-  reaches (so a tree's grid grows by its tokens for one or two splits, not for all of them). Each block's K and V loads go out beside its mask's rather than waiting for a check that some row
-  sees the block, which would put three dependent loads in a row.
+  reaches (so a tree's grid grows by its tokens for one or two splits, not for all of them). Each block's K and
+  V loads go out beside its mask's rather than waiting for a check that some row sees the block, which would put
+  three dependent loads in a row.
 - `combine_kernel`, one program per (KV head, stacked row): merges the splits in order and writes the row into
   the `[T, nh·hd]` output, the layout the output projection reads (no transposing copy after attention).
 Products take fp32 operands at full precision (`input_precision="ieee"`, not TF32), bf16 and fp16 as they are.
