@@ -149,9 +149,6 @@ class Target:
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
-    def input_embedding(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
-
     # -- masks ---------------------------------------------------------------------------------
     def _tree_mask(self, past: int, tree_mask: torch.Tensor, positions: torch.Tensor):
         """4-D mask for N new tokens after `past` cached ones: all of the prefix plus the tree's ancestors.
