@@ -337,11 +337,12 @@ class FastCore(nn.Module):
             return self.top_k_op(d.logits(out), self.top_k)
         return top_k_last(d.log_probs(out), self.top_k, self.ranked)
 
-    def tree_inputs(self) -> tuple[torch.Tensor, ...]:
+    def tree_inputs(self, by_paths: bool) -> tuple[torch.Tensor | None, ...]:
         """What the verification forward reads: ids [N+1] (root, nodes), RoPE positions length + depth [N+1],
-        cache slots length + [0, N] [N+1], the mask [N+1, S] (committed prefix, each node's ancestors and
-        itself), the ancestry [N+1, N+1] and each node's path by depth, tail [N+1, D+1]: the slot of its ancestor
-        at depth j (j <= its depth; `eagle3.fast.split_attention.Paths`)."""
+        cache slots length + [0, N] [N+1], the ancestry [N+1, N+1], and how the target sees the cache: with
+        `by_paths` (it attends by `eagle3.fast.split_attention.Paths`), each node's path by depth, tail [N+1, D+1]
+        (the slot of its ancestor at depth j, j <= its depth), else the mask [N+1, S] (committed prefix, each
+        node's ancestors and itself); the other is None."""
         n1, d1 = self.n_nodes + 1, self.max_depth + 1
         length = self.length
         ids = torch.cat([self.root, self.tree_tokens])  # [N+1]
@@ -349,8 +350,10 @@ class FastCore(nn.Module):
         depth = anc.sum(dim=-1) - 1  # [N+1]
         pos = length + depth  # [N+1]
         slots = length + self.ar[:n1]  # [N+1]
-        mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors and itself
-        if n1 == 1:  # plain steps: the root alone
+        mask = tail = None
+        if not by_paths:
+            mask = prefix_and_window(self.ar_s, length, anc)  # [N+1, S] the prefix, each node's ancestors, itself
+        elif n1 == 1:  # plain steps: the root alone
             tail = length[None]  # [1, 1]
         else:
             at = anc[:, None, :] & (depth[None, None, :] == self.ar[:d1, None])  # [N+1, D+1, N+1] ancestor at depth j
@@ -368,10 +371,12 @@ class FastCore(nn.Module):
         """Target forward over [root, nodes] at positions length + depth, cache slots length + [0, N], and the
         target's choice after each node; with `rows` (a chain drafted by `draft_chain_until`), over the first
         `rows` of them only, the others' choice left at -1 (no token)."""
-        ids, pos, slots, mask, anc, tail = self.piece("tree_inputs")
+        by_paths = self.target.by_splits(self.n_nodes + 1)  # decided here: compiled pieces cannot tell
+        ids, pos, slots, mask, anc, tail = self.piece("tree_inputs", by_paths)
         m = ids.shape[0] if rows is None else rows
-        logits, aux = self.target(ids[:m], pos[:m], slots[:m], mask[:m], want_aux=self.drafter is not None,
-                                  path=(self.length, tail[:m]))  # [m, V]
+        logits, aux = self.target(ids[:m], pos[:m], slots[:m], None if by_paths else mask[:m],
+                                  want_aux=self.drafter is not None,
+                                  path=(self.length, tail[:m]) if by_paths else None)  # [m, V]
         self.top[:m].copy_(self.choose(logits, pos[:m], mode))
         if rows is not None:
             self.top[m:].fill_(-1)
@@ -429,9 +434,12 @@ class FastCore(nn.Module):
         tree's buffers untouched: the step costs what plain decoding's does), advance by the target's token, and
         put the root's aux row and that token in the backlog's next slot."""
         length = self.length  # [1]: the root's slot and RoPE position
-        mask = self.ar_s[None, :] <= length  # [1, S] the prefix and the root itself
+        if self.target.by_splits(1):  # by position: the prefix, then the root at its own slot
+            mask, path = None, (length, length[None])
+        else:
+            mask, path = self.ar_s[None, :] <= length, None  # [1, S] the prefix and the root itself
         logits, aux = self.target(self.root, length, length, mask, want_aux=self.drafter is not None,
-                                  path=(length, length[None]))  # [1, V]
+                                  path=path)  # [1, V]
         tok = self.choose(logits, length, mode)  # [1]
         self.n_acc.zero_()
         self.keep.zero_()
