@@ -47,11 +47,11 @@ def accept_rows(
     its parent (the first of equal siblings). Fixed shapes, no host reads: CUDA graphs capture it."""
     r, n = tokens.shape
     dev = tokens.device
-    ar = torch.arange(max(n, depth) + 1, device=dev)
     if n == 0:
         zero = torch.zeros(r, dtype=torch.long, device=dev)
         emitted = None if root is None else top[:, :1].expand(r, depth + 1)
         return Accepted(torch.zeros(r, depth + 1, dtype=torch.long, device=dev), zero, top[:, 0], zero, emitted)
+    ar = torch.arange(max(n, depth) + 1, device=dev)
     par = parents1[:, 1:]  # [R, N]
     match = tokens == top.gather(1, par)  # [R, N] the draft equals the choice after its parent
     if valid is not None:

@@ -223,8 +223,9 @@ def split_attention(
 ) -> torch.Tensor:
     """Attention of the stacked rows to every visible slot; returns [T, nh·hd] (nh = n_kv·g) in q's dtype.
 
-    Visibility is either a mask over slots or, for decoding forwards, `paths` (see `Paths`; then each token's
-    query heads form their own tile, and each token walks the key blocks up to its own position). With `last`,
+    Visibility is either a mask over slots or, for decoding forwards, `paths` (see `Paths`; splits holding only
+    the committed prefix keep stacked tiles, the others take one token's query heads per tile, and each token
+    walks the key blocks up to its own position). With `last`,
     each program walks its split's key blocks up to slot max(last) only (the caller vouches that no token sees a
     slot beyond it; the outputs are the same, since blocks no token sees add nothing); without it, every block."""
     nkv, rows, hd = q.shape

@@ -94,7 +94,7 @@ class FastTarget(nn.Module):
         self.pointwise = EAGER
         self.exact_rows = exact_rows(self.device, self.dtype)
         # decoding forwards that attend by `Paths` are padded to this many tokens (`forward`; 0: none), so that
-        # a product of 61 rows runs the kernels of one of one row (`FastOptions.batch_invariant`)
+        # every product runs the same kernels whatever the forward holds (`FastOptions.batch_invariant`)
         self.step_rows = 0
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
         self.packed = pack_weights(self.device, self.dtype, self.matrices())  # `cpu_packs_weights`
