@@ -227,6 +227,97 @@ def test_a_tree_node_keeps_the_bits_of_a_one_token_step_at_its_position(interpre
         assert torch.equal(tree[t : t + 1], one), t
 
 
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_rows_of_paths_keep_the_bits_of_each_row_alone(interpreted, dtype):
+    """B rows, each over its own cache with its own prefix length and tree (`eagle3.fast.rows`), in one call: each
+    row's output is the bits of that row attended alone, and matches softmax attention over its slots. The rows'
+    prefixes end in different splits (one in the first, one on a split boundary, one near the end)."""
+    s, n, nkv, g, hd = 600, 9, 2, 3, 32
+    gen = torch.Generator().manual_seed(11)
+    lengths = [40, 320, 520]
+    qs, ks, vs, tails, poss = [], [], [], [], []
+    for b, length in enumerate(lengths):
+        pos, tail = tree_paths(random_tree(n, gen), length)
+        q, k, v, _ = inputs(s, n + 1, nkv, g, hd, dtype, seed=20 + b)
+        width = n + 1  # pad every row's tail to one width (past a node's depth its entries are never read)
+        tail = torch.cat([tail, tail[:, :1].expand(-1, width - tail.shape[1])], dim=1)
+        qs.append(q), ks.append(k), vs.append(v), tails.append(tail), poss.append(pos)
+    paths = split.Paths(torch.tensor(lengths), torch.stack(tails), torch.stack(poss))
+    out = split.split_attention(torch.stack(qs), torch.stack(ks), torch.stack(vs), None, hd**-0.5, paths=paths)
+    assert out.shape == (3, n + 1, nkv * g * hd)
+    tol = 1e-5 if dtype == F32 else 2e-3
+    for b, length in enumerate(lengths):
+        alone = split.split_attention(qs[b], ks[b], vs[b], None, hd**-0.5,
+                                      paths=split.Paths(torch.tensor([length]), tails[b], poss[b]))
+        assert torch.equal(out[b], alone), b
+        ref = reference(qs[b], ks[b], vs[b], paths_mask(poss[b], tails[b], length, s), hd**-0.5)
+        torch.testing.assert_close(out[b].double(), ref, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="needs paths"):
+        split.split_attention(torch.stack(qs), torch.stack(ks), torch.stack(vs), torch.ones(n + 1, s, dtype=torch.bool),
+                              hd**-0.5)
+    with pytest.raises(ValueError, match="length \\[B\\]"):
+        split.split_attention(torch.stack(qs), torch.stack(ks), torch.stack(vs), None, hd**-0.5,
+                              paths=paths._replace(length=torch.tensor([40])))
+
+
+def test_path_slots_are_each_nodes_path_by_depth():
+    """`eagle3.decoding.tree.path_slots` (what the fast path's verifications hand the kernel) against the paths
+    walked node by node, for one tree and for a batch of trees with their own first slots."""
+    from eagle3.decoding.tree import ancestry, path_slots
+
+    gen = torch.Generator().manual_seed(3)
+    trees = [random_tree(12, gen) for _ in range(3)]
+    depth = 12
+    for parents, first in zip(trees, (5, 70, 300), strict=True):
+        _, want = tree_paths(parents, first)
+        got = path_slots(ancestry(parents, depth), torch.tensor([first]), depth)  # [N+1, D+1]
+        assert torch.equal(got[:, : want.shape[1]], want)
+        assert (got[:, want.shape[1] :] == first).all()
+    parents1 = torch.stack(trees)
+    got = path_slots(ancestry(parents1, depth), torch.tensor([5, 70, 300]), depth)  # [3, N+1, D+1]
+    for b, (parents, first) in enumerate(zip(trees, (5, 70, 300), strict=True)):
+        _, want = tree_paths(parents, first)
+        assert torch.equal(got[b, :, : want.shape[1]], want)
+
+
+def test_fast_rows_attending_by_position_match_hf_generate(interpreted):
+    """The server's rows (`eagle3.fast.rows.FastRows`) with every decoding forward attending by the kernel by
+    position (`Paths` with a row axis), as on CUDA: rows of different lengths joining and leaving, plain and tree
+    cycles mixed, each row HF `generate`'s greedy tokens. Head size 16, 160 slots per row: three splits."""
+    from eagle3.fast import FastTarget
+    from eagle3.fast.rows import FastRows
+
+    model = build_tiny_target("llama", num_hidden_layers=3)
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    target = FastTarget(model, d.config.aux_layer_ids)
+    target.attention = "split"  # on a CPU only through the interpreter
+    shape = DraftShape(3, 2, 6)
+    rows = FastRows(target, d, capacity=4, seq_len=160, shapes=lambda b: shape, graphs=False, sampling=False)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (11, 62, 5, 100)]
+    budget = [8, 5, 9, 5]
+    refs = [model.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, min_new_tokens=m)[0, len(p):].tolist()
+            for p, m in zip(prompts, budget, strict=True)]
+    outs = {i: [f] for i, f in enumerate(rows.add_many(prompts[:3]))}
+    owner = [0, 1, 2]
+    cycle = 0
+    while owner:
+        for j, new in enumerate(rows.cycle(spec=cycle % 3 != 1)):
+            outs[owner[j]] += new
+        for j in reversed(range(len(owner))):
+            if len(outs[owner[j]]) >= budget[owner[j]]:
+                rows.remove(j)
+                owner[j] = owner[-1]
+                owner.pop()
+        if cycle == 1:  # the fourth request joins while the others decode
+            outs[3] = rows.add_many([prompts[3]])
+            owner.append(3)
+        cycle += 1
+    assert rows.spec_cycles >= 2
+    for i, ref in enumerate(refs):
+        assert outs[i][: budget[i]] == ref, i
+
 def test_split_size_depends_on_the_cache_only():
     blocks = split.MIN_SPLIT_BLOCKS
     assert split.split_size(1) == split.split_size(blocks * split.BLOCK_N) == blocks * split.BLOCK_N

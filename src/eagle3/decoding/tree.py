@@ -33,6 +33,18 @@ def ancestry(parents1: torch.Tensor, depth: int) -> torch.Tensor:
     return anc
 
 
+
+def path_slots(anc: torch.Tensor, first: torch.Tensor, depth: int) -> torch.Tensor:
+    """Long [..., N+1, D+1]: for each node, the cache slot of its ancestor at depth j (itself at its own depth;
+    `first` past it), where node i of a verification sits at slot first + i. anc [..., N+1, N+1] from `ancestry`,
+    first [...] (or [1] for a single tree), D = `depth`. What attention by position reads as a node's path
+    (`eagle3.fast.split_attention.Paths.tail`)."""
+    n1 = anc.shape[-1]
+    idx = torch.arange(n1, device=anc.device)
+    at = anc[..., :, None, :] & ((anc.sum(dim=-1) - 1)[..., None, None, :] ==
+                                 torch.arange(depth + 1, device=anc.device)[:, None])  # [..., N+1, D+1, N+1]
+    return first.reshape(*anc.shape[:-2], 1, 1) + (at.long() * idx).sum(dim=-1)
+
 @dataclass
 class DraftTree:
     """Draft nodes below a root, as token ids and parent pointers; parents precede children.

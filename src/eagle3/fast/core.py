@@ -40,7 +40,7 @@ from torch import nn
 from eagle3.config import DraftShape
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import GREEDY, SamplingRows
-from eagle3.decoding.tree import ancestry
+from eagle3.decoding.tree import ancestry, path_slots
 from eagle3.decoding.verify import accept_rows
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces
@@ -343,12 +343,11 @@ class FastCore(nn.Module):
         `by_paths` (it attends by `eagle3.fast.split_attention.Paths`), each node's path by depth, tail [N+1, D+1]
         (the slot of its ancestor at depth j, j <= its depth), else the mask [N+1, S] (committed prefix, each
         node's ancestors and itself); the other is None."""
-        n1, d1 = self.n_nodes + 1, self.max_depth + 1
+        n1 = self.n_nodes + 1
         length = self.length
         ids = torch.cat([self.root, self.tree_tokens])  # [N+1]
         anc = ancestry(self.tree_parents1, self.max_depth)  # [N+1, N+1]
-        depth = anc.sum(dim=-1) - 1  # [N+1]
-        pos = length + depth  # [N+1]
+        pos = length + anc.sum(dim=-1) - 1  # [N+1]
         slots = length + self.ar[:n1]  # [N+1]
         mask = tail = None
         if not by_paths:
@@ -356,8 +355,7 @@ class FastCore(nn.Module):
         elif n1 == 1:  # plain steps: the root alone
             tail = length[None]  # [1, 1]
         else:
-            at = anc[:, None, :] & (depth[None, None, :] == self.ar[:d1, None])  # [N+1, D+1, N+1] ancestor at depth j
-            tail = length + (at.long() * self.ar[:n1]).sum(dim=-1)  # [N+1, D+1]
+            tail = path_slots(anc, length, self.max_depth)  # [N+1, D+1]
         return ids, pos, slots, mask, anc, tail
 
     def choose(self, logits: torch.Tensor, pos: torch.Tensor, mode: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
-from eagle3.decoding.tree import ancestry
+from eagle3.decoding.tree import ancestry, path_slots
 from eagle3.decoding.verify import accept_rows
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter
@@ -432,9 +432,12 @@ class FastRows:
     def _plain_cycle(self, nb: int, mode: int) -> None:
         length, root = self.length[:nb], self.root[:nb]
         pos = length[:, None]  # [nb, 1]
-        mask = (self.ar_s[None, :] <= length[:, None])[:, None, :]  # [nb, 1, S]
+        if self.t.by_splits(1):  # by position: the prefix, then the root at its own slot
+            mask, path = None, (length, pos[:, :, None])  # tail [nb, 1, 1]
+        else:
+            mask, path = (self.ar_s[None, :] <= length[:, None])[:, None, :], None  # [nb, 1, S]
         logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
-                                          want_aux=self.d is not None)  # [nb, 1, V]
+                                          want_aux=self.d is not None, path=path)  # [nb, 1, V]
         # [nb]: the token at length + 1
         tok = self._choose(self.row_sampling, logits, pos + 1, mode)[:, 0]
         if self.feed_window:  # hold (features, next token) back for `_feed_held`
@@ -497,27 +500,32 @@ class FastRows:
         root = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         return tokens, torch.cat([root, parents + 1], dim=1)  # [nb, N], [nb, N+1]
 
-    def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor):
+    def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, by_paths: bool):
         """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache
-        slots [nb, N+1], the mask [nb, N+1, S]."""
+        slots [nb, N+1], and how the target sees each row's cache: with `by_paths`, each node's path by depth,
+        tail [nb, N+1, D+1] (`eagle3.decoding.tree.path_slots`), else the mask [nb, N+1, S]; the other is
+        None (as `FastCore.tree_inputs`)."""
         shape = self.shapes[nb]
         n1 = tokens.shape[1] + 1
         length = self.length[:nb]
-        idx = self.ar[:n1]
         anc = ancestry(parents1, shape.depth)  # [nb, N+1, N+1]
         ids = torch.cat([self.root[:nb, None], tokens], dim=1)  # [nb, N+1]
         pos = length[:, None] + anc.sum(dim=-1) - 1  # [nb, N+1]
-        slots = length[:, None] + idx[None]  # [nb, N+1]
+        slots = length[:, None] + self.ar[:n1][None]  # [nb, N+1]
+        if by_paths:
+            return anc, ids, pos, slots, None, path_slots(anc, length, shape.depth)
         mask = (self.ar_s[None, :] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
         mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
-        return anc, ids, pos, slots, mask
+        return anc, ids, pos, slots, mask, None
 
     def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, mode: int):
         """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
         [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
-        anc, ids, pos, slots, mask = self._tree_inputs(nb, tokens, parents1)
+        by_paths = self.t.by_splits(tokens.shape[1] + 1)
+        anc, ids, pos, slots, mask, tail = self._tree_inputs(nb, tokens, parents1, by_paths)
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
-                                          want_aux=True)  # [nb, N+1, V], [nb, N+1, 3·Ht]
+                                          want_aux=True, path=(self.length[:nb], tail) if by_paths else None)
+        # logits [nb, N+1, V], aux [nb, N+1, 3·Ht]
         # node j predicts the token at pos[j] + 1
         top = self._choose(self.row_sampling, logits, pos + 1, mode)  # [nb, N+1]
         return anc, top, aux

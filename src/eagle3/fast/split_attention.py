@@ -84,6 +84,7 @@ def _kernels():
     def split_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, last_ptr, part_o_ptr, part_ml_ptr, out_ptr, tail_ptr, pos_ptr, length_ptr,
         stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ot, stride_tt,
+        stride_qb, stride_kb, stride_vb, stride_ob, stride_tb, stride_pb, n_kv,
         rows_total, tokens, seq_len, groups, n_last, scale_log2, tail_w, window, n_valid, tiles, tok_progs,
         HD: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
@@ -91,8 +92,18 @@ def _kernels():
     ):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
-        if PATHS:  # positions, not slots (`Paths`); axis 1 numbers prefix tiles, then tail programs
-            length = tl.load(length_ptr)  # positions below it are the committed prefix, at their own slots
+        if PATHS:  # noqa: SIM108 (a statement Triton resolves at compile time)
+            bid = tl.program_id(2).to(tl.int64)  # the batch row (`Paths` of several rows)
+        else:
+            bid = 0
+        q_ptr += bid * stride_qb
+        k_ptr += bid * stride_kb
+        v_ptr += bid * stride_vb
+        out_ptr += bid * stride_ob
+        if PATHS:  # positions, not slots (`Paths`); axis 1 numbers prefix tiles, then tail programs, axis 2 rows
+            tail_ptr += bid * stride_tb
+            pos_ptr += bid * stride_pb
+            length = tl.load(length_ptr + bid)  # positions below it are the committed prefix, at their own slots
             pid = tl.program_id(1)
             if pid < tiles * N_SPLITS:  # stacked rows over a split of the prefix alone: every token sees its keys
                 split = pid // tiles
@@ -162,23 +173,27 @@ def _kernels():
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * HD + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
-            part = (kvh * rows_total + rows) * N_SPLITS + split  # [BM] index into [n_kv, R, N_SPLITS]
+            part = ((bid * n_kv + kvh) * rows_total + rows) * N_SPLITS + split  # [BM] into [B, n_kv, R, N_SPLITS]
             tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit
     def combine_kernel(
-        part_o_ptr, part_ml_ptr, out_ptr, pos_ptr, stride_ot, rows_total, tokens, groups, valid,
-        HD: tl.constexpr, N_SPLITS: tl.constexpr, SP: tl.constexpr, SPLIT: tl.constexpr, PATHS: tl.constexpr,
+        part_o_ptr, part_ml_ptr, out_ptr, pos_ptr, stride_ot, stride_ob, stride_pb, n_kv, rows_total, tokens,
+        groups, valid, HD: tl.constexpr, N_SPLITS: tl.constexpr, SP: tl.constexpr, SPLIT: tl.constexpr,
+        PATHS: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         row = tl.program_id(1)
+        bid = tl.program_id(2).to(tl.int64)  # batch row (`Paths`; 0 otherwise)
+        out_ptr += bid * stride_ob
+        pos_ptr += bid * stride_pb
         sp = tl.arange(0, SP)  # [SP] splits, padded to a power of two
         d = tl.arange(0, HD)
         tok = row % tokens
         sp_ok = sp < N_SPLITS
-        base = (kvh * rows_total + row) * N_SPLITS
+        base = ((bid * n_kv + kvh) * rows_total + row) * N_SPLITS
         m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp_ok, other=-1.0e30)  # [SP]
         ell = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
         acc = tl.load(part_o_ptr + (base + sp)[:, None] * HD + d[None, :], mask=sp_ok[:, None], other=0.0)
@@ -201,44 +216,53 @@ class Paths(NamedTuple):
     """What each token of a decoding forward sees, by position rather than by slot: the committed prefix
     (positions below `length`, each at the slot of its own number), then its own path, positions length ..
     pos[t], at the slots `tail[t]` names (a tree node's ancestors sit at other slots than their positions).
+    With B rows, each over its own cache (`eagle3.fast.rows`), every field gains a leading row axis.
 
     Walked by position, a token's keys fall into the same key blocks and splits wherever its path sits in the
     cache, so a tree node on the accepted path gets the bits a one-token step at its position gets."""
 
-    length: torch.Tensor  # [1] long: the committed prefix
-    tail: torch.Tensor  # [T, W] long: tail[t, j] = the slot of token t's path at position length + j (j <= its depth)
-    pos: torch.Tensor  # [T] long: each token's position
+    length: torch.Tensor  # [1] or [B] long: the committed prefix
+    tail: torch.Tensor  # [(B,) T, W] long: tail[t, j] = the slot of token t's path at position length + j (j <= depth)
+    pos: torch.Tensor  # [(B,) T] long: each token's position
     valid: int | None = None  # tokens that count (the rest are padding: not computed, their outputs zero)
 
 
 def split_attention(
-    q: torch.Tensor,  # [n_kv, g·T, hd], stacked query rows (row r·T + t: head kv·g + r, token t)
-    k: torch.Tensor,  # [n_kv, S, hd], last dim contiguous
-    v: torch.Tensor,  # [n_kv, S, hd], last dim contiguous
+    q: torch.Tensor,  # [(B,) n_kv, g·T, hd], stacked query rows (row r·T + t: head kv·g + r, token t)
+    k: torch.Tensor,  # [(B,) n_kv, S, hd], last dim contiguous
+    v: torch.Tensor,  # [(B,) n_kv, S, hd], last dim contiguous
     mask: torch.Tensor | None,  # bool [T, S]: which slots each token sees (None with `paths`)
     scale: float,
     last: torch.Tensor | None = None,  # int [n]: no token sees a slot beyond max(last) (a forward's own slots)
     paths: Paths | None = None,
     window: int | None = None,  # with `paths`: a token at position p sees positions above p - window only
 ) -> torch.Tensor:
-    """Attention of the stacked rows to every visible slot; returns [T, nh·hd] (nh = n_kv·g) in q's dtype.
+    """Attention of the stacked rows to every visible slot; returns [T, nh·hd] (nh = n_kv·g) in q's dtype, or
+    [B, T, nh·hd] for B rows (4-d q, k, v: `paths` only).
 
     Visibility is either a mask over slots or, for decoding forwards, `paths` (see `Paths`; splits holding only
     the committed prefix keep stacked tiles, the others take one token's query heads per tile, and each token
     walks the key blocks up to its own position). With `last`,
     each program walks its split's key blocks up to slot max(last) only (the caller vouches that no token sees a
     slot beyond it; the outputs are the same, since blocks no token sees add nothing); without it, every block."""
-    nkv, rows, hd = q.shape
+    batched = q.dim() == 4
+    if batched and paths is None:
+        raise ValueError("split_attention over several rows needs paths")
+    if not batched:  # one row: the same kernels with a row axis of one
+        q, k, v = q[None], k[None], v[None]
+        if paths is not None:
+            paths = Paths(paths.length.reshape(1), paths.tail[None], paths.pos[None], paths.valid)
+    b, nkv, rows, hd = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("split_attention needs q, k and v contiguous in their last dimension")
-    seq_len = k.shape[1]
+    seq_len = k.shape[2]
     if paths is None:
         tokens = mask.shape[0]
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
         mask_bytes = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     else:
-        tokens = paths.pos.shape[0]
+        tokens = paths.pos.shape[1]
         mask_bytes = paths.pos  # unused
     groups = rows // tokens
     if rows != groups * tokens:
@@ -247,14 +271,14 @@ def split_attention(
     split = split_size(seq_len)
     n_splits = -(-seq_len // split)
     valid = tokens if paths is None or paths.valid is None else paths.valid
-    out = (torch.empty if valid == tokens else torch.zeros)(tokens, nkv * groups * hd, dtype=q.dtype,
-                                                              device=q.device)  # [T, nh·hd]
+    out = (torch.empty if valid == tokens else torch.zeros)(b, tokens, nkv * groups * hd, dtype=q.dtype,
+                                                              device=q.device)  # [B, T, nh·hd]
     single = n_splits == 1
     if single:
         part_o = part_ml = out  # unused
     else:
-        part_o = torch.empty(nkv, rows, n_splits, hd, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(nkv, rows, n_splits, 2, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(b, nkv, rows, n_splits, hd, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b, nkv, rows, n_splits, 2, dtype=torch.float32, device=q.device)
     bounded = last is not None and paths is None
     if bounded and (last.dim() != 1 or last.is_floating_point() or not 1 <= last.numel() <= MAX_ROWS):
         raise ValueError(f"last must be an integer tensor of 1 to {MAX_ROWS} slots, got {tuple(last.shape)} "
@@ -269,18 +293,22 @@ def split_attention(
         # length .. length + W - 1 span at most this many splits from the one holding `length`
         chunks = -(-groups // BLOCK_M)
         tok_progs = valid * chunks
-        tail_splits = min(n_splits, 1 + (split + paths.tail.shape[1] - 2) // split)
-        grid = (nkv, tiles * n_splits + tail_splits * tok_progs, 1)
+        tail_splits = min(n_splits, 1 + (split + paths.tail.shape[2] - 2) // split)
+        grid = (nkv, tiles * n_splits + tail_splits * tok_progs, b)
         tail, length, pos = paths.tail, paths.length, paths.pos
-        if tail.shape[0] != tokens or tail.stride(-1) != 1 or length.numel() != 1:
-            raise ValueError(f"paths: tail must be [T, W] with T = {tokens} tokens (contiguous rows), length [1]")
+        if (tail.shape[:2] != (b, tokens) or pos.shape != (b, tokens) or tail.stride(-1) != 1
+                or pos.stride(-1) != 1 or length.numel() != b):
+            raise ValueError(f"paths: tail must be [B, T, W] and pos [B, T] with B = {b} rows and T = {tokens} "
+                             "tokens (contiguous rows), length [B]")
     split_kernel[grid](
         q, k, v, mask_bytes, last if bounded else mask_bytes, part_o, part_ml, out, tail, pos, length,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        mask_bytes.stride(0) if paths is None else 0, out.stride(0), tail.stride(0) if paths is not None else 0,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        mask_bytes.stride(0) if paths is None else 0, out.stride(1), tail.stride(1) if paths is not None else 0,
+        q.stride(0), k.stride(0), v.stride(0), out.stride(0), tail.stride(0) if paths is not None else 0,
+        pos.stride(0) if paths is not None else 0, nkv,
         rows, tokens, seq_len, groups, last.numel() if bounded else 0,
         scale * 1.4426950408889634,  # log2(e)
-        tail.shape[1] if paths is not None else 0, window or seq_len + 1, valid, tiles, tok_progs,
+        tail.shape[2] if paths is not None else 0, window or seq_len + 1, valid, tiles, tok_progs,
         HD=hd, SPLIT=split, N_SPLITS=n_splits, BM=BLOCK_M, BN=BLOCK_N, SINGLE=single,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", BOUNDED=bounded,
         EP=1 << (last.numel() - 1).bit_length() if bounded else 1, PATHS=paths is not None, CHUNKS=chunks,
@@ -288,11 +316,12 @@ def split_attention(
     )
     if not single:
         sp = 1 << (n_splits - 1).bit_length()
-        combine_kernel[(nkv, rows)](
-            part_o, part_ml, out, pos, out.stride(0), rows, tokens, groups, valid,
+        combine_kernel[(nkv, rows, b)](
+            part_o, part_ml, out, pos, out.stride(1), out.stride(0), pos.stride(0) if paths is not None else 0,
+            nkv, rows, tokens, groups, valid,
             HD=hd, N_SPLITS=n_splits, SP=sp, SPLIT=split, PATHS=paths is not None, num_warps=1 if hd <= 64 else 2,
         )
-    return out
+    return out if batched else out[0]
 
 
 @functools.cache

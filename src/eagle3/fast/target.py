@@ -457,21 +457,26 @@ class FastTarget(nn.Module):
         ids: torch.Tensor,  # [B, T] long
         pos: torch.Tensor,  # [B, T] long, RoPE positions
         slots: torch.Tensor,  # [B, T] long, slots of each row's own cache
-        mask: torch.Tensor,  # bool [B, T, S]
+        mask: torch.Tensor | None,  # bool [B, T, S] (None: `path` only, where the split attention runs)
         k_rows: torch.Tensor,  # [L, B, n_kv, S, hd]: one cache per row (`eagle3.fast.rows`)
         v_rows: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],  # (cos, signed sin) [S, hd] from `rope_table`
         logits_at: torch.Tensor | None = None,  # [B] one position per row (prefill: each prompt's last token)
         want_aux: bool = False,
+        path: tuple[torch.Tensor, torch.Tensor] | None = None,  # decoding forwards: (length [B], tail [B, T, W])
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward` for B rows of T tokens, each row with its own cache; returns logits [B, T, V] ([B, 1, V] at
-        `logits_at`) and aux [B, T, 3·H] (None unless want_aux)."""
+        `logits_at`) and aux [B, T, 3·H] (None unless want_aux). With `path`, where the split attention runs,
+        each row's tokens attend by position as in `forward` (`eagle3.fast.split_attention.Paths`), else by
+        `mask`."""
         b, t = ids.shape
         nh, nkv, hd = self.nh, self.nkv, self.hd
+        g = nh // nkv
         rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
         h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
-        bias = row_attention_bias(self.windowed(mask, pos), nh // nkv, self.dtype)  # [B, 1, g·T, S]
+        paths = split.Paths(path[0], path[1], pos) if path is not None and self.by_splits(t) else None
+        bias = None if paths is not None else row_attention_bias(self.windowed(mask, pos), g, self.dtype)  # [B, 1, g·T, S]
         aux: list[torch.Tensor] = []
         folded = self.folded
         x = None if folded else self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]
@@ -484,7 +489,12 @@ class FastTarget(nn.Module):
             q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
             k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
             v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
-            o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
+            if paths is not None:  # q as [B, n_kv, g·T, hd]: row r·T + t is head kv·g + r
+                qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)
+                o = split.split_attention(qg, k_rows[i], v_rows[i], None, self.scale, paths=paths,
+                                          window=self.window).view(b * t, nh * hd)  # [B·T, nh·hd]
+            else:
+                o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
             h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)
