@@ -5,7 +5,8 @@ HTTP with N concurrent streaming clients (httpx, closed loop, in a process of th
 for every concurrency level, first with speculation off (same server code, no drafter), then on. Writes `bench_serving.json` (a
 run record: git SHA, versions, device, argv, policy, per-level numbers) and `bench_serving.png`, and prints
 a table. Output tokens/s counts completion tokens over the level's wall time; TTFT is arrival to first
-content chunk; latency is arrival to the last chunk (p50 and p90 over requests).
+content chunk; latency is arrival to the last chunk (p50 and p90 over requests). Greedy runs also count, per level,
+the speculative answers whose text equals the plain answer to the same request.
 
 GPU (SmolLM2 + a trained drafter):
     python scripts/bench_serving.py --target smollm2 --drafter runs/smollm2-drafter --out runs/bench-serving
@@ -176,6 +177,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                 "paused_cycles": int(delta("eagle3_spec_paused_cycles_total")),
                 "gates": sched.gate_snapshots(),  # what each speed gate believed at the end of the level
                 "cycles": sched.cycle_trace(since=traced),  # every decode cycle: rows, mode, probe, ms, tokens
+                "texts": {r["index"]: r["text"] for r in ok},  # compared across modes in `same_text`, then dropped
             }
             rows.append(row)
             print(f"{mode:5s} c={c:<3d} {row['tokens_per_s']:9.1f} tok/s  ttft p50 {row['ttft_p50_s']:.3f}s  "
@@ -193,6 +195,20 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
         r["graph_prefill"] = fast is not None and fast.options.graph_prefill  # what --graph-prefill auto became
         r["admit_wait"], r["stream_interval"] = config.admit_wait, config.stream_interval
     return rows
+
+
+def same_text(results: list[dict]) -> None:
+    """Greedy runs with both modes: per level, how many speculative answers equal the plain answer to the same
+    request (`identical_to_plain`, and the request numbers that differ); then drop the texts."""
+    plain = {r["concurrency"]: r["texts"] for r in results if r["mode"] == "plain"}
+    for r in results:
+        texts = r.pop("texts")
+        ref = plain.get(r["concurrency"])
+        if r["mode"] == "spec" and ref is not None:
+            both = sorted(set(texts) & set(ref))
+            r["identical_to_plain"] = sum(texts[i] == ref[i] for i in both)
+            r["compared"] = len(both)
+            r["differing_requests"] = [i for i in both if texts[i] != ref[i]]
 
 
 def settle(sched, timeout: float = 5.0) -> None:
@@ -256,6 +272,12 @@ def main(argv=None) -> int:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
         for mode in args.modes:
             results += run_mode(mode, model, tok, drafter, args, prompts, chat, device, clients)
+    greedy = args.temperature == 0
+    if greedy:
+        same_text(results)
+    else:
+        for r in results:
+            del r["texts"]  # sampled answers differ between modes only where their draws are keyed differently
     plain = {r["concurrency"]: r["tokens_per_s"] for r in results if r["mode"] == "plain"}
     speedup = {c: round(r["tokens_per_s"] / plain[c], 3) for r in results if r["mode"] == "spec"
                for c in [r["concurrency"]] if plain.get(c)}
@@ -275,7 +297,9 @@ def main(argv=None) -> int:
         for m in args.modes:
             r = next(r for r in results if r["mode"] == m and r["concurrency"] == c)
             cells.append(f"{r['tokens_per_s']:>11.1f} {r['latency_p50_s']:>11.3f}s {r['ttft_p50_s']:>9.3f}s")
-        print(f"{c:>7} | " + " | ".join(cells) + (f" | {speedup.get(c, float('nan')):.2f}x" if speedup else ""))
+        same = next((r for r in results if r["mode"] == "spec" and r["concurrency"] == c and "compared" in r), None)
+        print(f"{c:>7} | " + " | ".join(cells) + (f" | {speedup.get(c, float('nan')):.2f}x" if speedup else "")
+              + (f" | {same['identical_to_plain']}/{same['compared']} answers as plain" if same else ""))
     errors = sum(r["errors"] for r in results)
     print(f"\nreport: {out / 'bench_serving.json'}" + (f", chart: {png}" if png else "")
           + (f"; {errors} failed requests" if errors else ""))
