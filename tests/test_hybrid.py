@@ -5,7 +5,7 @@ A tiny seeded random Qwen3-Next (fp32, hidden 64, vocab 300): 4 layers alternati
 `generate(do_sample=False)` for drafters that are always right, almost never right and right exactly k times a cycle
 (the recurrent state must roll back to the last accepted token: `eagle3.target.RecurrentCache`); plain decoding does
 too; sampled output equals plain sampling with the same seed. Trees, the batched server and the fast path are
-refused with a ConfigError; `load_target`, `init-drafter` and `load_runtime` take the family.
+refused with a ConfigError (with no shape given, a chain is drafted); `load_target`, `init-drafter` and `load_runtime` take the family.
 """
 
 from __future__ import annotations
@@ -187,9 +187,12 @@ def test_load_target_init_drafter_and_runtime(model, folder, tmp_path, capsys):
     rt = load_runtime(str(folder), drafter=drafter, spec=DraftShape.chain(3), device="cpu")
     assert rt.target.aux_layer_ids and rt.engine.generate(prompt, max_new_tokens=NEW).token_ids == ref
     rt.target.close()
-    with pytest.raises(ConfigError, match="use --chain K"):  # the default spec is a tree
-        load_runtime(str(folder), drafter=drafter, device="cpu")
+    with pytest.raises(ConfigError, match="use --chain K"):
+        load_runtime(str(folder), drafter=drafter, spec=DraftShape(4, 3, 12), device="cpu")
+    rt = load_runtime(str(folder), drafter=drafter, device="cpu")  # no shape given: a chain, not the default tree
+    assert rt.spec.is_chain
+    rt.target.close()
     assert main(["generate", "--target", str(folder), "--drafter", str(drafter), "--prompt", "hi",
-                 "--device", "cpu"]) == 2
+                 "--device", "cpu", "--tree", "4,3,12"]) == 2
     err = capsys.readouterr().err
     assert "eagle3: error: Qwen3Next keeps a recurrent state" in err and "Traceback" not in err

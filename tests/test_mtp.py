@@ -1,4 +1,4 @@
-"""`--draft mtp`: a DeepSeek-V3 target drafting with its own multi-token-prediction layer (`eagle3.decoding.mtp`).
+"""`--draft mtp`: targets drafting with their own multi-token-prediction layer (`eagle3.decoding.mtp`).
 
 Tiny random DeepSeek-V3 checkpoints (fp32, CPU) with `num_nextn_predict_layers=1`, their MTP module stored in the
 safetensors under the published names (`model.layers.{L}.enorm/hnorm/eh_proj/shared_head.*/embed_tokens` and the
@@ -10,7 +10,10 @@ decoder layer's own per-expert names), loaded through `eagle3.models.load_target
   from the current token alone (lm_head(norm(embed(x)))), and the MTP module is set to compute the same function of
   its input token (eh_proj = [I | 0], its block's output projections zero): its drafts are the target's own
   predictions, so they are accepted (tau > 1);
-- a checkpoint without MTP tensors gives `eagle3: error: ...` naming what is missing.
+- a checkpoint without MTP tensors gives `eagle3: error: ...` naming what is missing;
+- Qwen3-Next (hybrid linear attention), its MTP stored as `mtp.*` and declared as `mtp_num_hidden_layers`: greedy
+  chains equal HF `generate`, sampled chains plain sampling, the copying checkpoint's drafts are accepted, trees
+  are refused and no shape flag gives a chain.
 Run: pytest tests/test_mtp.py
 """
 
@@ -175,3 +178,119 @@ def test_the_first_row_equals_transformers_mtp_model(targets):
     finally:
         target.close()
     torch.testing.assert_close(prop.last_out, ref[:, -1], rtol=1e-5, atol=1e-5)
+
+
+# -- Qwen3-Next: MTP stored as `mtp.*`, declared as `mtp_num_hidden_layers`, on a hybrid target (chains) --------
+QWEN_NEXT = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0, layer_types=["linear_attention", "full_attention"] * 2,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    mlp_only_layers=[], tie_word_embeddings=False,
+)
+
+
+def make_qwen_next_checkpoint(folder, mtp: str, seed: int = 0):
+    """A Qwen3-Next checkpoint with the published MTP layout: `mtp_num_hidden_layers: 1` in config.json and the
+    tensors `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` (a full-attention
+    MoE layer, per-expert names) and `mtp.norm`; `mtp` "random" or "copy" (as `make_checkpoint`: every output
+    projection of the target zero, the MTP module computing the same function of its input token)."""
+    import json
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**QWEN_NEXT)).to(torch.float32).eval()
+    if mtp == "copy":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
+                    p.zero_()
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1  # as Qwen/Qwen3-Next-80B-A3B-Instruct's config.json declares it
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(STORIES260K_DIR / name, folder)
+    weights = folder / "model.safetensors"
+    sd = load_file(weights)
+    h = QWEN_NEXT["hidden_size"]
+    g = torch.Generator().manual_seed(seed + 1)
+    block = {k.replace("model.layers.1.", "mtp.layers.0."): v.clone() for k, v in sd.items()
+             if k.startswith("model.layers.1.")}  # layer 1 is a full-attention MoE layer
+    if mtp == "random":
+        block = {k: torch.randn(v.shape, generator=g) * 0.3 if v.dim() > 1 else v for k, v in block.items()}
+    extra = {  # zero-centred norms (weight 0: scale 1)
+        "mtp.pre_fc_norm_embedding.weight": torch.zeros(h),
+        "mtp.pre_fc_norm_hidden.weight": torch.zeros(h),
+        "mtp.norm.weight": sd["model.norm.weight"].clone(),
+        "mtp.fc.weight": (torch.randn(h, 2 * h, generator=g) * 0.2 if mtp == "random"
+                          else torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)),
+    }
+    save_file({**sd, **block, **extra}, weights, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen_next(tmp_path_factory):
+    return {kind: load_target(make_qwen_next_checkpoint(tmp_path_factory.mktemp(f"qn_{kind}"), kind))[0]
+            for kind in ("random", "copy")}
+
+
+@pytest.mark.parametrize("kind", ["random", "copy"])
+def test_qwen3_next_mtp_chains_match_hf_generate(qwen_next, kind):
+    """Greedy chains drafted by Qwen3-Next's own MTP layer equal HF `generate`, the recurrent state rolled back to
+    the last accepted token each cycle; the copying checkpoint's drafts are accepted. Sampled chains equal plain
+    sampling with the same seed."""
+    model = qwen_next[kind]
+    layers = QWEN_NEXT["num_hidden_layers"]
+    ids = prompt()
+    ref = model.generate(ids[None], max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, ids.numel():].tolist()
+    target = Target(model, [layers])
+    try:
+        res = SpeculativeEngine(target, mtp_proposer(model, CHAIN)).generate(ids, max_new_tokens=NEW)
+        plain = SpeculativeEngine(target, NoDraftProposer()).generate(ids, max_new_tokens=NEW, sampling=SAMPLED)
+        sampled = SpeculativeEngine(target, mtp_proposer(model, CHAIN)).generate(ids, max_new_tokens=NEW,
+                                                                              sampling=SAMPLED)
+    finally:
+        target.close()
+    print(f"qwen3-next mtp {kind}: tau {res.stats.tau:.2f}, accepted per cycle {res.stats.accepted_per_cycle}")
+    assert res.token_ids == ref
+    assert sampled.token_ids == plain.token_ids
+    if kind == "copy":
+        assert res.stats.tau > 3.0
+
+
+def test_qwen3_next_mtp_weights_land_where_the_published_names_say(qwen_next):
+    """`mtp.fc` is the projection over [embedding, hidden] (in that order), `pre_fc_norm_embedding` /
+    `pre_fc_norm_hidden` the norms before it, `mtp.norm` the one after the block; the block is a full-attention
+    layer whatever the target's layer types."""
+    from eagle3.decoding.mtp import load_mtp
+
+    model = qwen_next["random"]
+    layer = load_mtp(model).layers[0]
+    assert model.config.num_mtp_layers == 1 and model.config.mtp_layer_types == ["full_attention"]
+    assert layer.eh_proj.weight.shape == (64, 128) and not torch.equal(layer.eh_proj.weight[:, :64],
+                                                                       layer.eh_proj.weight[:, 64:])
+    assert hasattr(layer.mtp_block, "self_attn") and not hasattr(layer.mtp_block, "linear_attn")
+    torch.testing.assert_close(layer.post_norm.weight, model.model.norm.weight)
+    assert not layer.enorm.weight.any() and not layer.hnorm.weight.any()
+
+
+def test_qwen3_next_mtp_trees_are_refused(qwen_next, capsys):
+    """Trees would need the recurrent state forked per branch: refused with what to do."""
+    with pytest.raises(ConfigError, match="chain"):
+        target = Target(qwen_next["random"], [QWEN_NEXT["num_hidden_layers"]])
+        try:
+            SpeculativeEngine(target, mtp_proposer(qwen_next["random"], TREE)).generate(prompt(), max_new_tokens=4)
+        finally:
+            target.close()
+
+
+def test_qwen3_next_mtp_with_no_shape_flag_drafts_a_chain(tmp_path, capsys):
+    """With no --tree or --chain, a hybrid target gets a chain (the default tree would be refused)."""
+    folder = make_qwen_next_checkpoint(tmp_path / "qn", "copy")
+    rt = load_runtime(str(folder), draft="mtp")
+    assert rt.spec.is_chain
+    assert main(["generate", "--target", str(folder), "--draft", "mtp", "--prompt", "Once", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    assert '"mode": "chain"' in capsys.readouterr().out

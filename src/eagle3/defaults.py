@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from eagle3.config import AUTO_ON_OFF, ConfigError, DraftShape
+from eagle3.config import AUTO_ON_OFF, DEFAULT_CHAIN_LENGTH, ConfigError, DraftShape
 
 log = logging.getLogger("eagle3")
 
@@ -92,6 +92,7 @@ def decoding_for(model, draft: str, shape: DraftShape | None = None, engine: str
     `chain_stop` where given, else the `tuned` choice (an `eagle3.tuning` entry), else the device's defaults."""
     from eagle3.fast.engine import FAST_DRAFT_KINDS
     from eagle3.fast.target import fast_support
+    from eagle3.target import verifies_chains_only
 
     param = next(model.parameters())
     cpu = param.device.type == "cpu"
@@ -113,8 +114,9 @@ def decoding_for(model, draft: str, shape: DraftShape | None = None, engine: str
         tshape = DraftShape.from_dict(choice["shape"])
         stop = choice.get("chain_stop") if eager_chain and tshape.is_chain else None
         return Decoding(engine, tshape, stop, guard, source=f"tuned ({tuned.get('path', 'cache')})")
-    if not cpu:
-        return Decoding(engine, DraftShape(), None, guard)
+    if not cpu:  # a hybrid target verifies chains only (`eagle3.target.verifies_chains_only`)
+        return Decoding(engine, DraftShape.chain(DEFAULT_CHAIN_LENGTH) if verifies_chains_only(model) else DraftShape(),
+                        None, guard)
     if eager_chain:
         stop = CPU_BF16_CHAIN_STOP if chain_stop is None else (chain_stop or None)
         return Decoding(engine, CPU_BF16_SHAPE, stop, guard)

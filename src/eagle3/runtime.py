@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import ConfigError, DrafterConfig, DraftShape
+from eagle3.config import DEFAULT_CHAIN_LENGTH, ConfigError, DrafterConfig, DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer, Proposer
 from eagle3.defaults import Decoding, load_for_decoding
@@ -134,7 +134,6 @@ def load_runtime(
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft = draft or ("eagle3" if drafter else "model" if draft_model else "none")
-    spec = spec or DraftShape()
     from eagle3.fast.engine import FAST_DRAFT_KINDS
 
     # the device's decoding dtype, which depends on the family and the engine (`decoding_dtype`)
@@ -153,6 +152,8 @@ def load_runtime(
     else:
         aux_ids = []
     tgt = Target(model, aux_ids)
+    if spec is None:  # the default draft shape; a hybrid target verifies chains only
+        spec = DraftShape.chain(DEFAULT_CHAIN_LENGTH) if tgt.recurrent_layers else DraftShape()
     if d is None and draft == "eagle3":
         raise ConfigError("no drafter loaded")
     if tgt.recurrent_layers and draft in ("eagle3", "mtp") and not spec.is_chain:  # other drafts propose chains

@@ -29,6 +29,13 @@ SUPPORTED = ("Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next (chains), Gemm
 RECURRENT_LAYER_TYPES = ("linear_attention",)
 
 
+def verifies_chains_only(model: nn.Module) -> bool:
+    """Whether `model` has layers with a recurrent state (hybrid linear attention, Qwen3-Next), which a chain's
+    verification can roll back but a tree cannot fork (`Target.tree_refusal`)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    return any(t in RECURRENT_LAYER_TYPES for t in getattr(config, "layer_types", None) or [])
+
+
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     """The decoder-layer list and the final norm of an HF causal LM, or a ConfigError naming what is missing."""
     base = getattr(model, "model", None)

@@ -23,7 +23,8 @@ family's own decoder-layer class; its weights are read here from the target's sa
 weight conversions (fused experts etc.), since `MtpModel.from_pretrained` finds the MTP keys by a pattern with the
 published layer count hard-coded (`DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = [r"model\\.layers\\.61.*"]`,
 which is also why `from_pretrained` of the target drops them). Qwen3-Next stores its MTP as `mtp.*`
-(`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0.*`, `norm`), which the same conversions rename.
+(`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0.*`, `norm`), which the same conversions rename,
+and declares it as `mtp_num_hidden_layers` (`declare_qwen_mtp`); on that hybrid target it drafts chains.
 
 Drafting follows `Eagle3Proposer` (chain or EAGLE-2 tree): row t pairs h_t with x_{t+1}, at position t+1 (the input
 token's position, as vLLM and transformers place it); later draft steps feed the module's output back as h, as vLLM
@@ -53,8 +54,9 @@ _MTP_KEY = re.compile(r"^(?:model\.language_model\.|language_model\.|model\.)?mt
 
 
 def mtp_layer_count(config) -> int:
-    """`num_nextn_predict_layers` (DeepSeek, GLM-4.5, Kimi-K2) or `num_mtp_layers` of a text config; 0 if neither."""
-    for name in ("num_nextn_predict_layers", "num_mtp_layers"):
+    """`num_nextn_predict_layers` (DeepSeek, GLM-4.5, Kimi-K2), `num_mtp_layers` (transformers' own name) or
+    `mtp_num_hidden_layers` (Qwen3-Next, Qwen3.5) of a text config; 0 if none."""
+    for name in ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers"):
         n = getattr(config, name, None)
         if isinstance(n, int) and n > 0:
             return n
@@ -131,9 +133,9 @@ def load_mtp(model: nn.Module, source: str | Path | None = None) -> nn.Module:
         qwen = any(k.startswith("mtp.") for k in found)
         raise ConfigError(
             f"target {source} stores MTP tensors ({'Qwen3-Next layout, `mtp.*`' if qwen else f'`model.layers.{num_layers}.*`'}) "
-            f"but its {type(config).__name__} declares no MTP layers (num_nextn_predict_layers / num_mtp_layers"
-            f"{', and no mtp_layer_types for its hybrid layer_types' if qwen else ''}), so transformers' MtpModel cannot "
-            "build them; --draft mtp does not support this target yet (use --draft ngram, or eagle3 with a drafter)")
+            f"but its {type(config).__name__} declares no MTP layers (num_nextn_predict_layers, num_mtp_layers or "
+            "mtp_num_hidden_layers), so the number of MTP layers is unknown; add the one its publisher documents to "
+            "config.json, or use --draft ngram, or eagle3 with a drafter")
     try:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_layers import MtpModel
@@ -143,6 +145,8 @@ def load_mtp(model: nn.Module, source: str | Path | None = None) -> nn.Module:
 
         raise ConfigError(f"--draft mtp builds the MTP layer with transformers' `MtpModel`, which transformers "
                           f"{transformers.__version__} does not have; install a newer transformers 5.x") from e
+    if any(k.startswith("mtp.") for k in found):
+        declare_qwen_mtp(config, declared)
     try:
         config.get_mtp_config()
     except (ValueError, AttributeError) as e:
@@ -177,6 +181,17 @@ def load_mtp(model: nn.Module, source: str | Path | None = None) -> nn.Module:
     mtp.tie_with_main_model(model)  # embedding, lm_head and rotary embedding are the target's
     mtp.eval().requires_grad_(False)
     return mtp
+
+
+def declare_qwen_mtp(config, n: int) -> None:
+    """Qwen3-Next configs declare their MTP as `mtp_num_hidden_layers` beside hybrid `layer_types`; transformers'
+    `MtpModel` needs `num_mtp_layers` and the MTP layers' own `mtp_layer_types`. Each Qwen3-Next MTP layer is a
+    full-attention decoder layer (vllm-project/vllm `vllm/model_executor/models/qwen3_next_mtp.py` builds it with
+    `layer_type="full_attention"`), so that is what is set, on the target's config."""
+    if getattr(config, "num_mtp_layers", None) is None and getattr(config, "mtp_num_hidden_layers", None):
+        config.num_mtp_layers = n
+    if getattr(config, "layer_types", None) is not None and getattr(config, "mtp_layer_types", None) is None:
+        config.mtp_layer_types = ["full_attention"] * n
 
 
 class _MtpCache:
