@@ -281,14 +281,17 @@ def test_path_slots_are_each_nodes_path_by_depth():
         assert torch.equal(got[b, :, : want.shape[1]], want)
 
 
-def test_fast_rows_attending_by_position_match_hf_generate(interpreted):
+@pytest.mark.parametrize("arch,window", [("llama", None), ("mistral", 24)])
+def test_fast_rows_attending_by_position_match_hf_generate(interpreted, arch, window):
     """The server's rows (`eagle3.fast.rows.FastRows`) with every decoding forward attending by the kernel by
     position (`Paths` with a row axis), as on CUDA: rows of different lengths joining and leaving, plain and tree
-    cycles mixed, each row HF `generate`'s greedy tokens. Head size 16, 160 slots per row: three splits."""
+    cycles mixed, each row HF `generate`'s greedy tokens. Head size 16, 160 slots per row: three splits. With a
+    sliding window of 24 positions, the longer prompts reach past it."""
     from eagle3.fast import FastTarget
     from eagle3.fast.rows import FastRows
 
-    model = build_tiny_target("llama", num_hidden_layers=3)
+    extra = {} if window is None else {"sliding_window": window}
+    model = build_tiny_target(arch, num_hidden_layers=3, **extra)
     d = init_drafter(model, draft_vocab_size=200, seed=1)
     target = FastTarget(model, d.config.aux_layer_ids)
     target.attention = "split"  # on a CPU only through the interpreter
