@@ -2,8 +2,10 @@
 
 `FastCore` generalised to rows, for the server's batch (`eagle3.serving.scheduler`). Row b's token at position p
 lives in slot p of row b's cache (`[L, B, n_kv, S, hd]`, the layout of `eagle3.fast.batched`), so rows of any
-lengths decode together without padding or cross-row masks. One cycle of the first `nb` rows (a batch-size
-bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
+lengths decode together without padding or cross-row masks. Where the split-KV kernel runs (CUDA), every decoding
+forward attends by position (`eagle3.fast.split_attention.Paths` with a row axis): a row reads its cache up to its
+own length, and a tree node sums its keys as a one-token step does. One cycle of the first `nb` rows (a
+batch-size bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
 
     spec cycle   draft a tree per row (EAGLE-2 expansion as `FastCore.draft`), verify [nb, N+1], accept greedily
                  per row, move each row's accepted K/V next to its prefix, feed the drafter, advance.
