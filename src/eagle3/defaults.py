@@ -115,8 +115,8 @@ def decoding_for(model, draft: str, shape: DraftShape | None = None, engine: str
         stop = choice.get("chain_stop") if eager_chain and tshape.is_chain else None
         return Decoding(engine, tshape, stop, guard, source=f"tuned ({tuned.get('path', 'cache')})")
     if not cpu:  # a hybrid target verifies chains only (`eagle3.target.verifies_chains_only`)
-        return Decoding(engine, DraftShape.chain(DEFAULT_CHAIN_LENGTH) if verifies_chains_only(model) else DraftShape(),
-                        None, guard)
+        chains = verifies_chains_only(model)
+        return Decoding(engine, DraftShape.chain(DEFAULT_CHAIN_LENGTH) if chains else DraftShape(), None, guard)
     if eager_chain:
         stop = CPU_BF16_CHAIN_STOP if chain_stop is None else (chain_stop or None)
         return Decoding(engine, CPU_BF16_SHAPE, stop, guard)

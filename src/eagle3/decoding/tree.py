@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DraftTree", "ancestry"]
+__all__ = ["DraftTree", "ancestry", "parents_with_root", "path_slots"]
 
 
 def ancestry(parents1: torch.Tensor, depth: int) -> torch.Tensor:
@@ -33,7 +33,6 @@ def ancestry(parents1: torch.Tensor, depth: int) -> torch.Tensor:
     return anc
 
 
-
 def path_slots(anc: torch.Tensor, first: torch.Tensor, depth: int) -> torch.Tensor:
     """Long [..., N+1, D+1]: for each node, the cache slot of its ancestor at depth j (itself at its own depth;
     `first` past it), where node i of a verification sits at slot first + i. anc [..., N+1, N+1] from `ancestry`,
@@ -44,6 +43,12 @@ def path_slots(anc: torch.Tensor, first: torch.Tensor, depth: int) -> torch.Tens
     at = anc[..., :, None, :] & ((anc.sum(dim=-1) - 1)[..., None, None, :] ==
                                  torch.arange(depth + 1, device=anc.device)[:, None])  # [..., N+1, D+1, N+1]
     return first.reshape(*anc.shape[:-2], 1, 1) + (at.long() * idx).sum(dim=-1)
+
+
+def parents_with_root(parents: torch.Tensor) -> torch.Tensor:
+    """Long [..., N+1]: parents [..., N] (-1: the root) in N+1 indexing, the root (node 0) its own parent."""
+    return torch.cat([parents.new_zeros(*parents.shape[:-1], 1), parents + 1], dim=-1)
+
 
 @dataclass
 class DraftTree:
@@ -129,7 +134,7 @@ class DraftTree:
     # -- what the target needs ----------------------------------------------------------------
     def parents1(self) -> torch.Tensor:
         """Long [N+1]: each node's parent in N+1 indexing (the root, node 0, is its own parent)."""
-        return torch.cat([torch.zeros(1, dtype=torch.long, device=self.parents.device), self.parents + 1])
+        return parents_with_root(self.parents)
 
     def ancestors(self) -> torch.Tensor:
         """Bool [N+1, N+1]: entry [i, j] is True iff node j is node i or an ancestor of it (N+1 indexing)."""

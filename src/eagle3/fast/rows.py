@@ -40,7 +40,7 @@ import torch
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
-from eagle3.decoding.tree import ancestry, path_slots
+from eagle3.decoding.tree import ancestry, parents_with_root, path_slots
 from eagle3.decoding.verify import accept_rows
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter
@@ -499,8 +499,7 @@ class FastRows:
             return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, self.dk[:nb], self.dv[:nb], self.d_rope)
 
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids)
-        root = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
-        return tokens, torch.cat([root, parents + 1], dim=1)  # [nb, N], [nb, N+1]
+        return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
 
     def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, by_paths: bool):
         """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache

@@ -476,7 +476,8 @@ class FastTarget(nn.Module):
         h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
         cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
         paths = split.Paths(path[0], path[1], pos) if path is not None and self.by_splits(t) else None
-        bias = None if paths is not None else row_attention_bias(self.windowed(mask, pos), g, self.dtype)  # [B, 1, g·T, S]
+        # [B, 1, g·T, S] where the rows attend by mask
+        bias = None if paths is not None else row_attention_bias(self.windowed(mask, pos), g, self.dtype)
         aux: list[torch.Tensor] = []
         folded = self.folded
         x = None if folded else self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [B·T, H]

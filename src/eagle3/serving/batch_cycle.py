@@ -9,7 +9,7 @@ import torch
 
 from eagle3.config import SamplingConfig
 from eagle3.decoding.sampling import race_sample
-from eagle3.decoding.tree import ancestry
+from eagle3.decoding.tree import ancestry, parents_with_root
 from eagle3.serving.batch import accept_batch, batched_forward, prefill
 from eagle3.serving.policy import RowAcceptance
 from eagle3.serving.requests import RequestHandle, _Row
@@ -73,7 +73,7 @@ class BatchCycleMixin:
         n = tokens.shape[1]
         roots = torch.tensor([r.root for r in rows], dtype=torch.long, device=dev)  # [B]
         ids = torch.cat([roots[:, None], tokens.clamp(min=0)], dim=1)  # [B, N+1]
-        parents1 = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), parents + 1], dim=1)  # [B, N+1]
+        parents1 = parents_with_root(parents)  # [B, N+1]
         anc = ancestry(parents1, n)  # [B, N+1, N+1]
         offsets = anc.sum(dim=-1) - 1  # [B, N+1] depth of each node
         lengths = list(self._kv.lengths)
