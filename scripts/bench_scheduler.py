@@ -65,8 +65,8 @@ def run_once(sched: Scheduler, prompts: list[list[int]], max_tokens: int) -> tup
     cycles, t0 = 0, time.perf_counter()
     with torch.inference_mode():
         # more requests than one prefill admits (`--max-prefill-tokens`) join between cycles, as in the server
-        while sched._rows or sched._waiting:
-            had_rows = bool(sched._rows)
+        while sched.running or sched._waiting:
+            had_rows = bool(sched.running)
             sched._step(sched._take_waiting())
             cycles += had_rows
     return time.perf_counter() - t0, cycles, sum(done)

@@ -66,7 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL", help="largest tree")
     p.add_argument("--spec-budget", type=int, default=None)
     p.add_argument("--spec-max-batch", type=int, default=None)
-    p.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept)
     p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
                    help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
@@ -115,7 +114,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     """One mode over every concurrency level; `clients` is the process pool the HTTP clients run in."""
     spec = DraftShape.parse(args.tree)
     policy = SpecPolicy(spec, token_budget=args.spec_budget or default_token_budget(device),
-                        max_batch=args.spec_max_batch, min_accept=args.spec_min_accept, measure=not args.no_spec_gate)
+                        max_batch=args.spec_max_batch, measure=not args.no_spec_gate)
     if mode == "plain":
         target, batch_drafter, policy = Target(model, []), None, SpecPolicy(largest=None)
     else:

@@ -28,7 +28,7 @@ from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.batch import accept_batch, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
-from eagle3.serving.policy import RowAcceptance, SpecPolicy, SpeedGate
+from eagle3.serving.policy import SpecPolicy, SpeedGate
 from eagle3.serving.requests import GenParams, RequestHandle, SchedulerUnavailable, _Row
 from eagle3.serving.scheduler import Scheduler
 from eagle3.target import Target
@@ -111,7 +111,7 @@ def test_scheduler_greedy_matches_single_requests(stories, mode):
     if mode == "eagle3":
         d = init_drafter(model, seed=0)
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
-    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
+    policy = SpecPolicy(SMALL_TREE, token_budget=1000, measure=False) if drafter else None
     sched = Scheduler(Target(model, aux), tok, eos, drafter=drafter, policy=policy)
     params = [GenParams(p, n) for p, n in zip(ids, max_tokens, strict=True)]
     out = run_batch(sched, params, stagger={3: 0.05, 5: 0.05})
@@ -141,7 +141,7 @@ def test_ragged_acceptance_keeps_rows_apart(arch, kind):
     else:
         def factory(prompt):
             return ScriptedProposer(by_prompt[tuple(prompt)], k=2, length=4, vocab_size=300, tree=True)
-    policy = SpecPolicy(DraftShape(4, 2, 8), token_budget=1000, min_accept=0.0, measure=False)
+    policy = SpecPolicy(DraftShape(4, 2, 8), token_budget=1000, measure=False)
     sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
     out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)], stagger={2: 0.02})
     for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
@@ -157,7 +157,7 @@ def test_eos_inside_an_accepted_run_finishes_only_that_row():
     eos = refs[1].token_ids[6]  # a token row 1 emits mid-way; always-right trees accept runs across it
     want = reference(model, None, prompts, [30] * 3, eos=[eos])
     assert want[1].finish_reason == "stop" and len(want[1].token_ids) <= 7
-    policy = SpecPolicy(DraftShape(4, 2, 8), token_budget=1000, min_accept=0.0)
+    policy = SpecPolicy(DraftShape(4, 2, 8), token_budget=1000)
     sched = Scheduler(Target(model, []), None, [eos], policy=policy,
                       drafter=ProposerBatchDrafter(lambda _p: SelfTreeProposer(model, depth=4)))
     out = run_batch(sched, [GenParams(p, 30) for p in prompts])
@@ -175,7 +175,7 @@ def _lane_scheduler(model, tok, eos, mode):
     if mode == "eagle3":
         d = init_drafter(model, seed=0)
         drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
-    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0, measure=False) if drafter else None
+    policy = SpecPolicy(SMALL_TREE, token_budget=1000, measure=False) if drafter else None
     fast = FastEngine(model, draft=mode if mode == "eagle3" else "none", spec=SMALL_TREE, drafter=d)
     calls = []
     generate = fast.generate
@@ -333,28 +333,6 @@ def test_policy_shrinks_trees_with_batch_size():
     assert chain.shape(1) == DraftShape.chain(5) and chain.shape(8) == DraftShape.chain(3)
 
 
-def test_policy_drops_rows_that_do_not_accept():
-    pol = SpecPolicy(min_accept=0.3, warmup_cycles=4, ema=0.25)
-    bad, good = RowAcceptance(), RowAcceptance()
-    for cycle in range(8):
-        bad.update(0, pol.ema)
-        good.update(2, pol.ema)
-        assert pol.keep_drafting(good)
-        assert pol.keep_drafting(bad) == (cycle < 3)
-
-
-def test_low_acceptance_rows_stop_drafting(stories):
-    model, tok, ids, _max_tokens, eos, refs = stories
-    model = copy.deepcopy(model)
-    d = init_drafter(model, seed=0)  # random: almost never right
-    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.3, warmup_cycles=2)
-    sched = Scheduler(Target(model, d.config.aux_layer_ids), tok, eos, drafter=Eagle3BatchDrafter(d), policy=policy)
-    out = run_batch(sched, [GenParams(ids[3], 40)])
-    assert out[0].token_ids == refs[3].token_ids
-    snap = sched.metrics.snapshot()
-    assert snap["eagle3_spec_row_steps_total"] <= 3 < snap["eagle3_verify_steps_total"]
-
-
 def test_stop_cancels_in_flight_requests_after_the_timeout(stories):
     model, tok, ids, _max, eos, _refs = stories
     sched = Scheduler(Target(copy.deepcopy(model), []), tok, eos)
@@ -495,7 +473,7 @@ def test_seeded_sampling_ignores_batch_and_speculation(stories):
     target = Target(model, d.config.aux_layer_ids)
     req = GenParams(ids[0], 30, temperature=0.9, top_p=0.95, seed=7)
     others = [GenParams(ids[i], 25, temperature=1.0, seed=i) for i in (1, 2, 4)]
-    spec = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0)
+    spec = SpecPolicy(SMALL_TREE, token_budget=1000)
     alone = run_batch(Scheduler(target, tok, eos), [req])[0]
     batched = run_batch(Scheduler(target, tok, eos, drafter=Eagle3BatchDrafter(d), policy=spec), [*others, req])[-1]
     assert alone.token_ids == batched.token_ids
@@ -681,9 +659,9 @@ def test_paused_cycles_keep_the_drafter_current():
     def factory(prompt):
         return ScriptedProposer(by_prompt[tuple(prompt)], k=2, length=4, vocab_size=300)
 
-    policy = SpecPolicy(DraftShape(4, 1, 4), token_budget=1000, min_accept=0.0)
+    policy = SpecPolicy(DraftShape(4, 1, 4), token_budget=1000)
     sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
-    sched.gate = _Alternating()
+    sched._batches[-1].gate = _Alternating()
     out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)])
     for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
         assert ev.token_ids == ref.token_ids, f"row {i}"
@@ -694,12 +672,12 @@ def test_paused_cycles_keep_the_drafter_current():
 
 
 def test_gate_turns_a_losing_drafter_off(stories):
-    """A drafter that is never right, with min_accept 0 (rows never drop out): the gate measures plain cycles
+    """A drafter that is never right: the gate measures plain cycles
     faster and runs mostly those; the answer is unchanged."""
     model, tok, ids, _max_tokens, eos, refs = stories
     model = copy.deepcopy(model)
     d = init_drafter(model, seed=0)
-    policy = SpecPolicy(SMALL_TREE, token_budget=1000, min_accept=0.0, probe_every=8)
+    policy = SpecPolicy(SMALL_TREE, token_budget=1000, probe_every=8)
     sched = Scheduler(Target(model, d.config.aux_layer_ids), tok, eos, drafter=Eagle3BatchDrafter(d), policy=policy)
     out = run_batch(sched, [GenParams(ids[3], 40)])
     assert out[0].token_ids == refs[3].token_ids
@@ -707,77 +685,34 @@ def test_gate_turns_a_losing_drafter_off(stories):
     assert snap["eagle3_spec_paused_cycles_total"] > snap["eagle3_spec_row_steps_total"]
 
 
-def test_a_resting_row_keeps_its_held_back_drafter_input_while_others_draft():
-    """`Scheduler._flush_deferred` when one row drafts again and another still rests: the drafting row's
-    held-back tokens and features go to the drafter, the resting row keeps its own for when it drafts again
-    (dropped, its drafter would resume with a gap; `test_a_row_that_stopped_drafting_tries_again` failed so in
-    1 of 10 runs on a loaded machine, where the two rows rested in different cycles)."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("window", [3, 32])
+def test_plain_cycles_hold_the_drafter_input_back_and_feed_it(window):
+    """`HFRows`: plain cycles hold each row's new tokens back for the drafter and feed them in one extension once
+    `feed_window` are held or before the next speculative cycle, so a drafter scripted to be right twice per cycle
+    is right in every speculative cycle after a run of plain ones (a lost token would make every draft wrong)."""
+    from eagle3.serving.hf_rows import HFRows
 
-    from eagle3.serving.requests import _Row
-    from eagle3.serving.scheduler import Scheduler
-
-    calls = []
-    fake = SimpleNamespace(drafter=SimpleNamespace(extend=lambda aux, toks, counts: calls.append(
-        (None if aux is None else aux.clone(), [list(t) for t in toks], list(counts)))))
-    drafting, resting = _Row(None, drafting=True), _Row(None, drafting=True)
-    resting.drafting = False  # tracked, resting
-    drafting.pending_tokens, drafting.pending_aux = [5, 6], [torch.full((1, 3), 1.0), torch.full((1, 3), 2.0)]
-    resting.pending_tokens, resting.pending_aux = [7, 8, 9], [torch.full((1, 3), float(i)) for i in (3, 4, 5)]
-    Scheduler._flush_deferred(fake, [drafting, resting])
-    (aux, toks, counts), = calls
-    assert counts == [2, 0] and toks[0] == [5, 6] and aux.shape == (2, 2, 3)
-    assert aux[0, :, 0].tolist() == [1.0, 2.0]
-    assert drafting.pending_tokens == [] and drafting.pending_aux == []
-    assert resting.pending_tokens == [7, 8, 9] and len(resting.pending_aux) == 3
-    resting.drafting = True  # its turn: everything it held back arrives, in order
-    Scheduler._flush_deferred(fake, [drafting, resting])
-    assert calls[1][2] == [0, 3] and calls[1][1][1] == [7, 8, 9]
-    assert calls[1][0][1, :, 0].tolist() == [3, 4, 5]
-    assert resting.pending_tokens == []
-
-
-class _RightLater(ScriptedProposer):
-    """Drafts only wrong tokens until `after` tokens of the answer exist, then `k` right ones per cycle."""
-
-    def __init__(self, reference: list[int], after: int, **kw):
-        super().__init__(reference, **kw)
-        self.after, self.k_later = after, self.k
-
-    def propose(self):
-        self.k = 0 if self.emitted < self.after else self.k_later
-        return super().propose()
-
-
-@pytest.mark.parametrize("retry_after,max_held", [(6, 1024), (0, 1024), (6, 3)])
-def test_a_row_that_stopped_drafting_tries_again(retry_after, max_held, monkeypatch):
-    """A drafter wrong for the first 14 tokens, then right twice per cycle: the row stops drafting after its
-    warm-up cycles, rests `retry_after` cycles with its drafter input held back, and then drafts right (the
-    held-back text reached the drafter). With retry_after 0 it never drafts again, nor when it may hold back
-    fewer tokens than its rest produces. Answers are unchanged."""
-    import eagle3.serving.batch_cycle as scheduler_mod
-
-    monkeypatch.setattr(scheduler_mod, "MAX_HELD_TOKENS", max_held)
     model = build_tiny_target("llama")
     prompts = tiny_prompts(2, seed=7)
-    max_tokens = [40, 40]
-    refs = reference(model, None, prompts, max_tokens, eos=[])
+    refs = reference(model, None, prompts, [60, 60], eos=[])
     by_prompt = {tuple(p): r.token_ids for p, r in zip(prompts, refs, strict=True)}
-
-    def factory(prompt):
-        return _RightLater(by_prompt[tuple(prompt)], after=14, k=2, length=4, vocab_size=300)
-
-    policy = SpecPolicy(DraftShape(4, 1, 4), token_budget=1000, min_accept=0.3,
-                        warmup_cycles=4, retry_after=retry_after, measure=False)
-    sched = Scheduler(Target(model, []), None, [], drafter=ProposerBatchDrafter(factory), policy=policy)
-    out = run_batch(sched, [GenParams(p, n) for p, n in zip(prompts, max_tokens, strict=True)])
-    for i, (ev, ref) in enumerate(zip(out, refs, strict=True)):
-        assert ev.token_ids == ref.token_ids, f"row {i}"
-    accepted = sched.metrics.snapshot()["eagle3_accepted_tokens_total"]
-    if retry_after and max_held > 6:
-        assert accepted >= 2 * 4 * len(prompts)  # back to 2 per cycle for the rest of each 40-token answer
-    else:
-        assert accepted == 0
+    drafter = ProposerBatchDrafter(lambda p: ScriptedProposer(by_prompt[tuple(p)], k=2, length=4, vocab_size=300))
+    fed, extend = [], drafter.extend
+    drafter.extend = lambda aux, toks, counts: (fed.append(list(counts)), extend(aux, toks, counts))[1]
+    rows = HFRows(Target(model, []), drafter, 4, shapes=lambda n: DraftShape.chain(4), feed_window=window)
+    out = [[t] for t in rows.add_many(prompts)]
+    for cycle in range(15):
+        spec = cycle % 5 == 4  # four plain cycles, then a speculative one
+        new = rows.cycle(spec)
+        assert [len(t) for t in new] == ([3, 3] if spec else [1, 1]), f"cycle {cycle}"
+        for o, t in zip(out, new, strict=True):
+            o.extend(t)
+    for o, r in zip(out, refs, strict=True):
+        assert o == r.token_ids[: len(o)]
+    # per run of four plain cycles: a feed of the held tokens (after three with a window of 3), then the rest
+    # and the speculative cycle's accepted path
+    run = [[3, 3], [1, 1], [3, 3]] if window == 3 else [[4, 4], [3, 3]]
+    assert fed == run * 3
 
 
 @pytest.mark.parametrize("which", ["stories260k", "smollm2"])
@@ -790,7 +725,7 @@ def test_incremental_text_equals_a_full_decode(which, request):
     assert sched._incremental
     text = "Héllo wörld, naïve café! 😀 Done. 日本語のテキスト and  two  spaces\nnew line."
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    row = _Row(RequestHandle(GenParams(prompt_ids=[1], max_tokens=len(ids)), lambda ev: None), drafting=False)
+    row = _Row(RequestHandle(GenParams(prompt_ids=[1], max_tokens=len(ids)), lambda ev: None))
     g = torch.Generator().manual_seed(0)
     i = 0
     while i < len(ids):

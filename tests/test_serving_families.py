@@ -1,5 +1,5 @@
-"""The server's generic batched path (any AutoModelForCausalLM: padded `DynamicCache`, 4-D tree masks, no static
-cache) on a Gemma-3 target (sliding-window layers) and a Qwen3-MoE target (per-token expert routing): 16
+"""The server's HF rows (`eagle3.serving.hf_rows`: any AutoModelForCausalLM, a padded `DynamicCache`, 4-D tree
+masks) on a Gemma-3 target (sliding-window layers) and a Qwen3-MoE target (per-token expert routing): 16
 concurrent greedy clients, speculation on, each answer equal token for token to the single-request answer.
 
 Per architecture the reference is each prompt alone through `SpeculativeEngine` with plain decoding; each prompt
@@ -78,7 +78,7 @@ def _scheduler(model, prompts, refs, drafter_kind: str):
             return ScriptedProposer(ref, k=k, length=4, vocab_size=300, tree=drafter_kind == "tree")
 
         drafter, aux = ProposerBatchDrafter(factory), []
-    policy = SpecPolicy(SHAPE, token_budget=1000, min_accept=0.0, measure=False)
+    policy = SpecPolicy(SHAPE, token_budget=1000, measure=False)
     return build_scheduler(Target(model, aux), None, [], drafter=drafter, policy=policy,
                            config=ServeConfig(max_batch_size=CLIENTS))
 

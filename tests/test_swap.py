@@ -82,8 +82,8 @@ def start(stories260k, drafter_dir, admin_token: str | None = TOKEN, lane: bool 
     model = copy.deepcopy(model)
     d = drafter_for(model, drafter_dir)
     shape = DraftShape(3, 2, 6)
-    # min_accept 0 and no speed gate: rows keep drafting with a random drafter, so every cycle verifies real trees
-    policy = SpecPolicy(shape, token_budget=64, min_accept=0.0, measure=measure)
+    # no speed gate: rows keep drafting with a random drafter, so every cycle verifies real trees
+    policy = SpecPolicy(shape, token_budget=64, measure=measure)
     cfg = ServeConfig(model_name=MODEL, admin_token=admin_token, max_batch_size=16)
     fast = FastEngine(model, draft="eagle3", spec=shape, drafter=d) if lane else None
     fr = fast_rows("on", model, d, policy, cfg, "cpu", target=fast.target if fast else None) if rows else None
@@ -220,7 +220,7 @@ def test_fast_lane_and_rows_decode_plain_after_a_swap(stories260k, folders, ref)
         assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text
         r = admin(srv, "POST", json={"path": str(folders["b"])})
         assert r.status_code == 200 and r.json()["version"] == "v2"
-        assert sched.fast.mode == "none" and not sched._rows_spec
+        assert sched.fast.mode == "none" and not sched._batches[0].spec
         assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text  # alone: on the plain lane
         cycles, spec_cycles = sched.fast_rows.cycles, sched.fast_rows.spec_cycles
         with ThreadPoolExecutor(4) as pool:

@@ -405,7 +405,7 @@ class CannedScheduler(Scheduler):
     def submit(self, handle) -> None:
         self.prompts.append(list(handle.params.prompt_ids))
         ids = self.tokenizer(self.replies.pop(0), add_special_tokens=False)["input_ids"] + [min(self.eos)]
-        row = _Row(handle, drafting=False)
+        row = _Row(handle)
         for t in ids:
             if self._emit(row, [t]):
                 break

@@ -24,6 +24,8 @@ DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
 DEFAULT_NGRAM_MAX = 4
 DEFAULT_NGRAM_MIN = 1
+# plain-cycle tokens a served row holds back for the drafter before they are fed in one batched step
+FEED_WINDOW = 32
 
 # The fast path's variants are library options only (`eagle3.fast.engine.FastOptions`, `run_bench`'s keywords,
 # `fast_lane_engine`/`fast_rows`, the scripts' own flags); their auto defaults pick per device

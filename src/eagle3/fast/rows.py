@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots
@@ -50,7 +50,6 @@ from eagle3.fast.target import FastTarget, argmax_ids
 __all__ = ["FastRows", "buckets"]
 
 MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
-FEED_WINDOW = 32  # plain-cycle tokens a row holds back for the drafter before a feed step
 
 
 def buckets(capacity: int) -> list[int]:
@@ -153,6 +152,9 @@ class FastRows:
             self.held_n = torch.zeros(capacity, dtype=torch.long, device=dev)  # [B]
             self.ar_w = torch.arange(w, device=dev)
         self._held: list[int] = []  # host mirror of held_n for the active rows
+        # per row, of the last cycle: depth and draft tokens drafted (0: did not draft)
+        self.depths: list[int] = []
+        self.drafted: list[int] = []
         self.n = 0  # active rows: [0, n)
         self.cycles = self.spec_cycles = self.feeds = 0  # cycles run (all, speculative), feed steps run
         self.graphs = graphs and dev.type == "cuda"
@@ -370,6 +372,16 @@ class FastRows:
         self._reset_rows(last, last + 1)
         self.n -= 1
 
+    def clear(self) -> None:
+        """Free every row."""
+        self._reset_rows(0, self.capacity)
+        self._modes, self._held, self.n = [], [], 0
+
+    @property
+    def drafting(self) -> int:
+        """Rows that draft in a speculative cycle."""
+        return self.n if self.d is not None else 0
+
     def _reset_rows(self, lo: int, hi: int) -> None:
         self.length[lo:hi] = 0
         self.root[lo:hi] = 0
@@ -402,6 +414,8 @@ class FastRows:
             if max(self._held) >= self.feed_window:  # a full window: feed before the next plain cycle
                 self._feed(nb)
         pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
+        self.depths = [p[1] for p in pkt]
+        self.drafted = [self.shapes[nb].total if spec else 0] * self.n
         return [p[2 : 3 + p[0]] for p in pkt]
 
     def _feed(self, nb: int) -> None:

@@ -82,10 +82,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     help="verified tokens per batched forward (default 256 GPU, 32 CPU, 512 fast rows)")
     sp.add_argument("--spec-max-batch", type=int, default=None, metavar="B",
                     help="no speculation above this batch size")
-    sp.add_argument("--spec-min-accept", type=float, default=SpecPolicy.min_accept, metavar="X",
-                    help="a row whose mean accepted drafts per cycle falls below X stops drafting")
-    sp.add_argument("--spec-retry-after", type=int, default=SpecPolicy.retry_after, metavar="N",
-                    help="cycles after which such a row drafts again (0: never)")
     sp.add_argument("--no-spec-gate", action="store_true",
                     help="speculate wherever the budget allows, even where measured slower")
     fp = s.add_argument_group("static-cache fast paths (auto: on for CUDA targets of the Llama/Mistral/Qwen "
@@ -152,7 +148,7 @@ def load_server(args):
         record=args.record, admin_token=args.admin_token or os.environ.get("EAGLE3_ADMIN_TOKEN") or None)
     policy = SpecPolicy(
         spec, token_budget=args.spec_budget or default_token_budget(device), max_batch=args.spec_max_batch,
-        min_accept=args.spec_min_accept, retry_after=args.spec_retry_after, measure=not args.no_spec_gate)
+        measure=not args.no_spec_gate)
     drafter, d = None, None
     aux_ids: list[int] = []
     if draft == "eagle3":

@@ -113,7 +113,7 @@ class OutputMixin:
             self.recorder.add({"request_id": h.id, "model": self.config.model_name, "drafter": version,
                                "prompt_ids": list(p.prompt_ids), "completion_ids": list(row.out),
                                "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-                               "finish_reason": reason, "cycles": row.acc.cycles, "accepted": row.acc.total})
+                               "finish_reason": reason, "cycles": row.cycles, "accepted": row.accepted})
         self._send(h, Event("done", text=text, finish_reason=reason, prompt_tokens=len(h.params.prompt_ids),
                             completion_tokens=len(row.out), token_ids=list(row.out)))
 

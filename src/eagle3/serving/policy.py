@@ -8,22 +8,13 @@ so drafts are nearly free; past that point every draft token costs compute. The 
    batch grows (256 tokens on a GPU: B=1..4 -> 60 nodes, B=8 -> 31, B=16 -> 15, B=32 -> 7, B=64 -> 3);
 2. switches speculation off for the cycle when N < `min_draft_tokens` or B > `max_batch`;
 3. shapes N nodes as a chain while N <= the maximum depth, else as an EAGLE-2 tree of full depth and
-   top-k = ceil(N / depth) (capped at the configured top-k): depth pays first, width later;
-4. per row, keeps an exponential moving average of accepted drafts per cycle; after `warmup_cycles`, a
-   row whose average is below `min_accept` stops drafting (tau ~ 1: drafting there only costs) and tries
-   again, with a fresh average, `retry_after` cycles later (0: never), since a text's predictability changes
-   along the way.
+   top-k = ceil(N / depth) (capped at the configured top-k): depth pays first, width later.
 
-A row that cannot draft in a cycle (the budget left no room for drafts) rests the same way. A resting row's
-features and tokens are held back and fed to the drafter in one batched extension when it drafts again, so its
-drafter cache covers its text.
-
-On top of these static rules, `SpeedGate` measures what speculation actually buys (5.): per batch-size bucket it
+On top of these static rules, `SpeedGate` measures what speculation actually buys: per batch-size bucket it
 keeps moving averages of emitted tokens per row-second for speculative cycles and for plain ones, runs the faster
 mode, and re-times the slower one every `probe_every` cycles, less often while the probes confirm the choice.
-Plain cycles chosen by the gate keep every drafting row's features for the drafter (the generic batch feeds them
-at once; the fast rows hold them back and feed them in one batched step before the next speculative cycle), so
-speculation can resume whenever it pays again. This is what keeps serving at or above plain decoding where the
+Plain cycles keep every drafting row's features for the drafter (held back and fed in one batched step before the
+next speculative cycle, or once `FEED_WINDOW` are held), so speculation can resume whenever it pays again. This is what keeps serving at or above plain decoding where the
 static budget guesses wrong (a slow drafter, an overhead-bound device, a low-acceptance workload).
 """
 
@@ -34,7 +25,7 @@ from dataclasses import dataclass, field
 
 from eagle3.config import ConfigError, DraftShape
 
-__all__ = ["RowAcceptance", "SpecPolicy", "SpeedGate", "default_token_budget"]
+__all__ = ["SpecPolicy", "SpeedGate", "default_token_budget"]
 
 GPU_TOKEN_BUDGET = 256
 CPU_TOKEN_BUDGET = 32
@@ -61,10 +52,7 @@ class SpecPolicy:
     token_budget: int = GPU_TOKEN_BUDGET  # B·(N+1) per verification forward
     max_batch: int | None = None  # no speculation with more rows than this (None: the budget decides)
     min_draft_tokens: int = 1
-    min_accept: float = 0.3  # accepted drafts per cycle (EMA) below which a row stops drafting
-    warmup_cycles: int = 4
-    retry_after: int = 64  # cycles a row rests after it stopped drafting, then tries again (0: never)
-    ema: float = 0.25
+    ema: float = 0.25  # weight of a request's newest sample in the fast lane's gate
     measure: bool = True  # SpeedGate: speculate only where measured faster than plain cycles
     probe_every: int = 16  # cycles between re-timings of the mode the gate is not using (doubles while confirmed)
     max_probe_every: int = 512
@@ -83,8 +71,6 @@ class SpecPolicy:
             raise ConfigError(f"ema={self.ema} must be in (0, 1]")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"--spec-max-batch {self.max_batch} must be >= 1")
-        if self.retry_after < 0:
-            raise ConfigError(f"--spec-retry-after {self.retry_after} must be >= 0 (0: a row that stops never retries)")
         if self.probe_every < 2:
             raise ConfigError(f"probe_every={self.probe_every} must be >= 2")
         if self.gate_settle < 0 or self.gate_margin < 0 or not 0 < self.probe_share <= 1:
@@ -130,23 +116,6 @@ class SpecPolicy:
         often than `probe_share` of the time allows. Without that bound a lane twice as fast speculating ran a plain
         probe every 4-8 requests, a large share of a single client's cycles."""
         return SpeedGate(probe_every=4, ema=self.ema, max_probe_every=64, probe_share=self.probe_share)
-
-    def keep_drafting(self, acc: RowAcceptance) -> bool:
-        return acc.cycles < self.warmup_cycles or acc.mean >= self.min_accept
-
-
-@dataclass
-class RowAcceptance:
-    """Running acceptance of one row: cycles drafted and the EMA of accepted drafts per cycle."""
-
-    cycles: int = 0
-    mean: float = 0.0
-    total: int = 0  # accepted drafts over all cycles
-
-    def update(self, accepted: int, ema: float) -> None:
-        self.mean = float(accepted) if self.cycles == 0 else (1 - ema) * self.mean + ema * accepted
-        self.cycles += 1
-        self.total += int(accepted)
 
 
 class SpeedGate:

@@ -8,10 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from eagle3.decoding.sampling import new_seed
-from eagle3.serving.policy import RowAcceptance
 
 __all__ = ["Event", "GenParams", "RequestHandle", "SchedulerUnavailable"]
 
@@ -69,20 +66,15 @@ class SchedulerUnavailable(Exception):
 
 
 class _Row:
-    def __init__(self, handle: RequestHandle, drafting: bool):
+    """A request in a batch (or the fast lane): its tokens and how its text has been streamed so far."""
+
+    def __init__(self, handle: RequestHandle):
         self.handle = handle
         self.out: list[int] = []
         self.root = -1  # last emitted token, not yet in the KV cache
-        self.drafting = drafting  # drafts when the cycle speculates
-        self.tracked = drafting  # the drafter's cache follows this row (drafting or resting)
-        self.drafted = False  # drafted in the current cycle
-        self.rest = 0  # cycles left before a row that stopped drafting tries again
-        self.acc = RowAcceptance()
+        self.cycles = self.accepted = 0  # speculative cycles it drafted in, drafts accepted in them
         self.sent = 0  # characters already streamed
         self.streamed = 0  # tokens of `out` covered by the last streamed chunk
         # incremental detokenization (`Scheduler._stable_text`): the text of out[:read_at], decoded in windows
         self.text = ""
         self.prefix_at = self.read_at = 0
-        # drafter input held back during plain cycles (fed in one batched extension when drafting resumes)
-        self.pending_aux: list[torch.Tensor] = []  # [1, 3·Ht] each
-        self.pending_tokens: list[int] = []

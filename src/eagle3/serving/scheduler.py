@@ -2,26 +2,25 @@
 
 Each loop iteration:
 
-1. admit waiting requests (up to `max_batch_size` rows and `max_prefill_tokens` padded prompt tokens),
-   prefill them in one batched forward, emit their first token, and append them to the batch;
+1. admit waiting requests (up to `max_batch_size` rows and `max_prefill_tokens` padded prompt tokens): each goes
+   to the first rows backend that takes it (the fast rows where the server has them and the request fits their
+   caches, else the HF rows), is prefilled with the others there in one padded forward, and emits its first token;
 2. drop rows whose client went away;
-3. run one cycle over all rows: the policy picks a draft shape for this batch size, the drafter proposes
-   a tree for each drafting row, ONE batched target forward verifies every row's [root, tree] (padded to
-   N+1 tokens), each row accepts its own path (greedy, or position-keyed sampling, see
-   `eagle3.decoding.sampling`), the batch KV cache keeps each row's prefix + root + accepted nodes, the
-   drafter is extended with the accepted features, and tokens are emitted to the clients;
-4. finished rows (EOS, stop string, max_tokens) leave the batch.
+3. run one cycle of each backend's rows (`eagle3.serving.paths`): the policy picks the draft shape for that many
+   rows, the speed gate whether to speculate; the backend drafts a tree per row, verifies every row's [root, tree]
+   in ONE target forward, keeps each row's accepted path (greedy, or position-keyed sampling, see
+   `eagle3.decoding.sampling`) and feeds the drafter; the new tokens go to the clients;
+4. finished rows (EOS, stop string, max_tokens) leave.
+
+The rows backends share one interface (`add_many`, `cycle`, `remove`): `eagle3.fast.rows.FastRows` (static caches,
+one graph-captured cycle per batch-size bucket; families the fast path covers, on a GPU) and
+`eagle3.serving.hf_rows.HFRows` (any HF causal LM, one padded cache). Sampled rows draw the same position-keyed
+tokens on both.
 
 The fast lane (when the server has a `FastEngine`): a greedy request that arrives at an idle server decodes
-alone on the batch-1 static-cache path (CUDA graphs on a GPU), which is many times faster than a batch of one
-on the generic path. When another request arrives it stops after its current cycle, is prefilled into the batch
-with the text it has so far, and continues there; outputs are the same either way (greedy, lossless).
-
-The fast rows (when the server has `FastRows`, on a GPU): requests that fit its caches, greedy or sampled, decode
-as rows of a static-cache batch instead (`eagle3.fast.rows`): one graph-captured cycle per batch-size bucket,
-speculative with the policy's shape for that bucket where the speed gate measures it faster, plain otherwise.
-Sampled rows draw the same position-keyed tokens there as here. Requests that do not fit use the generic batch;
-both batches advance once per loop iteration.
+alone on the batch-1 static-cache path (CUDA graphs on a GPU), faster than rows of one. When another request
+arrives it stops after its current cycle, is prefilled into the rows with the text it has so far, and continues
+there; outputs are the same either way (greedy, lossless).
 
 Results reach the HTTP side through each request's `sink` (called from this thread). Greedy output equals
 `SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
@@ -33,8 +32,8 @@ cycles) runs the identity probe (`eagle3.serving.drafting.identity_probe`) and s
 drafting (the old drafter's cache is theirs; their greedy tokens are the target's either way), new rows draft with
 the new drafter. The fast lane and fast rows hold their own drafter: after a swap they decode plain.
 
-The scheduler's parts: `requests` (what it serves), `batch_cycle` (the generic batch), `fast_paths` (the fast
-lane and fast rows) and `output` (text and events), all in `eagle3.serving`.
+The scheduler's parts: `requests` (what it serves), `paths` (the lane and the rows), `hf_rows` (the HF backend)
+and `output` (text and events), all in `eagle3.serving`.
 """
 
 from __future__ import annotations
@@ -50,21 +49,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle3.attention import varying_shape_attention
 from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.drafter import Eagle3Drafter
 from eagle3.runtime import drafter_for, encode_prompt
-from eagle3.serving.batch import BatchKV
-from eagle3.serving.batch_cycle import BatchCycleMixin, _stop_for_good
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.drafting import BatchDrafter, Eagle3BatchDrafter, identity_probe
-from eagle3.serving.fast_paths import FastPathsMixin
+from eagle3.serving.hf_rows import HFRows
 from eagle3.serving.metrics import Metrics
 from eagle3.serving.output import OutputMixin, _stock_decode
+from eagle3.serving.paths import PathsMixin, _Batch
 from eagle3.serving.policy import SpecPolicy, SpeedGate
-from eagle3.serving.requests import RequestHandle, SchedulerUnavailable, _Row
+from eagle3.serving.requests import RequestHandle, SchedulerUnavailable
 from eagle3.target import Target
 
 if TYPE_CHECKING:
@@ -112,8 +109,8 @@ class _SwapOrder:
         self.error: SwapRefused | None = None
 
 
-class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
-    """Owns the target, the drafter and the batch; `start()` runs the loop in a daemon thread."""
+class Scheduler(PathsMixin, OutputMixin):
+    """Owns the target, the drafter and the rows; `start()` runs the loop in a daemon thread."""
 
     def __init__(
         self,
@@ -133,7 +130,7 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         between it and a drafter-less engine on the same weights until one is measured faster.
         `rows`: `FastRows` on the same model (see the module docstring)."""
         if getattr(target, "recurrent_layers", None):
-            # the padded batch cache (`eagle3.serving.batch.BatchKV`) holds keys/values only: rows of a hybrid
+            # the HF rows' padded cache (`eagle3.serving.batch.BatchKV`) holds keys/values only: rows of a hybrid
             # target would share, and never roll back, its linear layers' recurrent state
             raise ConfigError(f"{target.family} has linear-attention layers with a recurrent state per sequence, "
                               "which the batched server does not keep per row; serve it elsewhere, or run "
@@ -144,9 +141,9 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         self.tokenizer = tokenizer
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self.eos = set(int(e) for e in eos_token_ids)
-        self.drafter = drafter
         self.policy = policy or SpecPolicy(largest=DraftShape() if drafter is not None else None)
-        self.gate = self.policy.speed_gate() if self.policy.measure else None
+        self.config = config or ServeConfig()
+        self.batch = HFRows(target, drafter, self.config.max_batch_size, shapes=self.policy.shape)
         # the lane's own gate, in whole requests: speculative lane requests vs plain ones on a drafter-less
         # engine that shares the lane's fused weights and caches
         self._lane_plain, self._lane_gate = None, None
@@ -155,7 +152,6 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
 
             self._lane_plain = FastEngine(fast.model, draft="none", target=fast.target, options=fast.options)
             self._lane_gate = self.policy.lane_gate()
-        self.config = config or ServeConfig()
         if self._lane_plain is not None and fast.seq_len:
             # capture (and compile) it now, on the caches the lane already holds, not inside its first request
             # (with `graph_prefill`, its prefills too, for every prompt those caches hold)
@@ -171,7 +167,6 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         self._swap_lock = threading.Lock()  # one swap at a time, from loading to switching
         self._next_version = 2
         self._probe_plain: tuple[list[int], list[int]] | None = None  # the probe's prompt and plain tokens
-        self._rows_spec = True  # the fast rows speculate (until a swap leaves their drafter behind)
         self.recorder = None
         if self.config.record:
             from eagle3.traffic import TrafficRecorder
@@ -184,16 +179,19 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         # (only where the tokenizer class keeps the stock `decode`: a subclass that rewrites text keeps its own)
         self._backend = (getattr(tokenizer, "backend_tokenizer", None)
                          if self._incremental and _stock_decode(tokenizer) else None)
-        self._frows: list[_Row] = []  # mirrors the active rows of `fast_rows`, in order
         if rows is not None and rows.capacity < self.config.max_batch_size:
             raise ValueError(f"FastRows holds {rows.capacity} rows; the server admits {self.config.max_batch_size}")
-        self._rows_gate = self.policy.speed_gate() if rows is not None and self.policy.measure else None
+
+        def gate() -> SpeedGate | None:
+            return self.policy.speed_gate() if self.policy.measure else None
+
+        # the backends in the order they take requests; the HF rows, last, take any
+        self._batches = [_Batch("rows", rows, gate())] if rows is not None else []
+        self._batches.append(_Batch("batch", self.batch, gate()))
         self._trace: deque[tuple[str, int, bool, bool, float, int]] = deque(maxlen=TRACE_CYCLES)
         self.cycles_traced = 0  # cycles ever appended to the trace
         self._cond = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
-        self._rows: list[_Row] = []
-        self._kv = BatchKV()
         self._prefill_ema: float | None = None  # seconds per admission (prefill + first tokens), moving average
         self._first_prefill: float | None = None  # the first measurement, held until a second confirms it
         self._closing = False  # no new requests
@@ -213,8 +211,18 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         return self._thread is not None and self._thread.is_alive() and not self._closing
 
     @property
+    def drafter(self) -> BatchDrafter | None:
+        """The drafter of the HF rows (the one a swap replaces)."""
+        return self.batch.drafter
+
+    @property
+    def gate(self) -> SpeedGate | None:
+        """The HF rows' speed gate."""
+        return self._batches[-1].gate
+
+    @property
     def running(self) -> int:
-        return len(self._rows) + len(self._frows)
+        return sum(len(b.rows) for b in self._batches)
 
     @property
     def waiting(self) -> int:
@@ -246,7 +254,7 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
             self._closing = True
             self._cond.notify_all()
         deadline = time.monotonic() + timeout
-        while ((self._rows or self._frows or self._waiting or self._in_lane) and time.monotonic() < deadline
+        while ((self.running or self._waiting or self._in_lane) and time.monotonic() < deadline
                and self._thread_alive()):
             time.sleep(0.01)
         with self._cond:
@@ -344,12 +352,8 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         return identity_probe(self.target, candidate, self.policy.largest or DraftShape(), prompt, plain_ids)
 
     def _serve_with(self, new: LoadedDrafter, previous: LoadedDrafter | None) -> None:
-        """Switch drafters: the rows in the batch finish without drafting, new rows draft with `new`."""
-        for r in self._rows:
-            _stop_for_good(r)
-        batch = Eagle3BatchDrafter(new.drafter)
-        batch.add_idle(len(self._rows))
-        self.drafter = batch
+        """Switch drafters: the rows decoding now finish without drafting, new rows draft with `new`."""
+        self.batch.swap_drafter(Eagle3BatchDrafter(new.drafter))
         if self.fast is not None and self.fast.mode != "none":  # the lane's drafter is the old one: lane plain
             plain = self._lane_plain
             if plain is None:
@@ -359,13 +363,14 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
                 if self.fast.seq_len:
                     plain.prepare(max(1, self.fast.seq_len - plain.core.slots_needed(0, 0)), 0)
             self.fast, self._lane_plain, self._lane_gate = plain, None, None
-        self._rows_spec = False  # the fast rows' drafter too: they decode plain
+        for b in self._batches:
+            b.spec = b.backend is self.batch  # the fast rows' drafter is the old one: they decode plain
         old = self.loaded.version
         new.loaded_at = time.time()
         self.loaded, self.previous = new, previous
         self.metrics.set_info("eagle3_drafter_version", version=new.version)
         log.info("drafter %s (%s) serves new requests, replacing %s; %d rows in flight finish without drafting",
-                 new.version, new.path, old, len(self._rows))
+                 new.version, new.path, old, self.running)
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -377,8 +382,7 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
                 while True:
                     with self._cond:
                         t0 = time.perf_counter()
-                        while (not self._rows and not self._frows and not self._waiting and not self._swaps
-                               and not self._stopping):
+                        while not self.running and not self._waiting and not self._swaps and not self._stopping:
                             self._cond.wait()
                         self.metrics.inc("eagle3_idle_seconds_total", time.perf_counter() - t0)
                         if self._stopping:
@@ -404,26 +408,20 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
             self._drop_cancelled()
             if self._lane_takes(admitted):
                 row = self._run_lane(admitted[0])
-                if row is not None:  # interrupted by an arrival (or shutdown): continue in the batch
-                    with varying_shape_attention(self.target.device):
-                        self._join_batch(row)
+                if row is not None:  # interrupted by an arrival (or shutdown): continue in the rows
+                    self._join_rows(row)
                 return
             if admitted:
                 t0 = time.perf_counter()
-                with varying_shape_attention(self.target.device):  # the batch cache widens every cycle
-                    rest = self._add_fast_rows(admitted)
-                    if rest:
-                        self._prefill(rest)
+                self._admit(admitted)
                 self._note_prefill(time.perf_counter() - t0)
-            if self._frows:
-                self._fast_cycle()
-            if self._rows:
-                with varying_shape_attention(self.target.device):
-                    self._cycle()
+            for b in self._batches:
+                if b.rows:
+                    self._cycle(b)
         except Exception as e:  # a failed forward must not hang clients: fail this batch, keep serving
             log.exception("decoding step failed; failing %d in-flight requests", self.running + len(admitted))
             msg = f"internal error while decoding: {type(e).__name__}: {e}"
-            for h in [r.handle for r in self._rows + self._frows] + admitted:
+            for h in [r.handle for b in self._batches for r in b.rows] + admitted:
                 self._send_error(h, msg, status=500)
             self._reset()
         finally:
@@ -431,19 +429,14 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
             self.metrics.set("eagle3_queue_depth", len(self._waiting))
 
     def _reset(self) -> None:
-        self._rows = []
-        self._kv = BatchKV()
-        self._frows = []
-        if self.fast_rows is not None:  # free every row, also one a failed step added without a mirror
-            while self.fast_rows.n:
-                self.fast_rows.remove(self.fast_rows.n - 1)
-        if self.drafter is not None:
-            self.drafter.select([])
+        for b in self._batches:  # free every row, also one a failed step added without a mirror
+            b.rows = []
+            b.backend.clear()
 
     def _abort_all(self, message: str) -> None:
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
-        for h in [r.handle for r in self._rows + self._frows] + waiting:
+        for h in [r.handle for b in self._batches for r in b.rows] + waiting:
             self._send_error(h, message, status=503)
         self._reset()
 
@@ -489,27 +482,13 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         return out
 
     def _drop_cancelled(self) -> None:
-        for i in reversed(range(len(self._frows))):
-            if self._frows[i].handle.cancelled:
-                h = self._frows[i].handle
-                h.finished = True
-                self.metrics.inc("eagle3_requests_total", endpoint=h.params.endpoint, finish_reason="cancelled")
-                self._remove_fast_row(i)
-        keep = [i for i, r in enumerate(self._rows) if not r.handle.cancelled]
-        if len(keep) == len(self._rows):
-            return
-        for r in self._rows:
-            if r.handle.cancelled:
-                r.handle.finished = True
-                self.metrics.inc("eagle3_requests_total", endpoint=r.handle.params.endpoint,
-                                 finish_reason="cancelled")
-        self._select(keep)
-
-    def _select(self, keep: list[int]) -> None:
-        self._rows = [self._rows[i] for i in keep]
-        self._kv.select(keep)
-        if self.drafter is not None:
-            self.drafter.select(keep)
+        for b in self._batches:
+            for i in reversed(range(len(b.rows))):
+                h = b.rows[i].handle
+                if h.cancelled:
+                    h.finished = True
+                    self.metrics.inc("eagle3_requests_total", endpoint=h.params.endpoint, finish_reason="cancelled")
+                    self._remove_row(b, i)
 
     def _trace_cycle(self, path: str, rows: int, spec: bool, gate: SpeedGate | None, seconds: float,
                      tokens: int) -> None:
@@ -519,7 +498,7 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
 
     def cycle_trace(self, since: int = 0) -> dict[str, list]:
         """The decode cycles traced after the first `since` (at most the last TRACE_CYCLES), as columns: path
-        ("rows", "batch" or "lane"; a lane cycle is timed between its token callbacks), rows, spec, probe (a gate
+        ("rows": the fast rows, "batch": the HF rows, or "lane"; a lane cycle is timed between its token callbacks), rows, spec, probe (a gate
         probe of the slower mode), ms, tokens. Read it while the server is idle (between benchmark levels): the
         scheduler thread appends without a lock."""
         cycles = list(self._trace)[max(0, len(self._trace) - (self.cycles_traced - since)):]
@@ -529,6 +508,6 @@ class Scheduler(FastPathsMixin, BatchCycleMixin, OutputMixin):
         return out
 
     def gate_snapshots(self) -> dict[str, dict]:
-        """The speed gates' current beliefs (`SpeedGate.snapshot`) by path: generic batch, fast lane, fast rows."""
-        gates = {"batch": self.gate, "lane": self._lane_gate, "rows": self._rows_gate}
+        """The speed gates' current beliefs (`SpeedGate.snapshot`) by path: HF rows, fast lane, fast rows."""
+        gates = {"lane": self._lane_gate, **{b.name: b.gate for b in self._batches}}
         return {name: g.snapshot() for name, g in gates.items() if g is not None}

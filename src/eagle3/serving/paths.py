@@ -1,0 +1,208 @@
+"""The scheduler's two ways of decoding (`PathsMixin`, methods of `Scheduler`): the fast lane, one greedy request
+alone on a batch-1 `FastEngine`, and the rows: requests decoding together on a rows backend, `FastRows` (static
+caches, captured cycles) or `HFRows` (any HF model). Every backend runs through the same admission, cycle, metrics
+and speed gate here; the lane and the fast rows hold the drafter the server started with, so after a drafter swap
+the lane runs a drafter-less engine and the fast rows decode plain (`Scheduler._serve_with`)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from eagle3.config import SamplingConfig
+from eagle3.serving.policy import SpeedGate
+from eagle3.serving.requests import GenParams, RequestHandle, _Row
+
+if TYPE_CHECKING:
+    from eagle3.fast.rows import FastRows
+    from eagle3.serving.hf_rows import HFRows
+
+
+@dataclass
+class _Batch:
+    """A rows backend and the requests in its rows (`rows[i]` decodes in backend row i), its speed gate, and
+    whether it may speculate (False once a drafter swap left its drafter behind). `name` labels its cycles."""
+
+    name: str
+    backend: FastRows | HFRows
+    gate: SpeedGate | None
+    rows: list[_Row] = field(default_factory=list)
+    spec: bool = True
+
+
+def _row_sampling(h: RequestHandle) -> SamplingConfig | None:
+    """A request's settings for a sampled row (None: greedy)."""
+    p = h.params
+    if p.temperature == 0:
+        return None
+    return SamplingConfig(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=h.seed)
+
+
+class PathsMixin:
+    """`Scheduler` methods for the fast lane and the rows (see the `eagle3.serving.scheduler` docstring)."""
+
+    # -- the fast lane: one greedy request alone on the batch-1 fast path ------------------------
+    def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
+        return (self.fast is not None and not self.running and len(admitted) == 1
+                and not self._waiting and admitted[0].params.temperature == 0)
+
+    def _run_lane(self, h: RequestHandle) -> _Row | None:
+        """Decode `h` on the fast engine until it finishes, is cancelled, or another request arrives; returns
+        its row in the last case (to join the rows), else None."""
+        p, m = h.params, self.metrics
+        row = _Row(h)
+        h.drafter_version = self.drafter_version  # recorded traffic names the drafter it ran with
+        m.inc("eagle3_prompt_tokens_total", len(p.prompt_ids))
+        engine = self.fast
+        if self._lane_gate is not None and not self._lane_gate.speculate(1):
+            engine = self._lane_plain
+            m.inc("eagle3_spec_paused_cycles_total")
+        spec = engine.mode != "none"
+        last = [None]  # perf_counter of the previous callback: None until the first token
+        first = [0.0]
+
+        def on_tokens(new: list[int]) -> bool:
+            now = time.perf_counter()
+            if last[0] is None:
+                h.first_token_at = first[0] = now
+                m.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
+            else:  # one verification cycle of a batch of one
+                m.observe("eagle3_cycle_seconds", now - last[0])
+                m.inc("eagle3_verify_steps_total")
+                m.observe("eagle3_batch_size", 1)
+                if spec:
+                    m.inc("eagle3_verified_tokens_total", engine.core.n_nodes + 1)
+                    m.inc("eagle3_draft_tokens_total", engine.core.n_nodes)
+                    m.inc("eagle3_accepted_tokens_total", len(new) - 1)
+                    m.inc("eagle3_spec_row_steps_total")
+                    m.record_row_cycle(engine.core.depth or engine.core.n_nodes, len(new) - 1)
+                    row.cycles += 1
+                    row.accepted += len(new) - 1
+                else:
+                    m.inc("eagle3_verified_tokens_total")
+                self._trace_cycle("lane", 1, spec, self._lane_gate, now - last[0], len(new))
+            last[0] = now
+            if self._emit(row, new):
+                return True
+            return h.cancelled or self._stopping or bool(self._waiting) or bool(self._swaps)
+
+        m.set("eagle3_running_requests", 1)
+        self._in_lane = True
+        try:
+            engine.generate(p.prompt_ids, max_new_tokens=p.max_tokens, on_tokens=on_tokens)
+        finally:
+            self._in_lane = False
+        if self._lane_gate is not None and len(row.out) > 1 and last[0] > first[0]:
+            self._lane_gate.record(1, spec, last[0] - first[0], len(row.out) - 1)  # decoding rate after the prefill
+        if h.finished:
+            return None
+        if h.cancelled:
+            h.finished = True
+            m.inc("eagle3_requests_total", endpoint=p.endpoint, finish_reason="cancelled")
+            return None
+        return row
+
+    def _join_rows(self, row: _Row) -> None:
+        """Move a lane request into the rows: prefill its text so far (the root, its last token, stays out of the
+        cache as for every row); the drafter's history comes with that prefill."""
+        h = row.handle
+        ctx = list(h.params.prompt_ids) + row.out[:-1]
+        batch = self._batch_for(h.params, len(ctx), defaultdict(int))
+        batch.backend.add_many([ctx], roots=[row.root], sampling=[_row_sampling(h)])
+        batch.rows.append(row)
+
+    # -- the rows ------------------------------------------------------------------------------
+    def _batch_for(self, p: GenParams, context: int, taken: dict[str, int]) -> _Batch:
+        """The first backend that takes a request with this context (`taken[name]` rows already promised to
+        each); the last one (the HF rows) takes any."""
+        for b in self._batches[:-1]:
+            be = b.backend
+            if ((p.temperature == 0 or be.sampling) and be.n + taken[b.name] < be.capacity
+                    and be.fits(context, p.max_tokens - (context - len(p.prompt_ids)))):
+                return b
+        return self._batches[-1]
+
+    def _admit(self, admitted: list[RequestHandle]) -> None:
+        """Prefill the admitted requests on their backends (one padded forward each) and emit their first tokens."""
+        taken: dict[str, int] = defaultdict(int)
+        groups: dict[str, list[RequestHandle]] = defaultdict(list)
+        for h in admitted:
+            b = self._batch_for(h.params, len(h.params.prompt_ids), taken)
+            taken[b.name] += 1
+            groups[b.name].append(h)
+        for b in self._batches:
+            if groups[b.name]:
+                self._add_rows(b, groups[b.name])
+
+    def _add_rows(self, batch: _Batch, take: list[RequestHandle]) -> None:
+        t0 = time.perf_counter()
+        firsts = batch.backend.add_many([list(h.params.prompt_ids) for h in take],
+                                        sampling=[_row_sampling(h) for h in take])
+        now = time.perf_counter()
+        self.metrics.observe("eagle3_prefill_seconds", now - t0)
+        base = len(batch.rows)  # the new rows are base, base + 1, ... (as in the backend)
+        for h in take:
+            self.metrics.inc("eagle3_prompt_tokens_total", len(h.params.prompt_ids))
+            h.first_token_at = now
+            self.metrics.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
+            h.drafter_version = self.drafter_version  # recorded traffic names the drafter it ran with
+            batch.rows.append(_Row(h))
+        for j in reversed(range(len(take))):  # from the end: a removal moves an already handled row
+            if self._emit(batch.rows[base + j], [firsts[j]]):
+                self._remove_row(batch, base + j)
+
+    def _remove_row(self, batch: _Batch, i: int) -> None:
+        """Free row i; the last row moves into its place, here as in the backend."""
+        batch.backend.remove(i)
+        last = batch.rows.pop()
+        if i < len(batch.rows):
+            batch.rows[i] = last
+
+    def _cycle(self, batch: _Batch) -> None:
+        """One cycle of a backend's rows: the policy's shape for this many rows and the gate choose the mode."""
+        t0 = time.perf_counter()
+        be, m = batch.backend, self.metrics
+        b = be.n
+        shape = be.shape_of(b) if batch.spec and self.policy.enabled else None
+        wanting = be.drafting if shape is not None else 0  # rows that draft if the cycle speculates
+        spec = wanting > 0
+        if spec and batch.gate is not None and not batch.gate.speculate(b, drafting=wanting):
+            m.inc("eagle3_spec_paused_cycles_total")  # a plain cycle; the drafter catches up later
+            spec = False
+        new_tokens = be.cycle(spec)
+        t_host = time.perf_counter()
+        self._record(batch, new_tokens)
+        finished = [self._emit(r, t) for r, t in zip(batch.rows, new_tokens, strict=True)]
+        for i in reversed(range(len(finished))):
+            if finished[i]:
+                self._remove_row(batch, i)
+        now = time.perf_counter()
+        seconds = now - t0
+        m.observe("eagle3_cycle_seconds", seconds)
+        m.observe("eagle3_cycle_host_seconds", now - t_host)
+        emitted = sum(len(t) for t in new_tokens)
+        gated = batch.gate is not None and wanting > 0
+        if gated:  # a choice the gate made: learn from it
+            batch.gate.record(b, spec, seconds, emitted, drafting=wanting)
+        self._trace_cycle(batch.name, b, spec, batch.gate if gated else None, seconds, emitted)
+
+    def _record(self, batch: _Batch, new_tokens: list[list[int]]) -> None:
+        """Cycle metrics, and each drafting row's cycles and accepted drafts."""
+        m, be = self.metrics, batch.backend
+        m.inc("eagle3_verify_steps_total")
+        m.inc("eagle3_verified_tokens_total", be.n * (max(be.drafted, default=0) + 1))
+        m.observe("eagle3_batch_size", be.n)
+        m.set("eagle3_spec_draft_tokens", max(be.drafted, default=0))
+        by_depth: dict[int, list[int]] = defaultdict(list)
+        for r, toks, depth, drafted in zip(batch.rows, new_tokens, be.depths, be.drafted, strict=True):
+            if depth > 0:
+                m.inc("eagle3_draft_tokens_total", drafted)
+                by_depth[depth].append(len(toks) - 1)
+                r.cycles += 1
+                r.accepted += len(toks) - 1
+        for depth, accepted in by_depth.items():
+            m.inc("eagle3_accepted_tokens_total", sum(accepted))
+            m.inc("eagle3_spec_row_steps_total", len(accepted))
+            m.record_row_cycles(depth, accepted)
