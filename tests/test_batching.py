@@ -690,6 +690,7 @@ def test_plain_cycles_hold_the_drafter_input_back_and_feed_it(window):
     """`HFRows`: plain cycles hold each row's new tokens back for the drafter and feed them in one extension once
     `feed_window` are held or before the next speculative cycle, so a drafter scripted to be right twice per cycle
     is right in every speculative cycle after a run of plain ones (a lost token would make every draft wrong)."""
+    from eagle3.attention import shapes_vary
     from eagle3.serving.hf_rows import HFRows
 
     model = build_tiny_target("llama")
@@ -698,7 +699,10 @@ def test_plain_cycles_hold_the_drafter_input_back_and_feed_it(window):
     by_prompt = {tuple(p): r.token_ids for p, r in zip(prompts, refs, strict=True)}
     drafter = ProposerBatchDrafter(lambda p: ScriptedProposer(by_prompt[tuple(p)], k=2, length=4, vocab_size=300))
     fed, extend = [], drafter.extend
-    drafter.extend = lambda aux, toks, counts: (fed.append(list(counts)), extend(aux, toks, counts))[1]
+    drafter.extend = lambda aux, toks, counts: (fed.append(list(counts)), seen.append(shapes_vary()),
+                                                extend(aux, toks, counts))[1]
+    seen, propose = [], drafter.propose
+    drafter.propose = lambda *a: (seen.append(shapes_vary()), propose(*a))[1]
     rows = HFRows(Target(model, []), drafter, 4, shapes=lambda n: DraftShape.chain(4), feed_window=window)
     out = [[t] for t in rows.add_many(prompts)]
     for cycle in range(15):
@@ -713,6 +717,8 @@ def test_plain_cycles_hold_the_drafter_input_back_and_feed_it(window):
     # and the speculative cycle's accepted path
     run = [[3, 3], [1, 1], [3, 3]] if window == 3 else [[4, 4], [3, 3]]
     assert fed == run * 3
+    # the drafter's forwards change shape every cycle too: no cuDNN attention plans (one per shape) for them
+    assert seen and all(seen)
 
 
 @pytest.mark.parametrize("which", ["stories260k", "smollm2"])

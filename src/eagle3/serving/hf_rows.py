@@ -67,18 +67,20 @@ class HFRows:
         """Rows that draft in a speculative cycle."""
         return sum(self._followed)
 
-    @torch.inference_mode()
     def add_many(self, prompts: list[list[int]], roots: list[int | None] | None = None,
                  sampling: list[SamplingConfig | None] | None = None) -> list[int]:
         """Prefill prompts into new rows n, n+1, ... in one padded forward; returns their first new tokens (a
         row's `roots` entry when given: a request moving in from elsewhere, whose next token is known)."""
+        with torch.inference_mode(), varying_shape_attention(self.t.device):  # target and drafter alike
+            return self._add_many(prompts, roots, sampling)
+
+    def _add_many(self, prompts, roots, sampling) -> list[int]:
         r = len(prompts)
         roots = roots or [None] * r
         sampling = sampling or [None] * r
         if self.n + r > self.capacity:
             raise RuntimeError(f"{r} more rows do not fit: {self.n} of {self.capacity} are in use")
-        with varying_shape_attention(self.t.device):
-            kv, last, aux = prefill(self.t, prompts)  # last [r, V]
+        kv, last, aux = prefill(self.t, prompts)  # last [r, V]
         first = last.argmax(dim=-1)  # [r]
         for i, s in enumerate(sampling):
             if roots[i] is None and s is not None and not s.greedy:
@@ -130,10 +132,15 @@ class HFRows:
         self._held_tok = [[] for _ in range(self.n)]
 
     # -- one cycle -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def cycle(self, spec: bool) -> list[list[int]]:
         """One cycle of every row: each row's new tokens (accepted drafts, then the target's next token).
-        `spec`: draft for the followed rows (needs a shape for this many rows)."""
+        `spec`: draft for the followed rows (needs a shape for this many rows). Every forward of the target and
+        the drafter runs under `varying_shape_attention`: their shapes change every cycle, and cuDNN's attention
+        would build a plan for each new shape, which costs more than the cycle itself."""
+        with torch.inference_mode(), varying_shape_attention(self.t.device):
+            return self._cycle(spec)
+
+    def _cycle(self, spec: bool) -> list[list[int]]:
         if self.n == 0:
             return []
         b, dev = self.n, self.t.device
@@ -151,8 +158,7 @@ class HFRows:
         offsets = anc.sum(dim=-1) - 1  # [B, N+1] depth of each node
         lengths = list(self.kv.lengths)
         appended_at = self.kv.width
-        with varying_shape_attention(dev):  # the cache widens every cycle
-            logits, aux = batched_forward(self.t, ids, self.kv, anc, offsets)  # [B, N+1, V], [B, N+1, 3·Ht]
+        logits, aux = batched_forward(self.t, ids, self.kv, anc, offsets)  # [B, N+1, V], [B, N+1, 3·Ht]
         top = self._choose(logits, offsets, lengths)  # [B, N+1]
         paths, nxt = accept_batch(tokens, parents1, anc, top)
         keep = [[0, *p] for p in paths]  # root + accepted nodes, offsets into the appended block
