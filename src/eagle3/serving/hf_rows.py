@@ -45,6 +45,7 @@ class HFRows:
         self.feed_window = max(1, feed_window)
         self.kv = BatchKV()
         self.n = 0
+        self._slot: list[int] = []  # per row: its row in the cache and the drafter (removals are applied lazily)
         self._sampling: list[SamplingConfig | None] = []  # per row; None: greedy
         self._roots: list[int] = []  # per row: the last emitted token, not yet in the cache
         self._followed: list[bool] = []  # per row: the drafter's state follows it
@@ -80,6 +81,7 @@ class HFRows:
         sampling = sampling or [None] * r
         if self.n + r > self.capacity:
             raise RuntimeError(f"{r} more rows do not fit: {self.n} of {self.capacity} are in use")
+        self._settle()
         kv, last, aux = prefill(self.t, prompts)  # last [r, V]
         first = last.argmax(dim=-1)  # [r]
         for i, s in enumerate(sampling):
@@ -91,6 +93,7 @@ class HFRows:
         self.kv.merge(kv)
         if self.drafter is not None:
             self.drafter.add(prompts, aux, firsts)
+        self._slot += range(self.n, self.n + r)
         self._sampling += sampling
         self._roots += firsts
         self._followed += [self.drafter is not None] * r
@@ -104,13 +107,7 @@ class HFRows:
         last = self.n - 1
         if not 0 <= i <= last:
             raise IndexError(f"row {i} is not active (rows 0..{last})")
-        order = list(range(last))
-        if i != last:
-            order[i] = last
-        self.kv.select(order)
-        if self.drafter is not None:
-            self.drafter.select(order)
-        for per_row in (self._sampling, self._roots, self._followed, self._held_aux, self._held_tok):
+        for per_row in (self._slot, self._sampling, self._roots, self._followed, self._held_aux, self._held_tok):
             per_row[i] = per_row[last]
             per_row.pop()
         self.n -= 1
@@ -120,11 +117,21 @@ class HFRows:
         self.kv = BatchKV()
         if self.drafter is not None:
             self.drafter.select([])
-        self._sampling, self._roots, self._followed, self._held_aux, self._held_tok = [], [], [], [], []
+        self._slot, self._sampling, self._roots, self._followed, self._held_aux, self._held_tok = [], [], [], [], [], []
         self.n = 0
+
+    def _settle(self) -> None:
+        """Apply the removals since the last call to the cache and the drafter's state, in one gather each (a
+        gather copies the whole cache, so not once per removal)."""
+        if self._slot != list(range(self.kv.rows)):
+            self.kv.select(self._slot)
+            if self.drafter is not None:
+                self.drafter.select(self._slot)
+        self._slot = list(range(self.n))
 
     def swap_drafter(self, drafter: Eagle3BatchDrafter) -> None:
         """Draft with `drafter` for rows added from now on; the rows decoding now finish plain."""
+        self._settle()
         drafter.add_idle(self.n)
         self.drafter = drafter
         self._followed = [False] * self.n
@@ -143,6 +150,7 @@ class HFRows:
     def _cycle(self, spec: bool) -> list[list[int]]:
         if self.n == 0:
             return []
+        self._settle()
         b, dev = self.n, self.t.device
         drafting = [i for i in range(b) if self._followed[i]] if spec else []
         if drafting:
