@@ -97,7 +97,7 @@ def race_reference(model, prompt: list[int], n: int, s: SamplingConfig) -> list[
 def test_sampled_rows_draw_the_position_keyed_tokens():
     """Rows with their own temperature / top-p / top-k / seed, mixed with greedy rows, joining and leaving, in
     plain and speculative cycles: each sampled row emits exactly the position-keyed draws of plain decoding (the
-    server's generic batch draws the same), each greedy row HF's greedy output, and drafts are still accepted."""
+    server's HF rows draw the same), each greedy row HF's greedy output, and drafts are still accepted."""
     model = build_tiny_target("llama", vocab_size=16)
     d = init_drafter(model, draft_vocab_size=16, seed=1)
     rows = make_rows(model, d, 4, {1: TREE, 2: DraftShape(4, 2, 8), 4: DraftShape(3, 1, 3)})

@@ -208,9 +208,9 @@ def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
         srv.stop()
 
 
-def test_sampled_requests_on_fast_rows_match_the_generic_batch(stories260k):
+def test_sampled_requests_on_fast_rows_match_the_hf_rows(stories260k):
     """Seeded sampled requests (temperature, top_p, top_k), 12 at once, answer the same text on `FastRows` as on
-    the generic batch (both draw the position-keyed tokens, so batching and speculation change nothing), and on
+    the HF rows (both draw the position-keyed tokens, so batching and speculation change nothing), and on
     the rows server every cycle was a fast-rows cycle."""
     jobs = [(PROMPTS[i % len(PROMPTS)], 20, (0.6, 0.9, 1.2)[i % 3], (1.0, 0.8)[i % 2], (0, 20)[i % 4 == 0], 100 + i)
             for i in range(12)]

@@ -333,10 +333,11 @@ class SamplingRows:
         for buf in (self.temp, self.top_p, self.top_k, self.seed_h):
             buf[dst] = buf[src]
 
-    def draw(self, logits: torch.Tensor, positions: torch.Tensor, mode: int, fused: bool = False) -> torch.Tensor:
-        """The token after each of logits [nb, M, V] (positions [nb, M] of the predicted tokens) for the first nb
-        rows: the position-keyed draw for sampled rows, the argmax for greedy ones (`mode` FILTERED applies top-p
-        and top-k; `fused` compiles the draw into one kernel). [nb, M]."""
-        nb = logits.shape[0]
-        return race_sample_rows(logits, positions, self.seed_h[:nb], self.temp[:nb], self.top_p[:nb],
-                                self.top_k[:nb], self.vocab_h, filters=mode == FILTERED, fused=fused)
+    def draw(self, logits: torch.Tensor, positions: torch.Tensor, mode: int, fused: bool = False,
+             lo: int = 0) -> torch.Tensor:
+        """The token after each of logits [nb, M, V] (positions [nb, M] of the predicted tokens) for rows lo ..
+        lo + nb - 1: the position-keyed draw for sampled rows, the argmax for greedy ones (`mode` FILTERED applies
+        top-p and top-k; `fused` compiles the draw into one kernel). [nb, M]."""
+        hi = lo + logits.shape[0]
+        return race_sample_rows(logits, positions, self.seed_h[lo:hi], self.temp[lo:hi], self.top_p[lo:hi],
+                                self.top_k[lo:hi], self.vocab_h, filters=mode == FILTERED, fused=fused)

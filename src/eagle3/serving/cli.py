@@ -92,7 +92,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     fp.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                     help="requests decode as rows of a static-cache batch, one CUDA graph per batch size")
     fp.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len, metavar="N",
-                    help="cache slots per fast row; longer requests use the generic batch")
+                    help="cache slots per fast row; longer requests use the HF rows")
     s.set_defaults(func=cmd_serve)
     return s
 

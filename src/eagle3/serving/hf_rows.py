@@ -23,7 +23,7 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, DraftShape, SamplingConfig
-from eagle3.decoding.sampling import race_sample
+from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
 from eagle3.serving.batch import BatchKV, accept_batch, batched_forward, prefill
 from eagle3.serving.drafting import BatchDrafter, Eagle3BatchDrafter
@@ -47,6 +47,8 @@ class HFRows:
         self.n = 0
         self._slot: list[int] = []  # per row: its row in the cache and the drafter (removals are applied lazily)
         self._sampling: list[SamplingConfig | None] = []  # per row; None: greedy
+        self._draws = SamplingRows(capacity, target.vocab_size, target.device)  # the same, on the device
+        self._modes: list[int] = []  # per row: GREEDY, TEMPERATURE or FILTERED
         self._roots: list[int] = []  # per row: the last emitted token, not yet in the cache
         self._followed: list[bool] = []  # per row: the drafter's state follows it
         self._held_aux: list[list[torch.Tensor]] = []  # per row: root features of plain cycles, [1, 3·Ht] each
@@ -83,18 +85,20 @@ class HFRows:
             raise RuntimeError(f"{r} more rows do not fit: {self.n} of {self.capacity} are in use")
         self._settle()
         kv, last, aux = prefill(self.t, prompts)  # last [r, V]
-        first = last.argmax(dim=-1)  # [r]
-        for i, s in enumerate(sampling):
-            if roots[i] is None and s is not None and not s.greedy:
-                pos = torch.tensor([len(prompts[i])], device=last.device)  # the first token's position
-                first[i] = race_sample(last[i : i + 1], pos, s.seed, s.temperature, s.top_p, s.top_k,
-                                       fused=last.is_cuda)[0]
+        modes = [GREEDY if s is None else sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling]
+        self._draws.set(self.n, sampling)
+        if max(modes) == GREEDY:
+            first = last.argmax(dim=-1)  # [r]
+        else:
+            pos = torch.tensor([len(p) for p in prompts], device=last.device)  # [r] the first tokens' positions
+            first = self._draws.draw(last[:, None], pos[:, None], max(modes), fused=last.is_cuda, lo=self.n)[:, 0]
         firsts = [x if x is not None else f for x, f in zip(roots, first.tolist(), strict=True)]
         self.kv.merge(kv)
         if self.drafter is not None:
             self.drafter.add(prompts, aux, firsts)
         self._slot += range(self.n, self.n + r)
         self._sampling += sampling
+        self._modes += modes
         self._roots += firsts
         self._followed += [self.drafter is not None] * r
         self._held_aux += [[] for _ in range(r)]
@@ -107,7 +111,9 @@ class HFRows:
         last = self.n - 1
         if not 0 <= i <= last:
             raise IndexError(f"row {i} is not active (rows 0..{last})")
-        for per_row in (self._slot, self._sampling, self._roots, self._followed, self._held_aux, self._held_tok):
+        self._draws.move(i, last)
+        for per_row in (self._slot, self._sampling, self._modes, self._roots, self._followed, self._held_aux,
+                        self._held_tok):
             per_row[i] = per_row[last]
             per_row.pop()
         self.n -= 1
@@ -117,7 +123,8 @@ class HFRows:
         self.kv = BatchKV()
         if self.drafter is not None:
             self.drafter.select([])
-        self._slot, self._sampling, self._roots, self._followed, self._held_aux, self._held_tok = [], [], [], [], [], []
+        self._slot, self._sampling, self._modes, self._roots = [], [], [], []
+        self._followed, self._held_aux, self._held_tok = [], [], []
         self.n = 0
 
     def _settle(self) -> None:
@@ -194,13 +201,14 @@ class HFRows:
         return tokens, parents
 
     def _choose(self, logits: torch.Tensor, offsets: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """The target's token after each node [B, N+1]: argmax, or the row's position-keyed draw."""
-        top = logits.argmax(dim=-1)  # [B, N+1]
-        for i, s in enumerate(self._sampling):
-            if s is not None and not s.greedy:
-                pos = lengths[i] + offsets[i] + 1  # [N+1] position of the token each node predicts
-                top[i] = race_sample(logits[i], pos, s.seed, s.temperature, s.top_p, s.top_k, fused=logits.is_cuda)
-        return top
+        """The target's token after each node [B, N+1]: argmax, or each sampled row's position-keyed draw, all rows
+        in one draw (`SamplingRows.draw`, as the fast rows take theirs)."""
+        mode = max(self._modes)
+        if mode == GREEDY:
+            return logits.argmax(dim=-1)  # [B, N+1]
+        lengths_t = torch.tensor(lengths, device=logits.device)
+        pos = lengths_t[:, None] + offsets + 1  # [B, N+1] position of the token each node predicts
+        return self._draws.draw(logits, pos, mode, fused=logits.is_cuda)
 
     # -- the drafter follows the rows ------------------------------------------------------------
     def _extend(self, aux: torch.Tensor | None, keep: list[list[int]], new: list[list[int]],
