@@ -216,11 +216,6 @@ class Scheduler(PathsMixin, OutputMixin):
         return self.batch.drafter
 
     @property
-    def gate(self) -> SpeedGate | None:
-        """The HF rows' speed gate."""
-        return self._batches[-1].gate
-
-    @property
     def running(self) -> int:
         return sum(len(b.rows) for b in self._batches)
 
