@@ -25,6 +25,7 @@ from eagle3.config import ConfigError, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.runtime import init_drafter
+from eagle3.serving.batch import batched_forward, prefill
 from eagle3.target import Target
 
 CHUNK = 8  # Llama-4 attention_chunk_size and gpt-oss / Phi-3 sliding window: prompts below cross it several times
@@ -148,13 +149,11 @@ def _tree_vs_path_logits(model, past: int, disable_fix: bool = False) -> float:
         j = i
         while j >= 0:
             mask[i, j], j = True, parents[j]
-    cache = target.new_cache()
-    target.forward(prompt, cache)
-    in_tree, _ = target.forward(toks, cache, tree_mask=mask, position_offsets=mask.sum(1) - 1)
-    cache = target.new_cache()
-    target.forward(prompt, cache)
-    chain, _ = target.forward(toks[:, [0, 4, 5]], cache, tree_mask=torch.ones(3, 3, dtype=torch.bool).tril(),
-                              position_offsets=torch.arange(3))
+    kv, _, _ = prefill(target, [prompt[0].tolist()])
+    in_tree, _ = batched_forward(target, toks, kv, mask[None], (mask.sum(1) - 1)[None])
+    kv, _, _ = prefill(target, [prompt[0].tolist()])
+    chain, _ = batched_forward(target, toks[:, [0, 4, 5]], kv, torch.ones(1, 3, 3, dtype=torch.bool).tril(),
+                               torch.arange(3)[None])
     target.close()
     return (in_tree[0, [0, 4, 5]] - chain[0]).abs().max().item()
 
@@ -168,8 +167,6 @@ def test_llama4_nope_temperature_follows_positions_not_slots(models):
 
 def test_batched_serving_forward_uses_row_positions(models):
     """The serving batch pads rows to one cache width; Llama-4's temperature must follow each row's positions."""
-    from eagle3.serving.batch import batched_forward, prefill
-
     model = models["llama4"]
     target = Target(model, [])
     prompts = [prompt_of(6, seed=8).tolist(), prompt_of(14, seed=9).tolist()]

@@ -148,7 +148,7 @@ def test_batched_server_refuses_hybrid_targets(model):
     from eagle3.serving.server import build_scheduler
 
     target = Target(model, [])
-    with pytest.raises(ConfigError, match=r"linear-attention layers .* batched server"):
+    with pytest.raises(ConfigError, match=r"linear-attention layers .* the server cannot batch it"):
         build_scheduler(target, None, [2])
     target.close()
 

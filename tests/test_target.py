@@ -10,6 +10,7 @@ import torch
 from conftest import ARCHS, TINY_SLIDING_WINDOW
 from eagle3.config import ConfigError, default_aux_layer_ids
 from eagle3.decoding.tree import DraftTree
+from eagle3.serving.batch import batched_forward, prefill
 from eagle3.target import Target
 
 PROMPT_LEN = TINY_SLIDING_WINDOW + 7  # past Gemma-3's sliding window
@@ -28,8 +29,7 @@ def test_aux_equals_output_hidden_states_in_prefill_and_tree(tiny_target, arch):
     t = Target(model, aux_ids)
     g = torch.Generator().manual_seed(0)
     full = torch.randint(3, 300, (1, PROMPT_LEN + 3), generator=g)
-    cache = t.new_cache()
-    _, aux = t.forward(full[:, :PROMPT_LEN], cache)
+    kv, _, aux = prefill(t, [full[0, :PROMPT_LEN].tolist()])
     torch.testing.assert_close(aux, hf_hidden(model, full[:, :PROMPT_LEN], aux_ids), atol=1e-5, rtol=1e-5)
 
     # a tree: root = x_P; children "right" x_{P+1} and "wrong"; the right child has child x_{P+2}
@@ -37,7 +37,8 @@ def test_aux_equals_output_hidden_states_in_prefill_and_tree(tiny_target, arch):
     tree = DraftTree(tokens=torch.tensor([int(full[0, PROMPT_LEN + 1]), wrong, int(full[0, PROMPT_LEN + 2])]),
                      parents=torch.tensor([-1, -1, 0]))
     ids = torch.cat([full[:, PROMPT_LEN:PROMPT_LEN + 1], tree.tokens[None]], dim=1)  # [1, 4]
-    logits, taux = t.forward(ids, cache, tree_mask=tree.attention_mask(), position_offsets=tree.position_offsets())
+    appended_at = kv.width
+    logits, taux = batched_forward(t, ids, kv, tree.attention_mask()[None], tree.position_offsets()[None])
     path = [0, 1, 3]  # root, right child, grandchild (N+1 indexing)
     ref_hidden = hf_hidden(model, full, aux_ids)[:, PROMPT_LEN:]
     torch.testing.assert_close(taux[:, path], ref_hidden, atol=1e-4, rtol=1e-4)  # fp32, other summation order
@@ -45,10 +46,10 @@ def test_aux_equals_output_hidden_states_in_prefill_and_tree(tiny_target, arch):
     torch.testing.assert_close(logits[:, path], ref_logits.float(), atol=1e-4, rtol=1e-4)
 
     # keep root + accepted path, then decode one more token: equal to HF on the full sequence
-    Target.compact(cache, PROMPT_LEN, torch.tensor(path))
-    assert cache.get_seq_length() == PROMPT_LEN + 3
+    kv.compact(appended_at, [path])
+    assert kv.lengths == [PROMPT_LEN + 3] and kv.width == PROMPT_LEN + 3
     nxt = torch.tensor([[7]])
-    logits, _ = t.forward(nxt, cache)
+    logits, _ = batched_forward(t, nxt, kv, torch.ones(1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long))
     ref = model(torch.cat([full, nxt], dim=1)).logits[:, -1]
     torch.testing.assert_close(logits[:, -1], ref.float(), atol=1e-4, rtol=1e-4)
     t.close()

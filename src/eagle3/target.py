@@ -2,8 +2,10 @@
 
 Taps use forward pre-hooks, so no modeling file is copied: aux id k (vLLM convention, HF `hidden_states[k]`)
 is the un-normalised residual stream *entering* decoder layer k; k = L is the input of the final norm.
-The same adapter runs prefill, verification of a token tree (4-D mask, positions = prefix + depth) and
-the training feature pass, on an HF `DynamicCache` that `compact` shrinks to the accepted path.
+The adapter runs causal forwards on an HF `DynamicCache` and the training feature pass; rows of token trees
+(4-D masks, positions = prefix + depth) are verified through it by `eagle3.serving.batch.batched_forward`, whose
+`BatchKV.compact` shrinks the cache to each row's accepted path. `attention_mask` builds those masks per layer
+type (sliding windows, chunks).
 """
 
 from __future__ import annotations
@@ -157,19 +159,6 @@ class Target:
         return self.model.get_output_embeddings().weight.shape[0]
 
     # -- masks ---------------------------------------------------------------------------------
-    def _tree_mask(self, past: int, tree_mask: torch.Tensor, positions: torch.Tensor):
-        """4-D mask for N new tokens after `past` cached ones: all of the prefix plus the tree's ancestors.
-
-        tree_mask: bool [N, N] (new token i may see new token j); positions: [N] absolute positions.
-        Returns what the model's `attention_mask` takes: one [1, 1, N, past+N] mask, or a dict keyed by
-        layer type when the target mixes sliding-window and full attention (Gemma-3).
-        """
-        n = tree_mask.shape[0]
-        dev = tree_mask.device
-        full = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev), tree_mask], dim=1)  # [N, past+N]
-        kv_pos = torch.cat([torch.arange(past, device=dev), positions])  # [past+N]
-        return self.attention_mask(full[None], positions[None], kv_pos[None])
-
     def attention_mask(self, visible: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor):
         """What the model's `attention_mask` takes, from a boolean visibility matrix.
 
@@ -223,32 +212,21 @@ class Target:
         return (f"{self.family} keeps a recurrent state per linear-attention layer that a token tree cannot fork; "
                 "use --chain K")
 
-    def _check_chain(self, tree_mask: torch.Tensor, offsets: torch.Tensor) -> None:
-        n = tree_mask.shape[0]
-        chain = torch.ones(n, n, dtype=torch.bool, device=tree_mask.device).tril()
-        if not (torch.equal(tree_mask, chain) and torch.equal(offsets, torch.arange(n, device=offsets.device))):
-            raise ConfigError(self.tree_refusal)
-
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [1, N]
         cache: DynamicCache,
-        tree_mask: torch.Tensor | None = None,  # bool [N, N]; None = causal (prefill / plain decode)
-        position_offsets: torch.Tensor | None = None,  # [N] depth of each new token; None = 0..N-1
         logits_to_keep: int = 0,  # 0 = logits for every new token
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns logits [1, N', V] (fp32) and aux features [1, N, 3·Ht] (None without aux layers)."""
+        """A causal forward of one sequence's new tokens (prefill, plain steps, a draft model's chain; trees are
+        verified by `eagle3.serving.batch.batched_forward`). Returns logits [1, N', V] (fp32) and aux features
+        [1, N, 3·Ht] (None without aux layers)."""
         past = cache.get_seq_length()
         n = input_ids.shape[1]
         dev = input_ids.device
-        offsets = position_offsets if position_offsets is not None else torch.arange(n, device=dev)
-        positions = past + offsets  # [N]
+        positions = torch.arange(past, past + n, device=dev)  # [N]
         kwargs = {self._cache_kw: cache}
-        if tree_mask is not None:
-            if self.recurrent_layers:
-                self._check_chain(tree_mask, offsets)
-            kwargs["attention_mask"] = self._tree_mask(past, tree_mask, positions)
         if isinstance(cache, RecurrentCache) and past:
             cache.record(n)  # after prefill every forward may be rolled back
         self._set_query_ratio(positions[None], past)
@@ -286,20 +264,6 @@ class Target:
         return self._aux(), (out.logits if with_logits else None)
 
     # -- cache maintenance ---------------------------------------------------------------------
-    @staticmethod
-    def compact(cache: DynamicCache, keep_len: int, keep_rel: torch.Tensor) -> None:
-        """Keep positions [0, keep_len) plus keep_len + keep_rel (accepted tree nodes, in path order)."""
-        dev = keep_rel.device
-        if isinstance(cache, RecurrentCache):  # before the keys shrink: it reads their length
-            cache.keep_chain(keep_len, keep_rel)
-        keep = torch.cat([torch.arange(keep_len, device=dev), keep_len + keep_rel])
-        for layer in _cache_layers(cache):
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            idx = keep.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
-
     @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
         """Keep the first `length` positions (DynamicCache.crop's meaning changed across 5.x releases)."""
@@ -353,8 +317,8 @@ class RecurrentCache(DynamicCache):
     with no second forward; the price is that verified tokens take the token-by-token recurrence instead of
     the chunked kernel, and one state copy per token per linear layer until the cycle's rollback, which costs
     less than the second forward over the accepted tokens that snapshot-and-replay needs. Keys and
-    values stay with `Target.compact` / `Target.crop` like every other target's. A tree cannot be verified:
-    the recurrence would run its branches one after another, so `Target` refuses trees.
+    values stay with `BatchKV.compact` / `Target.crop` like every other target's. A tree cannot be verified:
+    the recurrence would run its branches one after another, so `HFRows` refuses trees (`Target.tree_refusal`).
     """
 
     def __init__(self, num_layers: int, recurrent: list[int]):
@@ -387,7 +351,7 @@ class RecurrentCache(DynamicCache):
                 raise RuntimeError(f"linear-attention layer {i} did not record the tokens to roll back")
 
     def keep_chain(self, keep_len: int, keep_rel: torch.Tensor) -> None:
-        """`Target.compact`'s meaning for the linear layers: keep_rel must be the chain prefix 0..m-1."""
+        """`BatchKV.compact`'s meaning for the linear layers: keep_rel must be the chain prefix 0..m-1."""
         m = keep_rel.numel()
         if not torch.equal(keep_rel, torch.arange(m, device=keep_rel.device)):
             raise ConfigError("a hybrid target's recurrent state can only keep a chain prefix, not tree nodes "

@@ -1,6 +1,7 @@
-"""The decoding cycle: prefill -> draft -> verify -> accept -> update (reference §C), batch size 1.
-
-Per-request state lives in `_Request`, so a batched scheduler can hold many of them. Metrics:
+"""The generic engine: one request at a time on any HF causal LM, through the server's HF rows
+(`eagle3.serving.hf_rows.HFRows`) with one row, so `generate` and the server run the same cycle: prefill ->
+draft -> verify -> accept -> update (reference §C). Also the request checks and text streaming both engines
+share (`Request`, `_Stream`) and the statistics they report. Metrics:
 tau = tokens emitted per target verification forward, counting the bonus token; acceptance_per_position[i]
 = fraction of cycles that drafted at depth >= i+1 in which at least i+1 drafts were accepted.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -17,9 +18,9 @@ from eagle3.attention import varying_shape_attention
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from eagle3.decoding.guard import SpeculationGuard
 from eagle3.decoding.proposers import Proposer
-from eagle3.decoding.sampling import choose, new_seed
-from eagle3.decoding.tree import DraftTree
-from eagle3.decoding.verify import accept
+from eagle3.decoding.sampling import new_seed
+from eagle3.serving.drafting import ProposerBatchDrafter
+from eagle3.serving.hf_rows import HFRows
 from eagle3.target import Target
 
 
@@ -143,15 +144,11 @@ class Request:
         return cls(prompt=prompt, sampling=sampling, eos={int(e) for e in eos_token_ids},
                    stream=_Stream(tokenizer, on_text, stop_strings), seed=seed)
 
-    def choose(self, logits: torch.Tensor, positions: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """The target's token after each row of logits [M, V], predicting the tokens at `positions` [M]: [M]."""
-        s = self.sampling
-        return choose(logits, positions, s.temperature, s.top_p, s.top_k, self.seed, fused=fused)
-
 
 class SpeculativeEngine:
-    """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`. With `guard`, each request's
-    cycles are timed and drafting pauses while it is slower than plain decoding (`SpeculationGuard`)."""
+    """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer` (one row of `HFRows`, its
+    drafter a `ProposerBatchDrafter` around the proposer). With `guard`, each request's cycles are timed and
+    drafting pauses while it is slower than plain decoding (`SpeculationGuard`)."""
 
     def __init__(self, target: Target, proposer: Proposer, tokenizer=None, guard: bool = False):
         self.target = target
@@ -181,19 +178,13 @@ class SpeculativeEngine:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer)
         eos, stream = req.eos, req.stream
-        prompt = req.prompt.to(dev).view(1, -1)  # [1, T]
+        drafter = None if self.proposer.name == "none" else ProposerBatchDrafter(lambda _p: self.proposer, dev)
+        rows = HFRows(self.target, drafter, capacity=1, timed=True)  # the server's cycle, one row
         stats = GenerationStats()
         t0 = time.perf_counter()
-
-        cache = self.target.new_cache()
-        logits, aux = self.target.forward(prompt, cache, logits_to_keep=1)
-        t = prompt.shape[1]
-        fused = dev.type == "cuda"  # the draw as one compiled kernel, as the server's batches take it
-        first = int(req.choose(logits[0, -1:], torch.tensor([t], device=dev), fused)[0])  # the token at position t
-        out: list[int] = [first]
+        row_sampling = None if req.sampling.greedy else replace(req.sampling, seed=req.seed)
+        out = rows.add_many([req.prompt.tolist()], sampling=[row_sampling])  # the token at position T
         finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
-        self.proposer.sample_with(req.sampling, req.seed)
-        self.proposer.begin(prompt[0], aux if self.proposer.needs_aux else None, first)
         self._sync()
         stats.prefill_s = time.perf_counter() - t0
 
@@ -201,39 +192,21 @@ class SpeculativeEngine:
         while finish is None:
             t1 = time.perf_counter()
             drafting = guard is None or guard.drafting()
-            tree = self.proposer.propose() if drafting else DraftTree.empty(dev)
-            self._sync()
+            new = rows.cycle(drafting)[0]
             t2 = time.perf_counter()
-            root = torch.tensor([out[-1]], device=dev)
-            ids = torch.cat([root, tree.tokens.to(dev)])[None]  # [1, N+1]
-            past = cache.get_seq_length()
-            offsets = tree.position_offsets().to(dev)  # [N+1] depth of each node, the root at 0
-            logits, aux = self.target.forward(ids, cache, tree_mask=tree.attention_mask().to(dev),
-                                              position_offsets=offsets)
-            acc = accept(tree, req.choose(logits[0], past + offsets + 1, fused))  # choices at the predicted positions
-            keep = torch.tensor([0, *acc.path], dtype=torch.long, device=dev)  # root + accepted nodes
-            Target.compact(cache, past, keep)
-            new = [int(tree.tokens[p - 1]) for p in acc.path] + [acc.next_token]
             stats.cycles += 1
-            stats.accepted_per_cycle.append(len(acc.path))
-            stats.drafted_depth_per_cycle.append(int(tree.depths().max()) if tree.n else 0)
-            stats.drafted_tokens += tree.n
+            stats.accepted_per_cycle.append(len(new) - 1)
+            stats.drafted_depth_per_cycle.append(rows.depths[0])
+            stats.drafted_tokens += rows.drafted[0]
             for tok in new:
                 out.append(tok)
                 finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
                 if finish is not None:
                     break
-            if finish is None:
-                self.proposer.accept(aux[0, keep] if self.proposer.needs_aux else None,
-                                     torch.tensor(new, device=dev))
-            self._sync()
-            t3 = time.perf_counter()
-            stats.draft_s += t2 - t1
-            stats.verify_s += t3 - t2
             if guard is not None:
-                guard.record(drafting, t3 - t1, len(new))
+                guard.record(drafting, t2 - t1, len(new))
                 stats.plain_steps += not drafting
-
+        stats.draft_s, stats.verify_s = rows.draft_s, rows.verify_s
         return stream.result(out, finish, stats, t0)
 
     @staticmethod

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from eagle3.config import ConfigError
 from eagle3.decoding.verify import accept_rows
-from eagle3.target import Target
+from eagle3.target import RecurrentCache, Target
 
 __all__ = [
     "BatchKV",
@@ -85,8 +85,11 @@ class BatchKV:
 
     def compact(self, appended_at: int, keep_new: list[list[int]]) -> None:
         """After a forward appended N1 tokens at width `appended_at`: keep each row's prefix plus
-        `keep_new[b]` (offsets into the appended block, in order); lengths grow by len(keep_new[b])."""
+        `keep_new[b]` (offsets into the appended block, in order); lengths grow by len(keep_new[b]). A hybrid
+        target's cache (one row) keeps its linear layers' state after the kept chain prefix."""
         old = appended_at
+        if isinstance(self.cache, RecurrentCache):  # before the keys shrink: it reads their length
+            self.cache.keep_chain(old, torch.tensor(keep_new[0], dtype=torch.long))
         n1 = self.width - old
         new_lengths = [n + len(k) for n, k in zip(self.lengths, keep_new, strict=True)]
         new_width = max(new_lengths)
@@ -98,10 +101,9 @@ class BatchKV:
             idx[b, n : n + len(keep)] = torch.tensor(keep, dtype=torch.long) + old
         layers = self._layers()
         idx = idx.to(layers[0].keys.device)[:, None, :, None]  # [B, 1, S', 1]
-        for layer in layers:
-            g = idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])  # [B, n_kv, S', hd]
-            layer.keys = layer.keys.gather(2, g)
-            layer.values = layer.values.gather(2, g)
+        for layer in layers:  # keys and values may differ in head size (MLA)
+            layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
         self.lengths = new_lengths
 
 
@@ -156,6 +158,8 @@ def batched_forward(
     lengths = torch.tensor(kv.lengths, dtype=torch.long, device=dev)  # [B]
     positions = lengths[:, None] + offsets  # [B, N1]
     mask = build_mask(target, lengths, width, local, positions)
+    if isinstance(kv.cache, RecurrentCache) and width:
+        kv.cache.record(n1)  # after the prefill every forward may be rolled back
     target._captured.clear()
     target._set_query_ratio(positions, width)  # Llama-4 NoPE temperature: rows' positions, not padded slots
     try:
@@ -165,12 +169,17 @@ def batched_forward(
             cache_position=torch.arange(width, width + n1, device=dev),
             attention_mask=mask,
             use_cache=True,
-            logits_to_keep=logits_to_keep,
+            logits_to_keep=0 if target._all_rows else logits_to_keep,
             **{target._cache_kw: kv.cache},
         )
     finally:
         target._query_ratio = None
-    return out.logits.float(), target._aux()
+    logits = out.logits
+    if target._all_rows and torch.is_tensor(logits_to_keep):  # a model that computes every row's logits
+        logits = logits[:, logits_to_keep]
+    elif target._all_rows and logits_to_keep:
+        logits = logits[:, -logits_to_keep:]
+    return logits.float(), target._aux()
 
 
 @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 Both keep one drafter state per batch row, in the scheduler's row order, and share one interface:
 
-    drafter.add(prompts, aux, first_tokens)      # rows joining after their prefill (appended at the end)
+    drafter.add(prompts, aux, first_tokens, sampling)  # rows joining after their prefill (appended at the end)
     drafter.select(rows)                         # rows that stay, in their new order
     tokens, parents = drafter.propose(rows, shape, sampling)  # padded trees [R, N] for these rows (padding: -1);
                                                   # sampling: each row's settings and seed (sampled rows draft
@@ -28,7 +28,6 @@ from collections.abc import Callable
 import torch
 
 from eagle3.config import DraftShape, SamplingConfig
-from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.expand import coupled_top_k, expand_tree
 from eagle3.decoding.proposers import Eagle3Proposer, Proposer
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode, token_hash
@@ -44,7 +43,8 @@ class BatchDrafter(abc.ABC):
     name = "none"
 
     @abc.abstractmethod
-    def add(self, prompts: list[list[int]], aux: torch.Tensor | None, first_tokens: list[int]) -> None:
+    def add(self, prompts: list[list[int]], aux: torch.Tensor | None, first_tokens: list[int],
+            sampling: list[SamplingConfig | None] | None = None) -> None:
         ...
 
     @abc.abstractmethod
@@ -90,7 +90,7 @@ class Eagle3BatchDrafter(BatchDrafter):
 
     # -- rows ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def add(self, prompts, aux, first_tokens):
+    def add(self, prompts, aux, first_tokens, sampling=None):  # sampling: taken per cycle by `propose`
         b = len(prompts)
         lens = [len(p) for p in prompts]
         m = max(lens)
@@ -222,8 +222,8 @@ class Eagle3BatchDrafter(BatchDrafter):
 
 class ProposerBatchDrafter(BatchDrafter):
     """One `Proposer` per row, made by `factory(prompt_ids)`, run one after another; trees are truncated
-    to the policy's node count (a prefix of a tree keeps every parent). Aux features are passed when the
-    target computes them (an `Eagle3Proposer` per row needs them; others ignore them)."""
+    to the policy's node count (a prefix of a tree keeps every parent; no shape: kept whole). Aux features are
+    passed when the target computes them (an `Eagle3Proposer` per row needs them; others ignore them)."""
 
     name = "per-row"
 
@@ -232,9 +232,12 @@ class ProposerBatchDrafter(BatchDrafter):
         self.device = torch.device(device)
         self.rows: list[Proposer] = []
 
-    def add(self, prompts, aux, first_tokens):
+    def add(self, prompts, aux, first_tokens, sampling=None):
         for i, (p, first) in enumerate(zip(prompts, first_tokens, strict=True)):
             pr = self.factory(list(p))
+            s = sampling[i] if sampling else None
+            if s is not None:
+                pr.sample_with(s, s.seed)
             row_aux = aux[i : i + 1, : len(p)] if aux is not None else None
             pr.begin(torch.tensor(p, dtype=torch.long, device=self.device), row_aux, first)
             self.rows.append(pr)
@@ -246,7 +249,8 @@ class ProposerBatchDrafter(BatchDrafter):
         trees = []
         for r in rows:
             t = self.rows[r].propose()
-            trees.append((t.tokens[: shape.total], t.parents[: shape.total]))  # a prefix keeps every parent
+            n = shape.total if shape is not None else t.n
+            trees.append((t.tokens[:n], t.parents[:n]))  # a prefix keeps every parent
         return pad_trees(trees, self.device)
 
     def extend(self, aux_rows, new_tokens, counts):
@@ -261,6 +265,8 @@ def identity_probe(target: Target, drafter: Eagle3Drafter, shape: DraftShape, pr
     """None when greedy decoding of `prompt` on `target` with `drafter` proposing gives `plain` (the target's own
     greedy tokens, as many), else what differs. A difference at a near tie of the target's two candidates (float
     rounding of tree-shaped vs one-token forwards, as in bf16) is not counted."""
+    from eagle3.decoding.engine import SpeculativeEngine  # which decodes on this module's drafters
+
     got = SpeculativeEngine(target, Eagle3Proposer(drafter, shape)).generate(prompt, len(plain)).token_ids
     i = next((i for i, (a, b) in enumerate(zip(got, plain, strict=False)) if a != b), None)
     if i is None:

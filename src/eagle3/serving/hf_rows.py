@@ -17,12 +17,13 @@ they finish plain (`swap_drafter`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
 from eagle3.attention import varying_shape_attention
-from eagle3.config import FEED_WINDOW, DraftShape, SamplingConfig
+from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
 from eagle3.serving.batch import BatchKV, accept_batch, batched_forward, prefill
@@ -34,12 +35,21 @@ __all__ = ["HFRows"]
 
 class HFRows:
     """Up to `capacity` rows on the HF backend; see the module docstring. `shapes(n)` is the draft shape of a
-    speculative cycle of n rows (None: plain only)."""
+    speculative cycle of n rows (None: whatever the drafter proposes). A hybrid target (linear-attention layers
+    with a recurrent state) decodes one row, and chains only. `timed`: add each cycle's drafting and verification
+    seconds to `draft_s` and `verify_s` (with a device sync between them)."""
 
     sampling = True  # sampled rows decode here too
 
     def __init__(self, target: Target, drafter: BatchDrafter | None, capacity: int,
-                 shapes: Callable[[int], DraftShape | None] | None = None, feed_window: int = FEED_WINDOW):
+                 shapes: Callable[[int], DraftShape | None] | None = None, feed_window: int = FEED_WINDOW,
+                 timed: bool = False):
+        if target.recurrent_layers and capacity > 1:
+            # the padded cache holds keys/values per row; rows of a hybrid target would share, and never roll
+            # back, its linear layers' recurrent state
+            raise ConfigError(f"{target.family} has linear-attention layers with a recurrent state per sequence, "
+                              "which rows of a batch cannot keep apart: the server cannot batch it; decode one "
+                              "request at a time with `eagle3 generate --target ... --chain K`")
         self.t, self.drafter, self.capacity = target, drafter, capacity
         self.shapes = shapes if drafter is not None else None
         self.feed_window = max(1, feed_window)
@@ -56,6 +66,7 @@ class HFRows:
         # per row, of the last cycle: depth and draft tokens drafted (0: did not draft)
         self.depths: list[int] = []
         self.drafted: list[int] = []
+        self.timed, self.draft_s, self.verify_s = timed, 0.0, 0.0
 
     # -- host side -------------------------------------------------------------------------------
     def fits(self, context: int, max_new_tokens: int) -> bool:
@@ -95,7 +106,7 @@ class HFRows:
         firsts = [x if x is not None else f for x, f in zip(roots, first.tolist(), strict=True)]
         self.kv.merge(kv)
         if self.drafter is not None:
-            self.drafter.add(prompts, aux, firsts)
+            self.drafter.add(prompts, aux, firsts, [s if s is not None else SamplingConfig() for s in sampling])
         self._slot += range(self.n, self.n + r)
         self._sampling += sampling
         self._modes += modes
@@ -160,11 +171,13 @@ class HFRows:
         self._settle()
         b, dev = self.n, self.t.device
         drafting = [i for i in range(b) if self._followed[i]] if spec else []
+        t0 = self._clock()
         if drafting:
             self._feed_held()
             tokens, parents = self._draft(drafting)  # [B, N], -1 = padding (rows not drafting, shorter trees)
         else:
             tokens = parents = torch.full((b, 0), -1, dtype=torch.long, device=dev)
+        t1 = self._clock()
         n = tokens.shape[1]
         roots = torch.tensor(self._roots, dtype=torch.long, device=dev)  # [B]
         ids = torch.cat([roots[:, None], tokens.clamp(min=0)], dim=1)  # [B, N+1]
@@ -187,13 +200,24 @@ class HFRows:
             self._extend(aux, keep, new, drafting)
         elif self.drafter is not None:
             self._hold(aux, new)
+        if self.timed:
+            self.draft_s += t1 - t0
+            self.verify_s += self._clock() - t1
         return new
+
+    def _clock(self) -> float:
+        if self.timed and self.t.device.type == "cuda":
+            torch.cuda.synchronize(self.t.device)
+        return time.perf_counter() if self.timed else 0.0
 
     def _draft(self, drafting: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded draft trees of every row, [B, N] tokens and parents; rows not drafting are all padding."""
         b, dev = self.n, self.t.device
         sampling = [s if s is not None else SamplingConfig() for s in (self._sampling[i] for i in drafting)]
         t, p = self.drafter.propose(drafting, self.shape_of(b), sampling)  # [R, N]
+        if self.t.recurrent_layers and t.shape[1] and not torch.equal(p[0], torch.arange(-1, t.shape[1] - 1,
+                                                                                          device=p.device)):
+            raise ConfigError(self.t.tree_refusal)  # a recurrent state follows one chain
         tokens = torch.full((b, t.shape[1]), -1, dtype=torch.long, device=dev)  # [B, N]
         parents = tokens.clone()
         idx = torch.tensor(drafting, dtype=torch.long, device=dev)

@@ -129,12 +129,6 @@ class Scheduler(PathsMixin, OutputMixin):
         (re-prefilled) as soon as another request arrives. With the speed gate on, lane requests alternate
         between it and a drafter-less engine on the same weights until one is measured faster.
         `rows`: `FastRows` on the same model (see the module docstring)."""
-        if getattr(target, "recurrent_layers", None):
-            # the HF rows' padded cache (`eagle3.serving.batch.BatchKV`) holds keys/values only: rows of a hybrid
-            # target would share, and never roll back, its linear layers' recurrent state
-            raise ConfigError(f"{target.family} has linear-attention layers with a recurrent state per sequence, "
-                              "which the batched server does not keep per row; serve it elsewhere, or run "
-                              "`eagle3 generate --target ... --chain K`")
         self.target = target
         self.fast = fast
         self._in_lane = False  # a request is decoding on the fast lane (neither waiting nor in the batch)
