@@ -56,7 +56,7 @@ class HFRows:
         self.kv = BatchKV()
         self.n = 0
         self._slot: list[int] = []  # per row: its row in the cache and the drafter (removals are applied lazily)
-        self._sampling: list[SamplingConfig | None] = []  # per row; None: greedy
+        self._sampling: list[SamplingConfig] = []  # per row (temperature 0: greedy)
         self._draws = SamplingRows(capacity, target.vocab_size, target.device)  # the same, on the device
         self._modes: list[int] = []  # per row: GREEDY, TEMPERATURE or FILTERED
         self._roots: list[int] = []  # per row: the last emitted token, not yet in the cache
@@ -91,12 +91,12 @@ class HFRows:
     def _add_many(self, prompts, roots, sampling) -> list[int]:
         r = len(prompts)
         roots = roots or [None] * r
-        sampling = sampling or [None] * r
+        sampling = [s or SamplingConfig() for s in sampling or [None] * r]
         if self.n + r > self.capacity:
             raise RuntimeError(f"{r} more rows do not fit: {self.n} of {self.capacity} are in use")
         self._settle()
         kv, last, aux = prefill(self.t, prompts)  # last [r, V]
-        modes = [GREEDY if s is None else sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling]
+        modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling]
         self._draws.set(self.n, sampling)
         if max(modes) == GREEDY:
             first = last.argmax(dim=-1)  # [r]
@@ -106,7 +106,7 @@ class HFRows:
         firsts = [x if x is not None else f for x, f in zip(roots, first.tolist(), strict=True)]
         self.kv.merge(kv)
         if self.drafter is not None:
-            self.drafter.add(prompts, aux, firsts, [s if s is not None else SamplingConfig() for s in sampling])
+            self.drafter.add(prompts, aux, firsts, sampling)
         self._slot += range(self.n, self.n + r)
         self._sampling += sampling
         self._modes += modes
@@ -193,7 +193,7 @@ class HFRows:
         self.kv.compact(appended_at, keep)
         tok_host = tokens.tolist()
         self.depths = (offsets[:, 1:] * (tokens >= 0)).amax(dim=1).tolist() if n else [0] * b
-        self.drafted = (tokens >= 0).sum(dim=1).tolist() if n else [0] * b
+        self.drafted = [sum(x >= 0 for x in row) for row in tok_host]  # on the host: no second device read
         new = [[tok_host[i][j - 1] for j in paths[i]] + [nxt[i]] for i in range(b)]
         self._roots = [t[-1] for t in new]
         if drafting:
@@ -213,8 +213,7 @@ class HFRows:
     def _draft(self, drafting: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded draft trees of every row, [B, N] tokens and parents; rows not drafting are all padding."""
         b, dev = self.n, self.t.device
-        sampling = [s if s is not None else SamplingConfig() for s in (self._sampling[i] for i in drafting)]
-        t, p = self.drafter.propose(drafting, self.shape_of(b), sampling)  # [R, N]
+        t, p = self.drafter.propose(drafting, self.shape_of(b), [self._sampling[i] for i in drafting])  # [R, N]
         if self.t.recurrent_layers and t.shape[1] and not torch.equal(p[0], torch.arange(-1, t.shape[1] - 1,
                                                                                           device=p.device)):
             raise ConfigError(self.t.tree_refusal)  # a recurrent state follows one chain

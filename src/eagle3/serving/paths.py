@@ -196,12 +196,13 @@ class PathsMixin:
         m.observe("eagle3_batch_size", be.n)
         m.set("eagle3_spec_draft_tokens", max(be.drafted, default=0))
         by_depth: dict[int, list[int]] = defaultdict(list)
-        for r, toks, depth, drafted in zip(batch.rows, new_tokens, be.depths, be.drafted, strict=True):
+        for r, toks, depth in zip(batch.rows, new_tokens, be.depths, strict=True):
             if depth > 0:
-                m.inc("eagle3_draft_tokens_total", drafted)
                 by_depth[depth].append(len(toks) - 1)
                 r.cycles += 1
                 r.accepted += len(toks) - 1
+        if by_depth:
+            m.inc("eagle3_draft_tokens_total", sum(be.drafted))
         for depth, accepted in by_depth.items():
             m.inc("eagle3_accepted_tokens_total", sum(accepted))
             m.inc("eagle3_spec_row_steps_total", len(accepted))
