@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from eagle3.attention import varying_shape_attention
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from eagle3.decoding.guard import SpeculationGuard
 from eagle3.decoding.proposers import Proposer
@@ -170,15 +169,10 @@ class SpeculativeEngine:
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
-        with varying_shape_attention(self.target.device):  # the cache grows every cycle
-            return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text)
-
-    def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
-        dev = self.target.device
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer)
         eos, stream = req.eos, req.stream
-        drafter = None if self.proposer.name == "none" else ProposerBatchDrafter(lambda _p: self.proposer, dev)
+        drafter = None if self.proposer.name == "none" else ProposerBatchDrafter(lambda _p: self.proposer, self.target.device)
         rows = HFRows(self.target, drafter, capacity=1, timed=True)  # the server's cycle, one row
         stats = GenerationStats()
         t0 = time.perf_counter()
