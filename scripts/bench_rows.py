@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from eagle3.config import FEED_WINDOW, DraftShape, SamplingConfig
+from eagle3.decoding.sampling import GREEDY
 from eagle3.evaluate import load_prompts
-from eagle3.fast.rows import GREEDY, FastRows
+from eagle3.fast.rows import FastRows
 from eagle3.fast.target import FastTarget
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json

@@ -500,8 +500,8 @@ def test_speed_gate_runs_the_faster_mode_and_probes_the_other():
 
 def test_speed_gate_learns_separately_by_the_share_of_rows_drafting():
     gate = SpeedGate(probe_every=4, ema=1.0)
-    assert gate.bucket(16) == gate.bucket(16, drafting=16) == (5, 4)
-    assert gate.bucket(16, drafting=4) == (5, 1) and gate.bucket(16, drafting=5) == (5, 2)
+    assert gate.bucket(16) == gate.bucket(16, drafting=16) == (5, 4, False)
+    assert gate.bucket(16, drafting=4) == (5, 1, False) and gate.bucket(16, drafting=5) == (5, 2, False)
     # all 16 rows draft: speculation wins; 3 of 16 draft: every row pays the speculative cycle, plain wins
     for drafting, spec_tokens in ((16, 40), (3, 20)):
         assert gate.speculate(16, drafting=drafting)  # each share bucket tries speculation first
@@ -512,6 +512,22 @@ def test_speed_gate_learns_separately_by_the_share_of_rows_drafting():
     assert gate.speculate(16, drafting=16) and not gate.speculate(16, drafting=3)
     assert gate.speculate(17, drafting=17)  # 16-31 rows share a batch bucket: as measured at 16 of 16
     assert gate.speculate(32)  # a new batch bucket starts over
+
+
+def test_speed_gate_measures_sampled_cycles_apart():
+    """Greedy cycles that speculate well say nothing about sampled ones: a sampled bucket starts over, and
+    speculation that loses there is switched off there only."""
+    gate = SpeedGate(probe_every=4, ema=1.0)
+    gate.record(1, True, seconds=1.0, tokens=3)
+    gate.record(1, False, seconds=1.0, tokens=1)  # greedy: speculation 3x
+    assert gate.speculate(1) and gate.speculate(1, sampled=True)  # sampled: nothing measured, try it first
+    gate.record(1, True, seconds=1.0, tokens=1, sampled=True)
+    assert not gate.speculate(1, sampled=True)  # sampled plain is unmeasured: time it
+    gate.record(1, False, seconds=0.5, tokens=1, sampled=True)  # 2 tokens per second: plain wins there
+    assert [gate.speculate(1, sampled=True) for _ in range(3)] == [False] * 3
+    assert gate.speculate(1)  # greedy keeps speculating
+    assert gate.rates(1) == (3.0, 1.0) and gate.rates(1, sampled=True) == (1.0, 2.0)
+    assert set(gate.snapshot()) == {"b1_q4", "b1_q4_sampled"}
 
 
 def test_speed_gate_probes_less_often_while_the_choice_holds():
@@ -641,7 +657,7 @@ class _Alternating(SpeedGate):
         super().__init__()
         self.calls = 0
 
-    def speculate(self, batch_size: int, drafting: int | None = None) -> bool:
+    def speculate(self, batch_size: int, drafting: int | None = None, sampled: bool = False) -> bool:
         self.calls += 1
         return self.calls % 2 == 1
 

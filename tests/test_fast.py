@@ -953,3 +953,37 @@ def test_cuda_graphs_with_a_sliding_window_match_hf_generate(kind):
         assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == \
             hf_greedy(model, prompt.cuda(), NEW), plen
     assert engine.graphed
+
+
+def test_a_piece_that_fails_to_compile_for_one_mode_stays_compiled_for_the_others(caplog):
+    """A cycle piece compiles once per sampling mode (a plain int argument); when one mode's compilation fails,
+    that mode runs eagerly (one warning) and the modes that compiled keep their compiled code."""
+    from eagle3.fast.graphs import CompiledPieces
+
+    class Owner:
+        def piece(self, x: torch.Tensor, mode: int) -> torch.Tensor:
+            return x * 2 if mode == 0 else x + 1
+
+    compiled_runs, compilations = [], []
+
+    def backend(gm, example_inputs):  # the first compilation (mode 0) works, the second (mode 1) fails
+        compilations.append(len(compilations))
+        if len(compilations) > 1:
+            raise RuntimeError("no code for this variant")
+
+        def run(*a):
+            compiled_runs.append(1)
+            return gm.forward(*a)
+        return run
+
+    owner, x = Owner(), torch.arange(4.0)
+    pieces = CompiledPieces(owner)
+    pieces.compile(["piece"], backend=backend)
+    with caplog.at_level("WARNING", logger="eagle3"):
+        assert torch.equal(pieces.run("piece", x, 0), x * 2) and len(compiled_runs) == 1
+        for _ in range(2):  # mode 1 fails once, then runs eagerly without another attempt
+            assert torch.equal(pieces.run("piece", x, 1), x + 1)
+        assert torch.equal(pieces.run("piece", x, 0), x * 2) and len(compiled_runs) == 2  # still compiled
+    warnings = [r.getMessage() for r in caplog.records if "torch.compile of the cycle piece piece" in r.getMessage()]
+    assert len(warnings) == 1 and "(1,)" in warnings[0] and "running it eagerly" in warnings[0]
+    assert len(compilations) == 2 and pieces.failed == {("piece", 1)}

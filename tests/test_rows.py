@@ -19,9 +19,9 @@ import torch
 
 from conftest import build_tiny_target
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
-from eagle3.decoding.sampling import race_sample
+from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, race_sample
 from eagle3.fast import FastEngine, FastTarget
-from eagle3.fast.rows import FILTERED, GREEDY, TEMPERATURE, FastRows
+from eagle3.fast.rows import FastRows
 from eagle3.runtime import init_drafter
 
 TREE = DraftShape(4, 3, 12)

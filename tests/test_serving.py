@@ -169,6 +169,29 @@ def test_fast_lane_server_answers_like_the_batch(stories260k, ref, graph_prefill
         srv.stop()
 
 
+def test_sampled_lone_requests_run_in_the_fast_lane(stories260k):
+    """A sampled request that finds the server idle decodes in the fast lane, and its text is the one the HF rows
+    give for the same settings and seed (the same position-keyed draws); the lane's gate measures sampled
+    requests apart from greedy ones."""
+    jobs = [(PROMPTS[i], 20, (0.7, 1.0, 1.3)[i % 3], (1.0, 0.9)[i % 2], (0, 12)[i % 4 == 1], 40 + i) for i in range(6)]
+    answers = {}
+    for lane in (False, True):
+        srv = make_server(*stories260k, lane=lane)
+        try:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            answers[lane] = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature,
+                                                  top_p=top_p, seed=seed, extra_body={"top_k": top_k}).choices[0].text
+                             for prompt, n, temperature, top_p, top_k, seed in jobs]  # one at a time
+            if lane:
+                sched = srv.app.state.scheduler
+                assert set(sched.cycle_trace()["path"]) == {"lane"}
+                assert set(sched._lane_gate.snapshot()) == {"b1_q4_sampled"}
+        finally:
+            srv.stop()
+    assert answers[True] == answers[False]
+    assert len(set(answers[True])) > 3  # the settings and seeds do vary the answers
+
+
 def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
     """Greedy and sampled requests on `FastRows` (with the fast lane handing over to them), 64 concurrent
     clients streamed and not: every greedy answer equals the bs=1 reference, speculative cycles

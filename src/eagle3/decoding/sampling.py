@@ -35,7 +35,7 @@ import torch
 
 from eagle3.config import SamplingConfig
 
-__all__ = ["FILTERED", "GREEDY", "TEMPERATURE", "SamplingRows", "choose", "coupled_draft_scores", "exponential_noise",
+__all__ = ["FILTERED", "GREEDY", "MODES", "TEMPERATURE", "SamplingRows", "choose", "coupled_draft_scores", "exponential_noise",
            "exponential_noise_rows", "filter_scores", "filter_scores_rows", "fused_draw_available", "hash_u32",
            "new_seed", "process_logits", "race_sample", "race_sample_rows", "sampling_mode", "seed_hash",
            "token_hash", "vocab_hash"]
@@ -44,6 +44,7 @@ log = logging.getLogger("eagle3.decoding")
 
 # How a row chooses its tokens; captured cycles exist per mode (a bucket runs the largest of its rows' modes)
 GREEDY, TEMPERATURE, FILTERED = 0, 1, 2
+MODES = (GREEDY, TEMPERATURE, FILTERED)
 
 
 def sampling_mode(temperature: float, top_p: float = 1.0, top_k: int = 0) -> int:

@@ -111,15 +111,17 @@ def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
 class CompiledPieces:
     """Methods of `owner` that may run inductor-compiled (`compile(names)`); `run(name, *args)` calls the compiled
     one if there is one, else the method as it was when compiled. A compiled piece compiles on its first call and
-    again for new shapes: if dynamo or inductor fails there, the failure is logged and the piece runs eagerly from
-    then on (errors of the computation itself propagate). `label` names a single piece in that warning (default
-    "the <what> <name>")."""
+    again for new shapes or new plain-value arguments (a sampling mode): if dynamo or inductor fails there, the
+    failure is logged and that variant (the piece with those plain values) runs eagerly from then on, while the
+    variants that compiled keep running compiled (errors of the computation itself propagate). `label` names a
+    single piece in that warning (default "the <what> <name>")."""
 
     def __init__(self, owner: object, what: str = "cycle piece", label: str | None = None):
         self.owner, self.what, self.label = owner, what, label
         self.fns: dict[str, Callable] = {}
         self.eager: dict[str, Callable] = {}  # the methods as compiled (the owner may rebind the names to `run`)
         self.tried: set[str] = set()  # pieces that have run compiled
+        self.failed: set[tuple] = set()  # (name, plain-value arguments) whose compilation failed: eager
 
     def compile(self, names: list[str], backend: str | Callable = "inductor", dynamic: bool = False,
                 fullgraph: bool = True, mode: str | None = None) -> None:
@@ -129,26 +131,29 @@ class CompiledPieces:
         self.eager = {n: getattr(self.owner, n) for n in names}
         self.fns = {n: torch.compile(f, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode)
                     for n, f in self.eager.items()}
-        self.tried = set()
+        self.tried, self.failed = set(), set()
 
     def __bool__(self) -> bool:
-        return bool(self.fns)
+        """Whether a piece runs compiled: one has, or one has not failed yet."""
+        failed = {v[0] for v in self.failed}
+        return any(n in self.tried or n not in failed for n in self.fns)
 
     def _eager(self, name: str) -> Callable:
         return self.eager[name] if name in self.eager else getattr(self.owner, name)
 
     def run(self, name: str, *args, **kwargs):
         fn = self.fns.get(name)
-        if fn is None:
+        variant = (name, *(a for a in args if isinstance(a, (bool, int, str))))  # what dynamo specialises on
+        if fn is None or variant in self.failed:
             return self._eager(name)(*args, **kwargs)
         try:
             out = fn(*args, **kwargs)
         except _dynamo_exc.TorchDynamoException as e:  # a tracing or code generation failure (on the first call,
-            # or on a recompilation for new shapes) happens before the piece runs: run it eagerly from now on
-            log.warning("torch.compile of %s failed (%s: %s); running it eagerly",
-                        self.label or f"the {self.what} {name}", type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
-            del self.fns[name]
+            # or on a recompilation) happens before the piece runs: run this variant eagerly from now on
+            log.warning("torch.compile of %s failed%s (%s: %s); running it eagerly",
+                        self.label or f"the {self.what} {name}", f" for arguments {variant[1:]}" if variant[1:] else "",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.failed.add(variant)
             return self._eager(name)(*args, **kwargs)
         self.tried.add(name)
         return out

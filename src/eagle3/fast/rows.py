@@ -39,7 +39,7 @@ import torch
 
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
-from eagle3.decoding.sampling import FILTERED, GREEDY, TEMPERATURE, SamplingRows, sampling_mode
+from eagle3.decoding.sampling import FILTERED, GREEDY, MODES, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots
 from eagle3.decoding.verify import accept_rows
 from eagle3.drafter import Eagle3Drafter
@@ -181,7 +181,7 @@ class FastRows:
         if self.n:
             raise RuntimeError("prepare() runs real cycles: call it before adding rows")
         t0 = time.perf_counter()
-        for mode in (GREEDY, TEMPERATURE, FILTERED) if self.sampling else (GREEDY,):
+        for mode in MODES if self.sampling else (GREEDY,):
             for b in self.buckets:
                 for spec in (False, True):
                     if not spec or self.shapes[b] is not None:
@@ -394,6 +394,11 @@ class FastRows:
     def mode(self) -> int:
         """The cycle variant the active rows need: GREEDY, TEMPERATURE or FILTERED (the largest of theirs)."""
         return max(self._modes, default=GREEDY)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether a row samples (the speed gate measures such cycles apart)."""
+        return self.mode != GREEDY
 
     @torch.no_grad()
     def cycle(self, spec: bool) -> list[list[int]]:

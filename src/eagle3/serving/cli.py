@@ -180,6 +180,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
     `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device."""
     if not on_for_device(choice, device):
         return None
+    from eagle3.decoding.sampling import MODES
     from eagle3.fast.engine import FastEngine, FastOptions
     from eagle3.fast.families import fast_support
 
@@ -194,7 +195,8 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
                         options=FastOptions(fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
                                             graph_prefill=on_for_device(graph_prefill, device)))
-    engine.prepare(512, config.default_max_tokens)  # allocate and capture before the first request
+    for mode in MODES:  # allocate and capture every sampling mode's cycle before the first request
+        engine.prepare(512, config.default_max_tokens, mode)
     return engine
 
 

@@ -81,6 +81,11 @@ class HFRows:
         """Rows that draft in a speculative cycle."""
         return sum(self._followed)
 
+    @property
+    def sampled(self) -> bool:
+        """Whether a row samples (the speed gate measures such cycles apart)."""
+        return max(self._modes, default=GREEDY) != GREEDY
+
     def add_many(self, prompts: list[list[int]], roots: list[int | None] | None = None,
                  sampling: list[SamplingConfig | None] | None = None) -> list[int]:
         """Prefill prompts into new rows n, n+1, ... in one padded forward; returns their first new tokens (a

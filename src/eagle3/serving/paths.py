@@ -1,5 +1,5 @@
-"""The scheduler's two ways of decoding (`PathsMixin`, methods of `Scheduler`): the fast lane, one greedy request
-alone on a batch-1 `FastEngine`, and the rows: requests decoding together on a rows backend, `FastRows` (static
+"""The scheduler's two ways of decoding (`PathsMixin`, methods of `Scheduler`): the fast lane, one request (greedy
+or sampled) alone on a batch-1 `FastEngine`, and the rows: requests decoding together on a rows backend, `FastRows` (static
 caches, captured cycles) or `HFRows` (any HF model). Every backend runs through the same admission, cycle, metrics
 and speed gate here; the lane and the fast rows hold the drafter the server started with, so after a drafter swap
 the lane runs a drafter-less engine and the fast rows decode plain (`Scheduler._serve_with`)."""
@@ -43,10 +43,9 @@ def _row_sampling(h: RequestHandle) -> SamplingConfig | None:
 class PathsMixin:
     """`Scheduler` methods for the fast lane and the rows (see the `eagle3.serving.scheduler` docstring)."""
 
-    # -- the fast lane: one greedy request alone on the batch-1 fast path ------------------------
+    # -- the fast lane: one request alone on the batch-1 fast path -----------------------------
     def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
-        return (self.fast is not None and not self.running and len(admitted) == 1
-                and not self._waiting and admitted[0].params.temperature == 0)
+        return self.fast is not None and not self.running and len(admitted) == 1 and not self._waiting
 
     def _run_lane(self, h: RequestHandle) -> _Row | None:
         """Decode `h` on the fast engine until it finishes, is cancelled, or another request arrives; returns
@@ -55,8 +54,9 @@ class PathsMixin:
         row = _Row(h)
         h.drafter_version = self.drafter_version  # recorded traffic names the drafter it ran with
         m.inc("eagle3_prompt_tokens_total", len(p.prompt_ids))
-        engine = self.fast
-        if self._lane_gate is not None and not self._lane_gate.speculate(1):
+        engine, sampling = self.fast, _row_sampling(h)
+        sampled = sampling is not None
+        if self._lane_gate is not None and not self._lane_gate.speculate(1, sampled=sampled):
             engine = self._lane_plain
             m.inc("eagle3_spec_paused_cycles_total")
         spec = engine.mode != "none"
@@ -91,11 +91,12 @@ class PathsMixin:
         m.set("eagle3_running_requests", 1)
         self._in_lane = True
         try:
-            engine.generate(p.prompt_ids, max_new_tokens=p.max_tokens, on_tokens=on_tokens)
+            engine.generate(p.prompt_ids, max_new_tokens=p.max_tokens, sampling=sampling, on_tokens=on_tokens)
         finally:
             self._in_lane = False
         if self._lane_gate is not None and len(row.out) > 1 and last[0] > first[0]:
-            self._lane_gate.record(1, spec, last[0] - first[0], len(row.out) - 1)  # decoding rate after the prefill
+            # the decoding rate after the prefill
+            self._lane_gate.record(1, spec, last[0] - first[0], len(row.out) - 1, sampled=sampled)
         if h.finished:
             return None
         if h.cancelled:
@@ -167,8 +168,8 @@ class PathsMixin:
         b = be.n
         shape = be.shape_of(b) if batch.spec and self.policy.enabled else None
         wanting = be.drafting if shape is not None else 0  # rows that draft if the cycle speculates
-        spec = wanting > 0
-        if spec and batch.gate is not None and not batch.gate.speculate(b, drafting=wanting):
+        spec, sampled = wanting > 0, be.sampled
+        if spec and batch.gate is not None and not batch.gate.speculate(b, drafting=wanting, sampled=sampled):
             m.inc("eagle3_spec_paused_cycles_total")  # a plain cycle; the drafter catches up later
             spec = False
         new_tokens = be.cycle(spec)
@@ -185,7 +186,7 @@ class PathsMixin:
         emitted = sum(len(t) for t in new_tokens)
         gated = batch.gate is not None and wanting > 0
         if gated:  # a choice the gate made: learn from it
-            batch.gate.record(b, spec, seconds, emitted, drafting=wanting)
+            batch.gate.record(b, spec, seconds, emitted, drafting=wanting, sampled=sampled)
         self._trace_cycle(batch.name, b, spec, batch.gate if gated else None, seconds, emitted)
 
     def _record(self, batch: _Batch, new_tokens: list[list[int]]) -> None:

@@ -124,7 +124,9 @@ class SpeedGate:
     Buckets: batch sizes share one per power of two (1, 2-3, 4-7, ...), split by the share of rows that want to
     draft (up to a quarter, a half, three quarters, all): every row pays the wider verification and the drafting
     steps of a speculative cycle, but only the drafting rows gain from it, so a cycle where few rows draft can
-    lose where one where all draft wins. In each bucket: try speculation first, then
+    lose where one where all draft wins. Cycles with a sampled row have buckets of their own: sampled requests
+    accept fewer drafts and draw more per cycle, so what greedy traffic measured says nothing about them. In each
+    bucket: try speculation first, then
     time a plain cycle; afterwards run the faster mode and give the slower one a probe of `probe_cycles` cycles
     every `probe_every` cycles, so a change in acceptance or load is noticed. A probe that confirms the choice by more
     than twice the noise of the two rates doubles the bucket's interval (up to `max_probe_every`); one that
@@ -160,42 +162,43 @@ class SpeedGate:
         self.max_probe_every = max(probe_every, max_probe_every)
         self.settle, self.margin, self.probe_share = settle, margin, probe_share
         self.probe_cycles = max(1, probe_cycles)
-        # (bucket, speculative) -> decayed sums [tokens, row-seconds, seconds, weights, squared weights, rate,
+        # buckets are (batch bits, drafting quarter, sampled); (bucket, speculative) -> decayed sums [tokens, row-seconds, seconds, weights, squared weights, rate,
         # rate²] (the last four give the noise of the per-cycle rate)
-        self._sums: dict[tuple[tuple[int, int], bool], list[float]] = {}
-        self._rate: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> tokens/row-second
-        self._secs: dict[tuple[tuple[int, int], bool], float] = {}  # (bucket, speculative) -> seconds per cycle
-        self._since_probe: dict[tuple[int, int], int] = {}
-        self._interval: dict[tuple[int, int], int] = {}  # bucket -> cycles between probes
-        self._probe: dict[tuple[int, int], bool] = {}  # bucket -> the mode that was faster when a probe launched
-        self._probing: dict[tuple[int, int], int] = {}  # bucket -> cycles of the running probe still to come
-        self._probe_left: dict[tuple[int, int], int] = {}  # bucket -> measured probe cycles still to come
+        self._sums: dict[tuple[tuple[int, int, bool], bool], list[float]] = {}
+        self._rate: dict[tuple[tuple[int, int, bool], bool], float] = {}  # (bucket, speculative) -> tokens/row-second
+        self._secs: dict[tuple[tuple[int, int, bool], bool], float] = {}  # (bucket, speculative) -> seconds per cycle
+        self._since_probe: dict[tuple[int, int, bool], int] = {}
+        self._interval: dict[tuple[int, int, bool], int] = {}  # bucket -> cycles between probes
+        self._probe: dict[tuple[int, int, bool], bool] = {}  # bucket -> the mode that was faster when a probe launched
+        self._probing: dict[tuple[int, int, bool], int] = {}  # bucket -> cycles of the running probe still to come
+        self._probe_left: dict[tuple[int, int, bool], int] = {}  # bucket -> measured probe cycles still to come
         self._last: bool | None = None  # mode of the last recorded cycle (any bucket)
         self._run = 0  # cycles of that mode in a row
         self.last_probe = False  # whether the last `speculate` answer was a probe of the slower mode
 
     @staticmethod
-    def bucket(batch_size: int, drafting: int | None = None) -> tuple[int, int]:
-        """(power-of-two batch bucket, quarter of rows drafting: 1..4); `drafting` None means all rows."""
+    def bucket(batch_size: int, drafting: int | None = None, sampled: bool = False) -> tuple[int, int, bool]:
+        """(power-of-two batch bucket, quarter of rows drafting: 1..4, whether a row samples); `drafting` None
+        means all rows."""
         b = max(1, batch_size)
         d = b if drafting is None else min(max(1, drafting), b)
-        return b.bit_length(), -(-4 * d // b)
+        return b.bit_length(), -(-4 * d // b), bool(sampled)
 
-    def interval(self, batch_size: int, drafting: int | None = None) -> int:
+    def interval(self, batch_size: int, drafting: int | None = None, sampled: bool = False) -> int:
         """Cycles between probes for this bucket now."""
-        b = self.bucket(batch_size, drafting)
+        b = self.bucket(batch_size, drafting, sampled)
         faster = self._faster(b)
         return self._interval.get(b, self.probe_every) if faster is None else self._due(b, faster)
 
-    def _due(self, b: tuple[int, int], faster: bool) -> int:
+    def _due(self, b: tuple[int, int, bool], faster: bool) -> int:
         """Cycles between probes of bucket `b`: its interval, or more where a probe would cost too much."""
         return max(self._interval.get(b, self.probe_every), self._affordable(b, faster))
 
-    def _faster(self, b: tuple[int, int]) -> bool | None:
+    def _faster(self, b: tuple[int, int, bool]) -> bool | None:
         spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
         return None if spec is None or plain is None else spec >= plain * (1.0 + self.margin)
 
-    def _affordable(self, b: tuple[int, int], faster: bool) -> int:
+    def _affordable(self, b: tuple[int, int, bool], faster: bool) -> int:
         """The fewest cycles between probes for which a probe costs at most `probe_share` of the time: a probe
         runs `settle` + `probe_cycles` cycles of the slower mode, each losing (1 - its rate / the faster rate)
         of its time."""
@@ -209,10 +212,10 @@ class SpeedGate:
         lost = (self.settle + self.probe_cycles) * t_slow * max(0.0, 1.0 - r_slow / r_fast)
         return math.ceil(lost / (t_fast * self.probe_share))
 
-    def speculate(self, batch_size: int, drafting: int | None = None) -> bool:
-        """The mode for the next cycle at this batch size with `drafting` rows wanting to draft (True:
-        speculate)."""
-        b = self.bucket(batch_size, drafting)
+    def speculate(self, batch_size: int, drafting: int | None = None, sampled: bool = False) -> bool:
+        """The mode for the next cycle at this batch size with `drafting` rows wanting to draft, `sampled` if a
+        row samples (True: speculate)."""
+        b = self.bucket(batch_size, drafting, sampled)
         self.last_probe = False
         if (b, True) not in self._rate:
             return True
@@ -235,16 +238,16 @@ class SpeedGate:
         return faster
 
     def record(self, batch_size: int, speculative: bool, seconds: float, tokens: int,
-               drafting: int | None = None) -> None:
+               drafting: int | None = None, sampled: bool = False) -> None:
         """One finished cycle: `tokens` emitted over all `batch_size` rows in `seconds`; `drafting` rows wanted
-        to draft when the mode was chosen."""
+        to draft when the mode was chosen; `sampled`: a row sampled."""
         if seconds <= 0 or batch_size < 1:
             return
         self._run = self._run + 1 if speculative == self._last else 1
         self._last = speculative
         if self._run <= self.settle:  # the cycle carries the switch of mode, not the mode: not measured
             return
-        b = self.bucket(batch_size, drafting)
+        b = self.bucket(batch_size, drafting, sampled)
         key = (b, speculative)
         keep = 1.0 - self.ema
         x = tokens / (batch_size * seconds)
@@ -266,14 +269,14 @@ class SpeedGate:
             elif self._clear(b):  # confirmed beyond the noise of the samples: probe half as often
                 self._interval[b] = min(2 * now, self.max_probe_every)
 
-    def _noise(self, key: tuple[tuple[int, int], bool]) -> float:
+    def _noise(self, key: tuple[tuple[int, int, bool], bool]) -> float:
         """Standard error of a mode's per-cycle rate: weighted variance over the effective sample count."""
         _, _, _, w1, w2, s1, s2 = self._sums[key]
         mean = s1 / w1
         var = max(0.0, s2 / w1 - mean * mean)
         return math.sqrt(var * w2) / w1  # sqrt(var / n_eff), n_eff = w1² / w2
 
-    def _clear(self, b: tuple[int, int]) -> bool:
+    def _clear(self, b: tuple[int, int, bool]) -> bool:
         """Whether the two modes' rates differ by more than twice the noise of their difference."""
         spec, plain = (b, True), (b, False)
         gap = abs(self._rate[spec] - self._rate[plain])
@@ -281,19 +284,21 @@ class SpeedGate:
 
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
         """What the gate believes now, per bucket "b<bits>_q<quarter>": the speculative and plain rates (tokens
-        per row-second) and the cycles between probes. For benchmarks and debugging."""
+        per row-second) and the cycles between probes; sampled buckets end in "_sampled". For benchmarks and
+        debugging."""
         out = {}
         for b in sorted({k[0] for k in list(self._rate)}):  # a copy: the scheduler thread may add buckets
             spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
             spec_s, plain_s = self._secs.get((b, True)), self._secs.get((b, False))
-            out[f"b{b[0]}_q{b[1]}"] = {"spec": None if spec is None else round(spec, 2),
+            out[f"b{b[0]}_q{b[1]}" + ("_sampled" if b[2] else "")] = {"spec": None if spec is None else round(spec, 2),
                                        "plain": None if plain is None else round(plain, 2),
                                        "spec_ms": None if spec_s is None else round(1000 * spec_s, 3),
                                        "plain_ms": None if plain_s is None else round(1000 * plain_s, 3),
                                        "probe_every": self._interval.get(b, self.probe_every)}
         return out
 
-    def rates(self, batch_size: int, drafting: int | None = None) -> tuple[float | None, float | None]:
+    def rates(self, batch_size: int, drafting: int | None = None,
+              sampled: bool = False) -> tuple[float | None, float | None]:
         """(speculative, plain) tokens per row-second measured for this bucket."""
-        b = self.bucket(batch_size, drafting)
+        b = self.bucket(batch_size, drafting, sampled)
         return self._rate.get((b, True)), self._rate.get((b, False))

@@ -17,10 +17,11 @@ one graph-captured cycle per batch-size bucket; families the fast path covers, o
 `eagle3.serving.hf_rows.HFRows` (any HF causal LM, one padded cache). Sampled rows draw the same position-keyed
 tokens on both.
 
-The fast lane (when the server has a `FastEngine`): a greedy request that arrives at an idle server decodes
-alone on the batch-1 static-cache path (CUDA graphs on a GPU), faster than rows of one. When another request
-arrives it stops after its current cycle, is prefilled into the rows with the text it has so far, and continues
-there; outputs are the same either way (greedy, lossless).
+The fast lane (when the server has a `FastEngine`): a request (greedy or sampled) that arrives at an idle server
+decodes alone on the batch-1 static-cache path (CUDA graphs on a GPU), faster than rows of one. When another
+request arrives it stops after its current cycle, is prefilled into the rows with the text it has so far, and
+continues there; outputs are the same either way (greedy tokens are the target's, sampled ones its
+position-keyed draws).
 
 Results reach the HTTP side through each request's `sink` (called from this thread). Greedy output equals
 `SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
@@ -52,6 +53,7 @@ import torch
 from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import NoDraftProposer
+from eagle3.decoding.sampling import MODES
 from eagle3.drafter import Eagle3Drafter
 from eagle3.runtime import drafter_for, encode_prompt
 from eagle3.serving.config import ServeConfig
@@ -125,7 +127,7 @@ class Scheduler(PathsMixin, OutputMixin):
         rows: FastRows | None = None,
     ):
         """`fast`: a batch-1 `FastEngine` on the same model (with this server's drafter and largest shape) for
-        the fast lane: a greedy request that finds the server idle runs on it alone, and moves into the batch
+        the fast lane: a request that finds the server idle runs on it alone, and moves into the batch
         (re-prefilled) as soon as another request arrives. With the speed gate on, lane requests alternate
         between it and a drafter-less engine on the same weights until one is measured faster.
         `rows`: `FastRows` on the same model (see the module docstring)."""
@@ -150,7 +152,8 @@ class Scheduler(PathsMixin, OutputMixin):
             # capture (and compile) it now, on the caches the lane already holds, not inside its first request
             # (with `graph_prefill`, its prefills too, for every prompt those caches hold)
             plain = self._lane_plain
-            plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0)
+            for mode in MODES:
+                plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0, mode)
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
         self.loaded = LoadedDrafter("v1" if drafter is not None else "none", None, time.time(),
@@ -350,7 +353,8 @@ class Scheduler(PathsMixin, OutputMixin):
 
                 plain = FastEngine(self.fast.model, draft="none", target=self.fast.target, options=self.fast.options)
                 if self.fast.seq_len:
-                    plain.prepare(max(1, self.fast.seq_len - plain.core.slots_needed(0, 0)), 0)
+                    for mode in MODES:
+                        plain.prepare(max(1, self.fast.seq_len - plain.core.slots_needed(0, 0)), 0, mode)
             self.fast, self._lane_plain, self._lane_gate = plain, None, None
         for b in self._batches:
             b.spec = b.backend is self.batch  # the fast rows' drafter is the old one: they decode plain
