@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from eagle3.config import DraftShape
+from eagle3.decoding.drafters import Eagle3BatchDrafter
 from eagle3.evaluate import load_prompts
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.policy import SpecPolicy, default_token_budget
 from eagle3.serving.requests import GenParams, RequestHandle
 from eagle3.serving.scheduler import Scheduler

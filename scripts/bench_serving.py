@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import FUSE_POINTWISE_CHOICES, FUSE_POINTWISE_HELP, DraftShape
+from eagle3.decoding.drafters import Eagle3BatchDrafter
 from eagle3.evaluate import load_prompts
 from eagle3.fast.pointwise import fuse_level
 from eagle3.models import load_target
@@ -37,7 +38,6 @@ from eagle3.runtime import drafter_for, eos_token_ids
 from eagle3.serving.app import create_app
 from eagle3.serving.cli import fast_lane_engine, fast_rows
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.drafting import Eagle3BatchDrafter
 from eagle3.serving.loadgen import drive_in_process
 from eagle3.serving.policy import SpecPolicy, default_token_budget
 from eagle3.serving.server import ServerThread, build_scheduler

@@ -17,8 +17,8 @@ import json
 import torch
 
 from eagle3.config import DraftShape
+from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer
 from eagle3.demo import bundled_drafter
 from eagle3.evaluate import load_prompts
 from eagle3.formats import load_drafter

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from eagle3.config import DraftShape
-from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, Proposer
+from eagle3.decoding.drafters import Eagle3Proposer
+from eagle3.decoding.proposers import ModelProposer, Proposer
 from eagle3.decoding.tree import DraftTree
 
 

@@ -99,9 +99,9 @@ def test_served_requests_are_recorded_and_adapt_learns_from_them(tmp_path, stori
     """The loop a server runs: requests through the batched scheduler with `record`, the shards written when it
     stops (a request with `record` False left out), and `adapt` training on them."""
     from eagle3 import adapt as adapt_mod
+    from eagle3.decoding.drafters import Eagle3BatchDrafter
     from eagle3.runtime import drafter_for
     from eagle3.serving.config import ServeConfig
-    from eagle3.serving.drafting import Eagle3BatchDrafter
     from eagle3.serving.requests import GenParams
     from eagle3.serving.server import build_scheduler
     from eagle3.target import Target
@@ -152,12 +152,12 @@ def test_record_adapt_swap_loop_on_a_live_server(tmp_path, stories260k):
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from eagle3 import adapt as adapt_mod
+    from eagle3.decoding.drafters import Eagle3BatchDrafter
     from eagle3.decoding.engine import SpeculativeEngine
     from eagle3.decoding.proposers import NoDraftProposer
     from eagle3.runtime import drafter_for
     from eagle3.serving.app import create_app
     from eagle3.serving.config import ServeConfig
-    from eagle3.serving.drafting import Eagle3BatchDrafter
     from eagle3.serving.server import ServerThread, build_scheduler
     from eagle3.target import Target
 

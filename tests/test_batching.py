@@ -19,15 +19,15 @@ import torch
 from conftest import ARCHS, TINY_SLIDING_WINDOW, build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
 from eagle3.config import ConfigError, DraftShape
+from eagle3.decoding.drafters import Eagle3BatchDrafter, Eagle3Proposer, ProposerBatchDrafter, pad_trees
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.decoding.sampling import exponential_noise, race_sample
 from eagle3.decoding.tree import DraftTree, ancestry
 from eagle3.decoding.verify import accept
 from eagle3.runtime import eos_token_ids, init_drafter
 from eagle3.serving.batch import accept_batch, prefill
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter, pad_trees
 from eagle3.serving.policy import SpecPolicy, SpeedGate
 from eagle3.serving.requests import GenParams, RequestHandle, SchedulerUnavailable, _Row
 from eagle3.serving.scheduler import Scheduler
@@ -266,6 +266,8 @@ def test_fast_lane_frees_a_cancelled_request(stories):
 
 # -- batched drafter == per-row drafter ------------------------------------------------------------
 def test_batched_eagle3_drafter_matches_per_row_proposer(stories260k):
+    """Rows drafted together (padded caches, ragged extensions, a subset of rows) give the trees each row gives
+    alone (`Eagle3Proposer`: one row of its own)."""
     model, tok = stories260k
     model = copy.deepcopy(model)
     d = init_drafter(model, seed=3)

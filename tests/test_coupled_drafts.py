@@ -67,28 +67,35 @@ def test_siblings_are_draws_without_replacement(stories260k):
 
 
 def test_the_generic_engines_proposer_couples_its_drafts_too(stories260k):
-    """`Eagle3Proposer` (the generic engine): with the target's own logits as the drafter's, its first draft is
-    the target's draw; its sampled output is plain sampling's, token for token."""
+    """`Eagle3Proposer` (the generic engine's drafting: one row of `Eagle3BatchDrafter`): with the target's own
+    logits as the drafter's, its first draft is the target's draw at the drafted position, for every seed; its
+    sampled output is plain sampling's, token for token."""
+    from eagle3.decoding.drafters import Eagle3Proposer
     from eagle3.decoding.engine import SpeculativeEngine
-    from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+    from eagle3.decoding.proposers import NoDraftProposer
     from eagle3.target import Target
 
     model, tok = stories260k
     drafter = init_drafter(model, draft_vocab_size=None, seed=2).eval()
-    prop = Eagle3Proposer(drafter, DraftShape.chain(3))
-    sampling = SamplingConfig(temperature=1.0, seed=SEED)
-    prop.sample_with(sampling, SEED)
-    g = torch.Generator().manual_seed(1)
-    hits = 0
-    for p in range(10, 110):
-        target = 3.0 * torch.randn(drafter.lm_head.weight.shape[0], generator=g)
-        drafter.logits = lambda out, t=target: t.expand(*out.shape[:-1], -1)
-        lp, ids = prop._children(torch.zeros(1, 1, drafter.config.hidden_size), p)  # [1, 1, k] each
-        drawn = race_sample(target[None], torch.tensor([p]), SEED, 1.0)
-        hits += int(drafter.draft_ids_to_target(ids[0, 0, :1])) == int(drawn)
-        assert float(lp[0, 0, 0]) <= 0
-    assert hits == 100
+    prompt = torch.arange(5, 17)  # 12 tokens and the first new one: the first draft is the token at 13
+    aux = torch.randn(1, 12, 3 * model.config.hidden_size)
+
+    def hits(prop: Eagle3Proposer) -> int:
+        g, n = torch.Generator().manual_seed(1), 0
+        for seed in range(100):
+            target = 3.0 * torch.randn(drafter.lm_head.weight.shape[0], generator=g)
+            drafter.logits = lambda out, t=target: t.expand(*out.shape[:-1], -1)
+            prop.sample_with(SamplingConfig(temperature=1.0), seed)
+            prop.begin(prompt, aux, 3)
+            drawn = race_sample(target[None], torch.tensor([13]), seed, 1.0)
+            n += int(prop.propose().tokens[0]) == int(drawn)
+        return n
+
+    assert hits(Eagle3Proposer(drafter, DraftShape.chain(3))) == 100
+    # negative control: drafting the top-1 finds the draw only where the draw is the argmax
+    assert hits(Eagle3Proposer(drafter, DraftShape.chain(3), coupled=False)) < 80
     del drafter.logits
+    sampling = SamplingConfig(temperature=1.0, seed=SEED)
 
     t = Target(model, drafter.config.aux_layer_ids)
     try:
@@ -104,7 +111,7 @@ def test_the_generic_engines_proposer_couples_its_drafts_too(stories260k):
 def test_the_servers_batch_drafter_couples_each_sampled_row(stories260k):
     """`Eagle3BatchDrafter` (the server's batch on the generic engine): with the target's logits as the drafter's,
     each sampled row's first draft is that row's own draw at its position; a greedy row beside it drafts the argmax."""
-    from eagle3.serving.drafting import Eagle3BatchDrafter
+    from eagle3.decoding.drafters import Eagle3BatchDrafter
 
     model, _ = stories260k
     drafter = init_drafter(model, draft_vocab_size=None, seed=2).eval()

@@ -29,8 +29,9 @@ from safetensors.torch import load_file, save_file
 from conftest import TINY_SLIDING_WINDOW
 from doubles import proposer
 from eagle3.config import ConfigError, DrafterConfig, DraftShape, SamplingConfig
+from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.formats import load_drafter, save_drafter
 from eagle3.models import STORIES260K_DIR, load_target
 from eagle3.runtime import drafter_for, init_drafter, load_runtime

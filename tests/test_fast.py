@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from conftest import build_tiny_target
 from doubles import ScriptedProposer, SelfTreeProposer
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.expand import top_k_last, top_n_in_order
-from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
+from eagle3.decoding.proposers import ModelProposer, NoDraftProposer
 from eagle3.decoding.sampling import FILTERED, TEMPERATURE
 from eagle3.decoding.tree import DraftTree, ancestry
 from eagle3.decoding.verify import accept

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.guard import SpeculationGuard
-from eagle3.decoding.proposers import Eagle3Proposer, NoDraftProposer
+from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.fast import FastEngine, FastOptions
 from eagle3.runtime import init_drafter
 from eagle3.target import Target

@@ -18,8 +18,9 @@ import transformers
 
 from doubles import ScriptedProposer, SelfTreeProposer
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NoDraftProposer
+from eagle3.decoding.proposers import ModelProposer, NoDraftProposer
 from eagle3.runtime import init_drafter
 from eagle3.target import RecurrentCache, Target
 

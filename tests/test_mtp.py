@@ -139,6 +139,8 @@ def test_sampled_equals_plain_sampling_with_the_same_seed(targets, kind):
     res = run(model, CHAIN, SAMPLED)
     assert res.token_ids == plain.token_ids
     print(f"mtp {kind} sampled: tau {res.stats.tau:.2f}")
+    if kind == "copy":  # drafts coupled to the target's draws at the drafted positions (one off: tau 1.27)
+        assert res.stats.tau > 3.0
 
 
 def test_runtime_and_cli(folders, capsys):

@@ -23,6 +23,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from eagle3.config import DraftShape, SamplingConfig  # noqa: E402
+from eagle3.decoding.drafters import Eagle3BatchDrafter  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
 from eagle3.fast.engine import FastEngine, FastOptions  # noqa: E402
@@ -30,7 +31,6 @@ from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter  # noqa: E
 from eagle3.serving.app import create_app  # noqa: E402
 from eagle3.serving.cli import fast_rows  # noqa: E402
 from eagle3.serving.config import ServeConfig  # noqa: E402
-from eagle3.serving.drafting import Eagle3BatchDrafter  # noqa: E402
 from eagle3.serving.policy import SpecPolicy  # noqa: E402
 from eagle3.serving.server import ServerThread, build_scheduler  # noqa: E402
 from eagle3.target import Target  # noqa: E402

@@ -22,11 +22,11 @@ import torch
 from conftest import TINY_SLIDING_WINDOW, build_tiny_target
 from doubles import ScriptedProposer
 from eagle3.config import DraftShape
+from eagle3.decoding.drafters import Eagle3BatchDrafter, ProposerBatchDrafter
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.runtime import init_drafter
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter
 from eagle3.serving.policy import SpecPolicy
 from eagle3.serving.requests import GenParams
 from eagle3.serving.server import build_scheduler

@@ -27,6 +27,7 @@ pytest.importorskip("uvicorn")
 
 from eagle3.cli import main  # noqa: E402
 from eagle3.config import ConfigError, DraftShape  # noqa: E402
+from eagle3.decoding.drafters import Eagle3BatchDrafter  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
 from eagle3.fast.engine import FastEngine  # noqa: E402
@@ -35,7 +36,6 @@ from eagle3.runtime import drafter_for, encode_prompt, eos_token_ids, init_draft
 from eagle3.serving.app import create_app  # noqa: E402
 from eagle3.serving.cli import fast_rows  # noqa: E402
 from eagle3.serving.config import ServeConfig  # noqa: E402
-from eagle3.serving.drafting import Eagle3BatchDrafter  # noqa: E402
 from eagle3.serving.policy import SpecPolicy  # noqa: E402
 from eagle3.serving.server import ServerThread, build_scheduler  # noqa: E402
 from eagle3.target import Target  # noqa: E402

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer
 from eagle3.evaluate import RunResult, load_prompts, method_name
 
 # below this the drafter is (nearly) never right: a misconfiguration, not a weak drafter. A working drafter is

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from eagle3.config import DEFAULT_CHAIN_LENGTH, ConfigError, DrafterConfig, DraftShape
+from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.proposers import Eagle3Proposer, ModelProposer, NgramProposer, NoDraftProposer, Proposer
+from eagle3.decoding.proposers import ModelProposer, NgramProposer, NoDraftProposer, Proposer
 from eagle3.defaults import Decoding, load_for_decoding
 from eagle3.drafter import Eagle3Drafter
 from eagle3.target import Target

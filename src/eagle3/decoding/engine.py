@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from eagle3.decoding.drafters import rows_drafter
 from eagle3.decoding.guard import SpeculationGuard
 from eagle3.decoding.proposers import Proposer
 from eagle3.decoding.sampling import new_seed
-from eagle3.serving.drafting import ProposerBatchDrafter
 from eagle3.serving.hf_rows import HFRows
 from eagle3.target import Target
 
@@ -145,8 +145,8 @@ class Request:
 
 
 class SpeculativeEngine:
-    """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer` (one row of `HFRows`, its
-    drafter a `ProposerBatchDrafter` around the proposer). With `guard`, each request's cycles are timed and
+    """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`, as one row of `HFRows` (its
+    drafter `rows_drafter(proposer)`: EAGLE-3 drafts as a row of the server's batch drafter). With `guard`, each request's cycles are timed and
     drafting pauses while it is slower than plain decoding (`SpeculationGuard`)."""
 
     def __init__(self, target: Target, proposer: Proposer, tokenizer=None, guard: bool = False):
@@ -172,8 +172,9 @@ class SpeculativeEngine:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer)
         eos, stream = req.eos, req.stream
-        drafter = None if self.proposer.name == "none" else ProposerBatchDrafter(lambda _p: self.proposer, self.target.device)
-        rows = HFRows(self.target, drafter, capacity=1, timed=True)  # the server's cycle, one row
+        drafter, shape = rows_drafter(self.proposer, self.target.device)
+        rows = HFRows(self.target, drafter, capacity=1, shapes=None if shape is None else lambda _n: shape,
+                      timed=True)  # the server's cycle, one row
         stats = GenerationStats()
         t0 = time.perf_counter()
         row_sampling = None if req.sampling.greedy else replace(req.sampling, seed=req.seed)

@@ -26,8 +26,8 @@ which is also why `from_pretrained` of the target drops them). Qwen3-Next stores
 (`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0.*`, `norm`), which the same conversions rename,
 and declares it as `mtp_num_hidden_layers` (`declare_qwen_mtp`); on that hybrid target it drafts chains.
 
-Drafting follows `Eagle3Proposer` (chain or EAGLE-2 tree): row t pairs h_t with x_{t+1}, at position t+1 (the input
-token's position, as vLLM and transformers place it); later draft steps feed the module's output back as h, as vLLM
+Drafting is EAGLE-3's (`eagle3.decoding.drafters.Eagle3BatchDrafter`, chain or EAGLE-2 tree): row t pairs h_t
+with x_{t+1}, at position t+1 (the input token's position, as vLLM and transformers place it: `position_offset`); later draft steps feed the module's output back as h, as vLLM
 does for steps beyond `num_nextn_predict_layers`. Only the first MTP module is used: a second one would need its own
 context rows, computed from the first one's outputs. Its output is post-norm (transformers' `MtpLayer.post_norm`, as
 SGLang); vLLM feeds the pre-norm output back, which differs from the second draft on.
@@ -44,8 +44,10 @@ from torch import nn
 from transformers import DynamicCache
 
 from eagle3.config import ConfigError, DraftShape
-from eagle3.decoding.proposers import Eagle3Proposer
-from eagle3.target import Target, decoder_parts
+from eagle3.decoding.drafters import Eagle3Proposer
+from eagle3.drafter import DrafterKV
+from eagle3.serving.batch import _cache_layers
+from eagle3.target import decoder_parts
 
 INDEX_FILE = "model.safetensors.index.json"
 # an MTP key: `model.layers.{N}.*` (optionally under a multimodal wrapper's prefix), or Qwen3-Next's `mtp.*`
@@ -194,42 +196,33 @@ def declare_qwen_mtp(config, n: int) -> None:
         config.mtp_layer_types = ["full_attention"] * n
 
 
-class _MtpCache:
-    """The MTP layer's HF `DynamicCache` with the `length` / `crop` that `Eagle3Proposer` uses on `DrafterKV`."""
-
-    def __init__(self):
-        self.hf = DynamicCache()
-
-    @property
-    def length(self) -> int:
-        return self.hf.get_seq_length()
-
-    def crop(self, length: int) -> None:
-        Target.crop(self.hf, length)
-
-
 class MtpDrafter(nn.Module):
-    """transformers' `MtpModel` seen through the drafter interface `Eagle3Proposer` drives (`combine`, forward,
-    `logits`, `feedback`, `draft_ids_to_target`), with the target's final norm to turn tapped rows into h_t."""
+    """transformers' `MtpModel` seen through the drafter interface of `Eagle3BatchDrafter` (`combine`, forward,
+    `logits`, `feedback`, `draft_ids_to_target`, `position_offset`), with the target's final norm to turn tapped
+    rows into h_t."""
+
+    position_offset = 1  # feature row t sits at the position of its input token x_{t+1}
 
     def __init__(self, mtp: nn.Module, final_norm: nn.Module):
         super().__init__()
         self.mtp, self.final_norm = mtp, final_norm
         self.layer = mtp.layers[0]
         self.eager = getattr(mtp.config, "_attn_implementation", "sdpa") == "eager"
+        self.cache_index: int | None = None  # the HF cache layer the MTP attention writes (seen on first use)
 
     @property
     def device(self) -> torch.device:
         return self.layer.eh_proj.weight.device
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """Tapped input of the final norm [1, m, H] -> the post-norm hidden state the MTP module reads [1, m, H]."""
+        """Tapped input of the final norm [B, m, H] -> the post-norm hidden state the MTP module reads [B, m, H]."""
         return self.final_norm(aux.to(self.layer.eh_proj.weight.dtype))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor | None = None, cache: _MtpCache | None = None) -> torch.Tensor:
-        """hidden [1, m, H], input_ids [1, m] (x_{t+1} for row t), position_ids [1, m]; mask bool [1, 1, m, past+m]
-        or None (causal after the cache). Returns the module's output [1, m, H] (post `shared_head.norm`)."""
+                mask: torch.Tensor | None = None, cache: DrafterKV | None = None) -> torch.Tensor:
+        """hidden [B, m, H], input_ids [B, m] (x_{t+1} for row t), position_ids [B, m]; mask bool [B, 1, m, past+m]
+        or None (causal after the cache). Returns the module's output [B, m, H] (post `shared_head.norm`); the
+        layer's keys and values are appended to `cache` (through an HF cache holding them for the call)."""
         m = input_ids.shape[1]
         past = cache.length if cache is not None else 0
         if mask is None:  # explicit: SDPA's is_causal would align a shorter query block to the top left
@@ -240,8 +233,19 @@ class MtpDrafter(nn.Module):
             mask = torch.zeros(mask.shape, dtype=dt, device=hidden.device).masked_fill(~mask, torch.finfo(dt).min)
         emb = self.mtp.embed_tokens(input_ids).to(hidden.dtype)  # [1, m, H]
         rope = self.mtp.rotary_emb(emb, position_ids=position_ids) if self.mtp.rotary_emb is not None else None
-        return self.layer(emb, hidden, position_embeddings=rope, attention_mask=mask, position_ids=position_ids,
-                          cache=cache.hf if cache is not None else None, use_cache=cache is not None)
+        hf = None
+        if cache is not None:
+            hf = DynamicCache()
+            if past:
+                hf.update(cache.keys, cache.values, self.cache_index)
+        out = self.layer(emb, hidden, position_embeddings=rope, attention_mask=mask, position_ids=position_ids,
+                         cache=hf, use_cache=hf is not None)
+        if hf is not None:
+            layers = _cache_layers(hf)
+            self.cache_index = next(i for i, la in enumerate(layers)
+                                    if getattr(la, "keys", None) is not None and la.keys.numel())
+            cache.keys, cache.values = layers[self.cache_index].keys, layers[self.cache_index].values
+        return out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.mtp._project_to_logits(out)  # [..., V] target ids
@@ -255,26 +259,10 @@ class MtpDrafter(nn.Module):
 
 
 class MtpProposer(Eagle3Proposer):
-    """Drafts with the target's MTP layer (chain or EAGLE-2 tree); needs the aux tap at the final norm (id L)."""
+    """Drafts with the target's MTP layer (chain or EAGLE-2 tree), as EAGLE-3 drafts; needs the aux tap at the
+    final norm (id L)."""
 
     name = "mtp"
-    needs_aux = True
-
-    def __init__(self, drafter: MtpDrafter, spec: DraftShape):
-        super().__init__(drafter, spec)
-        self.cache = _MtpCache()
-
-    @property
-    def device(self):
-        return self.drafter.device
-
-    def begin(self, prompt_ids, aux, first_token):
-        self.cache = _MtpCache()
-        self.pending = []
-        self.next_pos = 1  # row t sits at the position of its input token x_{t+1}
-        ids = prompt_ids.view(-1).to(self.device)
-        next_tokens = torch.cat([ids[1:], torch.tensor([first_token], device=self.device)])  # x_1..x_T
-        self._extend(aux, next_tokens)
 
 
 def mtp_proposer(model: nn.Module, spec: DraftShape, source: str | Path | None = None) -> MtpProposer:

@@ -112,12 +112,12 @@ def load_server(args):
     """(scheduler, app) for parsed `serve` flags: loads the target and drafter."""
     import torch
 
+    from eagle3.decoding.drafters import Eagle3BatchDrafter, ProposerBatchDrafter
     from eagle3.decoding.proposers import NgramProposer
     from eagle3.defaults import decoding_for, tuned_choice
     from eagle3.models import load_target
     from eagle3.runtime import drafter_for, eos_token_ids
     from eagle3.serving.app import create_app
-    from eagle3.serving.drafting import Eagle3BatchDrafter, ProposerBatchDrafter
     from eagle3.serving.policy import default_token_budget
     from eagle3.serving.server import build_scheduler
     from eagle3.target import Target

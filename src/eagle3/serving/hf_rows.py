@@ -24,10 +24,10 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
 from eagle3.serving.batch import BatchKV, accept_batch, batched_forward, prefill
-from eagle3.serving.drafting import BatchDrafter, Eagle3BatchDrafter
 from eagle3.target import Target
 
 __all__ = ["HFRows"]

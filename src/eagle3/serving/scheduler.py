@@ -29,7 +29,7 @@ kernels differ from bs=1 ones only by float rounding, which could flip an exact 
 
 Drafter swaps (`swap_drafter`, `rollback_drafter`, called from any thread): the candidate is loaded and checked
 against the target by the caller, then handed to this thread, which at the top of a loop iteration (between
-cycles) runs the identity probe (`eagle3.serving.drafting.identity_probe`) and switches: rows already decoding stop
+cycles) runs the identity probe (`eagle3.decoding.drafters.identity_probe`) and switches: rows already decoding stop
 drafting (the old drafter's cache is theirs; their greedy tokens are the target's either way), new rows draft with
 the new drafter. The fast lane and fast rows hold their own drafter: after a swap they decode plain.
 
@@ -51,13 +51,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from eagle3.config import ConfigError, DraftShape
+from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter, identity_probe
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.decoding.sampling import MODES
 from eagle3.drafter import Eagle3Drafter
 from eagle3.runtime import drafter_for, encode_prompt
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.drafting import BatchDrafter, Eagle3BatchDrafter, identity_probe
 from eagle3.serving.hf_rows import HFRows
 from eagle3.serving.metrics import Metrics
 from eagle3.serving.output import OutputMixin, _stock_decode

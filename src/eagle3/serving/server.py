@@ -14,8 +14,8 @@ import time
 
 import uvicorn
 
+from eagle3.decoding.drafters import BatchDrafter
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.drafting import BatchDrafter
 from eagle3.serving.metrics import Metrics
 from eagle3.serving.policy import SpecPolicy
 from eagle3.serving.scheduler import Scheduler

@@ -1,6 +1,6 @@
-"""Drafters for a batch of rows: the EAGLE-3 drafter batched across rows, or any per-row `Proposer`.
+"""Drafters for rows: the EAGLE-3 drafter batched across rows, or any per-request `Proposer`, one per row.
 
-Both keep one drafter state per batch row, in the scheduler's row order, and share one interface:
+Both keep one drafter state per row, in the caller's row order, and share one interface:
 
     drafter.add(prompts, aux, first_tokens, sampling)  # rows joining after their prefill (appended at the end)
     drafter.select(rows)                         # rows that stay, in their new order
@@ -10,31 +10,36 @@ Both keep one drafter state per batch row, in the scheduler's row order, and sha
     drafter.extend(aux_rows, new_tokens, counts)  # after verification: row b's first counts[b] kept features
                                                   # with the token following each (counts[b] = 0: no update)
 
-`Eagle3BatchDrafter.add_idle(n)` appends rows it never drafts for: rows that were decoding when the server swapped
-drafters (`Scheduler.swap_drafter`), which finish plain. `identity_probe` is the check a candidate drafter passes
-before a swap.
-
+The server's HF rows (`eagle3.serving.hf_rows`) draft many rows with them, the generic engine one (`rows_drafter`).
 `Eagle3BatchDrafter` runs the EAGLE-2 tree expansion (`eagle3.decoding.expand`) for all drafting rows at
-once: its `DrafterKV` is a padded [B, n_kv, S, hd] tensor with per-row lengths, and every
-drafter forward takes a bool mask [B, 1, T, S+T] that hides other rows' padding. `ProposerBatchDrafter`
-loops over per-row proposers (n-gram, test doubles): correct for any proposer, slower.
+once: its `DrafterKV` is a padded [B, n_kv, S, hd] tensor with per-row lengths, and every drafter forward takes a
+bool mask [B, 1, T, S+T] that hides other rows' padding. It drafts with an `Eagle3Drafter` or with a target's own
+MTP layer (`eagle3.decoding.mtp.MtpDrafter`): anything with `combine`, a forward over (features, tokens,
+positions, mask, `DrafterKV`), `logits`, `feedback`, `draft_ids_to_target` and `position_offset` (the RoPE
+position of feature row 0). `Eagle3Proposer` is one request's row of it. `ProposerBatchDrafter` loops over
+per-row proposers (n-gram, test doubles): correct for any proposer, slower. `add_idle(n)` appends rows an
+`Eagle3BatchDrafter` never drafts for (rows decoding when the server swapped drafters), and `identity_probe` is
+the check a candidate drafter passes before a swap.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.expand import coupled_top_k, expand_tree
-from eagle3.decoding.proposers import Eagle3Proposer, Proposer
+from eagle3.decoding.proposers import Proposer
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode, token_hash
+from eagle3.decoding.tree import DraftTree
 from eagle3.drafter import DrafterKV, Eagle3Drafter
 from eagle3.target import Target
 
-__all__ = ["BatchDrafter", "Eagle3BatchDrafter", "ProposerBatchDrafter", "identity_probe", "pad_trees"]
+__all__ = ["BatchDrafter", "Eagle3BatchDrafter", "Eagle3Proposer", "ProposerBatchDrafter", "identity_probe",
+           "pad_trees", "rows_drafter"]
 
 
 class BatchDrafter(abc.ABC):
@@ -73,20 +78,23 @@ def pad_trees(trees: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[t
 
 
 class Eagle3BatchDrafter(BatchDrafter):
-    """The EAGLE-3 drafter over a batch of rows, with a padded drafter cache."""
+    """The EAGLE-3 drafter (or an MTP layer) over a batch of rows, with a padded drafter cache. `coupled`: sampled
+    rows draft coupled to their draws (`coupled_top_k`); False: the drafter's top-k, as greedy rows do."""
 
     name = "eagle3"
 
-    def __init__(self, drafter: Eagle3Drafter):
+    def __init__(self, drafter: Eagle3Drafter, coupled: bool = True):
         self.drafter = drafter.eval()
+        self.coupled = coupled
+        self.offset = getattr(drafter, "position_offset", 0)  # RoPE position of feature row 0
         self.cache = DrafterKV()  # keys [B, n_kv, S, hd]
-        self.lengths: list[int] = []  # rows computed from target features (= RoPE position of the next one)
+        self.lengths: list[int] = []  # rows computed from target features
         self.last_out: torch.Tensor | None = None  # [B, H] pre-norm output of each row's newest row
         self.draft_h: torch.Tensor | None = None  # [Vd] noise keys of the draft vocabulary, on first sampled use
 
     @property
     def device(self) -> torch.device:
-        return self.drafter.fc.weight.device
+        return next(self.drafter.parameters()).device
 
     # -- rows ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -97,11 +105,11 @@ class Eagle3BatchDrafter(BatchDrafter):
         toks = torch.zeros(b, m, dtype=torch.long)  # [b, T] x_{t+1} for feature row t
         for i, (p, first) in enumerate(zip(prompts, first_tokens, strict=True)):
             toks[i, : len(p)] = torch.tensor([*p[1:], first], dtype=torch.long)
-        new = Eagle3BatchDrafter(self.drafter)
+        new = Eagle3BatchDrafter(self.drafter, self.coupled)
+        hidden = self.drafter.combine(aux[:, :m].to(self.device))  # [b, T, H]
         new.lengths = [0] * b
-        new.last_out = torch.zeros(b, self.drafter.config.hidden_size, device=self.device,
-                                   dtype=self.drafter.fc.weight.dtype)
-        new._extend(self.drafter.combine(aux[:, :m].to(self.device)), toks.to(self.device), lens)
+        new.last_out = hidden.new_zeros(b, hidden.shape[-1])
+        new._extend(hidden, toks.to(self.device), lens)
         self._merge(new)
 
     def add_idle(self, n: int) -> None:
@@ -110,7 +118,7 @@ class Eagle3BatchDrafter(BatchDrafter):
             return
         cfg, w = self.drafter.config, self.drafter.fc.weight
         kv = w.new_zeros(n, cfg.num_key_value_heads, 0, cfg.resolved_head_dim)  # [n, n_kv, 0, hd]
-        idle = Eagle3BatchDrafter(self.drafter)
+        idle = Eagle3BatchDrafter(self.drafter, self.coupled)
         idle.cache, idle.lengths = DrafterKV(kv, kv.clone()), [0] * n
         idle.last_out = w.new_zeros(n, cfg.hidden_size)  # [n, H]
         self._merge(idle)
@@ -150,7 +158,7 @@ class Eagle3BatchDrafter(BatchDrafter):
         lengths = torch.tensor(self.lengths, dtype=torch.long, device=dev)  # [B]
         cnt = torch.tensor(counts, dtype=torch.long, device=dev)  # [B]
         j = torch.arange(m, device=dev)
-        pos = lengths[:, None] + j[None]  # [B, M]
+        pos = lengths[:, None] + j[None] + self.offset  # [B, M]
         local = ((j[None, :] <= j[:, None])[None] & (j[None, None, :] < cnt[:, None, None])) | torch.eye(
             m, dtype=torch.bool, device=dev)[None]  # [B, M, M]; padding rows see themselves
         prefix = (torch.arange(width, device=dev)[None, None, :] < lengths[:, None, None]).expand(b, m, width)
@@ -161,8 +169,12 @@ class Eagle3BatchDrafter(BatchDrafter):
         for r, (n, c) in enumerate(zip(self.lengths, counts, strict=True)):
             idx[r, :n] = torch.arange(n)
             idx[r, n : n + c] = torch.arange(width, width + c)
-        g = idx.to(dev)[:, None, :, None].expand(-1, self.cache.keys.shape[1], -1, self.cache.keys.shape[3])
-        self.cache = DrafterKV(self.cache.keys.gather(2, g), self.cache.values.gather(2, g))
+        idx = idx.to(dev)[:, None, :, None]  # [B, 1, S', 1]
+
+        def keep(x: torch.Tensor) -> torch.Tensor:  # keys and values may differ in head size (MLA)
+            return x.gather(2, idx.expand(-1, x.shape[1], -1, x.shape[3]))
+
+        self.cache = DrafterKV(keep(self.cache.keys), keep(self.cache.values))
         last = (cnt - 1).clamp(min=0)  # [B]
         newest = out[torch.arange(b, device=dev), last]  # [B, H]
         self.last_out = torch.where((cnt > 0)[:, None], newest, self.last_out)
@@ -183,15 +195,20 @@ class Eagle3BatchDrafter(BatchDrafter):
         """`expand_tree`'s children: drafter outputs [R, T, H] to the top k drafts' (log-probabilities, ids)
         [R, T, k], sampled rows' coupled to their draws at `positions` [R] + the step (`coupled_top_k`)."""
         d = self.drafter
-        modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling or []]
+        modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling or []] if self.coupled else []
         if not any(m != GREEDY for m in modes):
             return lambda out, step: torch.log_softmax(d.logits(out).float(), dim=-1).topk(k, dim=-1)
         rows = SamplingRows(len(modes), None, self.device)
         rows.set(0, sampling)
-        if self.draft_h is None:
-            vd = d.lm_head.weight.shape[0]
-            self.draft_h = token_hash(d.draft_ids_to_target(torch.arange(vd, device=self.device)))  # [Vd]
-        return lambda out, step: coupled_top_k(d.logits(out), positions + step, rows, max(modes), self.draft_h, k)
+
+        def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = d.logits(out)  # [R, T, Vd]
+            if self.draft_h is None or self.draft_h.shape[0] != logits.shape[-1]:
+                ids = torch.arange(logits.shape[-1], device=self.device)
+                self.draft_h = token_hash(d.draft_ids_to_target(ids))  # [Vd]
+            return coupled_top_k(logits, positions + step, rows, max(modes), self.draft_h, k)
+
+        return children
 
     @torch.inference_mode()
     def propose(self, rows, shape, sampling=None):
@@ -212,7 +229,7 @@ class Eagle3BatchDrafter(BatchDrafter):
 
         def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
             mask = torch.cat([prefix.expand(r, k, width), anc], dim=2)[:, None]  # [R, 1, k, S + rows]
-            pos = (lengths - 1 + step)[:, None].expand(r, k)  # [R, k]
+            pos = (lengths - 1 + step + self.offset)[:, None].expand(r, k)  # [R, k]
             return d(hidden, tokens, pos, mask=mask, cache=cache)  # [R, k, H]
 
         # the first drafts are for the token at lengths + 1
@@ -223,7 +240,7 @@ class Eagle3BatchDrafter(BatchDrafter):
 class ProposerBatchDrafter(BatchDrafter):
     """One `Proposer` per row, made by `factory(prompt_ids)`, run one after another; trees are truncated
     to the policy's node count (a prefix of a tree keeps every parent; no shape: kept whole). Aux features are
-    passed when the target computes them (an `Eagle3Proposer` per row needs them; others ignore them)."""
+    passed when the target computes them (proposers that do not need them ignore them)."""
 
     name = "per-row"
 
@@ -258,6 +275,62 @@ class ProposerBatchDrafter(BatchDrafter):
             if c:
                 a = aux_rows[r : r + 1, :c] if aux_rows is not None else None
                 self.rows[r].accept(a, torch.tensor(toks[:c], dtype=torch.long, device=self.device))
+
+
+class Eagle3Proposer(Proposer):
+    """EAGLE-3 drafting for one request, `shape` every cycle: one row of an `Eagle3BatchDrafter` (also with a
+    target's MTP layer, `eagle3.decoding.mtp`). The generic engine drafts with that batch drafter itself
+    (`rows_drafter`); `begin`, `propose` and `accept` serve callers that draft one request step by step."""
+
+    name = "eagle3"
+    needs_aux = True
+
+    def __init__(self, drafter: Eagle3Drafter, shape: DraftShape, coupled: bool = True):
+        self.drafter, self.shape, self.coupled = drafter.eval(), shape, coupled
+        self.row = self.rows()
+        self.sampling: SamplingConfig | None = None  # a sampled request's settings and seed
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # accepted rows, fed by the next `propose`
+
+    def rows(self) -> Eagle3BatchDrafter:
+        """A fresh batch drafter with this proposer's drafter."""
+        return Eagle3BatchDrafter(self.drafter, self.coupled)
+
+    @property
+    def device(self) -> torch.device:
+        return self.row.device
+
+    @property
+    def last_out(self) -> torch.Tensor:
+        return self.row.last_out  # [1, H]
+
+    def sample_with(self, sampling, seed):
+        self.sampling = None if sampling.temperature == 0 else replace(sampling, seed=seed)
+
+    def begin(self, prompt_ids, aux, first_token):
+        self.row, self.pending = self.rows(), []
+        self.row.add([prompt_ids.view(-1).tolist()], aux, [int(first_token)])
+
+    def accept(self, aux_rows, next_tokens):
+        self.pending.append((aux_rows.view(1, -1, aux_rows.shape[-1]), next_tokens.view(-1)))
+
+    def propose(self) -> DraftTree:
+        if self.pending:
+            aux, tokens = zip(*self.pending, strict=True)
+            self.pending = []
+            ids = torch.cat(tokens).tolist()
+            self.row.extend(torch.cat(aux, dim=1), [ids], [len(ids)])
+        tokens, parents = self.row.propose([0], self.shape, None if self.sampling is None else [self.sampling])
+        return DraftTree(tokens=tokens[0], parents=parents[0])
+
+
+def rows_drafter(proposer: Proposer, device: torch.device | str) -> tuple[BatchDrafter | None, DraftShape | None]:
+    """The drafter of the generic engine's one row and the shape it drafts (None: what the proposer proposes):
+    an `Eagle3Proposer`'s batch drafter, any other proposer through `ProposerBatchDrafter`, none for "none"."""
+    if proposer.name == "none":
+        return None, None
+    if isinstance(proposer, Eagle3Proposer):
+        return proposer.rows(), proposer.shape
+    return ProposerBatchDrafter(lambda _p: proposer, device), None
 
 
 def identity_probe(target: Target, drafter: Eagle3Drafter, shape: DraftShape, prompt: list[int],
