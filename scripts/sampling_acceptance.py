@@ -13,6 +13,10 @@ vocabulary mapped to target ids, q = 0 elsewhere; the same temperature) and repo
                                                accepted iff argmax(log p + G) is among the top-k of log q + G
                                                (Gumbel-top-k); Monte Carlo over --samples noise seeds
     (d) speculative sampling                   independent x ~ q accepted w.p. min(1, p/q): 1 - TV(p, q)
+    (e) recursive rejection sampling, k = 4, 10  k drafts drawn from q without replacement (Gumbel-top-k), each
+                                               accepted w.p. min(1, p'/q') against the residual p' and the
+                                               remaining draft mass q' (Jeon et al. 2024, "Recursive
+                                               Speculative Decoding"); drafts Monte Carlo, coins exact
     oracle top-k of p                          the most any k point masses can get (a drafter with q = p)
 
 At T = 0, p and q are one-hot: (a)/(b) are the greedy rates and (c) equals (b).
@@ -65,6 +69,29 @@ def first_step_logits(drafter, target: Target, ids: torch.Tensor, labels: torch.
     return logits[0, labels - 1].float(), full
 
 
+def recursive_rejection(p: torch.Tensor, q: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[M] probability that recursive rejection sampling accepts one of k drafts drawn from q [M, V] without
+    replacement (one Gumbel-top-k draw of the drafts per position; the accept coins integrated exactly). Drafts
+    are tried in order: x accepted w.p. min(1, p'(x)/q'(x)); on rejection the target's residual becomes
+    p' <- norm(max(p' - q', 0)) and x leaves q' (q' renormalised). Lossless for any q."""
+    u = torch.rand(q.shape, generator=gen).clamp(min=1e-20)
+    drafts = (q.log() - (-u.log()).log()).topk(k, dim=-1).indices  # [M, k] Gumbel-top-k of q
+    pc, qc = p.clone(), q.clone()
+    alive = torch.ones(p.shape[0])  # probability that every draft so far was rejected
+    accepted = torch.zeros(p.shape[0])
+    for i in range(k):
+        x = drafts[:, i : i + 1]
+        qn = qc / qc.sum(-1, keepdim=True).clamp(min=1e-30)
+        px, qx = pc.gather(-1, x)[:, 0], qn.gather(-1, x)[:, 0]
+        a = torch.where(qx > 0, (px / qx.clamp(min=1e-30)).clamp(max=1.0), torch.zeros_like(qx))
+        accepted += alive * a
+        alive = alive * (1 - a)
+        pc = (pc - qn).clamp(min=0)
+        pc = pc / pc.sum(-1, keepdim=True).clamp(min=1e-30)
+        qc = qc.scatter(-1, x, 0.0)
+    return accepted
+
+
 def position_metrics(z: torch.Tensor, d: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor,
                      temperature: float, top_p: float, top_k: int, seeds: list[int], answer_seed: int,
                      ) -> dict[str, torch.Tensor]:
@@ -92,6 +119,8 @@ def position_metrics(z: torch.Tensor, d: torch.Tensor, labels: torch.Tensor, tok
     if sp is None:  # greedy: the noise plays no part, coupled drafting is top-k drafting
         for k in KS:
             out[f"coupled_top{k}"] = out[f"point_top{k}"].clone()
+            if k > 1:  # one-hot p: a draft is accepted iff it is the argmax
+                out[f"rrs_top{k}"] = out[f"point_top{k}"].clone()
         out["replay"] = (z.argmax(-1) == tokens).float()
         return out
     hits = torch.zeros(m, len(KS))
@@ -102,6 +131,9 @@ def position_metrics(z: torch.Tensor, d: torch.Tensor, labels: torch.Tensor, tok
         hits += torch.stack([ranked[:, :k].any(-1) for k in KS], dim=-1).float()
     for j, k in enumerate(KS):
         out[f"coupled_top{k}"] = hits[:, j] / len(seeds)
+    gen = torch.Generator().manual_seed(seeds[0])
+    for k in KS[1:]:  # k = 1 is speculative sampling, (d)
+        out[f"rrs_top{k}"] = sum(recursive_rejection(p, q, k, gen) for _ in seeds) / len(seeds)
     # the answer's own seed must reproduce the answer: checks positions, noise and alignment
     out["replay"] = ((sp - exponential_noise(answer_seed, labels, vocab).log()).argmax(-1) == tokens).float()
     return out
@@ -168,6 +200,7 @@ TABLE = [("positions", "positions", None), ("H(p) nats", "H_p", "q"), ("H(q) nat
          ("(b) top-4 point masses", "point_top4", None), ("(b) top-10 point masses", "point_top10", None),
          ("(c) coupled top-1", "coupled_top1", None), ("(c) coupled top-4", "coupled_top4", None),
          ("(c) coupled top-10", "coupled_top10", None), ("(d) spec sampling 1-TV", "spec_sampling", "q"),
+         ("(e) recursive rejection top-4", "rrs_top4", None), ("(e) recursive rejection top-10", "rrs_top10", None),
          ("oracle top-1 max p", "oracle_top1", None), ("oracle top-4 p mass", "oracle_top4", None),
          ("oracle top-10 p mass", "oracle_top10", None), ("replay (answer seed)", "replay", None)]
 

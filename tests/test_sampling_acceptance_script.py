@@ -32,7 +32,7 @@ def test_sampling_acceptance_script_record_obeys_the_rules_invariants(tmp_path, 
     for t, r in rec["results"].items():
         assert 0 < r["positions"] <= 2 * 11  # answer tokens after the first
         probs = ["TV", "spec_sampling", "replay", *(f"{rule}_top{k}" for rule in ("point", "coupled", "oracle")
-                                                     for k in KS)]
+                                                     for k in KS), "rrs_top4", "rrs_top10"]
         assert all(-eps <= r[key]["mean"] <= 1 + eps for key in probs), t
         assert r["H_p"]["mean"] >= 0 and r["H_q"]["mean"] >= 0
         for rule in ("point", "coupled", "oracle"):
@@ -49,4 +49,32 @@ def test_sampling_acceptance_script_record_obeys_the_rules_invariants(tmp_path, 
     assert greedy["H_p"]["mean"] == 0 and greedy["oracle_top1"]["mean"] == 1
     assert all(greedy[f"coupled_top{k}"]["mean"] == greedy[f"point_top{k}"]["mean"] for k in KS)  # noise plays no part at T=0
     assert greedy["spec_sampling"]["mean"] == greedy["point_top1"]["mean"]  # one-hot p and q: 1-TV = p(argmax q)
+    assert all(greedy[f"rrs_top{k}"]["mean"] == greedy[f"point_top{k}"]["mean"] for k in KS[1:])
     assert "(c) coupled top-1" in capsys.readouterr().out
+
+
+def test_recursive_rejection_acceptance_in_cases_with_known_answers():
+    """One draft: 1 - TV(p, q), the speculative-sampling rate; q = p: always accepted; disjoint supports: never;
+    p uniform on the q-ranked tokens and k drafts covering its support: always."""
+    import torch
+
+    mod = script("sampling_acceptance")
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(64, 50, generator=g).softmax(-1)
+    q = (2 * torch.randn(64, 50, generator=g)).softmax(-1)
+    one = mod.recursive_rejection(p, q, 1, g)
+    # with one draft the coins integrate to sum_x q(x) min(1, p/q) = 1 - TV only in expectation over the draft
+    mean = torch.stack([mod.recursive_rejection(p, q, 1, g) for _ in range(400)]).mean(0)
+    torch.testing.assert_close(mean, 1 - 0.5 * (p - q).abs().sum(-1), atol=0.08, rtol=0)
+    assert one.shape == (64,)
+    assert torch.allclose(mod.recursive_rejection(p, p, 4, g), torch.ones(64))
+    left = torch.zeros(2, 6)
+    left[:, :3] = 1 / 3
+    right = left.flip(-1)
+    assert torch.equal(mod.recursive_rejection(left, right, 3, g), torch.zeros(2))
+    assert torch.allclose(mod.recursive_rejection(left, left * 0.5 + right * 0.5, 6, g), torch.ones(2))
+    # worked by hand: p = (.6, .4, 0), q = (.2, .2, .6), two drafts. The first is token 2 w.p. .6 and rejected;
+    # then p' = (2/3, 1/3, 0), q' = (.5, .5, 0), accepted w.p. .5 + .5 * 2/3. In all .4 + .6 * 5/6 = .9
+    # (without the residual update: .94)
+    p3, q3 = torch.tensor([[0.6, 0.4, 0.0]]).expand(4000, -1), torch.tensor([[0.2, 0.2, 0.6]]).expand(4000, -1)
+    assert abs(float(mod.recursive_rejection(p3, q3, 2, g).mean()) - 0.9) < 0.015
