@@ -22,6 +22,7 @@ import multiprocessing
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -110,8 +111,10 @@ def request_bodies(prompts: list[list[dict]], n: int, start: int, chat: bool, ar
     return out
 
 
-def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: str, clients) -> list[dict]:
-    """One mode over every concurrency level; `clients` is the process pool the HTTP clients run in."""
+def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: str, clients,
+             on_level: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """One mode over every concurrency level; `clients` is the process pool the HTTP clients run in; `on_level`
+    sees the levels measured so far after each one."""
     spec = DraftShape.parse(args.tree)
     policy = SpecPolicy(spec, token_budget=args.spec_budget or default_token_budget(device),
                         max_batch=args.spec_max_batch, measure=not args.no_spec_gate)
@@ -179,6 +182,8 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                 "texts": {r["index"]: r["text"] for r in ok},  # compared across modes in `same_text`, then dropped
             }
             rows.append(row)
+            if on_level is not None:
+                on_level(rows)
             print(f"{mode:5s} c={c:<3d} {row['tokens_per_s']:9.1f} tok/s  ttft p50 {row['ttft_p50_s']:.3f}s  "
                   f"lat p50 {row['latency_p50_s']:.3f}s p90 {row['latency_p90_s']:.3f}s  batch {row['mean_batch']:.1f}"
                   f"  tau {row['tau']}  errors {row['errors']}  | wall {wall:.2f}s: cycles {row['cycles_s']:.2f}s "
@@ -265,28 +270,33 @@ def main(argv=None) -> int:
     drafter = drafter_for(model, None if args.random_drafter else args.drafter)
     chat = bool(getattr(tok, "chat_template", None))
     name, prompts = load_prompts(args.prompts)
+    out = Path(args.out)
+
+    def save(results: list[dict], complete: bool) -> dict[int, float]:
+        """Write the record (after every level, `complete` false until the run ends); returns the speedups."""
+        plain = {r["concurrency"]: r["tokens_per_s"] for r in results if r["mode"] == "plain"}
+        speedup = {c: round(r["tokens_per_s"] / plain[c], 3) for r in results if r["mode"] == "spec"
+                   for c in [r["concurrency"]] if plain.get(c)}
+        record = run_record("bench_serving", target=args.target, drafter=args.drafter or "random",
+                            device_name=device, dtype=str(dtype), prompts=name,
+                            endpoint="chat" if chat else "completions", max_tokens=args.max_tokens,
+                            temperature=args.temperature, top_p=args.top_p,
+                            fuse_pointwise=fuse_level(args.fuse_pointwise, device) or "off",
+                            results=[{k: v for k, v in r.items() if k != "texts"} for r in results],
+                            speedup_spec_over_plain=speedup, complete=complete)
+        write_json(record, out / "bench_serving.json")
+        return speedup
+
     results = []
     # the clients get a process of their own: in the server's process they would compete with its scheduler
     # thread for the interpreter lock (`eagle3.serving.loadgen`)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
         for mode in args.modes:
-            results += run_mode(mode, model, tok, drafter, args, prompts, chat, device, clients)
-    greedy = args.temperature == 0
-    if greedy:
+            results += run_mode(mode, model, tok, drafter, args, prompts, chat, device, clients,
+                                on_level=lambda rows, done=list(results): save(done + rows, complete=False))
+    if args.temperature == 0:
         same_text(results)
-    else:
-        for r in results:
-            del r["texts"]  # sampled answers differ between modes only where their draws are keyed differently
-    plain = {r["concurrency"]: r["tokens_per_s"] for r in results if r["mode"] == "plain"}
-    speedup = {c: round(r["tokens_per_s"] / plain[c], 3) for r in results if r["mode"] == "spec"
-               for c in [r["concurrency"]] if plain.get(c)}
-    out = Path(args.out)
-    record = run_record("bench_serving", target=args.target, drafter=args.drafter or "random", device_name=device,
-                        dtype=str(dtype), prompts=name, endpoint="chat" if chat else "completions",
-                        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        fuse_pointwise=fuse_level(args.fuse_pointwise, device) or "off", results=results,
-                        speedup_spec_over_plain=speedup)
-    write_json(record, out / "bench_serving.json")
+    speedup = save(results, complete=True)
     png = plot(results, out / "bench_serving.png")
     print()
     print(f"{'clients':>7} | " + " | ".join(f"{m + ' tok/s':>11} {m + ' p50 lat':>12} {m + ' ttft':>10}"

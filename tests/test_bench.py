@@ -249,6 +249,29 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
         assert r["mode"] == "spec" or not any(cyc["spec"])
     assert (out / "bench_serving.png").stat().st_size > 0
     assert "geometric-mean speedup" in capsys.readouterr().out
+    assert rec["complete"] is True and all("texts" not in r for r in rec["results"])
+
+
+def test_bench_serving_keeps_the_levels_measured_before_a_failure(tmp_path, monkeypatch):
+    """The record is rewritten after every level: a run stopped in its speculative half (a time limit, a crash)
+    leaves the plain levels on disk, marked incomplete."""
+    mod = script("bench_serving")
+    real = mod.run_mode
+
+    def stopped(mode, *args, **kwargs):
+        if mode == "spec":
+            raise KeyboardInterrupt("stopped while the speculative server started")
+        return real(mode, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "run_mode", stopped)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--concurrency", "1", "2",
+                  "--max-tokens", "6", "--min-requests", "2", "--rounds", "1", "--warmup", "0", "--prompts", "gsm8k",
+                  "--fast-lane", "off", "--out", str(out)])
+    rec = json.loads((out / "bench_serving.json").read_text())
+    assert rec["complete"] is False
+    assert [(r["mode"], r["concurrency"]) for r in rec["results"]] == [("plain", 1), ("plain", 2)]
 
 
 def test_bench_rows_script_writes_a_record(tmp_path, capsys):
