@@ -236,14 +236,15 @@ class FastEngine:
         return self._runners[name]
 
     @torch.no_grad()
-    def prepare(self, prompt_len: int, max_new_tokens: int, mode: int = GREEDY) -> float:
-        """Allocate and capture everything a request of this size and sampling mode (`sampling_mode`) needs;
-        returns the seconds it took."""
+    def prepare(self, prompt_len: int, max_new_tokens: int, mode: int | tuple[int, ...] = GREEDY) -> float:
+        """Allocate and capture everything a request of this size and sampling mode (`sampling_mode`; several:
+        each of them) needs; returns the seconds it took."""
         t0 = time.perf_counter()
         self.reserve(prompt_len, max_new_tokens)
-        self._runner(f"cycle_{mode}")
-        if self.options.guard:
-            self._runner(f"plain_{mode}")
+        for m in (mode,) if isinstance(mode, int) else mode:
+            self._runner(f"cycle_{m}")
+            if self.options.guard:
+                self._runner(f"plain_{m}")
         if self.options.graph_prefill:  # every width that fits and a prompt of up to prompt_len tokens can need
             w = PREFILL_MIN_WIDTH
             while w <= self.seq_len and (w == PREFILL_MIN_WIDTH or w // 2 < prompt_len):

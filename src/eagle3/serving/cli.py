@@ -195,8 +195,7 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
                         options=FastOptions(fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
                                             graph_prefill=on_for_device(graph_prefill, device)))
-    for mode in MODES:  # allocate and capture every sampling mode's cycle before the first request
-        engine.prepare(512, config.default_max_tokens, mode)
+    engine.prepare(512, config.default_max_tokens, MODES)  # every sampling mode's cycle, before the first request
     return engine
 
 

@@ -152,8 +152,7 @@ class Scheduler(PathsMixin, OutputMixin):
             # capture (and compile) it now, on the caches the lane already holds, not inside its first request
             # (with `graph_prefill`, its prefills too, for every prompt those caches hold)
             plain = self._lane_plain
-            for mode in MODES:
-                plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0, mode)
+            plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0, MODES)
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
         self.loaded = LoadedDrafter("v1" if drafter is not None else "none", None, time.time(),
@@ -353,8 +352,7 @@ class Scheduler(PathsMixin, OutputMixin):
 
                 plain = FastEngine(self.fast.model, draft="none", target=self.fast.target, options=self.fast.options)
                 if self.fast.seq_len:
-                    for mode in MODES:
-                        plain.prepare(max(1, self.fast.seq_len - plain.core.slots_needed(0, 0)), 0, mode)
+                    plain.prepare(max(1, self.fast.seq_len - plain.core.slots_needed(0, 0)), 0, MODES)
             self.fast, self._lane_plain, self._lane_gate = plain, None, None
         for b in self._batches:
             b.spec = b.backend is self.batch  # the fast rows' drafter is the old one: they decode plain
