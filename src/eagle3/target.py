@@ -269,7 +269,7 @@ class Target:
         """Keep the first `length` positions (DynamicCache.crop's meaning changed across 5.x releases)."""
         if isinstance(cache, RecurrentCache):
             cache.rewind(cache.get_seq_length() - length)
-        for layer in _cache_layers(cache):
+        for layer in cache_layers(cache):
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
@@ -359,7 +359,8 @@ class RecurrentCache(DynamicCache):
         self.rewind(self.get_seq_length() - keep_len - m)
 
 
-def _cache_layers(cache: DynamicCache):
+def cache_layers(cache: DynamicCache) -> list:
+    """The per-layer key/value holders of an HF cache (transformers 5's `DynamicCache.layers`)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise ConfigError("this transformers version's DynamicCache has no `layers`; eagle3 needs transformers >= 5.0")

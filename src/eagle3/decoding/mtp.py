@@ -46,8 +46,7 @@ from transformers import DynamicCache
 from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.drafter import DrafterKV
-from eagle3.serving.batch import _cache_layers
-from eagle3.target import decoder_parts
+from eagle3.target import cache_layers, decoder_parts
 
 INDEX_FILE = "model.safetensors.index.json"
 # an MTP key: `model.layers.{N}.*` (optionally under a multimodal wrapper's prefix), or Qwen3-Next's `mtp.*`
@@ -241,7 +240,7 @@ class MtpDrafter(nn.Module):
         out = self.layer(emb, hidden, position_embeddings=rope, attention_mask=mask, position_ids=position_ids,
                          cache=hf, use_cache=hf is not None)
         if hf is not None:
-            layers = _cache_layers(hf)
+            layers = cache_layers(hf)
             self.cache_index = next(i for i, la in enumerate(layers)
                                     if getattr(la, "keys", None) is not None and la.keys.numel())
             cache.keys, cache.values = layers[self.cache_index].keys, layers[self.cache_index].values

@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from eagle3.config import ConfigError
 from eagle3.decoding.verify import accept_rows
-from eagle3.target import RecurrentCache, Target
+from eagle3.target import RecurrentCache, Target, cache_layers
 
 __all__ = [
     "BatchKV",
@@ -51,7 +50,7 @@ class BatchKV:
         return layers[0].keys.shape[-2] if layers else 0
 
     def _layers(self) -> list:
-        return [la for la in _cache_layers(self.cache) if getattr(la, "keys", None) is not None and la.keys.numel()]
+        return [la for la in cache_layers(self.cache) if getattr(la, "keys", None) is not None and la.keys.numel()]
 
     def merge(self, other: BatchKV) -> None:
         """Append `other`'s rows after this batch's rows (both padded to the wider width)."""
@@ -105,13 +104,6 @@ class BatchKV:
             layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
             layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
         self.lengths = new_lengths
-
-
-def _cache_layers(cache: DynamicCache) -> list:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise ConfigError("this transformers version's DynamicCache has no `layers`; eagle3 needs transformers >= 5.0")
-    return layers
 
 
 def _pad_seq(x: torch.Tensor, width: int) -> torch.Tensor:
