@@ -296,3 +296,44 @@ def test_qwen3_next_mtp_with_no_shape_flag_drafts_a_chain(tmp_path, capsys):
     assert main(["generate", "--target", str(folder), "--draft", "mtp", "--prompt", "Once", "--max-new-tokens", "8",
                  "--json"]) == 0
     assert '"mode": "chain"' in capsys.readouterr().out
+
+
+def test_served_mtp_rows_answer_as_plain_serving(folders, capsys):
+    """`eagle3 serve --draft mtp`: the target's MTP layer drafts for a batch of rows (one `Eagle3BatchDrafter` on
+    the HF rows); 8 concurrent greedy clients get plain serving's answers, and the copying MTP layer's drafts are
+    accepted. The fast lane and rows draft EAGLE-3 only: asking for them with MTP is refused."""
+    import argparse
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from eagle3.serving.cli import add_serve_parser, load_server
+    from eagle3.serving.server import ServerThread
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    prompts = ["Once upon a time", "Lily", "The dog ran", "Tom had a ball", "One day", "Sam and Mia", "A cat",
+               "The end"]
+    answers, accepted = {}, {}
+    for kind, extra in (("plain", ["--no-spec"]), ("mtp", ["--draft", "mtp", "--chain", "3"])):
+        sched, app = load_server(parser.parse_args(["serve", "--target", str(folders["copy"]), "--device", "cpu",
+                                                    *extra]))
+        srv = ServerThread(app, shutdown_timeout=10).start()
+        try:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+            def one(p, c=c, name=sched.config.model_name):
+                return c.completions.create(model=name, prompt=p, max_tokens=12, temperature=0).choices[0].text
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                answers[kind] = list(pool.map(one, prompts, timeout=120))
+            snap = sched.metrics.snapshot()
+            accepted[kind] = snap.get("eagle3_accepted_tokens_total", 0)
+            assert snap["eagle3_batch_size_sum"] > snap["eagle3_batch_size_count"]  # rows decoded together
+        finally:
+            srv.stop()
+    assert answers["mtp"] == answers["plain"]
+    assert accepted["plain"] == 0 and accepted["mtp"] > len(prompts)
+    assert main(["serve", "--target", str(folders["copy"]), "--device", "cpu", "--draft", "mtp",
+                 "--fast-lane", "on"]) == 2
+    assert "eagle3: error: --draft mtp serves on the HF rows" in capsys.readouterr().err

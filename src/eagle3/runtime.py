@@ -147,9 +147,9 @@ def load_runtime(
         d = drafter_for(model, drafter)
         aux_ids = d.config.aux_layer_ids
     elif draft == "mtp":  # the MTP layer reads the final hidden state: the input of the final norm
-        from eagle3.target import decoder_parts
+        from eagle3.decoding.mtp import mtp_aux_id
 
-        aux_ids = [len(decoder_parts(model)[0])]
+        aux_ids = [mtp_aux_id(model)]
     else:
         aux_ids = []
     tgt = Target(model, aux_ids)

@@ -264,8 +264,18 @@ class MtpProposer(Eagle3Proposer):
     name = "mtp"
 
 
-def mtp_proposer(model: nn.Module, spec: DraftShape, source: str | Path | None = None) -> MtpProposer:
-    """An `MtpProposer` for `model`, whose checkpoint (at `source`, default where it was loaded from) ships MTP
-    weights. The engine's `Target` must tap aux id `len(decoder layers)` (the final norm's input)."""
+def mtp_drafter(model: nn.Module, source: str | Path | None = None) -> MtpDrafter:
+    """The MTP layer of `model`, whose checkpoint (at `source`, default where it was loaded from) ships MTP
+    weights, as a drafter. Its `Target` must tap aux id `mtp_aux_id(model)` (the final norm's input)."""
     _, final_norm = decoder_parts(model)
-    return MtpProposer(MtpDrafter(load_mtp(model, source), final_norm), spec)
+    return MtpDrafter(load_mtp(model, source), final_norm)
+
+
+def mtp_aux_id(model: nn.Module) -> int:
+    """The aux id the MTP layer reads: the input of the final norm, `len(decoder layers)` (`eagle3.target`)."""
+    return len(decoder_parts(model)[0])
+
+
+def mtp_proposer(model: nn.Module, spec: DraftShape, source: str | Path | None = None) -> MtpProposer:
+    """An `MtpProposer` drafting `spec` with `mtp_drafter(model, source)`."""
+    return MtpProposer(mtp_drafter(model, source), spec)

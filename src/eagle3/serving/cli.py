@@ -39,8 +39,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_trust_remote_code(s)
     s.add_argument("--drafter", default=None, metavar="DIR",
                    help="EAGLE-3 drafter checkpoint (speculators or EAGLE format)")
-    s.add_argument("--draft", choices=("eagle3", "ngram", "none"), default=None, metavar="KIND",
-                   help="eagle3, ngram or none (default: eagle3 with --drafter, else none)")
+    s.add_argument("--draft", choices=("eagle3", "mtp", "ngram", "none"), default=None, metavar="KIND",
+                   help="eagle3, mtp (the target's own multi-token-prediction layer), ngram or none (default: eagle3 "
+                        "with --drafter, else none)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     s.add_argument("--host", default="127.0.0.1")
@@ -155,14 +156,23 @@ def load_server(args):
         d = drafter_for(model, args.drafter)
         aux_ids = d.config.aux_layer_ids
         drafter = Eagle3BatchDrafter(d)
+    elif draft == "mtp":  # batched like EAGLE-3, on the HF rows (`eagle3.decoding.mtp`)
+        from eagle3.decoding.mtp import mtp_aux_id, mtp_drafter
+
+        drafter, aux_ids = Eagle3BatchDrafter(mtp_drafter(model, args.target)), [mtp_aux_id(model)]
     elif draft == "ngram":
         drafter = ProposerBatchDrafter(lambda _prompt: NgramProposer(length=spec.depth, device=device), device)
     if drafter is None:
         policy = SpecPolicy(largest=None)
     target = Target(model, aux_ids)
-    fast = fast_lane_engine(args.fast_lane, model, draft if policy.enabled else "none", spec,
+    lane, fast_batch = args.fast_lane, args.fast_rows
+    if draft == "mtp":  # the fast path drafts EAGLE-3 and n-grams only: MTP serves on the HF rows
+        if "on" in (lane, fast_batch):
+            raise ConfigError("--draft mtp serves on the HF rows: leave --fast-lane and --fast-rows at auto or off")
+        lane = fast_batch = "off"
+    fast = fast_lane_engine(lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config)
-    rows = fast_rows(args.fast_rows, model, d if draft == "eagle3" else None, policy, config, device,
+    rows = fast_rows(fast_batch, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
