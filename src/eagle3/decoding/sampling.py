@@ -35,9 +35,9 @@ import torch
 
 from eagle3.config import SamplingConfig
 
-__all__ = ["FILTERED", "GREEDY", "MODES", "TEMPERATURE", "SamplingRows", "choose", "coupled_draft_scores", "exponential_noise",
-           "exponential_noise_rows", "filter_scores", "filter_scores_rows", "fused_draw_available", "hash_u32",
-           "new_seed", "process_logits", "race_sample", "race_sample_rows", "sampling_mode", "seed_hash",
+__all__ = ["FILTERED", "GREEDY", "MODES", "TEMPERATURE", "SamplingRows", "choose", "coupled_draft_scores",
+           "exponential_noise", "exponential_noise_rows", "filter_scores", "filter_scores_rows", "fused_draw_available",
+           "hash_u32", "new_seed", "process_logits", "race_sample", "race_sample_rows", "sampling_mode", "seed_hash",
            "token_hash", "vocab_hash"]
 
 log = logging.getLogger("eagle3.decoding")

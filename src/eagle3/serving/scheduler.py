@@ -111,6 +111,18 @@ class _SwapOrder:
         self.error: SwapRefused | None = None
 
 
+def _plain_lane(fast: FastEngine) -> FastEngine:
+    """A drafter-less engine on the lane's fused weights and caches, captured (and compiled) now for every
+    sampling mode and every prompt those caches hold (with `graph_prefill`, its prefills too), not inside its
+    first request."""
+    from eagle3.fast.engine import FastEngine
+
+    plain = FastEngine(fast.model, draft="none", target=fast.target, options=fast.options)
+    if fast.seq_len:
+        plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0, MODES)
+    return plain
+
+
 class Scheduler(PathsMixin, OutputMixin):
     """Owns the target, the drafter and the rows; `start()` runs the loop in a daemon thread."""
 
@@ -144,15 +156,7 @@ class Scheduler(PathsMixin, OutputMixin):
         # engine that shares the lane's fused weights and caches
         self._lane_plain, self._lane_gate = None, None
         if fast is not None and fast.mode != "none" and self.policy.measure:
-            from eagle3.fast.engine import FastEngine
-
-            self._lane_plain = FastEngine(fast.model, draft="none", target=fast.target, options=fast.options)
-            self._lane_gate = self.policy.lane_gate()
-        if self._lane_plain is not None and fast.seq_len:
-            # capture (and compile) it now, on the caches the lane already holds, not inside its first request
-            # (with `graph_prefill`, its prefills too, for every prompt those caches hold)
-            plain = self._lane_plain
-            plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0, MODES)
+            self._lane_plain, self._lane_gate = _plain_lane(fast), self.policy.lane_gate()
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
         self.loaded = LoadedDrafter("v1" if drafter is not None else "none", None, time.time(),
@@ -346,13 +350,7 @@ class Scheduler(PathsMixin, OutputMixin):
         """Switch drafters: the rows decoding now finish without drafting, new rows draft with `new`."""
         self.batch.swap_drafter(Eagle3BatchDrafter(new.drafter))
         if self.fast is not None and self.fast.mode != "none":  # the lane's drafter is the old one: lane plain
-            plain = self._lane_plain
-            if plain is None:
-                from eagle3.fast.engine import FastEngine
-
-                plain = FastEngine(self.fast.model, draft="none", target=self.fast.target, options=self.fast.options)
-                if self.fast.seq_len:
-                    plain.prepare(max(1, self.fast.seq_len - plain.core.slots_needed(0, 0)), 0, MODES)
+            plain = self._lane_plain if self._lane_plain is not None else _plain_lane(self.fast)
             self.fast, self._lane_plain, self._lane_gate = plain, None, None
         for b in self._batches:
             b.spec = b.backend is self.batch  # the fast rows' drafter is the old one: they decode plain
