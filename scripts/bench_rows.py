@@ -32,6 +32,9 @@ from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
 
 
+DRAFTING = {"eager": False, "compiled": True}  # --drafting -> FastRows(compile_drafting=)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -54,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eager-sampling", action="store_true",
                    help="sampled rows draw with eager ops instead of the fused (compiled) draw, which is the "
                         "default on CUDA: to measure what fusing saves")
+    p.add_argument("--drafting", nargs="+", choices=tuple(DRAFTING), default=["eager"],
+                   help="the speculative cycles' drafting pieces op by op (the default) or inductor-compiled; "
+                        "several are each timed")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -101,14 +107,17 @@ def main(argv=None) -> int:
         print(f"no drafter     B={b:<3d} plain {bare_ms[b]:7.2f} ms", flush=True)
     del bare
     results = []
-    for budget, window in ((x, w) for x in args.budgets for w in args.feed_windows):
+    for budget, window, drafting in ((x, w, c) for x in args.budgets for w in args.feed_windows
+                                     for c in args.drafting):
         policy = SpecPolicy(spec, token_budget=budget)
         rows = FastRows(target, drafter, capacity=max(args.batch), seq_len=args.seq_len, shapes=policy.shape,
-                        feed_window=window, fused_sampling=fused)
+                        feed_window=window, fused_sampling=fused, compile_drafting=DRAFTING[drafting],
+                        sampling=args.temperature > 0)  # greedy runs capture (and compile) greedy cycles only
         prepare_s = rows.prepare()
         for b in args.batch:
             fill(rows, b)
-            row = {"budget": budget, "feed_window": window, "batch": b, "shape": str(rows.shape_of(b)),
+            row = {"budget": budget, "feed_window": window, "drafting": drafting, "batch": b,
+                   "shape": str(rows.shape_of(b)),
                    "sampled": rows.mode != GREEDY, "fused_sampling": rows.fused_sampling,
                    "prepare_s": round(prepare_s, 2), "bare_ms_per_cycle": round(bare_ms[b], 3)}
             for mode, spec_on in (("plain", False), ("spec", True)):
@@ -121,7 +130,7 @@ def main(argv=None) -> int:
             if "spec_tokens_per_s" in row:
                 row["speedup"] = round(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], 3)
             results.append(row)
-            print(f"budget {budget:5d} W={window:<2d} B={b:<3d} {row['shape']:<40s} plain {row['plain_ms_per_cycle']:7.2f} ms "
+            print(f"{drafting:8s} budget {budget:5d} W={window:<2d} B={b:<3d} {row['shape']:<40s} plain {row['plain_ms_per_cycle']:7.2f} ms "
                   f"{row['plain_tokens_per_s']:9.1f} tok/s | spec {row.get('spec_ms_per_cycle', float('nan')):7.2f} ms "
                   f"tau {row.get('spec_tokens_per_row_cycle', float('nan')):5.2f} "
                   f"{row.get('spec_tokens_per_s', float('nan')):9.1f} tok/s  x{row.get('speedup', float('nan')):.2f}",

@@ -169,6 +169,31 @@ def test_rows_accept_what_the_batch1_engine_accepts(shape):
     assert max(max(a) for a in accepted) >= 2  # multi-slot compaction happened
 
 
+def test_compiled_drafting_keeps_the_rows_drafts_and_tokens():
+    """`FastRows.compile_drafting` (on CUDA by default): drafting, the verification's inputs, acceptance and
+    feeding the drafter compiled by inductor, the target eager. A greedy and a sampled row decode as with eager
+    pieces cycle after cycle (fp32): the same tokens and the same accepted drafts, and every piece ran compiled."""
+    from eagle3.fast.rows import DRAFTING_PIECES
+
+    model = build_tiny_target("llama", vocab_size=16)
+    d = init_drafter(model, draft_vocab_size=16, seed=1)
+    prompts = prompts_of([7, 12], 16, seed=9)
+    settings = [None, SamplingConfig(0.8, seed=5)]
+    runs = []
+    for compiled in (False, True):
+        rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=2, seq_len=128,
+                        shapes={1: TREE, 2: TREE}.get, compile_drafting=compiled)
+        outs = [[first] for first in rows.add_many(prompts, sampling=settings)]
+        for _ in range(8):
+            for out, new in zip(outs, rows.cycle(spec=True), strict=True):
+                out.append(new)
+        runs.append(outs)
+        assert rows.drafting_compiled == compiled
+        assert rows.pieces.tried == (set(DRAFTING_PIECES) if compiled else set())
+    assert runs[0] == runs[1]
+    assert sum(len(new) - 1 for out in runs[1] for new in out[1:]) > 0  # drafts were accepted
+
+
 def test_held_tokens_reach_the_drafter_as_if_fed_every_cycle():
     """Plain cycles hold each row's features back and a feed step gives them to the drafter in one forward (before
     a speculative cycle, or when a row's window is full). Side by side with rows that feed the drafter in every

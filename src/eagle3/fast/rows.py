@@ -44,12 +44,14 @@ from eagle3.decoding.tree import ancestry, parents_with_root, path_slots
 from eagle3.decoding.verify import accept_rows
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast.drafter import FastDrafter
-from eagle3.fast.graphs import StepRunner, graph_pool
+from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, argmax_ids
 
 __all__ = ["FastRows", "buckets"]
 
 MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
+# The speculative cycle's pieces that never run the target's weights (`FastRows.compile_drafting`)
+DRAFTING_PIECES = ("_draft", "_tree_inputs", "_accept", "_feed_rows")
 
 
 def buckets(capacity: int) -> list[int]:
@@ -102,7 +104,7 @@ class FastRows:
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
                  shapes: Callable[[int], DraftShape | None] | None = None, graphs: bool = True,
                  prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW,
-                 fused_sampling: bool | None = None):
+                 fused_sampling: bool | None = None, compile_drafting: bool = False):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if feed_window < 0:
@@ -165,6 +167,23 @@ class FastRows:
         self.prefill_tokens = prefill_tokens
         self._flat: dict[str, torch.Tensor] = {}
         self._prefills: dict[tuple[int, int], _Prefill] = {}
+        self.pieces = CompiledPieces(self)
+        if self.d is not None and compile_drafting:
+            self.compile_drafting()
+
+    def compile_drafting(self, backend: str | Callable = "inductor") -> None:
+        """Compile the speculative cycle's pieces that do not run the target (`DRAFTING_PIECES`: drafting, the
+        verification's inputs, acceptance, feeding the drafter) from now on, as `FastCore.compile_drafting` does
+        for one row: op by op, a tree's drafting launches hundreds of small kernels inside the cycle's graph. Each
+        bucket and sampling mode compiles its own variant, so `prepare` takes that much longer. Call before the
+        cycles are captured. Emitted tokens are unchanged: the drafter decides only what is proposed."""
+        if self._runners:
+            raise RuntimeError("compile_drafting() must come before cycles are captured")
+        self.pieces.compile(list(DRAFTING_PIECES), backend)
+
+    @property
+    def drafting_compiled(self) -> bool:
+        return bool(self.pieces)
 
     # -- host side ---------------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -492,9 +511,9 @@ class FastRows:
         self.held_n[:nb].zero_()
 
     def _spec_cycle(self, nb: int, mode: int) -> None:
-        tokens, parents1 = self._draft(nb, mode)  # [nb, N], [nb, N+1]
+        tokens, parents1 = self.pieces.run("_draft", nb, mode)  # [nb, N], [nb, N+1]
         anc, top, aux = self._verify(nb, tokens, parents1, mode)
-        keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top)
+        keep, n_acc, emitted = self.pieces.run("_accept", nb, tokens, parents1, anc, top)
         self._commit(nb, keep, n_acc, emitted, aux)
 
     def _draft(self, nb: int, mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
@@ -542,7 +561,7 @@ class FastRows:
         """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
         [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
         by_paths = self.t.by_splits(tokens.shape[1] + 1)
-        anc, ids, pos, slots, mask, tail = self._tree_inputs(nb, tokens, parents1, by_paths)
+        anc, ids, pos, slots, mask, tail = self.pieces.run("_tree_inputs", nb, tokens, parents1, by_paths)
         logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
                                           want_aux=True, path=(self.length[:nb], tail) if by_paths else None)
         # logits [nb, N+1, V], aux [nb, N+1, 3·Ht]
@@ -566,7 +585,7 @@ class FastRows:
         k, v = self.k[:, :nb], self.v[:, :nb]
         k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
         v[:, rows, :, dst] = v[:, rows, :, src]
-        self._feed_rows(nb, keep, n_acc, emitted, aux, rows, dst)
+        self.pieces.run("_feed_rows", nb, keep, n_acc, emitted, aux, rows, dst)
 
     def _feed_rows(self, nb: int, keep, n_acc, emitted, aux, rows: torch.Tensor, dst: torch.Tensor) -> None:
         """The drafter fed with each row's accepted path (`rows` [nb, 1], its cache slots `dst` [nb, D+1]), state
