@@ -109,6 +109,18 @@ def test_candidate_shapes():
     shapes = candidate_shapes(max_chain=3, trees=("6,10,60",))
     assert shapes == [DraftShape.chain(1), DraftShape.chain(2), DraftShape.chain(3), DraftShape(6, 10, 60)]
     assert len(candidate_shapes()) == 13
+    # every other length (a GPU's), the longest always: its run measures every position's acceptance
+    assert [s.depth for s in candidate_shapes(max_chain=7, trees=(), chain_step=2)] == [2, 4, 6, 7]
+    assert len(candidate_shapes(chain_step=2)) == 9
+
+
+def test_tune_spreads_its_prompts_over_the_set():
+    """Bundled sets are ordered by category: tune's few prompts come from across the set, not its start."""
+    from eagle3.tuning.command import spread
+
+    assert spread(list(range(80)), 4) == [0, 20, 40, 60]
+    assert spread(list(range(10)), 3) == [0, 3, 6]
+    assert spread([1, 2], 4) == [1, 2]
 
 
 # -- interpolation ----------------------------------------------------------------------------------------

@@ -10,10 +10,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from eagle3.config import DTYPE_HELP, ConfigError, DraftShape, SamplingConfig
-from eagle3.tuning.model import AcceptanceProfile, predict
+from eagle3.tuning.model import CPU_TREES, GPU_TREES, AcceptanceProfile, candidate_shapes, predict
 
-CPU_TREES = ("3,2,6", "4,4,16")
-GPU_TREES = ("4,4,16", "5,8,32", "6,8,48", "6,10,60", "8,10,80")
+
+def spread(items: list, n: int) -> list:
+    """`n` items evenly spaced over `items` (all of them if there are fewer): bundled sets are ordered by category
+    (MT-bench: ten writing prompts first), so the first n would measure one kind of answer."""
+    if n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
 
 
 def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = "auto", dataset: str = "mt_bench",
@@ -34,15 +39,18 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
     rt = load_runtime(target, drafter=drafter, draft="eagle3", device=device, dtype=dtype)
     base = decoding_for(rt.model, "eagle3")
     cpu = next(rt.model.parameters()).device.type == "cpu"
-    tree_shapes = [DraftShape.parse(t) for t in (trees if trees is not None else CPU_TREES if cpu else GPU_TREES)]
-    chains = [DraftShape.chain(k) for k in range(1, max_chain + 1)]
-    _, chats = load_prompts(dataset, limit=limit)
-    prompts = [encode_messages(rt.tokenizer, m) for m in chats]
+    # On a GPU every other chain length is timed (the acceptance of each comes from the longest chain's run): each
+    # shape compiles its own drafting pieces there
+    shapes_tried = candidate_shapes(max_chain, trees if trees is not None else CPU_TREES if cpu else GPU_TREES,
+                                    chain_step=1 if cpu else 2)
+    chains = [s for s in shapes_tried if s.is_chain]
+    tree_shapes = [s for s in shapes_tried if not s.is_chain]
+    _, chats = load_prompts(dataset)
+    prompts = [encode_messages(rt.tokenizer, m) for m in spread(chats, limit)]
     param = next(rt.model.parameters())
-    # Every shape is a new engine: compiling its drafting pieces (inductor, on CUDA) and capturing its prefills
-    # would cost seconds to tens of seconds per shape; the cycles are timed with eager pieces in their graphs and
-    # prompts prefilled eagerly (prefills are not timed).
-    options = FastOptions(compile_drafting=False, graph_prefill=False)
+    # Cycles are timed as every command runs them: on CUDA with inductor-compiled drafting pieces (timed with
+    # eager pieces, the costs favoured small trees: docs/tuning.md). Prompts prefill eagerly (not timed).
+    options = FastOptions(graph_prefill=False)
     echo(f"eagle3 tune: {base.engine} engine, {str(param.dtype).removeprefix('torch.')} on {param.device}; "
          f"{len(prompts)} prompts x {max_new_tokens} tokens")
 
@@ -150,10 +158,10 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     t.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     t.add_argument("--dataset", default="mt_bench", help="bundled set or JSONL file of your traffic")
-    t.add_argument("--limit", type=int, default=4, metavar="N", help="prompts (default 4)")
+    t.add_argument("--limit", type=int, default=4, metavar="N", help="prompts, spread over the set (default 4)")
     t.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     t.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T")
-    t.add_argument("--max-chain", type=int, default=8, metavar="K", help="longest chain tried (default 8)")
+    t.add_argument("--max-chain", type=int, default=8, metavar="K", help="longest chain tried (default 8; on a GPU every other length is timed)")
     t.add_argument("--trees", nargs="+", default=None, metavar="D,K,N", help="tree shapes tried (default: 2 on a "
                    "CPU, 5 on a GPU)")
     t.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")

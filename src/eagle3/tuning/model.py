@@ -14,7 +14,8 @@ from typing import Any
 
 from eagle3.config import ConfigError, DraftShape
 
-DEFAULT_TREES = ("4,4,16", "5,8,32", "6,10,60", "6,8,48", "8,10,80")
+GPU_TREES = ("4,4,16", "5,8,32", "6,8,48", "6,10,60", "8,10,80")
+CPU_TREES = ("3,2,6", "4,4,16")  # a CPU verifies many rows at several times the cost of one
 MIN_SPEEDUP = 1.02  # speculation that gains less than 2 % is not worth its risk
 
 
@@ -162,6 +163,8 @@ def choose(costs: Costs, profile: AcceptanceProfile, shapes: Iterable[DraftShape
     return best if best.speedup >= min_speedup else plain
 
 
-def candidate_shapes(max_chain: int = 8, trees: Iterable[str] = DEFAULT_TREES) -> list[DraftShape]:
-    """Chains of 1..max_chain tokens, then the trees given as 'DEPTH,TOPK,TOTAL'."""
-    return [DraftShape.chain(k) for k in range(1, max_chain + 1)] + [DraftShape.parse(t) for t in trees]
+def candidate_shapes(max_chain: int = 8, trees: Iterable[str] = GPU_TREES, chain_step: int = 1) -> list[DraftShape]:
+    """Chains of up to max_chain tokens (every `chain_step`-th length, max_chain always), then the trees given as
+    'DEPTH,TOPK,TOTAL'."""
+    lengths = sorted({*range(chain_step, max_chain + 1, chain_step), max_chain})
+    return [DraftShape.chain(k) for k in lengths] + [DraftShape.parse(t) for t in trees]

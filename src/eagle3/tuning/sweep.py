@@ -112,7 +112,8 @@ def _fixed_engine(rt, decoding: Decoding, n: int, device, options=None):
 
         from eagle3.fast.engine import FastEngine, FastOptions
 
-        options = replace(options or FastOptions(), chain_stop=None, guard=False)
+        # the verification is what is timed here: drafting-side pieces stay eager (one compilation per n saved)
+        options = replace(options or FastOptions(), chain_stop=None, guard=False, compile_drafting=False)
         return FastEngine(rt.model, draft=FixedChain(n, device), max_nodes=n, tokenizer=rt.tokenizer,
                           options=options, target=rt.fast_target())
     return SpeculativeEngine(rt.target, FixedChain(n, device), rt.tokenizer)
