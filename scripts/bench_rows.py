@@ -31,7 +31,6 @@ from eagle3.runtime import drafter_for, encode_messages
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
 
-
 DRAFTING = {"eager": False, "compiled": True}  # --drafting -> FastRows(compile_drafting=)
 
 

@@ -21,12 +21,12 @@ from doubles import ScriptedProposer, SelfTreeProposer
 from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.drafters import Eagle3BatchDrafter, Eagle3Proposer, ProposerBatchDrafter, pad_trees
 from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.hf_batch import accept_batch, prefill
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.decoding.sampling import exponential_noise, race_sample
 from eagle3.decoding.tree import DraftTree, ancestry
 from eagle3.decoding.verify import accept
 from eagle3.runtime import eos_token_ids, init_drafter
-from eagle3.serving.batch import accept_batch, prefill
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy, SpeedGate
 from eagle3.serving.requests import GenParams, RequestHandle, SchedulerUnavailable, _Row
@@ -709,7 +709,7 @@ def test_plain_cycles_hold_the_drafter_input_back_and_feed_it(window):
     `feed_window` are held or before the next speculative cycle, so a drafter scripted to be right twice per cycle
     is right in every speculative cycle after a run of plain ones (a lost token would make every draft wrong)."""
     from eagle3.attention import shapes_vary
-    from eagle3.serving.hf_rows import HFRows
+    from eagle3.decoding.hf_rows import HFRows
 
     model = build_tiny_target("llama")
     prompts = tiny_prompts(2, seed=7)

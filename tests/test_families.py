@@ -23,9 +23,9 @@ from conftest import _COMMON
 from doubles import proposer
 from eagle3.config import ConfigError, SamplingConfig
 from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.hf_batch import batched_forward, prefill
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.runtime import init_drafter
-from eagle3.serving.batch import batched_forward, prefill
 from eagle3.target import Target
 
 CHUNK = 8  # Llama-4 attention_chunk_size and gpt-oss / Phi-3 sliding window: prompts below cross it several times

@@ -1,4 +1,4 @@
-"""The server's HF rows (`eagle3.serving.hf_rows`: any AutoModelForCausalLM, a padded `DynamicCache`, 4-D tree
+"""The server's HF rows (`eagle3.decoding.hf_rows`: any AutoModelForCausalLM, a padded `DynamicCache`, 4-D tree
 masks) on a Gemma-3 target (sliding-window layers) and a Qwen3-MoE target (per-token expert routing): 16
 concurrent greedy clients, speculation on, each answer equal token for token to the single-request answer.
 

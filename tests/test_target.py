@@ -9,8 +9,8 @@ import torch
 
 from conftest import ARCHS, TINY_SLIDING_WINDOW
 from eagle3.config import ConfigError, default_aux_layer_ids
+from eagle3.decoding.hf_batch import batched_forward, prefill
 from eagle3.decoding.tree import DraftTree
-from eagle3.serving.batch import batched_forward, prefill
 from eagle3.target import Target
 
 PROMPT_LEN = TINY_SLIDING_WINDOW + 7  # past Gemma-3's sliding window

@@ -3,7 +3,7 @@
 Taps use forward pre-hooks, so no modeling file is copied: aux id k (vLLM convention, HF `hidden_states[k]`)
 is the un-normalised residual stream *entering* decoder layer k; k = L is the input of the final norm.
 The adapter runs causal forwards on an HF `DynamicCache` and the training feature pass; rows of token trees
-(4-D masks, positions = prefix + depth) are verified through it by `eagle3.serving.batch.batched_forward`, whose
+(4-D masks, positions = prefix + depth) are verified through it by `eagle3.decoding.hf_batch.batched_forward`, whose
 `BatchKV.compact` shrinks the cache to each row's accepted path. `attention_mask` builds those masks per layer
 type (sliding windows, chunks).
 """
@@ -220,7 +220,7 @@ class Target:
         logits_to_keep: int = 0,  # 0 = logits for every new token
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A causal forward of one sequence's new tokens (prefill, plain steps, a draft model's chain; trees are
-        verified by `eagle3.serving.batch.batched_forward`). Returns logits [1, N', V] (fp32) and aux features
+        verified by `eagle3.decoding.hf_batch.batched_forward`). Returns logits [1, N', V] (fp32) and aux features
         [1, N, 3·Ht] (None without aux layers)."""
         past = cache.get_seq_length()
         n = input_ids.shape[1]

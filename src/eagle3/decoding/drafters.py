@@ -10,7 +10,7 @@ Both keep one drafter state per row, in the caller's row order, and share one in
     drafter.extend(aux_rows, new_tokens, counts)  # after verification: row b's first counts[b] kept features
                                                   # with the token following each (counts[b] = 0: no update)
 
-The server's HF rows (`eagle3.serving.hf_rows`) draft many rows with them, the generic engine one (`rows_drafter`).
+The server's HF rows (`eagle3.decoding.hf_rows`) draft many rows with them, the generic engine one (`rows_drafter`).
 `Eagle3BatchDrafter` runs the EAGLE-2 tree expansion (`eagle3.decoding.expand`) for all drafting rows at
 once: its `DrafterKV` is a padded [B, n_kv, S, hd] tensor with per-row lengths, and every drafter forward takes a
 bool mask [B, 1, T, S+T] that hides other rows' padding. It drafts with an `Eagle3Drafter` or with a target's own

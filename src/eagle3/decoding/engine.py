@@ -1,5 +1,5 @@
 """The generic engine: one request at a time on any HF causal LM, through the server's HF rows
-(`eagle3.serving.hf_rows.HFRows`) with one row, so `generate` and the server run the same cycle: prefill ->
+(`eagle3.decoding.hf_rows.HFRows`) with one row, so `generate` and the server run the same cycle: prefill ->
 draft -> verify -> accept -> update (reference §C). Also the request checks and text streaming both engines
 share (`Request`, `_Stream`) and the statistics they report. Metrics:
 tau = tokens emitted per target verification forward, counting the bonus token; acceptance_per_position[i]
@@ -17,9 +17,9 @@ import torch
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from eagle3.decoding.drafters import rows_drafter
 from eagle3.decoding.guard import SpeculationGuard
+from eagle3.decoding.hf_rows import HFRows
 from eagle3.decoding.proposers import Proposer
 from eagle3.decoding.sampling import new_seed
-from eagle3.serving.hf_rows import HFRows
 from eagle3.target import Target
 
 

@@ -16,8 +16,8 @@ from eagle3.serving.policy import SpeedGate
 from eagle3.serving.requests import GenParams, RequestHandle, _Row
 
 if TYPE_CHECKING:
+    from eagle3.decoding.hf_rows import HFRows
     from eagle3.fast.rows import FastRows
-    from eagle3.serving.hf_rows import HFRows
 
 
 @dataclass

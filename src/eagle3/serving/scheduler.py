@@ -14,7 +14,7 @@ Each loop iteration:
 
 The rows backends share one interface (`add_many`, `cycle`, `remove`): `eagle3.fast.rows.FastRows` (static caches,
 one graph-captured cycle per batch-size bucket; families the fast path covers, on a GPU) and
-`eagle3.serving.hf_rows.HFRows` (any HF causal LM, one padded cache). Sampled rows draw the same position-keyed
+`eagle3.decoding.hf_rows.HFRows` (any HF causal LM, one padded cache). Sampled rows draw the same position-keyed
 tokens on both.
 
 The fast lane (when the server has a `FastEngine`): a request (greedy or sampled) that arrives at an idle server
@@ -53,12 +53,12 @@ import torch
 from eagle3.config import ConfigError, DraftShape
 from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter, identity_probe
 from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.hf_rows import HFRows
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.decoding.sampling import MODES
 from eagle3.drafter import Eagle3Drafter
 from eagle3.runtime import drafter_for, encode_prompt
 from eagle3.serving.config import ServeConfig
-from eagle3.serving.hf_rows import HFRows
 from eagle3.serving.metrics import Metrics
 from eagle3.serving.output import OutputMixin, _stock_decode
 from eagle3.serving.paths import PathsMixin, _Batch

@@ -6,7 +6,7 @@
     new = rows.cycle(spec)                            # one cycle of every row: each row's new tokens
     rows.remove(i)                                    # free row i; the last row moves into its place
 
-State: one padded KV cache (`eagle3.serving.batch.BatchKV`, row b's tokens at [0, lengths[b])), a `BatchDrafter`
+State: one padded KV cache (`eagle3.decoding.hf_batch.BatchKV`, row b's tokens at [0, lengths[b])), a `BatchDrafter`
 with one drafter state per row, and per row its sampling settings and whether the drafter follows it. A cycle
 verifies [B, N+1] tokens (root and padded draft tree) in one forward under a 4-D mask and keeps each row's
 accepted path (`eagle3.decoding.verify.accept_rows`). Plain cycles hold each followed row's root features and new
@@ -25,9 +25,9 @@ import torch
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter
+from eagle3.decoding.hf_batch import BatchKV, accept_batch, batched_forward, prefill
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
-from eagle3.serving.batch import BatchKV, accept_batch, batched_forward, prefill
 from eagle3.target import Target
 
 __all__ = ["HFRows"]
