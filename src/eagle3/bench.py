@@ -42,6 +42,7 @@ from eagle3.config import (
     DraftShape,
     SamplingConfig,
 )
+from eagle3.defaults import CPU_TREE
 
 log = logging.getLogger("eagle3.bench")
 
@@ -178,7 +179,7 @@ def run_bench(
     """
     import transformers
 
-    from eagle3.defaults import decoding_for, load_for_decoding, tuned_choice, with_flags
+    from eagle3.defaults import decoding_for, device_tree, load_for_decoding, tuned_choice, with_flags
     from eagle3.evaluate import load_prompts
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
     from eagle3.fast.drafter import drafter_attention_for
@@ -198,7 +199,7 @@ def run_bench(
     device_chain = with_flags(decoding_for(model, "eagle3", engine="fast", tuned=tuned), guard)
     if not device_chain.shape.is_chain or not device_chain.speculate:
         device_chain = with_flags(decoding_for(model, "eagle3", engine="fast"), guard)
-    device_tree = with_flags(decoding_for(model, "eagle3", engine="fast", shape=DraftShape()), guard)
+    device_tree = with_flags(decoding_for(model, "eagle3", engine="fast", shape=device_tree(dev)), guard)
     if chain is not None:
         device_chain = with_flags(decoding_for(model, "eagle3", engine="fast", shape=DraftShape.chain(chain),
                                                chain_stop=0), guard)
@@ -489,7 +490,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--chain", type=int, default=None, metavar="K",
                    help="EAGLE-3 chain length (default: tuned, else the device's, as generate)")
     b.add_argument("--tree", nargs="+", default=None, metavar="D,K,N",
-                   help=f"EAGLE-3 trees (default {DraftShape().text}); several are each timed against plain decoding")
+                   help=f"EAGLE-3 trees (default {DraftShape().text} on a GPU, {CPU_TREE.text} on a CPU); several are "
+                        "each timed against plain decoding")
     b.add_argument("--ngram-tokens", type=int, default=HF_LOOKUP_TOKENS, metavar="N", help="n-gram draft length")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     b.add_argument("--dtype", default="auto", help=DTYPE_HELP)

@@ -25,6 +25,7 @@ log = logging.getLogger("eagle3")
 CPU_FP32_SHAPE = DraftShape.chain(2)
 CPU_BF16_SHAPE = DraftShape.chain(6)
 CPU_BF16_CHAIN_STOP = 0.2  # stop a chain's drafting below this joint draft probability (`FastCore.draft_chain_until`)
+CPU_TREE = DraftShape(3, 2, 6)  # the tree `bench` times on a CPU: 6,10,60 verifies 61 rows, several steps' cost there
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -121,6 +122,12 @@ def decoding_for(model, draft: str, shape: DraftShape | None = None, engine: str
         stop = CPU_BF16_CHAIN_STOP if chain_stop is None else (chain_stop or None)
         return Decoding(engine, CPU_BF16_SHAPE, stop, guard)
     return Decoding(engine, CPU_FP32_SHAPE if param.dtype == torch.float32 else CPU_BF16_SHAPE, None, guard)
+
+
+def device_tree(device: str | torch.device) -> DraftShape:
+    """The tree shape for `device` where a command times a tree without being given one: EAGLE-2's 6,10,60 on a
+    GPU, a small tree on a CPU (docs/tuning.md)."""
+    return DraftShape() if torch.device(device).type != "cpu" else CPU_TREE
 
 
 def with_flags(decoding: Decoding, guard: str = "auto") -> Decoding:
