@@ -11,7 +11,8 @@
 #      32,768-token batches, an 18-minute budget (TIME_BUDGET=1080 s), 1 % of the samples held out (VAL_FRACTION).
 #   4. `eagle3 eval` on MT-bench (80 first turns, 256 tokens), tree 6,10,60 and chain 5 (EVAL=0 skips it).
 # The defaults below are the recipe's. docs/training.md has what it measures (tau per benchmark set, timings,
-# records) and the levers tried on it (SAMPLE_SHAREGPT, SYNTH, SYNTH_TOKENS, DRAFT_VOCAB, LABEL_T, AUX_LAYERS).
+# records) and the levers tried on it (SAMPLE_SHAREGPT, SAMPLE_SYNTH, SYNTH, SYNTH_TOKENS, DRAFT_VOCAB, LABEL_T,
+# AUX_LAYERS).
 #
 #   W=/tmp/work SHAREGPT=prompts.jsonl GSM8K=gsm8k.jsonl [SYNTH_DEVICE=cuda:1] bash scripts/train_smollm2_drafter.sh
 #
@@ -38,6 +39,7 @@ SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-384}  # new tokens per ShareGPT answer (eval 
 REGEN_BATCH=${REGEN_BATCH:-512}
 SAMPLE_T=${SAMPLE_T-0.8}       # also train on a second GSM8K answer sampled at this temperature (SAMPLE_T= : greedy only)
 SAMPLE_SHAREGPT=${SAMPLE_SHAREGPT:-0}  # 1: sample a second answer to the ShareGPT prompts too (docs/training.md, "What we tried")
+SAMPLE_SYNTH=${SAMPLE_SYNTH:-0}  # 1: answer the self-written prompts once more, sampled at SAMPLE_T (with LABEL_T=1: a drafter for sampled decoding, docs/training.md)
 VAL_FRACTION=${VAL_FRACTION-0.01} # hold out this share of the samples, scored at every checkpoint (VAL_FRACTION= : none)
 AUX_LAYERS=${AUX_LAYERS:-}     # the target layers the drafter reads (train --aux-layers; empty: 2,L//2,L-3)
 SYNTH=${SYNTH:-66000}          # also train on greedy answers to this many prompts SmolLM2 writes itself (eagle3 synthesize; 0: none)
@@ -104,6 +106,12 @@ if [ "$SYNTH" -gt 0 ]; then
     synthesize_and_answer "$DEVICE"
   fi
   SYNTHESIZED=("$W/regen_synth.jsonl")
+  if [ "$SAMPLE_SYNTH" = 1 ] && [ -n "$SAMPLE_T" ]; then
+    stage "answer the synthesized prompts again, sampled at T=$SAMPLE_T"
+    "${LIMIT[@]}" $EAGLE3 regenerate "${RS[@]}" --data "$W/synth.jsonl" --out "$W/regen_synth_t.jsonl" \
+      --max-new-tokens "$SYNTH_TOKENS" --max-prompt-tokens 1280 || [ $? -eq 124 ]
+    SYNTHESIZED+=("$W/regen_synth_t.jsonl")
+  fi
 fi
 
 stage "prepare (draft vocab $DRAFT_VOCAB)"
