@@ -117,3 +117,23 @@ def test_export_writes_the_shape_tuned_on_a_gpu(tmp_path, capsys):
     assert '"num_speculative_tokens": 4' in printed and "--speculative-num-steps 4" in printed
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+
+
+@pytest.mark.parametrize("device,dtype,shape,warned", [
+    ("cpu:EPYC:2 threads", "bfloat16", DraftShape(3, 2, 6), True),
+    ("cpu:EPYC:2 threads", "bfloat16", DraftShape.chain(5), False),
+    ("cpu:EPYC:2 threads", "float32", DraftShape(3, 2, 6), False),
+    ("cuda:NVIDIA H100 80GB HBM3", "bfloat16", DraftShape(), False),
+])
+def test_tune_says_when_its_choice_is_a_bf16_tree_on_a_cpu(tmp_path, capsys, monkeypatch, device, dtype, shape,
+                                                           warned):
+    """A bf16 tree on a CPU is not guaranteed plain decoding's answers: `tune` says so where it chooses one."""
+    from eagle3.tuning import command
+
+    choice = {"shape": shape.to_dict(), "chain_stop": None, "speedup": 2.0}
+    entry = {"key": {"device": device, "dtype": dtype}, "choices": {"0.0": choice}, "choice": choice, "table": [],
+             "costs": {"plain_s": 0.03, "draft_step_s": {"1": 0.002}}}
+    monkeypatch.setattr(command, "run_tune", lambda *a, **k: {"entry": entry, "stored": None, "seconds": 1.0})
+    (tmp_path / "d").mkdir()
+    assert main(["tune", "--target", "t", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "o")]) == 0
+    assert ("near-ties" in capsys.readouterr().out) == warned

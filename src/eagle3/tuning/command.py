@@ -136,10 +136,14 @@ def cmd_tune(args) -> int:
     entry = rec["entry"]
     print("tokens/s per shape (predicted from the costs and acceptance, and measured):")
     print(format_table(entry["table"]))
+    cpu_bf16 = entry["key"]["device"].startswith("cpu") and entry["key"]["dtype"] == "bfloat16"
     for temp, c in entry["choices"].items():
-        shape = "plain decoding" if c["shape"] is None else str(DraftShape.from_dict(c["shape"]))
+        shape = "plain decoding" if c["shape"] is None else DraftShape.from_dict(c["shape"])
         stop = f" stopping below {c['chain_stop']:g}" if c.get("chain_stop") else ""
         print(f"T={temp}: {shape}{stop} ({c['speedup']:.2f}x plain decoding)")
+        if cpu_bf16 and isinstance(shape, DraftShape) and not shape.is_chain:
+            print("  a bf16 tree on a CPU can differ from plain decoding at floating-point near-ties (greedy answers "
+                  "are not guaranteed identical; a chain's are): docs/tuning.md")
     c = entry["costs"]
     print(f"costs: plain step {1e3 * c['plain_s']:.2f} ms; draft step {1e3 * float(c['draft_step_s']['1']):.2f} ms")
     print(f"stored in {rec['stored']}; every command on this device now drafts so" if rec["stored"]
