@@ -988,3 +988,32 @@ def test_a_piece_that_fails_to_compile_for_one_mode_stays_compiled_for_the_other
     warnings = [r.getMessage() for r in caplog.records if "torch.compile of the cycle piece piece" in r.getMessage()]
     assert len(warnings) == 1 and "(1,)" in warnings[0] and "running it eagerly" in warnings[0]
     assert len(compilations) == 2 and pieces.failed == {("piece", 1)}
+
+
+def test_a_drafter_loads_in_place_and_keeps_its_source_intact(models):
+    """`FastDrafter.load_weights`: another drafter of the same shapes, written into this one's own tensors (the
+    same storage, so captured graphs replay the new weights): it then computes what a FastDrafter built from the new
+    drafter computes, and the drafter it was built from keeps its own weights. Other shapes are refused, unchanged."""
+    model = models["llama"]
+    old, new = (init_drafter(model, draft_vocab_size=200, seed=s) for s in (1, 2))
+    before = {n: t.clone() for n, t in old.state_dict().items()}
+    fd, ref = FastDrafter(old), FastDrafter(new)
+    ptrs = {n: getattr(fd, n).data_ptr() for n in ("fc", "wqkv", "lm_head", "d2t")}
+    assert fd.mismatch(new) is None
+    fd.load_weights(new)
+    assert {n: getattr(fd, n).data_ptr() for n in ptrs} == ptrs
+    for f in (fd, ref):
+        f.allocate(64)
+    g = torch.Generator().manual_seed(3)
+    hidden, tokens = torch.randn(5, fd.hidden_size, generator=g), torch.randint(3, 200, (5,), generator=g)
+    pos = torch.arange(5)
+    mask = torch.arange(64)[None, :] <= pos[:, None]
+    torch.testing.assert_close(fd.logits(fd(hidden, tokens, pos, pos, mask)),
+                               ref.logits(ref(hidden, tokens, pos, pos, mask)), rtol=0, atol=0)
+    assert all(torch.equal(t, before[n]) for n, t in old.state_dict().items())
+
+    small = init_drafter(model, draft_vocab_size=100, seed=3)
+    assert "lm_head" in fd.mismatch(small)
+    with pytest.raises(ConfigError, match="cannot be loaded in place"):
+        fd.load_weights(small)
+    torch.testing.assert_close(fd.lm_head, ref.lm_head, rtol=0, atol=0)

@@ -5,8 +5,8 @@ stories260K (fp32, CPU) with a drafter written by `eagle3 init-drafter`, the rea
 Covers: 16 concurrent greedy clients while the drafter is swapped five times between two folders and rolled back
 once (no errors, every answer equal to plain decoding), the admin token (401, and 404 without one), candidates
 refused with a 400 (another target's, other aux layers, no folder) or a 409 (failed probe, nothing to roll back
-to) while serving continues, GET's state, the version label in /metrics, and the fast lane and fast rows
-decoding plain after a swap.
+to) while serving continues, GET's state, the version label in /metrics, and the fast lane and fast rows taking
+the new drafter's weights in place (or decoding plain where its shapes differ).
 Run: pytest tests/test_swap.py
 """
 
@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -213,19 +214,52 @@ def test_swaps_under_load_keep_every_answer(server, folders, ref, caplog):
     assert sched.metrics.get("eagle3_draft_tokens_total") > drafted  # the new drafter drafts for new rows
 
 
-def test_fast_lane_and_rows_decode_plain_after_a_swap(stories260k, folders, ref):
-    srv = start(stories260k, folders["a"], lane=True, rows=True)  # no gate: the swap builds a plain lane
+def test_fast_lane_and_rows_take_the_new_drafter_in_place(stories260k, folders, ref):
+    """A swap to a drafter of the same shapes writes its weights into the fast lane's and fast rows' own tensors:
+    both keep drafting (the rows run speculative cycles after the swap), with the new weights; a rollback brings
+    the old weights back (the swap left the old drafter its own copy). A drafter of other shapes (a smaller draft
+    vocabulary) leaves them decoding plain. Every answer stays plain decoding's."""
+    from eagle3.fast.drafter import WEIGHTS, FastDrafter
+
+    def same(fd: FastDrafter, ref: FastDrafter) -> bool:
+        return all(torch.equal(getattr(fd, n), getattr(ref, n)) for n in WEIGHTS if getattr(ref, n) is not None)
+
+    model, _ = stories260k
+    small = folders["a"].parent / "small"
+    if not small.exists():
+        assert main(["init-drafter", "--target", MODEL, "--out", str(small), "--draft-vocab-size", "256"]) == 0
+    want = {name: FastDrafter(drafter_for(copy.deepcopy(model), folders[name])) for name in ("a", "b")}
+    srv = start(stories260k, folders["a"], lane=True, rows=True)  # no gate: the rows draft in every cycle
     try:
         sched = srv.app.state.scheduler
+        lane_d, rows_d = sched.fast.core.drafter, sched.fast_rows.d
+        wqkv = lane_d.wqkv.data_ptr()
         assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text
+
+        def serve_four() -> None:
+            spec_cycles = sched.fast_rows.spec_cycles
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda p: complete(srv, p, 24), PROMPTS[:4]))
+            assert got == [ref[(p, 24)].text for p in PROMPTS[:4]]
+            return sched.fast_rows.spec_cycles - spec_cycles
+
         r = admin(srv, "POST", json={"path": str(folders["b"])})
         assert r.status_code == 200 and r.json()["version"] == "v2"
-        assert sched.fast.mode == "none" and not sched._batches[0].spec
-        assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text  # alone: on the plain lane
-        cycles, spec_cycles = sched.fast_rows.cycles, sched.fast_rows.spec_cycles
-        with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: complete(srv, p, 24), PROMPTS[:4]))
-        assert got == [ref[(p, 24)].text for p in PROMPTS[:4]]
-        assert sched.fast_rows.cycles > cycles and sched.fast_rows.spec_cycles == spec_cycles
+        assert sched.fast.mode == "eagle3" and sched._batches[0].spec
+        assert sched.fast.core.drafter is lane_d and lane_d.wqkv.data_ptr() == wqkv  # the same tensors
+        assert same(lane_d, want["b"]) and same(rows_d, want["b"])
+        assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text  # alone: on the lane, drafting
+        assert serve_four() > 0
+
+        r = admin(srv, "POST", "/rollback")
+        assert r.status_code == 200 and r.json()["version"] == "v1"
+        assert same(lane_d, want["a"]) and same(rows_d, want["a"])
+        assert serve_four() > 0
+
+        r = admin(srv, "POST", json={"path": str(small)})
+        assert r.status_code == 200
+        assert sched.fast.mode == "none" and not sched._batches[0].spec  # other shapes: plain from now on
+        assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text
+        assert serve_four() == 0
     finally:
         srv.stop()

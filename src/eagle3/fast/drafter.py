@@ -92,11 +92,17 @@ def prefix_attention(
     return o.to(q.dtype)
 
 
+# The tensors `FastDrafter.load_weights` rewrites in place (the embedding is the target's: never written)
+WEIGHTS = ("fc", "input_norm", "fc_norm", "hidden_norm", "input_layernorm", "post_ln", "wqkv", "bqkv", "wo", "bo",
+           "w13", "b13", "w2", "b2", "norm", "lm_head", "d2t", "draft_h")
+
+
 class FastDrafter(nn.Module):
     """Weights of an `Eagle3Drafter` (fused q/k/v and gate/up) plus a static KV cache `[n_kv, S, hd]`."""
 
     def __init__(self, drafter: Eagle3Drafter):
         super().__init__()
+        self._source = [drafter]  # shares its unfused tensors (a list: not a submodule); see `load_weights`
         cfg = drafter.config
         self.config = cfg
         layer = drafter.layers[0]
@@ -306,3 +312,52 @@ class FastDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def mismatch(self, drafter: Eagle3Drafter) -> str | None:
+        """Why `drafter`'s weights cannot replace these in place (`load_weights`), or None where they can: the same
+        shapes, dtypes and layer options, the same token embedding and RoPE."""
+        new = FastDrafter(drafter)
+        for attr in ("nh", "nkv", "hd", "hidden_size", "eps", "norm_before_residual", "norm_output", "dtype"):
+            if getattr(new, attr) != getattr(self, attr):
+                return f"its {attr} is {getattr(new, attr)}, not {getattr(self, attr)}"
+        for name in WEIGHTS:
+            mine, theirs = getattr(self, name), getattr(new, name)
+            same = (mine is None) == (theirs is None) and (
+                mine is None or (mine.shape, mine.dtype) == (theirs.shape, theirs.dtype))
+            if not same:
+                return f"its {name} has another shape"
+        if not torch.equal(new.embed, self.embed):
+            return "it embeds tokens with other weights"
+        if not all(torch.equal(a, b) for a, b in zip(new.rope_table(8), self.rope_table(8), strict=True)):
+            return "it has other RoPE settings"
+        return None
+
+    @torch.no_grad()
+    def load_weights(self, drafter: Eagle3Drafter) -> None:
+        """Take `drafter`'s weights into this drafter's own tensors (`WEIGHTS`), so that CUDA graphs captured and
+        pieces compiled on them draft with the new drafter: a drafter swap on a running server. `mismatch` must
+        be None. The drafter these tensors were built from shared its unfused ones; it gets copies of them first,
+        so it keeps its own weights (the server keeps it to roll back to). Emitted tokens never depend on it."""
+        why = self.mismatch(drafter)
+        if why is not None:
+            raise ConfigError(f"this drafter cannot be loaded in place: {why}")
+        written = {getattr(self, n).data_ptr() for n in WEIGHTS if getattr(self, n) is not None}
+        for source in self._source:
+            for module in source.modules():
+                for tensors in (module._parameters, module._buffers):
+                    for name, t in tensors.items():
+                        if t is not None and t.data_ptr() in written:
+                            if isinstance(t, nn.Parameter):
+                                t.data = t.data.clone()
+                            else:
+                                tensors[name] = t.clone()
+        self._source = []
+        new = FastDrafter(drafter)
+        for name in WEIGHTS:
+            mine = getattr(self, name)
+            if mine is not None:
+                mine.copy_(getattr(new, name))
+        self.config = drafter.config
+        if self.packed is not None:  # CPU packed copies (never captured in graphs)
+            self.packed = pack_weights(self.device, self.dtype, [self.fc, self.wqkv, self.wo, self.w13, self.w2,
+                                                                 self.lm_head])

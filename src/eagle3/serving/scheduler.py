@@ -31,7 +31,9 @@ Drafter swaps (`swap_drafter`, `rollback_drafter`, called from any thread): the 
 against the target by the caller, then handed to this thread, which at the top of a loop iteration (between
 cycles) runs the identity probe (`eagle3.decoding.drafters.identity_probe`) and switches: rows already decoding stop
 drafting (the old drafter's cache is theirs; their greedy tokens are the target's either way), new rows draft with
-the new drafter. The fast lane and fast rows hold their own drafter: after a swap they decode plain.
+the new drafter. The fast lane and fast rows hold their own copy of the drafter's weights: a swap writes the new
+weights into it where the shapes match (`FastDrafter.load_weights`; their captured graphs stay valid), else they
+decode plain from then on.
 
 The scheduler's parts: `requests` (what it serves), `paths` (the lane and the rows), `hf_rows` (the HF backend)
 and `output` (text and events), all in `eagle3.serving`.
@@ -347,19 +349,30 @@ class Scheduler(PathsMixin, OutputMixin):
         return identity_probe(self.target, candidate, self.policy.largest or DraftShape(), prompt, plain_ids)
 
     def _serve_with(self, new: LoadedDrafter, previous: LoadedDrafter | None) -> None:
-        """Switch drafters: the rows decoding now finish without drafting, new rows draft with `new`."""
+        """Switch drafters: the HF rows decoding now finish without drafting, new rows draft with `new`. The fast
+        lane and fast rows take `new`'s weights into their own tensors (their graphs stay valid) where its shapes
+        allow (`FastDrafter.mismatch`), else they decode plain from now on."""
         self.batch.swap_drafter(Eagle3BatchDrafter(new.drafter))
-        if self.fast is not None and self.fast.mode != "none":  # the lane's drafter is the old one: lane plain
-            plain = self._lane_plain if self._lane_plain is not None else _plain_lane(self.fast)
-            self.fast, self._lane_plain, self._lane_gate = plain, None, None
-        for b in self._batches:
-            b.spec = b.backend is self.batch  # the fast rows' drafter is the old one: they decode plain
+        fast = [self.fast.core.drafter] if self.fast is not None and self.fast.mode != "none" else []
+        fast += [b.backend.d for b in self._batches
+                 if b.backend is not self.batch and b.spec and b.backend.d is not None]
+        why = next((w for w in (fd.mismatch(new.drafter) for fd in fast) if w is not None), None)
+        if why is None:
+            for fd in fast:
+                fd.load_weights(new.drafter)
+        elif fast:
+            log.warning("the fast lane and fast rows decode plain from now on: %s", why)
+            if self.fast is not None and self.fast.mode != "none":
+                plain = self._lane_plain if self._lane_plain is not None else _plain_lane(self.fast)
+                self.fast, self._lane_plain, self._lane_gate = plain, None, None
+            for b in self._batches:
+                b.spec = b.backend is self.batch
         old = self.loaded.version
         new.loaded_at = time.time()
         self.loaded, self.previous = new, previous
         self.metrics.set_info("eagle3_drafter_version", version=new.version)
-        log.info("drafter %s (%s) serves new requests, replacing %s; %d rows in flight finish without drafting",
-                 new.version, new.path, old, self.running)
+        log.info("drafter %s (%s) serves new requests, replacing %s; %d rows in flight finish without drafting on "
+                 "the HF rows", new.version, new.path, old, self.running)
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
