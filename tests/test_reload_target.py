@@ -61,3 +61,42 @@ def test_weights_of_another_model_are_refused(stories260k):
     rt = runtime(copy.deepcopy(model), tok, None)
     with pytest.raises(ConfigError, match="do not fit the target"):
         rt.reload_target({"lm_head.weight": torch.zeros(3, 3)})
+
+
+def test_a_reloaded_drafter_drafts_in_the_engines_built_before(stories260k, tmp_path):
+    """`Runtime.reload_drafter`: a drafter of the same shapes (an `adapt` output after a policy step) reaches the
+    engines built before: the fast engine's own tensors hold its weights (the same tensors, so captured graphs
+    replay them) and the generic engines' drafter has them; answers stay the target's. A drafter of other shapes
+    is refused and changes nothing."""
+    from eagle3.defaults import Decoding
+    from eagle3.fast.drafter import WEIGHTS, FastDrafter
+    from eagle3.formats import save_drafter
+    from eagle3.runtime import decoder, drafter_for
+
+    model, tok = stories260k
+    model = copy.deepcopy(model)
+    save_drafter(init_drafter(model, seed=2), tmp_path / "new", format="speculators")
+    save_drafter(init_drafter(model, draft_vocab_size=64, seed=3), tmp_path / "small", format="speculators")
+    rt = runtime(model, tok, drafter_for(model, None))
+    shape = DraftShape(3, 2, 5)
+    fast, generic = (decoder(rt, Decoding(kind, shape)) for kind in ("fast", "generic"))
+    ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
+    plain = FastEngine(model, draft="none", tokenizer=tok).generate(ids, max_new_tokens=24).token_ids
+    fd = fast.core.drafter
+    ptr = fd.wqkv.data_ptr()
+
+    def holds(want) -> bool:
+        ref = FastDrafter(want)
+        return (all(torch.equal(getattr(fd, n), getattr(ref, n)) for n in WEIGHTS if getattr(ref, n) is not None)
+                and all(torch.equal(a, b) for a, b in zip(rt.drafter.state_dict().values(),
+                                                          want.state_dict().values(), strict=True)))
+
+    new = drafter_for(model, tmp_path / "new")
+    assert not holds(new)
+    rt.reload_drafter(tmp_path / "new")
+    assert holds(new) and fd.wqkv.data_ptr() == ptr
+    assert fast.generate(ids, max_new_tokens=24).token_ids == plain
+    assert generic.generate(ids, max_new_tokens=24).token_ids == plain
+    with pytest.raises(ConfigError, match="shapes differ"):
+        rt.reload_drafter(tmp_path / "small")
+    assert holds(new)

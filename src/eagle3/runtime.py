@@ -34,8 +34,11 @@ class Runtime:
     decoding: Decoding | None = None  # set by `decoder`
 
     def __post_init__(self) -> None:
+        import weakref
+
         self.engine_spec = self.spec  # the shape `engine`'s proposer drafts
         self._fast_target = None
+        self._fast_drafters = weakref.WeakSet()  # of the fast engines `decoder` built: `reload_drafter` updates them
 
     def fast_target(self):
         """The one `FastTarget` (fused weights, static caches) every fast engine of this runtime shares."""
@@ -59,6 +62,31 @@ class Runtime:
             raise ConfigError(f"these weights do not fit the target: {str(e).splitlines()[0]}") from None
         if self._fast_target is not None:
             self._fast_target.reload_weights()
+
+
+    @torch.no_grad()
+    def reload_drafter(self, path: str | Path) -> None:
+        """Load the drafter saved at `path` (e.g. `eagle3.adapt.adapt`'s output after a policy step) into the
+        running decoders in place: the fast engines `decoder` built write its weights into their own tensors
+        (`FastDrafter.load_weights`: their captured graphs stay valid), and `drafter`, which the generic engines
+        read, takes them too. It must have the current drafter's aux layers and shapes (as `adapt` keeps them)."""
+        if self.drafter is None:
+            raise ConfigError("this runtime has no EAGLE-3 drafter to reload; build it with a drafter")
+        new = drafter_for(self.model, path)
+        mine, theirs = self.drafter.state_dict(), new.state_dict()
+        if sorted(new.config.aux_layer_ids) != sorted(self.drafter.config.aux_layer_ids) or mine.keys() != theirs.keys() \
+                or any(mine[k].shape != theirs[k].shape for k in mine):
+            raise ConfigError(f"{path}: its aux layers or shapes differ from the running drafter's; load it with "
+                              "load_runtime instead")
+        if not torch.equal(new.embed_tokens.weight, self.drafter.embed_tokens.weight):  # the target's: never written
+            raise ConfigError(f"{path}: it embeds tokens with other weights than the running drafter")
+        fast = list(self._fast_drafters)
+        why = next((w for w in (fd.mismatch(new) for fd in fast) if w is not None), None)
+        if why is not None:
+            raise ConfigError(f"{path}: {why}; load it with load_runtime instead")
+        for fd in fast:
+            fd.load_weights(new)
+        self.drafter.load_state_dict(theirs)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -186,8 +214,11 @@ def decoder(rt: Runtime, decoding: Decoding, options=None):
         on = decoding.speculate
         options = replace(options or FastOptions(), chain_stop=decoding.chain_stop if on else None,
                           guard=decoding.guard and on)
-        return FastEngine(rt.model, draft=draft, spec=decoding.shape, drafter=rt.drafter, tokenizer=rt.tokenizer,
-                          options=options, target=rt.fast_target())
+        engine = FastEngine(rt.model, draft=draft, spec=decoding.shape, drafter=rt.drafter, tokenizer=rt.tokenizer,
+                            options=options, target=rt.fast_target())
+        if engine.core.drafter is not None:
+            rt._fast_drafters.add(engine.core.drafter)
+        return engine
     proposer = rt.engine.proposer
     if draft == "none" or decoding.shape != rt.engine_spec:
         device = next(rt.model.parameters()).device
