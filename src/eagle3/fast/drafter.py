@@ -148,12 +148,15 @@ class FastDrafter(nn.Module):
         self.matmul_attention = False  # `use_matmul_attention`
         self.split_op = None  # `use_split_attention`
         self.prefix = False  # `use_prefix_attention`
-        self.packed = pack_weights(self.device, self.dtype, [self.fc, self.wqkv, self.wo, self.w13, self.w2,
-                                                             self.lm_head])  # `cpu_packs_weights`
+        self.packed = self._pack()
 
     @property
     def device(self) -> torch.device:
         return self.fc.device
+
+    def _pack(self):
+        """Packed copies of the matrices for this device's products (`cpu_packs_weights`), or None."""
+        return pack_weights(self.device, self.dtype, [self.fc, self.wqkv, self.wo, self.w13, self.w2, self.lm_head])
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear`, over a packed copy of `w` where this drafter packs its weights (`cpu_packs_weights`)."""
@@ -359,5 +362,4 @@ class FastDrafter(nn.Module):
                 mine.copy_(getattr(new, name))
         self.config = drafter.config
         if self.packed is not None:  # CPU packed copies (never captured in graphs)
-            self.packed = pack_weights(self.device, self.dtype, [self.fc, self.wqkv, self.wo, self.w13, self.w2,
-                                                                 self.lm_head])
+            self.packed = self._pack()
