@@ -353,7 +353,8 @@ class Scheduler(PathsMixin, OutputMixin):
         lane and fast rows take `new`'s weights into their own tensors (their graphs stay valid) where its shapes
         allow (`FastDrafter.mismatch`), else they decode plain from now on."""
         self.batch.swap_drafter(Eagle3BatchDrafter(new.drafter))
-        fast = [self.fast.core.drafter] if self.fast is not None and self.fast.mode != "none" else []
+        lane = self.fast.core.drafter if self.fast is not None else None  # None: no lane, or it drafts otherwise
+        fast = [lane] if lane is not None else []
         fast += [b.backend.d for b in self._batches
                  if b.backend is not self.batch and b.spec and b.backend.d is not None]
         why = next((w for w in (fd.mismatch(new.drafter) for fd in fast) if w is not None), None)
