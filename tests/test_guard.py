@@ -47,7 +47,7 @@ def test_guard_stops_drafting_that_loses_and_probes_less_and_less():
     g = SpeculationGuard()
     decisions = drive(g, 400, spec_s=1.3, spec_tokens=1)  # a drafter that is never right, cycles 1.3 plain steps
     assert g.switches == 1
-    # measure, 10 drafting cycles (a close loss must hold beyond the noise of the cycles seen), then probes of 2
+    # measure, 6 drafting cycles (a close loss must hold beyond the noise of the cycles seen), then probes of 2
     # after 8 plain steps and after waits that double or keep the probes' cost near 3 % (20 steps)
     runs, cur, n = [], decisions[0], 0
     for d in decisions:
@@ -56,10 +56,21 @@ def test_guard_stops_drafting_that_loses_and_probes_less_and_less():
         else:
             runs.append((cur, n))
             cur, n = d, 1
-    assert runs[:12] == [(False, 1), (True, 10), (False, 8), (True, 2), (False, 20), (True, 2), (False, 40),
+    assert runs[:12] == [(False, 1), (True, 6), (False, 8), (True, 2), (False, 20), (True, 2), (False, 40),
                          (True, 2), (False, 80), (True, 2), (False, 160), (True, 2)]
-    assert decisions.count(True) == 20
+    assert decisions.count(True) == 16
     assert sum(1.3 if d else 1.0 for d in decisions) / len(decisions) < 1.02  # within 2 % of plain decoding
+
+
+def test_guard_stops_a_drafter_that_is_never_right_and_costs_little():
+    """A never-right drafter whose cycle costs 1.14 plain steps (a CPU chain that stops after one draft): every
+    cycle agrees, so the variance floor meant for a few agreeing cycles shrinks as more agree, and drafting stops
+    within a short answer. With a fixed floor the decayed window (about 10 cycles) never got past the noise
+    margin of such a close loss, and the answer ran at 1.14x plain decoding's time."""
+    g = SpeculationGuard()
+    decisions = drive(g, 128, spec_s=1.14, spec_tokens=1)
+    assert g.switches == 1 and decisions[:20].count(True) < 20
+    assert sum(1.14 if d else 1.0 for d in decisions) / len(decisions) < 1.03  # within 3 % of plain decoding
 
 
 def test_guard_gives_up_on_an_expensive_loss_at_once():
@@ -97,7 +108,7 @@ def test_guard_keeps_a_good_drafter_through_a_hard_stretch():
 def test_guard_uses_a_known_plain_step():
     g = SpeculationGuard(plain_s=1.0)
     decisions = drive(g, 12, spec_s=1.3, spec_tokens=1)
-    assert decisions[:11] == [True] * 10 + [False]  # no measuring step first
+    assert decisions[:7] == [True] * 6 + [False]  # no measuring step first
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ on this device. The guard times the request's own cycles: a plain step (the root
 and then, and the tokens per second of the drafting cycles, weighted towards the recent ones. When drafting
 loses it switches to plain steps and probes again later. Acceptance comes in bursts, so a switch needs the
 loss to hold beyond the noise of the cycles seen: the mean tokens per cycle plus `z` standard errors must still
-lose (a drafter that is never right has no noise and loses at once; a good one in a hard stretch keeps drafting); each failed probe doubles the wait, and the wait is at
+lose (a good drafter in a hard stretch keeps drafting). A variance floor covers a few cycles that agree by chance
+and shrinks as more agree, so a drafter that is never right stops within a few cycles even where it costs little
+more than a plain step; each failed probe doubles the wait, and the wait is at
 least what keeps the probes' cost near `probe_budget` of the time, so an expensive tree on a slow device is
 probed rarely. A drafter that does not fit the traffic costs a few cycles, and one that fits again (the text
 changed) is picked up. Every token is the target's own either way: the guard only decides whether a cycle drafts.
@@ -34,7 +36,7 @@ class SpeculationGuard:
         self.remeasure_when_clear = remeasure_when_clear
         self.ratio = 0.0  # drafting's speed over plain decoding's, as last judged
         self.z = z  # standard errors of the mean tokens per cycle that a loss must hold beyond
-        self.min_var = min_var  # the least variance of tokens per cycle assumed (a few cycles can all agree)
+        self.min_var = min_var  # the least variance of tokens per cycle assumed over `min_cycles` (a few can agree)
         self.weight = self.tokens2 = 0.0  # decayed count and sum of squared tokens over drafting cycles
         self.plain_s = plain_s
         self.tokens = self.seconds = 0.0  # decayed sums over drafting cycles
@@ -68,7 +70,8 @@ class SpeculationGuard:
         ratio = self.ratio = (self.tokens / self.seconds) * self.plain_s  # tokens per plain step's time
         if self.on:
             mean = self.tokens / self.weight
-            var = max(self.tokens2 / self.weight - mean * mean, self.min_var)
+            # the variance floor covers a few cycles that agree by chance; the more agree, the less it assumes
+            var = max(self.tokens2 / self.weight - mean * mean, self.min_var * min(1.0, self.min_cycles / self.cycles))
             high = ratio * (1.0 + self.z * math.sqrt(var / min(self.cycles, self.weight)) / mean)
             if ratio < 0.5 or (self.cycles >= self.min_cycles and high < 1.0):  # a clear loss, or a settled one
                 self.switches += 1
