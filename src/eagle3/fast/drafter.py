@@ -319,7 +319,9 @@ class FastDrafter(nn.Module):
     def mismatch(self, drafter: Eagle3Drafter) -> str | None:
         """Why `drafter`'s weights cannot replace these in place (`load_weights`), or None where they can: the same
         shapes, dtypes and layer options, the same token embedding and RoPE."""
-        new = FastDrafter(drafter)
+        return self._mismatch(FastDrafter(drafter))
+
+    def _mismatch(self, new: FastDrafter) -> str | None:
         for attr in ("nh", "nkv", "hd", "hidden_size", "eps", "norm_before_residual", "norm_output", "dtype"):
             if getattr(new, attr) != getattr(self, attr):
                 return f"its {attr} is {getattr(new, attr)}, not {getattr(self, attr)}"
@@ -341,7 +343,8 @@ class FastDrafter(nn.Module):
         pieces compiled on them draft with the new drafter: a drafter swap on a running server. `mismatch` must
         be None. The drafter these tensors were built from shared its unfused ones; it gets copies of them first,
         so it keeps its own weights (the server keeps it to roll back to). Emitted tokens never depend on it."""
-        why = self.mismatch(drafter)
+        new = FastDrafter(drafter)
+        why = self._mismatch(new)
         if why is not None:
             raise ConfigError(f"this drafter cannot be loaded in place: {why}")
         written = {getattr(self, n).data_ptr() for n in WEIGHTS if getattr(self, n) is not None}
@@ -355,7 +358,6 @@ class FastDrafter(nn.Module):
                             else:
                                 tensors[name] = t.clone()
         self._source = []
-        new = FastDrafter(drafter)
         for name in WEIGHTS:
             mine = getattr(self, name)
             if mine is not None:
