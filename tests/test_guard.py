@@ -165,7 +165,7 @@ def test_fast_engine_under_guard_is_plain_decoding(pair, monkeypatch, chain_stop
 
 def test_fast_engine_feeds_the_drafter_what_plain_steps_skipped(pair, monkeypatch):
     """Rows of plain steps wait in a backlog; fed in one forward, they leave the drafter where a prefill of the
-    whole text leaves it (no stale cache slots)."""
+    whole text leaves it (no stale cache slots), also after a request that ended with its backlog unfed."""
     model, tok, drafter = pair
     ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
 
@@ -176,6 +176,7 @@ def test_fast_engine_feeds_the_drafter_what_plain_steps_skipped(pair, monkeypatc
     monkeypatch.setattr("eagle3.fast.engine.SpeculationGuard", Never)
     late = FastEngine(model, draft="eagle3", spec=DraftShape.chain(4), drafter=drafter, tokenizer=tok,
                       options=FastOptions(guard=True))
+    late.generate(tok("The dog", add_special_tokens=True)["input_ids"], max_new_tokens=20)  # leaves 19 unfed
     out = late.generate(ids, max_new_tokens=30).token_ids
     core = late.core
     assert core.backlog_n == 29 and int(core.length) == len(ids) + 29
@@ -188,6 +189,38 @@ def test_fast_engine_feeds_the_drafter_what_plain_steps_skipped(pair, monkeypatc
     _, aux = fresh.core.prefill(text)
     fresh.core.begin(text, aux, torch.tensor(out[-1:]))
     assert torch.allclose(fed, fresh.core.last_out, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["generic", "fast"])
+def test_engines_keep_their_guards_from_request_to_request(pair, monkeypatch, engine):
+    """One guard for greedy requests and one for sampled ones, kept across requests: what the first request
+    learned (drafting does not pay) holds in the next, which starts where the first left off."""
+    model, tok, drafter = pair
+    made = []
+
+    class Counted(Flaky):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    module = "eagle3.decoding.engine" if engine == "generic" else "eagle3.fast.engine"
+    monkeypatch.setattr(f"{module}.SpeculationGuard", Counted)
+    if engine == "generic":
+        guarded = SpeculativeEngine(Target(model, drafter.config.aux_layer_ids), Eagle3Proposer(drafter, DraftShape.chain(3)),
+                                    tok, guard=True)
+    else:
+        guarded = FastEngine(model, draft="eagle3", spec=DraftShape.chain(3), drafter=drafter, tokenizer=tok,
+                             options=FastOptions(guard=True))
+    ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
+    guarded.generate(ids, max_new_tokens=12)
+    first = made[0].i
+    guarded.generate(ids, max_new_tokens=12)
+    assert len(made) == 1 and made[0].i > first  # the same guard went on counting
+    guarded.generate(ids, max_new_tokens=12, sampling=SamplingConfig(temperature=0.8, seed=1))
+    assert len(made) == 2 and len(guarded.guards) == 2
+    guarded.guards.reset()
+    guarded.generate(ids, max_new_tokens=12)
+    assert len(made) == 3
 
 
 def test_guard_needs_eager_drafting(pair):

@@ -79,7 +79,7 @@ def test_a_reloaded_drafter_drafts_in_the_engines_built_before(stories260k, tmp_
     save_drafter(init_drafter(model, draft_vocab_size=64, seed=3), tmp_path / "small", format="speculators")
     rt = runtime(model, tok, drafter_for(model, None))
     shape = DraftShape(3, 2, 5)
-    fast, generic = (decoder(rt, Decoding(kind, shape)) for kind in ("fast", "generic"))
+    fast, generic = (decoder(rt, Decoding(kind, shape, guard=True)) for kind in ("fast", "generic"))
     ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
     plain = FastEngine(model, draft="none", tokenizer=tok).generate(ids, max_new_tokens=24).token_ids
     fd = fast.core.drafter
@@ -93,8 +93,11 @@ def test_a_reloaded_drafter_drafts_in_the_engines_built_before(stories260k, tmp_
 
     new = drafter_for(model, tmp_path / "new")
     assert not holds(new)
+    for engine in (fast, generic):  # each guard learns about the old drafter
+        assert engine.generate(ids, max_new_tokens=24).token_ids == plain and len(engine.guards) == 1
     rt.reload_drafter(tmp_path / "new")
     assert holds(new) and fd.wqkv.data_ptr() == ptr
+    assert len(fast.guards) == len(generic.guards) == 0  # the new drafter is judged afresh
     assert fast.generate(ids, max_new_tokens=24).token_ids == plain
     assert generic.generate(ids, max_new_tokens=24).token_ids == plain
     with pytest.raises(ConfigError, match="shapes differ"):

@@ -39,6 +39,7 @@ class Runtime:
         self.engine_spec = self.spec  # the shape `engine`'s proposer drafts
         self._fast_target = None
         self._fast_drafters = weakref.WeakSet()  # of the fast engines `decoder` built: `reload_drafter` updates them
+        self._guards = weakref.WeakSet()  # of the engines `decoder` built: a reloaded drafter is judged afresh
 
     def fast_target(self):
         """The one `FastTarget` (fused weights, static caches) every fast engine of this runtime shares."""
@@ -87,6 +88,8 @@ class Runtime:
         for fd in fast:
             fd.load_weights(new)
         self.drafter.load_state_dict(theirs)
+        for guards in self._guards:
+            guards.reset()
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -218,13 +221,15 @@ def decoder(rt: Runtime, decoding: Decoding, options=None):
                             options=options, target=rt.fast_target())
         if engine.core.drafter is not None:
             rt._fast_drafters.add(engine.core.drafter)
-        return engine
-    proposer = rt.engine.proposer
-    if draft == "none" or decoding.shape != rt.engine_spec:
-        device = next(rt.model.parameters()).device
-        proposer = make_proposer(draft, decoding.shape, rt.drafter, device,
-                                 draft_model=getattr(proposer, "model", None), target_model=rt.model)
-    return SpeculativeEngine(rt.target, proposer, rt.tokenizer, guard=decoding.guard)
+    else:
+        proposer = rt.engine.proposer
+        if draft == "none" or decoding.shape != rt.engine_spec:
+            device = next(rt.model.parameters()).device
+            proposer = make_proposer(draft, decoding.shape, rt.drafter, device,
+                                     draft_model=getattr(proposer, "model", None), target_model=rt.model)
+        engine = SpeculativeEngine(rt.target, proposer, rt.tokenizer, guard=decoding.guard)
+    rt._guards.add(engine.guards)
+    return engine
 
 
 def drafter_for(model, path: str | Path | None) -> Eagle3Drafter:

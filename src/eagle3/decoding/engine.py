@@ -16,7 +16,7 @@ import torch
 
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from eagle3.decoding.drafters import rows_drafter
-from eagle3.decoding.guard import SpeculationGuard
+from eagle3.decoding.guard import EngineGuards, SpeculationGuard
 from eagle3.decoding.hf_rows import HFRows
 from eagle3.decoding.proposers import Proposer
 from eagle3.decoding.sampling import new_seed
@@ -147,13 +147,15 @@ class Request:
 class SpeculativeEngine:
     """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`, as one row of `HFRows` (its
     drafter `rows_drafter(proposer)`: EAGLE-3 drafts as a row of the server's batch drafter). With `guard`, each
-    request's cycles are timed and drafting pauses while it is slower than plain decoding (`SpeculationGuard`)."""
+    request's cycles are timed and drafting pauses while it is slower than plain decoding (`SpeculationGuard`; one
+for greedy and one for sampled requests, kept from request to request)."""
 
     def __init__(self, target: Target, proposer: Proposer, tokenizer=None, guard: bool = False):
         self.target = target
         self.proposer = proposer
         self.tokenizer = tokenizer
         self.guard = guard and proposer.name != "none"
+        self.guards = EngineGuards(SpeculationGuard)
 
     def _sync(self) -> None:
         if self.target.device.type == "cuda":
@@ -183,7 +185,7 @@ class SpeculativeEngine:
         self._sync()
         stats.prefill_s = time.perf_counter() - t0
 
-        guard = SpeculationGuard() if self.guard else None
+        guard = self.guards.for_request(not req.sampling.greedy) if self.guard else None
         while finish is None:
             t1 = time.perf_counter()
             drafting = guard is None or guard.drafting()

@@ -11,6 +11,10 @@ more than a plain step; each failed probe doubles the wait, and the wait is at
 least what keeps the probes' cost near `probe_budget` of the time, so an expensive tree on a slow device is
 probed rarely. A drafter that does not fit the traffic costs a few cycles, and one that fits again (the text
 changed) is picked up. Every token is the target's own either way: the guard only decides whether a cycle drafts.
+
+An engine keeps one guard for its greedy requests and one for its sampled ones (`EngineGuards`), so what a guard
+learned (a plain step's cost, whether drafting pays, when to probe next) carries from one request to the next: a
+drafter that does not fit the traffic costs its few cycles once, not in every request.
 """
 
 from __future__ import annotations
@@ -89,3 +93,25 @@ class SpeculationGuard:
         self.on, self.wait = False, wait
         self.tokens = self.tokens2 = self.weight = self.seconds = 0.0
         self.cycles = 0
+
+
+class EngineGuards:
+    """The guards of one engine: one for greedy requests and one for sampled ones (their acceptance differs).
+    `factory` makes a guard (the class, by default); `for_request(sampled)` returns that kind's guard."""
+
+    def __init__(self, factory=SpeculationGuard):
+        self.factory = factory
+        self._guards: dict[bool, SpeculationGuard] = {}
+
+    def for_request(self, sampled: bool) -> SpeculationGuard:
+        guard = self._guards.get(sampled)
+        if guard is None:
+            guard = self._guards[sampled] = self.factory()
+        return guard
+
+    def __len__(self) -> int:
+        return len(self._guards)
+
+    def reset(self) -> None:
+        """Forget what was learned (the drafter changed): the next request of each kind starts a new guard."""
+        self._guards.clear()

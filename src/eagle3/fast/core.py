@@ -247,6 +247,7 @@ class FastCore(nn.Module):
             nxt = torch.cat([ids[1:], ids[:1]]).scatter(0, n - 1, self.pre_first)  # [W]: x_{t+1}, first at T-1
             out = self.drafter(self.drafter.combine(self.pre_aux[:width]), nxt, pos, pos, mask)  # [W, H]
             self.last_out.copy_(out.index_select(0, n - 1))
+            self.backlog_at.zero_()  # a request starts with no plain steps waiting (the host's count: `_generate`)
         self.root.copy_(self.pre_first)
         self.length.copy_(n)
 
@@ -259,6 +260,7 @@ class FastCore(nn.Module):
             hidden = self.drafter.combine(aux)  # [T, H]
             out = self.drafter(hidden, torch.cat([prompt[1:], first]), pos, pos, mask)  # [T, H]
             self.last_out.copy_(out[-1:])
+            self.backlog_at.zero_()
         self.root.copy_(first)
         self.length.fill_(t)
         self.backlog_n = 0

@@ -33,7 +33,7 @@ from eagle3.config import (
     on_for_device,
 )
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
-from eagle3.decoding.guard import SpeculationGuard
+from eagle3.decoding.guard import EngineGuards, SpeculationGuard
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import GREEDY, sampling_mode
 from eagle3.drafter import Eagle3Drafter
@@ -191,6 +191,7 @@ class FastEngine:
             raise ConfigError("the speculation guard is for EAGLE-3 drafting (--draft eagle3)")
         self.mode = mode
         self.device = self.target.device
+        self.guards = EngineGuards(SpeculationGuard)  # what the guard learned, kept from request to request
         self._pool = None
         self._alloc: tuple[int, int] | None = None  # cache allocation the runners were captured against
         self._runners: dict[str, StepRunner] = {}
@@ -321,6 +322,7 @@ class FastEngine:
             run_prefill()
             core.pre_first.copy_(self._first_token(core.pre_logits, req))
             run_begin()
+            core.backlog_n = 0  # the replayed begin cleared the device's backlog, not the host's count
             first_t = core.pre_first
         else:
             with varying_shape_attention(self.device):  # the prompt length is new per request; cycles are fixed
@@ -343,7 +345,7 @@ class FastEngine:
             if self.mode == "host":
                 finish = self._loop_host(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
             else:
-                guard = SpeculationGuard() if self.options.guard else None
+                guard = self.guards.for_request(mode != GREEDY) if self.options.guard else None
                 finish = self._loop_device(cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings, guard)
         self._sync()
         stats.verify_s = time.perf_counter() - t1  # cycles are fused: drafting time is inside verify_s
