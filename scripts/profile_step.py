@@ -5,7 +5,9 @@ verify, accept, commit) on the fast path (`eagle3.fast.core`): the step runs eag
 (kernel durations do not depend on how they were launched), and its CUDA-graph replay is timed as the engines
 run it. Kernels are grouped by name into matmul, attention, top-k/sort/reduce, index/copy, elementwise and other;
 "idle" is the graph's wall time minus the sum of its kernels (gaps between small kernels). `--pieces` does the
-same for each piece of the cycle (draft, verify, accept, commit). `--by-source N` also
+same for each piece of the cycle (draft, verify, accept, commit). `--rows N` also profiles the server's batched
+cycle (`eagle3.fast.rows.FastRows`) with N rows of `--context` tokens each, plain and speculative (and its pieces),
+so the batch-1 engine's cycle and the rows' cycle at one row can be compared kernel by kernel. `--by-source N` also
 lists the N (eagle3 function, operator) pairs that took the most kernel time, with the operator's calls: which code
 to change. Writes `profile_step.json` (run record) and prints a table.
 
@@ -99,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pieces", action="store_true",
                    help="also profile the cycle's pieces one by one (draft, verify, accept, commit with the drafter's "
                         "feed), each timed as its own graph: which piece holds the kernels a cycle adds")
+    p.add_argument("--rows", type=int, nargs="*", default=[], metavar="N",
+                   help="also profile the server's batched cycles (FastRows, drafting compiled unless "
+                        "--eager-drafting) with each of these row counts")
     p.add_argument("--by-source", type=int, default=0, metavar="N",
                    help="also list the N (eagle3 function, operator) pairs with the most kernel time")
     p.add_argument("--all-kernels", action="store_true",
@@ -233,6 +238,47 @@ def profile_pieces(core: FastCore, saved: torch.Tensor, dev: torch.device, pool,
     return out
 
 
+def profile_rows(target: FastTarget, drafter, shape: DraftShape, n: int, context: int, compiled: bool,
+                 pieces: bool, dev: torch.device, pool, reps: int, runners: list, plain_us: float,
+                 by_source: int = 0, all_kernels: bool = False) -> dict:
+    """The rows' plain and speculative cycles with `n` rows of `context` random tokens, each repetition from the
+    same lengths (as the batch-1 cycle above); with `pieces`, draft / verify / accept / commit one by one."""
+    from eagle3.decoding.sampling import GREEDY
+    from eagle3.fast.rows import FastRows
+
+    seq_len = -(-(context + 2 * shape.total + shape.depth + 16) // 128) * 128
+    rows = FastRows(target, drafter, capacity=n, seq_len=seq_len, shapes=lambda _b: shape, sampling=False,
+                    compile_drafting=compiled)
+    gen = torch.Generator().manual_seed(0)
+    rows.add_many([torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(n)])
+    nb, saved = rows.bucket(n), rows.length.clone()
+
+    def restoring(fn):
+        def run():
+            fn()
+            rows.length.copy_(saved)
+        return run
+
+    out = {"plain_cycle": profile(f"rows={n} plain cycle", restoring(lambda: rows._plain_cycle(nb, GREEDY)), dev,
+                                  pool, reps, runners, by_source, all_kernels),
+           "spec_cycle": profile(f"rows={n} tree cycle {shape.text}", restoring(lambda: rows._spec_cycle(nb, GREEDY)),
+                                 dev, pool, reps, runners, by_source, all_kernels)}
+    print(f"rows={n}: tree cycle = {out['spec_cycle']['wall_us'] / plain_us:.2f} plain steps of the batch-1 engine")
+    if pieces:
+        tokens, parents1 = rows.pieces.run("_draft", nb, GREEDY)
+        anc, top, aux = rows._verify(nb, tokens, parents1, GREEDY)
+        keep, n_acc, emitted = rows.pieces.run("_accept", nb, tokens, parents1, anc, top)
+        steps = {"draft": lambda: rows.pieces.run("_draft", nb, GREEDY),
+                 "verify": lambda: rows._verify(nb, tokens, parents1, GREEDY),
+                 "accept": lambda: rows.pieces.run("_accept", nb, tokens, parents1, anc, top),
+                 "commit": restoring(lambda: rows._commit(nb, keep, n_acc, emitted, aux))}
+        out["pieces"] = {name: profile(f"rows={n} piece {name}", fn, dev, pool, reps, runners,
+                                       all_kernels=all_kernels) for name, fn in steps.items()}
+        print(f"rows={n} pieces in plain steps: " +
+              ", ".join(f"{k} {r['wall_us'] / plain_us:.3f}" for k, r in out["pieces"].items()))
+    return out
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -298,6 +344,11 @@ def main(argv=None) -> int:
         if args.pieces:
             results["pieces"] = profile_pieces(core, saved, dev, pool, args.reps, runners,
                                                results["plain_step"]["wall_us"], args.all_kernels)
+        for n in args.rows:
+            results[f"rows_{n}"] = profile_rows(target, drafter, shape, n, args.context,
+                                                dev.type == "cuda" and not args.eager_drafting, args.pieces, dev, pool,
+                                                args.reps, runners, results["plain_step"]["wall_us"], args.by_source,
+                                                args.all_kernels)
     out = Path(args.out)
     write_json(run_record("profile_step", target=args.target or args.shape,
                           drafter=args.drafter or ("random" if drafter is not None else None),
