@@ -162,9 +162,9 @@ def summarise(rows: dict[str, torch.Tensor]) -> dict:
 @torch.inference_mode()
 def sampling_acceptance(model, tok, drafter, prompts: list[list[dict]], temperatures: list[float],
                         max_new_tokens: int, samples: int, seed: int = 0, top_p: float = 1.0,
-                        top_k: int = 0) -> dict[str, dict]:
+                        top_k: int = 0, draft_scale: float = 1.0) -> dict[str, dict]:
     """{"T=<t>": summary} (see `summarise`) over the answer tokens after the first of every prompt's fresh answer
-    at each T."""
+    at each T; the drafter's logits are multiplied by `draft_scale` first (q at temperature T / draft_scale)."""
     target = Target(model, drafter.config.aux_layer_ids)
     engine = SpeculativeEngine(target, NoDraftProposer(model.device), tok)  # plain decoding, the one sampler
     eos = eos_token_ids(model, tok)
@@ -185,6 +185,7 @@ def sampling_acceptance(model, tok, drafter, prompts: list[list[dict]], temperat
                 if labels.numel() == 0:
                     continue
                 z, d = first_step_logits(drafter, target, ids, labels)
+                d = d * draft_scale  # -inf outside the draft vocabulary stays -inf
                 per_pos = position_metrics(z, d, labels, ids[labels], temperature, top_p, top_k, mc_seeds,
                                            answer_seed)
                 for key, v in per_pos.items():
@@ -245,25 +246,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
     ap.add_argument("--top-p", type=float, default=1.0, help="applied to the target's distribution p")
     ap.add_argument("--top-k", type=int, default=0, help="applied to the target's distribution p (0: off)")
+    ap.add_argument("--draft-scale", type=float, default=1.0,
+                    help="multiply the drafter's logits by this before processing: q at temperature T / scale (a "
+                         "drafter trained on labels at temperature t would match the target at T with scale t if "
+                         "its labels had sharpened it)")
     ap.add_argument("--samples", type=int, default=32, help="noise draws per position for the coupled rules")
     ap.add_argument("--seed", type=int, default=0, help="answer j is sampled with seed + j")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="runs/sampling_acceptance.json")
     args = ap.parse_args(argv)
-    if any(t < 0 for t in args.temperatures) or args.samples < 1:
-        raise SystemExit("--temperatures must be >= 0 and --samples >= 1")
+    if any(t < 0 for t in args.temperatures) or args.samples < 1 or args.draft_scale <= 0:
+        raise SystemExit("--temperatures must be >= 0, --samples >= 1 and --draft-scale > 0")
 
     model, tok = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = drafter_for(model, None if args.drafter == "random" else args.drafter)
     name, prompts = load_prompts(args.prompts, args.limit)
     result = sampling_acceptance(model, tok, drafter, prompts, args.temperatures, args.max_new_tokens,
-                                 args.samples, args.seed, args.top_p, args.top_k)
+                                 args.samples, args.seed, args.top_p, args.top_k, args.draft_scale)
     print(format_table(result))
     record = run_record("sampling_acceptance", argv=None if argv is None else ["scripts/sampling_acceptance.py", *argv],
                         target=args.target, drafter=args.drafter, prompts=name, limit=args.limit,
                         max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, top_p=args.top_p,
-                        top_k=args.top_k, samples=args.samples, seed=args.seed, dtype=args.dtype,
+                        top_k=args.top_k, draft_scale=args.draft_scale, samples=args.samples, seed=args.seed,
+                        dtype=args.dtype,
                         draft_vocab_size=drafter.config.draft_vocab_size, results=result)
     write_json(record, args.out)
     print(f"record: {args.out}")
