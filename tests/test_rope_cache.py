@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle3.fast.pointwise import apply_rope_heads, rms_norm, rope_tables
-from eagle3.fast.rope_cache import rope_into_cache
+from eagle3.fast.rope_cache import rope_into_cache, rope_into_rows
 
 pytest.importorskip("triton")
 
@@ -77,6 +77,35 @@ def test_rows_keep_their_bits_alone(interpreted, head_norm):
         assert torch.equal(qi[:, 0], q[:, i]) and torch.equal(one[:, slots[i]], kv[:, slots[i]]), i
 
 
+def rows_against_one_row(head_norm, folded, dtype, device="cpu"):
+    """`rope_into_rows` (the server's rows): row b's q, K and V are those of `rope_into_cache` over row b alone,
+    written into row b's cache only (K and V as separate caches [B, n_kv, S, hd])."""
+    b, t, nh, nkv, hd, s = 3, 4, 6, 2, 32, 40
+    (qkv, cos, sin, _, _), norms = case(b * t, nh, nkv, hd, s, dtype, seed=5, device=device)
+    norms = norms if head_norm else None
+    gen = torch.Generator().manual_seed(6)
+    pos = torch.randint(0, s, (b, t), generator=gen).to(device)
+    slots = torch.stack([torch.randperm(s, generator=gen)[:t] for _ in range(b)]).to(device)  # [B, T]
+    rms = torch.randn(b * t, 48, generator=gen).to(device, dtype) if folded else None
+    k = torch.randn(b, nkv, s, hd, generator=gen).to(device, dtype)
+    v = torch.randn(b, nkv, s, hd, generator=gen).to(device, dtype)
+    k0, v0 = k.clone(), v.clone()
+    q = rope_into_rows(qkv, cos, sin, pos, slots, k, v, nh, norms, rms=rms)
+    assert q.shape == (b, nh, t, hd) and q.is_contiguous()
+    for r in range(b):
+        kv = torch.cat([k0[r], v0[r]])  # [2·nkv, S, hd]: this row alone, before the call
+        rows = slice(r * t, (r + 1) * t)
+        qr = rope_into_cache(qkv[rows], cos, sin, pos[r], slots[r], kv, nh, norms,
+                             rms=None if rms is None else rms[rows])
+        assert torch.equal(q[r], qr), r
+        assert torch.equal(k[r], kv[:nkv]) and torch.equal(v[r], kv[nkv:]), r
+
+
+@pytest.mark.parametrize("head_norm,folded", [(False, False), (True, False), (False, True)])
+def test_rows_write_their_own_caches_with_the_bits_of_one_row(interpreted, head_norm, folded):
+    rows_against_one_row(head_norm, folded, torch.float16)
+
+
 def test_bad_shapes_are_refused(interpreted):
     (qkv, cos, sin, pos, slots), _ = case(2, 4, 2, 16, 20, torch.float32)
     kv = torch.zeros(4, 20, 16)
@@ -84,6 +113,9 @@ def test_bad_shapes_are_refused(interpreted):
         rope_into_cache(qkv[:, :-16], cos, sin, pos, slots, kv, 4)
     with pytest.raises(ValueError, match="contiguous"):
         rope_into_cache(qkv, cos.t().contiguous().t(), sin, pos, slots, kv, 4)
+    k = torch.zeros(2, 2, 20, 16)
+    with pytest.raises(ValueError, match="rows"):
+        rope_into_rows(qkv, cos, sin, pos[None], slots[None], k, k.clone(), 4)  # 2 rows of caches, 1 of tokens
 
 
 @pytest.mark.gpu
@@ -99,3 +131,10 @@ def test_compiled_kernel_in_bf16(head_norm):
                                 None if norms is None else [w.cpu() for w in norms], 1e-6)
     torch.testing.assert_close(q.cpu().double(), want_q, atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(kv[:, slots].cpu().double(), want_kv, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("head_norm,folded", [(False, False), (True, True)])
+def test_compiled_rows_kernel_in_bf16(head_norm, folded):
+    rows_against_one_row(head_norm, folded, torch.bfloat16, "cuda")

@@ -47,7 +47,7 @@ from eagle3.fast.pointwise import (
     rms_norm,
     rope_tables,
 )
-from eagle3.fast.rope_cache import rope_into_cache
+from eagle3.fast.rope_cache import rope_into_cache, rope_into_rows
 from eagle3.fast.row_argmax import argmax_rows
 from eagle3.fast.row_norm import rms_norm_rows
 
@@ -474,8 +474,9 @@ class FastTarget(nn.Module):
         g = nh // nkv
         rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
         h = F.embedding(ids.reshape(-1), self.embed)  # [B·T, H]
-        cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
         paths = split.Paths(path[0], path[1], pos) if path is not None and self.by_splits(t) else None
+        if paths is None:
+            cos, sin = rope[0][pos.reshape(-1)], rope[1][pos.reshape(-1)]  # [B·T, hd]
         # [B, 1, g·T, S] where the rows attend by mask
         bias = None if paths is not None else row_attention_bias(self.windowed(mask, pos), g, self.dtype)
         aux: list[torch.Tensor] = []
@@ -485,16 +486,19 @@ class FastTarget(nn.Module):
             if want_aux and i in self.aux_layer_ids:
                 aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
             qkv = self.linear(h if folded else x, lw.wqkv, lw.bqkv)  # [B·T, (nh + 2·nkv)·hd]
-            if folded:
-                qkv = scale_rows(qkv, h, self.eps)
-            q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
-            k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
-            v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
-            if paths is not None:  # q as [B, n_kv, g·T, hd]: row r·T + t is head kv·g + r
-                qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)
-                o = split.split_attention(qg, k_rows[i], v_rows[i], None, self.scale, paths=paths,
-                                          window=self.window).view(b * t, nh * hd)  # [B·T, nh·hd]
+            if paths is not None:  # one kernel rotates q and k and writes each row's K and V (`rope_into_rows`)
+                q = rope_into_rows(qkv, rope[0], rope[1], pos, slots, k_rows[i], v_rows[i], nh,
+                                   None if lw.q_norm is None else (lw.q_norm, lw.k_norm), self.eps,
+                                   rms=h if folded else None)  # [B, nh, T, hd]
+                # q as [B, n_kv, g·T, hd] (a view): row r·T + t is head kv·g + r
+                o = split.split_attention(q.view(b, nkv, g * t, hd), k_rows[i], v_rows[i], None, self.scale,
+                                          paths=paths, window=self.window).view(b * t, nh * hd)  # [B·T, nh·hd]
             else:
+                if folded:
+                    qkv = scale_rows(qkv, h, self.eps)
+                q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
+                k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
+                v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
                 o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
             h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
