@@ -350,7 +350,9 @@ def _summarise(summary: list[dict], results: dict[str, list[dict]], prompts: lis
         s.update(
             tokens_per_s_median=round(statistics.median(tps), 3),
             tokens_per_s_aggregate=round(total_tokens / sum(r["seconds"] for r in res), 3),
-            tau=round(sum(r["emitted_in_cycles"] for r in res) / max(1, sum(r["cycles"] for r in res)), 4),
+            # no drafting cycle at all (the guard kept drafting off): plain steps, one token each
+            tau=round(sum(r["emitted_in_cycles"] for r in res) / drafted if (drafted := sum(r["cycles"] for r in res))
+                      else 1.0, 4),
             tau_median=round(statistics.median(taus), 4),
             identical=sum(identical), prompts=len(res), new_tokens=total_tokens,
         )
