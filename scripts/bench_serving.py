@@ -31,13 +31,13 @@ import torch
 
 from eagle3.config import FUSE_POINTWISE_CHOICES, FUSE_POINTWISE_HELP, DraftShape
 from eagle3.decoding.drafters import Eagle3BatchDrafter
+from eagle3.defaults import load_for_decoding
 from eagle3.evaluate import load_prompts
 from eagle3.fast.pointwise import fuse_level
-from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import drafter_for, eos_token_ids
 from eagle3.serving.app import create_app
-from eagle3.serving.cli import fast_lane_engine, fast_rows
+from eagle3.serving.cli import fast_lane_engine, fast_rows, serving_decoding
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.loadgen import drive_in_process
 from eagle3.serving.policy import SpecPolicy, default_token_budget
@@ -64,12 +64,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per mode")
-    p.add_argument("--tree", default=DraftShape().text, metavar="DEPTH,TOPK,TOTAL", help="largest tree")
+    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
+                   help="largest draft shape (default: what `eagle3 serve` drafts on this device)")
     p.add_argument("--spec-budget", type=int, default=None)
     p.add_argument("--spec-max-batch", type=int, default=None)
     p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
     p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
-                   help="as `eagle3 serve --fast-lane` (auto: on for CUDA targets of the fast-path families)")
+                   help="as `eagle3 serve --fast-lane` (auto: wherever `eagle3 generate` takes the fast engine)")
     # the fast path's variants (library options of `fast_lane_engine` / `fast_rows`; `eagle3 serve` takes the defaults)
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="elementwise", default="auto",
                    help=FUSE_POINTWISE_HELP)
@@ -115,7 +116,9 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
              on_level: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One mode over every concurrency level; `clients` is the process pool the HTTP clients run in; `on_level`
     sees the levels measured so far after each one."""
-    spec = DraftShape.parse(args.tree)
+    decoding = serving_decoding(model, "eagle3", args.target, None if args.random_drafter else args.drafter,
+                                DraftShape.parse(args.tree) if args.tree else None)  # as `eagle3 serve`
+    spec = decoding.shape
     policy = SpecPolicy(spec, token_budget=args.spec_budget or default_token_budget(device),
                         max_batch=args.spec_max_batch, measure=not args.no_spec_gate)
     if mode == "plain":
@@ -127,7 +130,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
                             drafter if batch_drafter else None, device, config,
                             fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
-                            graph_prefill=args.graph_prefill)
+                            graph_prefill=args.graph_prefill, decoding=decoding)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
                    target=fast.target if fast is not None else None, token_budget=args.spec_budget,
                    fuse_pointwise=args.fuse_pointwise)
@@ -265,7 +268,7 @@ def plot(results: list[dict], png: Path) -> Path | None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_target(args.target, dtype=args.dtype, device=device)
+    model, tok = load_for_decoding(args.target, device, args.dtype)  # the dtype `eagle3 serve` takes
     dtype = next(model.parameters()).dtype
     drafter = drafter_for(model, None if args.random_drafter else args.drafter)
     chat = bool(getattr(tok, "chat_template", None))

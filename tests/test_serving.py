@@ -26,6 +26,7 @@ from eagle3.config import DraftShape, SamplingConfig  # noqa: E402
 from eagle3.decoding.drafters import Eagle3BatchDrafter  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
+from eagle3.defaults import native_bf16  # noqa: E402
 from eagle3.fast.engine import FastEngine, FastOptions  # noqa: E402
 from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter  # noqa: E402
 from eagle3.serving.app import create_app  # noqa: E402
@@ -565,7 +566,8 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypa
         assert "no effect" not in caplog.text
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
-        lane, rows = "--fast-lane" in extra, "--fast-rows" in extra  # auto (the default) is off on a CPU
+        # auto: the lane wherever `eagle3 generate` takes the fast engine (a CPU with native bf16); rows on CUDA only
+        lane, rows = "--fast-lane" in extra or native_bf16("cpu"), "--fast-rows" in extra
         assert (sched.fast is not None) == lane and (sched.fast_rows is not None) == rows
         line = describe(sched)
         assert f"fast lane {'on' if lane else 'off'}" in line and "cpu" in line

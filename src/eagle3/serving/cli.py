@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle3.config import (
     DEFAULT_CHAIN_LENGTH,
@@ -20,6 +21,9 @@ from eagle3.config import (
 )
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.policy import SpecPolicy
+
+if TYPE_CHECKING:
+    from eagle3.defaults import Decoding
 
 __all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "fast_rows", "load_server",
            "served_model_name"]
@@ -43,7 +47,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="eagle3, mtp (the target's own multi-token-prediction layer), ngram or none (default: eagle3 "
                         "with --drafter, else none)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    s.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    s.add_argument("--dtype", default="auto", help="auto (the dtype every command decodes in on this device: bf16 on "
+                   "CUDA and on CPUs with native bf16 for the fast path's families, else fp32), float32, bfloat16, "
+                   "float16")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -85,11 +91,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     help="no speculation above this batch size")
     sp.add_argument("--no-spec-gate", action="store_true",
                     help="speculate wherever the budget allows, even where measured slower")
-    fp = s.add_argument_group("static-cache fast paths (auto: on for CUDA targets of the Llama/Mistral/Qwen "
-                              "families)")
+    fp = s.add_argument_group("static-cache fast paths (targets of the Llama/Mistral/Qwen families)")
     fp.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
-                    help="a greedy request on an idle server decodes on the batch-1 CUDA-graph path (costs a "
-                         "second, fused copy of the target's weights)")
+                    help="a request on an idle server decodes on the batch-1 fast engine, as `eagle3 generate` does "
+                         "(costs a second, fused copy of the target's weights; auto: wherever generate takes it)")
     fp.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                     help="requests decode as rows of a static-cache batch, one CUDA graph per batch size")
     fp.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len, metavar="N",
@@ -115,8 +120,7 @@ def load_server(args):
 
     from eagle3.decoding.drafters import Eagle3BatchDrafter, ProposerBatchDrafter
     from eagle3.decoding.proposers import NgramProposer
-    from eagle3.defaults import decoding_for, tuned_choice
-    from eagle3.models import load_target
+    from eagle3.defaults import load_for_decoding
     from eagle3.runtime import drafter_for, eos_token_ids
     from eagle3.serving.app import create_app
     from eagle3.serving.policy import default_token_budget
@@ -127,13 +131,11 @@ def load_server(args):
     draft = "none" if args.no_spec else (args.draft or ("eagle3" if args.drafter else "none"))
     if draft == "eagle3" and not args.drafter:
         raise ConfigError("--draft eagle3 needs --drafter DIR (or use --draft ngram / --no-spec)")
-    model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
-    # the device's drafting where no shape is given (`eagle3.defaults`; the batched path is the generic engine's)
-    spec = DraftShape.from_flags(args.tree, args.chain)
-    if spec is None:  # `eagle3 tune`'s choice for this device (its engine: the fast lane's on CUDA), else the defaults
-        engine = "fast" if torch.device(device).type == "cuda" else "generic"
-        tuned = tuned_choice(model, args.target, args.drafter, engine) if draft == "eagle3" else None
-        spec = decoding_for(model, draft, engine=engine, tuned=tuned).shape
+    # the dtype and drafting every command takes on this device (`eagle3.defaults`)
+    model, tokenizer = load_for_decoding(args.target, device, args.dtype,
+                                         engine="generic" if draft == "mtp" else "auto")
+    decoding = serving_decoding(model, draft, args.target, args.drafter, DraftShape.from_flags(args.tree, args.chain))
+    spec = decoding.shape
     template = None
     if args.chat_template:
         path = Path(args.chat_template)
@@ -162,7 +164,7 @@ def load_server(args):
         drafter, aux_ids = Eagle3BatchDrafter(mtp_drafter(model, args.target)), [mtp_aux_id(model)]
     elif draft == "ngram":
         drafter = ProposerBatchDrafter(lambda _prompt: NgramProposer(length=spec.depth, device=device), device)
-    if drafter is None:
+    if drafter is None or not decoding.speculate:  # nothing drafts, or `eagle3 tune` found plain decoding faster
         policy = SpecPolicy(largest=None)
     target = Target(model, aux_ids)
     lane, fast_batch = args.fast_lane, args.fast_rows
@@ -171,7 +173,7 @@ def load_server(args):
             raise ConfigError("--draft mtp serves on the HF rows: leave --fast-lane and --fast-rows at auto or off")
         lane = fast_batch = "off"
     fast = fast_lane_engine(lane, model, draft if policy.enabled else "none", spec,
-                            d if draft == "eagle3" else None, device, config)
+                            d if draft == "eagle3" else None, device, config, decoding=decoding)
     rows = fast_rows(fast_batch, model, d if draft == "eagle3" else None, policy, config, device,
                      target=fast.target if fast is not None else None, token_budget=args.spec_budget)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
@@ -181,14 +183,29 @@ def load_server(args):
     return sched, create_app(sched)
 
 
+def serving_decoding(model, draft: str, target: str, drafter_dir, shape: DraftShape | None) -> Decoding:
+    """How the server drafts for one request: the flags' `shape`, else `eagle3 tune`'s choice for this device,
+    else the device's defaults, on the engine `eagle3 generate` would take (`eagle3.defaults.decoding_for`)."""
+    from eagle3.defaults import decoding_for, tuned_choice
+
+    engine = decoding_for(model, draft).engine
+    tuned = tuned_choice(model, target, drafter_dir, engine) if draft == "eagle3" and shape is None else None
+    return decoding_for(model, draft, shape=shape, engine=engine, tuned=tuned)
+
+
 def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, device: str, config,
                      fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
-                     graph_prefill: str = "auto"):
-    """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`). `serve` takes the defaults; the
+                     graph_prefill: str = "auto", decoding: Decoding | None = None):
+    """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`). "auto" builds it where `decoding`
+    (`serving_decoding`) runs on the fast engine, as `eagle3 generate` would (CUDA, and CPUs decoding in bf16),
+    and takes its chain stop (eager cycles on a CPU); without `decoding`, on CUDA. `serve` takes the defaults; the
     variants are for developers (scripts/bench_serving.py): `fuse_pointwise`: `FastOptions.fuse_pointwise`;
     `eager_drafting`: `FastOptions.compile_drafting=False`; `graph_prefill`: "on"/"off" set
     `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device."""
-    if not on_for_device(choice, device):
+    on = on_for_device(choice, device)
+    if choice == "auto" and decoding is not None:
+        on = decoding.engine == "fast"
+    if not on:
         return None
     from eagle3.decoding.sampling import MODES
     from eagle3.fast.engine import FastEngine, FastOptions
@@ -201,10 +218,11 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
                               "use --fast-lane off")
         log.warning("fast lane off: %s", reason)
         return None
+    stop = decoding.chain_stop if decoding is not None and draft == "eagle3" and spec.is_chain else None
     engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
                         options=FastOptions(fuse_pointwise=fuse_pointwise,
                                             compile_drafting=False if eager_drafting else None,
-                                            graph_prefill=on_for_device(graph_prefill, device)))
+                                            graph_prefill=on_for_device(graph_prefill, device), chain_stop=stop))
     engine.prepare(512, config.default_max_tokens, MODES)  # every sampling mode's cycle, before the first request
     return engine
 

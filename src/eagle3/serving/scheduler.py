@@ -47,7 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -119,7 +119,8 @@ def _plain_lane(fast: FastEngine) -> FastEngine:
     first request."""
     from eagle3.fast.engine import FastEngine
 
-    plain = FastEngine(fast.model, draft="none", target=fast.target, options=fast.options)
+    plain = FastEngine(fast.model, draft="none", target=fast.target,
+                       options=replace(fast.options, chain_stop=None, guard=False))
     if fast.seq_len:
         plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0, MODES)
     return plain
