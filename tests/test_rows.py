@@ -169,6 +169,37 @@ def test_rows_accept_what_the_batch1_engine_accepts(shape):
     assert max(max(a) for a in accepted) >= 2  # multi-slot compaction happened
 
 
+def test_rows_draft_through_the_top_k_kernel_as_through_pytorch(monkeypatch):
+    """Where the batch-1 engine's draft top-k kernel runs (CUDA), the rows' greedy drafting calls it on every
+    row's outputs at once ([rows·T, Vd] logits) and reshapes its answer back: a CPU stand-in with the kernel's
+    contract gives the same drafts, accepted drafts and tokens as the PyTorch path."""
+    import eagle3.fast.rows as rows_mod
+    from eagle3.decoding.expand import top_k_last
+
+    model = build_tiny_target("llama", vocab_size=16)
+    d = init_drafter(model, draft_vocab_size=16, seed=1)
+    prompts = prompts_of([7, 12, 5], 16, seed=9)
+    calls = []
+
+    def op(logits, k):  # the kernel's contract: log-softmax, then the top k, over 2-d [N, Vd] logits
+        calls.append(tuple(logits.shape))
+        return top_k_last(torch.log_softmax(logits.float(), dim=-1), k)
+
+    runs = []
+    for stand_in in (False, True):
+        if stand_in:
+            monkeypatch.setattr(rows_mod, "draft_top_k_op_for", lambda drafter, k: op)
+        rows = make_rows(model, d, 4, {1: TREE, 2: TREE, 4: TREE})
+        outs = [[first] for first in rows.add_many(prompts)]
+        for _ in range(6):
+            for out, new in zip(outs, rows.cycle(spec=True), strict=True):
+                out.append(new)
+        runs.append(outs)
+    assert runs[0] == runs[1]
+    assert calls and all(len(c) == 2 for c in calls) and calls[0][0] == 4  # the 4-row bucket's roots at once
+    assert sum(len(new) - 1 for out in runs[1] for new in out[1:]) > 0  # drafts were accepted
+
+
 def test_compiled_drafting_keeps_the_rows_drafts_and_tokens():
     """`FastRows.compile_drafting` (on CUDA by default): drafting, the verification's inputs, acceptance and
     feeding the drafter compiled by inductor, the target eager. A greedy and a sampled row decode as with eager

@@ -1,33 +1,27 @@
-"""Batched greedy decoding on the fast path: B rows, each with its own static KV cache, plain or speculative.
+"""Batched decoding on the fast path: B rows, each with its own static KV cache, plain or speculative.
 
 `FastCore` generalised to rows, for the server's batch (`eagle3.serving.scheduler`). Row b's token at position p
-lives in slot p of row b's cache (`[L, B, n_kv, S, hd]`, the layout of `eagle3.fast.batched`), so rows of any
-lengths decode together without padding or cross-row masks. Where the split-KV kernel runs (CUDA), every decoding
-forward attends by position (`eagle3.fast.split_attention.Paths` with a row axis): a row reads its cache up to its
-own length, and a tree node sums its keys as a one-token step does. One cycle of the first `nb` rows (a
-batch-size bucket) is a fixed-shape function of device buffers, replayed as a CUDA graph:
+lives in slot p of row b's cache (`[L, B, n_kv, S, hd]`), so rows of any lengths decode together without padding
+or cross-row masks. Where the split-KV kernel runs (CUDA), every decoding forward attends by position
+(`eagle3.fast.split_attention.Paths` with a row axis). One cycle of the first `nb` rows (a batch-size bucket) is a
+fixed-shape function of device buffers, replayed as a CUDA graph:
 
-    spec cycle   draft a tree per row (EAGLE-2 expansion as `FastCore.draft`), verify [nb, N+1], accept greedily
-                 per row, move each row's accepted K/V next to its prefix, feed the drafter, advance.
+    spec cycle   draft a tree per row (EAGLE-2 expansion as `FastCore.draft`), verify [nb, N+1], accept per row,
+                 move each row's accepted K/V next to its prefix, feed the drafter, advance.
     plain cycle  one token per row; with a drafter, each row's features and new token are held back (up to
-                 `feed_window`, 0: none) and fed to the drafter in one batched step before the next speculative
-                 cycle, so a plain cycle costs about what a drafter-less one does (`scripts/bench_rows.py`).
+                 `feed_window`) and fed to the drafter in one batched step before the next speculative cycle.
 
 State per row: length [B] (committed tokens), root [B] (last emitted token, not yet cached), last_out [B, H]
-(drafter output of the newest committed row, once held tokens are fed), held_n [B] (tokens held back for the
-drafter, at positions length - held_n .. length - 1; their features held_aux [B, W, 3·Ht] and next tokens
-held_tok [B, W]). The host reads packet [nb, D+3] = [n_acc, drafted depth, emitted...] once per cycle.
+(drafter output of the newest committed row), held_n [B] (tokens held back for the drafter, their features
+held_aux [B, W, 3·Ht] and next tokens held_tok [B, W]). The host reads packet [nb, D+3] = [n_acc, drafted depth,
+emitted...] once per cycle.
 
-Admission (`add_many`) prefills R prompts right-padded to T tokens into a staging cache of that shape, rounded
-up to a prefill bucket (R to a batch bucket, T to a power of two), and copies the result into the rows' caches.
-Every bucket up to `prefill_tokens` padded tokens is a fixed-shape function replayed as a CUDA graph too, since
-every running row waits while an eager prefill launches its kernels one by one. Rows [n, nb) of a bucket are
-idle: they decode garbage into their own caches, their lengths clamped inside the cache. Active rows stay in [0, n): a row that leaves is replaced by the last one.
-Sampled rows carry their own temperature, top-p, top-k and seed (`add_many(..., sampling=)`): their tokens are
-the position-keyed draws of `eagle3.decoding.sampling`, so a request gets the same text here as anywhere else,
-and they draft coupled to those draws (`eagle3.decoding.expand.coupled_top_k`). Buckets that hold a sampled row
-run their own captured cycles (one set for temperature alone, one with top-p / top-k); all-greedy buckets keep
-the argmax.
+Admission (`add_many`) prefills R prompts right-padded to T tokens in a staging cache rounded up to a prefill
+bucket (R to a batch bucket, T to a power of two), each bucket a captured graph, and copies the result into the
+rows' caches. Rows [n, nb) of a bucket are idle (their lengths clamped inside the cache); a row that leaves is
+replaced by the last one. Sampled rows carry their own settings (`add_many(..., sampling=)`): their tokens are the
+position-keyed draws of `eagle3.decoding.sampling` (the same text as anywhere else), drafted coupled to those draws
+(`eagle3.decoding.expand.coupled_top_k`), in cycles captured per sampling mode.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ from eagle3.decoding.sampling import FILTERED, GREEDY, MODES, SamplingRows, samp
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots
 from eagle3.decoding.verify import accept_rows
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, argmax_ids
 
@@ -168,18 +162,20 @@ class FastRows:
         self._flat: dict[str, torch.Tensor] = {}
         self._prefills: dict[tuple[int, int], _Prefill] = {}
         self.pieces = CompiledPieces(self)
+        self.ranked = False  # top-k by ranking inside compiled drafting (`ranked_top_k`)
+        # greedy drafting's log-softmax and top-k as the batch-1 engine's Triton kernels where they run (CUDA)
+        self._top_k_ops = {s.top_k: draft_top_k_op_for(self.d, s.top_k) for s in self.shapes.values() if s}
         if self.d is not None and compile_drafting:
             self.compile_drafting()
 
     def compile_drafting(self, backend: str | Callable = "inductor") -> None:
-        """Compile the speculative cycle's pieces that do not run the target (`DRAFTING_PIECES`: drafting, the
-        verification's inputs, acceptance, feeding the drafter) from now on, as `FastCore.compile_drafting` does
-        for one row: op by op, a tree's drafting launches hundreds of small kernels inside the cycle's graph. Each
-        bucket and sampling mode compiles its own variant, so `prepare` takes that much longer. Call before the
-        cycles are captured. Emitted tokens are unchanged: the drafter decides only what is proposed."""
+        """Compile the cycle's pieces that do not run the target (`DRAFTING_PIECES`), as `FastCore.compile_drafting`
+        does: one variant per bucket and sampling mode, so `prepare` takes longer. Call before cycles are captured.
+        Emitted tokens are unchanged: the drafter decides only what is proposed."""
         if self._runners:
             raise RuntimeError("compile_drafting() must come before cycles are captured")
         self.pieces.compile(list(DRAFTING_PIECES), backend)
+        self.ranked = ranked_top_k(self.device)
 
     @property
     def drafting_compiled(self) -> bool:
@@ -373,16 +369,8 @@ class FastRows:
         if i != last:
             self.k[:, i].copy_(self.k[:, last])
             self.v[:, i].copy_(self.v[:, last])
-            self.root[i] = self.root[last]
-            self.length[i] = self.length[last]
-            if self.d is not None:
-                self.dk[i].copy_(self.dk[last])
-                self.dv[i].copy_(self.dv[last])
-                self.last_out[i].copy_(self.last_out[last])
-            if self.feed_window:
-                self.held_aux[i].copy_(self.held_aux[last])
-                self.held_tok[i].copy_(self.held_tok[last])
-                self.held_n[i] = self.held_n[last]
+            for state in self._row_state():
+                state[i].copy_(state[last])
             self.row_sampling.move(i, last)
             self._modes[i] = self._modes[last]
             self._held[i] = self._held[last]
@@ -400,6 +388,11 @@ class FastRows:
     def drafting(self) -> int:
         """Rows that draft in a speculative cycle."""
         return self.n if self.d is not None else 0
+
+    def _row_state(self) -> list[torch.Tensor]:
+        """The per-row state besides the target's caches, row axis first."""
+        held = [self.held_aux, self.held_tok, self.held_n] if self.feed_window else []
+        return [self.root, self.length, *([self.dk, self.dv, self.last_out] if self.d is not None else []), *held]
 
     def _reset_rows(self, lo: int, hi: int) -> None:
         self.length[lo:hi] = 0
@@ -448,10 +441,7 @@ class FastRows:
         self._held = [0] * self.n
 
     def cache_bytes(self) -> int:
-        n = self.k.numel() * self.k.element_size() * 2
-        if self.d is not None:
-            n += self.dk.numel() * self.dk.element_size() * 2
-        return n
+        return sum(c.numel() * c.element_size() * 2 for c in ([self.k, self.dk] if self.d is not None else [self.k]))
 
     def shape_of(self, n: int) -> DraftShape | None:
         return self.shapes[self.bucket(max(1, n))]
@@ -527,8 +517,9 @@ class FastRows:
 
         def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [nb, T, H]
             if mode == GREEDY:
-                return top_k_last(d.log_probs(out), k)
-            return coupled_top_k(d.logits(out), length + 1 + step, self.row_sampling, mode, d.draft_h, k)
+                return self._greedy_top_k(out, k)
+            return coupled_top_k(d.logits(out), length + 1 + step, self.row_sampling, mode, d.draft_h, k,
+                                 self.ranked)
 
         def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
             cols = length[:, None] + self.ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
@@ -538,6 +529,16 @@ class FastRows:
 
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids)
         return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
+
+    def _greedy_top_k(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best drafts after each drafter output out [nb, T, H]: log-probabilities [nb, T, k] (fp32,
+        descending) and draft-vocabulary ids [nb, T, k] (`FastCore.draft_top_k` with a row axis)."""
+        op = self._top_k_ops.get(k)
+        if op is None:
+            return top_k_last(self.d.log_probs(out), k, self.ranked)
+        logits = self.d.logits(out)  # [nb, T, Vd]
+        lp, ids = op(logits.reshape(-1, logits.shape[-1]), k)  # [nb·T, k] each
+        return lp.view(*out.shape[:-1], k), ids.view(*out.shape[:-1], k)
 
     def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, by_paths: bool):
         """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache
