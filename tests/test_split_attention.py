@@ -321,6 +321,37 @@ def test_fast_rows_attending_by_position_match_hf_generate(interpreted, arch, wi
     for i, ref in enumerate(refs):
         assert outs[i][: budget[i]] == ref, i
 
+def test_rows_draft_by_position_as_by_mask(interpreted):
+    """Where the rows' target attends by the split kernel, their drafter does too (`FastDrafter.forward_rows` with
+    paths: the committed rows, then each frontier row's path through the scratch rows). It drafts the trees the
+    mask attention drafts, for rows of different lengths, cycle after cycle (fp32)."""
+    from eagle3.decoding.sampling import GREEDY
+    from eagle3.fast import FastTarget
+    from eagle3.fast.rows import FastRows
+
+    model = build_tiny_target("llama", num_hidden_layers=3)
+    d = init_drafter(model, draft_vocab_size=200, seed=1)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (9, 40, 23)]
+    trees = []
+    for by_paths in (True, False):
+        target = FastTarget(model, d.config.aux_layer_ids)
+        target.attention = "split"  # on a CPU only through the interpreter
+        rows = FastRows(target, d, capacity=4, seq_len=128, shapes=lambda b: DraftShape(4, 3, 9), graphs=False,
+                        sampling=False)
+        assert (rows.d.paths_op is not None) is True
+        if not by_paths:
+            rows.d.paths_op = None  # the mask attention of other devices
+        rows.add_many(prompts)
+        drafted = []
+        for _ in range(4):
+            drafted.append([t.clone() for t in rows._draft(rows.bucket(rows.n), GREEDY)])
+            rows.cycle(spec=True)
+        trees.append(drafted)
+    for (tok_a, par_a), (tok_b, par_b) in zip(*trees, strict=True):
+        assert torch.equal(tok_a, tok_b) and torch.equal(par_a, par_b)
+
+
 def test_split_size_depends_on_the_cache_only():
     blocks = split.MIN_SPLIT_BLOCKS
     assert split.split_size(1) == split.split_size(blocks * split.BLOCK_N) == blocks * split.BLOCK_N

@@ -45,6 +45,17 @@ def path_slots(anc: torch.Tensor, first: torch.Tensor, depth: int) -> torch.Tens
     return first.reshape(*anc.shape[:-2], 1, 1) + (at.long() * idx).sum(dim=-1)
 
 
+def scratch_path_slots(anc: torch.Tensor, first: torch.Tensor, k: int) -> torch.Tensor:
+    """Long [..., T, S]: for each of the T frontier rows of a drafting step, the scratch slot of its ancestor at
+    each of the S steps so far (its own slot last), where step j's k rows sit at slots first + j·k + [0, k).
+    anc [..., T, S·k] (bool: a row's ancestors and itself among the scratch rows, one per step), first [...]. What
+    the drafter's attention by position reads as a row's path (`eagle3.fast.split_attention.Paths.tail`)."""
+    *lead, t, sk = anc.shape
+    steps = sk // k
+    within = (anc.view(*lead, t, steps, k).long() * torch.arange(k, device=anc.device)).sum(dim=-1)  # [..., T, S]
+    return first.reshape(*lead, 1, 1) + torch.arange(steps, device=anc.device) * k + within
+
+
 def parents_with_root(parents: torch.Tensor) -> torch.Tensor:
     """Long [..., N+1]: parents [..., N] (-1: the root) in N+1 indexing, the root (node 0) its own parent."""
     return torch.cat([parents.new_zeros(*parents.shape[:-1], 1), parents + 1], dim=-1)

@@ -147,6 +147,7 @@ class FastDrafter(nn.Module):
         self.alloc_id = 0
         self.matmul_attention = False  # `use_matmul_attention`
         self.split_op = None  # `use_split_attention`
+        self.paths_op = None  # `use_paths_attention`
         self.prefix = False  # `use_prefix_attention`
         self.packed = self._pack()
 
@@ -180,6 +181,13 @@ class FastDrafter(nn.Module):
             raise ConfigError(f"the split attention takes head sizes {split_attention.HEAD_DIMS}, not {self.hd}")
         self.use_matmul_attention()
         self.split_op = split_attention.split_attention_op()
+
+    def use_paths_attention(self) -> None:
+        """Let `forward_rows` attend by position (`split_attention.split_paths_op`, resolved here, outside traced
+        code): the server's rows draft this way where their target attends by the split kernel."""
+        if not split_attention.supports(self.hd, 1):
+            raise ConfigError(f"the split attention takes head sizes {split_attention.HEAD_DIMS}, not {self.hd}")
+        self.paths_op = split_attention.split_paths_op()
 
     def use_prefix_attention(self) -> None:
         """Attend by `prefix_attention` in eager forwards (compiled ones keep SDPA); the default off CUDA."""
@@ -280,8 +288,11 @@ class FastDrafter(nn.Module):
         k_rows: torch.Tensor,  # [B, n_kv, S, hd]: one drafter cache per row (`eagle3.fast.rows`)
         v_rows: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],  # (cos, signed sin) [S, hd] from `rope_table`
+        paths: tuple[torch.Tensor, torch.Tensor] | None = None,  # (length [B], tail [B, T, W]): `mask` unused
     ) -> torch.Tensor:
-        """`forward` for B rows, each with its own cache; returns [B, T, H]."""
+        """`forward` for B rows, each with its own cache; returns [B, T, H]. With `paths` (after
+        `use_paths_attention`) each token attends by position (`eagle3.fast.split_attention.Paths`) instead of by
+        `mask`."""
         b, t, _ = hidden.shape
         nh, nkv, hd = self.nh, self.nkv, self.hd
         rows = torch.arange(b, device=hidden.device)[:, None]  # [B, 1]
@@ -295,8 +306,12 @@ class FastDrafter(nn.Module):
         k = apply_rope(qkv[..., nh * hd : (nh + nkv) * hd].reshape(b * t, nkv, hd), cos, sin)
         k_rows[rows, :, slots] = k.view(b, t, nkv, hd)
         v_rows[rows, :, slots] = qkv[..., (nh + nkv) * hd :].reshape(b, t, nkv, hd)
-        bias = row_attention_bias(mask, nh // nkv, self.dtype)  # [B, 1, g·T, S]
-        o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale).view(b, t, nh * hd)
+        if paths is not None:  # q as [B, n_kv, g·T, hd]: row r·T + t is head kv·g + r
+            qg = q.view(b, t, nkv, nh // nkv, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, -1, hd)
+            o = self.paths_op(qg, k_rows, v_rows, paths[0], paths[1], pos, self.scale)  # [B, T, nh·hd]
+        else:
+            bias = row_attention_bias(mask, nh // nkv, self.dtype)  # [B, 1, g·T, S]
+            o = row_attention(q.view(b, t, nh, hd), k_rows, v_rows, bias, self.scale).view(b, t, nh * hd)
         r1 = residual + self.linear(o, self.wo, self.bo)
         gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
         return r1 + self.linear(F.silu(gate) * up, self.w2, self.b2)  # [B, T, H]

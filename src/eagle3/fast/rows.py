@@ -34,27 +34,19 @@ import torch
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
 from eagle3.decoding.sampling import FILTERED, GREEDY, MODES, SamplingRows, sampling_mode
-from eagle3.decoding.tree import ancestry, parents_with_root, path_slots
+from eagle3.decoding.tree import ancestry, parents_with_root, path_slots, scratch_path_slots
 from eagle3.decoding.verify import accept_rows
 from eagle3.drafter import Eagle3Drafter
+from eagle3.fast import split_attention as split
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
 from eagle3.fast.target import FastTarget, argmax_ids
 
-__all__ = ["FastRows", "buckets"]
+__all__ = ["FastRows"]
 
 MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
 # The speculative cycle's pieces that never run the target's weights (`FastRows.compile_drafting`)
 DRAFTING_PIECES = ("_draft", "_tree_inputs", "_accept", "_feed_rows")
-
-
-def buckets(capacity: int) -> list[int]:
-    """Batch-size buckets, one graph each: powers of two below `capacity`, then `capacity`."""
-    out, b = [], 1
-    while b < capacity:
-        out.append(b)
-        b *= 2
-    return [*out, capacity]
 
 
 class _Prefill:
@@ -108,7 +100,7 @@ class FastRows:
                               f"{sorted(drafter.config.aux_layer_ids)}")
         self.t, self.capacity, self.seq_len = target, capacity, seq_len
         self.d = FastDrafter(drafter) if drafter is not None else None
-        self.buckets = buckets(capacity)
+        self.buckets = [1 << i for i in range((capacity - 1).bit_length())] + [capacity]  # one graph each
         self.shapes = {b: (shapes(b) if self.d is not None and shapes is not None else None) for b in self.buckets}
         d_max = max([s.depth for s in self.shapes.values() if s] + [0])
         n_max = max([s.total for s in self.shapes.values() if s] + [0])
@@ -165,6 +157,8 @@ class FastRows:
         self.ranked = False  # top-k by ranking inside compiled drafting (`ranked_top_k`)
         # greedy drafting's log-softmax and top-k as the batch-1 engine's Triton kernels where they run (CUDA)
         self._top_k_ops = {s.top_k: draft_top_k_op_for(self.d, s.top_k) for s in self.shapes.values() if s}
+        if self.d is not None and target.attention == "split" and split.supports(self.d.hd, 1):
+            self.d.use_paths_attention()  # drafting attends by position, as the target's forwards do
         if self.d is not None and compile_drafting:
             self.compile_drafting()
 
@@ -513,7 +507,6 @@ class FastRows:
         shape = self.shapes[nb]
         d, k = self.d, shape.top_k
         length = self.length[:nb]
-        base = (self.ar_sd[None, :] < length[:, None])[:, None, :].expand(nb, k, -1)  # [nb, k, Sd]
 
         def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [nb, T, H]
             if mode == GREEDY:
@@ -523,11 +516,17 @@ class FastRows:
 
         def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
             cols = length[:, None] + self.ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
-            mask = base.clone().scatter_(2, cols[:, None, :].expand(nb, k, -1), anc)  # [nb, k, Sd]
-            pos = (length - 1 + step)[:, None].expand(nb, k)  # [nb, k]
-            return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, self.dk[:nb], self.dv[:nb], self.d_rope)
+            pos = (length - 1 + step)[:, None].expand(nb, k).contiguous()  # [nb, k]
+            if d.paths_op is not None:  # by position: the committed rows, then each row's path in scratch
+                paths, mask = (length, scratch_path_slots(anc, length, k)), None  # tail [nb, k, step]
+            else:  # [nb, k, Sd]: the committed rows and each row's ancestors in scratch
+                paths, mask = None, (self.ar_sd[None, None, :] < length[:, None, None]).expand(nb, k, -1).clone()
+                mask.scatter_(2, cols[:, None, :].expand(nb, k, -1), anc)
+            return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, self.dk[:nb], self.dv[:nb], self.d_rope,
+                                  paths=paths)
 
-        tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids)
+        tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
+                                      self.ranked)
         return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
 
     def _greedy_top_k(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

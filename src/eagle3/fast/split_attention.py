@@ -341,3 +341,22 @@ def split_attention_op():
         return q.new_empty(mask.shape[0], q.shape[0] * q.shape[1] // mask.shape[0] * q.shape[2])
 
     return torch.ops.eagle3.split_attention.default
+
+
+@functools.cache
+def split_paths_op():
+    """`split_attention` of B rows by `Paths` as the opaque custom op `eagle3::split_attention_paths`, for compiled
+    code: the server's rows' drafter attends this way inside compiled drafting (`FastDrafter.forward_rows`).
+    Registered on first use; resolve it outside traced code."""
+
+    @torch.library.custom_op("eagle3::split_attention_paths", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, tail: torch.Tensor,
+           pos: torch.Tensor, scale: float) -> torch.Tensor:
+        return split_attention(q, k, v, None, scale, paths=Paths(length, tail, pos))
+
+    @op.register_fake
+    def _(q, k, v, length, tail, pos, scale):
+        b, nkv, rows, hd = q.shape
+        return q.new_empty(b, pos.shape[1], nkv * rows // pos.shape[1] * hd)
+
+    return torch.ops.eagle3.split_attention_paths.default
