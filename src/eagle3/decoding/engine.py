@@ -148,7 +148,7 @@ class SpeculativeEngine:
     """Runs one request at a time: `generate(prompt_ids, ...)` with any `Proposer`, as one row of `HFRows` (its
     drafter `rows_drafter(proposer)`: EAGLE-3 drafts as a row of the server's batch drafter). With `guard`, each
     request's cycles are timed and drafting pauses while it is slower than plain decoding (`SpeculationGuard`; one
-for greedy and one for sampled requests, kept from request to request)."""
+    for greedy and one for sampled requests, kept from request to request)."""
 
     def __init__(self, target: Target, proposer: Proposer, tokenizer=None, guard: bool = False):
         self.target = target
