@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from eagle3.defaults import Decoding
 
 __all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "fast_rows", "load_server",
-           "served_model_name"]
+           "served_model_name", "serving_decoding"]
 
 log = logging.getLogger("eagle3")
 
