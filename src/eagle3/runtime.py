@@ -81,12 +81,11 @@ class Runtime:
                               "load_runtime instead")
         if not torch.equal(new.embed_tokens.weight, self.drafter.embed_tokens.weight):  # the target's: never written
             raise ConfigError(f"{path}: it embeds tokens with other weights than the running drafter")
-        fast = list(self._fast_drafters)
-        why = next((w for w in (fd.mismatch(new) for fd in fast) if w is not None), None)
+        from eagle3.fast.drafter import load_in_place
+
+        why = load_in_place(list(self._fast_drafters), new)
         if why is not None:
             raise ConfigError(f"{path}: {why}; load it with load_runtime instead")
-        for fd in fast:
-            fd.load_weights(new)
         self.drafter.load_state_dict(theirs)
         for guards in self._guards:
             guards.reset()

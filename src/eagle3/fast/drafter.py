@@ -362,6 +362,10 @@ class FastDrafter(nn.Module):
         why = self._mismatch(new)
         if why is not None:
             raise ConfigError(f"this drafter cannot be loaded in place: {why}")
+        self._load(new)
+
+    def _load(self, new: FastDrafter) -> None:
+        """`load_weights` of a checked candidate `new` (`_mismatch` None)."""
         written = {getattr(self, n).data_ptr() for n in WEIGHTS if getattr(self, n) is not None}
         for source in self._source:
             for module in source.modules():
@@ -377,6 +381,19 @@ class FastDrafter(nn.Module):
             mine = getattr(self, name)
             if mine is not None:
                 mine.copy_(getattr(new, name))
-        self.config = drafter.config
+        self.config = new.config
         if self.packed is not None:  # CPU packed copies (never captured in graphs)
             self.packed = self._pack()
+
+
+def load_in_place(fast: list[FastDrafter], drafter: Eagle3Drafter) -> str | None:
+    """Write `drafter`'s weights into every one of `fast` (`FastDrafter.load_weights`), its fused tensors built
+    once for all; or change none and return why one of them cannot take them (`FastDrafter.mismatch`)."""
+    if not fast:
+        return None
+    new = FastDrafter(drafter)
+    why = next((w for w in (fd._mismatch(new) for fd in fast) if w is not None), None)
+    if why is None:
+        for fd in fast:
+            fd._load(new)
+    return why

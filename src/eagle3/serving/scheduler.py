@@ -353,16 +353,15 @@ class Scheduler(PathsMixin, OutputMixin):
         """Switch drafters: the HF rows decoding now finish without drafting, new rows draft with `new`. The fast
         lane and fast rows take `new`'s weights into their own tensors (their graphs stay valid) where its shapes
         allow (`FastDrafter.mismatch`), else they decode plain from now on."""
+        from eagle3.fast.drafter import load_in_place
+
         self.batch.swap_drafter(Eagle3BatchDrafter(new.drafter))
         lane = self.fast.core.drafter if self.fast is not None else None  # None: no lane, or it drafts otherwise
         fast = [lane] if lane is not None else []
         fast += [b.backend.d for b in self._batches
                  if b.backend is not self.batch and b.spec and b.backend.d is not None]
-        why = next((w for w in (fd.mismatch(new.drafter) for fd in fast) if w is not None), None)
-        if why is None:
-            for fd in fast:
-                fd.load_weights(new.drafter)
-        elif fast:
+        why = load_in_place(fast, new.drafter)
+        if why is not None:
             log.warning("the fast lane and fast rows decode plain from now on: %s", why)
             if self.fast is not None and self.fast.mode != "none":
                 plain = self._lane_plain if self._lane_plain is not None else _plain_lane(self.fast)
