@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from eagle3.config import DraftShape
-from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
+from eagle3.decoding.expand import coupled_top_k, expand_tree
 from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.decoding.tree import ancestry, path_slots
 from eagle3.decoding.verify import accept_rows
@@ -334,10 +334,7 @@ class FastCore(nn.Module):
     def draft_top_k(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `top_k` best draft tokens after each of the drafter's pre-norm outputs out [T, H]: their
         log-probabilities [T, k] (fp32, descending) and draft-vocabulary ids [T, k]."""
-        d = self.drafter
-        if self.top_k_op is not None:
-            return self.top_k_op(d.logits(out), self.top_k)
-        return top_k_last(d.log_probs(out), self.top_k, self.ranked)
+        return self.drafter.top_k(out, self.top_k, self.top_k_op, self.ranked)
 
     def tree_inputs(self, by_paths: bool) -> tuple[torch.Tensor | None, ...]:
         """What the verification forward reads: ids [N+1] (root, nodes), RoPE positions length + depth [N+1],

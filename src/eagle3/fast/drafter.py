@@ -14,6 +14,7 @@ from torch import nn
 
 from eagle3.attention import shapes_vary
 from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
+from eagle3.decoding.expand import top_k_last
 from eagle3.decoding.sampling import token_hash
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention
@@ -323,6 +324,16 @@ class FastDrafter(nn.Module):
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probabilities [T, Vd] (fp32) of pre-norm outputs [T, H]."""
         return torch.log_softmax(self.logits(out).float(), dim=-1)
+
+    def top_k(self, out: torch.Tensor, k: int, op=None, ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best draft tokens after each pre-norm output out [..., H]: their log-probabilities [..., k] (fp32,
+        descending) and draft-vocabulary ids [..., k]; by the Triton kernels `op` (`draft_top_k_op_for`, over the
+        outputs flattened to rows) where given, else `top_k_last` (`ranked`: see `ranked_top_k`)."""
+        if op is None:
+            return top_k_last(self.log_probs(out), k, ranked)
+        logits = self.logits(out)  # [..., Vd]
+        lp, ids = op(logits.reshape(-1, logits.shape[-1]), k)  # [rows, k] each
+        return lp.view(*out.shape[:-1], k), ids.view(*out.shape[:-1], k)
 
     def feedback(self, out: torch.Tensor) -> torch.Tensor:
         """The hidden state fed to the next draft step (pre-norm, or post-norm with `norm_output`)."""

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
-from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
+from eagle3.decoding.expand import coupled_top_k, expand_tree
 from eagle3.decoding.sampling import FILTERED, GREEDY, MODES, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots, scratch_path_slots
 from eagle3.decoding.verify import accept_rows
@@ -510,7 +510,7 @@ class FastRows:
 
         def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [nb, T, H]
             if mode == GREEDY:
-                return self._greedy_top_k(out, k)
+                return d.top_k(out, k, self._top_k_ops.get(k), self.ranked)
             return coupled_top_k(d.logits(out), length + 1 + step, self.row_sampling, mode, d.draft_h, k,
                                  self.ranked)
 
@@ -528,16 +528,6 @@ class FastRows:
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
                                       self.ranked)
         return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
-
-    def _greedy_top_k(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best drafts after each drafter output out [nb, T, H]: log-probabilities [nb, T, k] (fp32,
-        descending) and draft-vocabulary ids [nb, T, k] (`FastCore.draft_top_k` with a row axis)."""
-        op = self._top_k_ops.get(k)
-        if op is None:
-            return top_k_last(self.d.log_probs(out), k, self.ranked)
-        logits = self.d.logits(out)  # [nb, T, Vd]
-        lp, ids = op(logits.reshape(-1, logits.shape[-1]), k)  # [nb·T, k] each
-        return lp.view(*out.shape[:-1], k), ids.view(*out.shape[:-1], k)
 
     def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, by_paths: bool):
         """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache
