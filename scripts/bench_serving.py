@@ -133,7 +133,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
                             graph_prefill=args.graph_prefill, decoding=decoding)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
                    target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                   fuse_pointwise=args.fuse_pointwise)
+                   fuse_pointwise=args.fuse_pointwise, decoding=decoding)
     sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast,
                             rows=fr)
     rows = []

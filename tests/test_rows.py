@@ -169,6 +169,81 @@ def test_rows_accept_what_the_batch1_engine_accepts(shape):
     assert max(max(a) for a in accepted) >= 2  # multi-slot compaction happened
 
 
+@pytest.mark.parametrize("stop", [0.05, 0.2])
+def test_rows_stop_their_chains_where_the_batch1_engine_does(stop):
+    """With a chain stop (eager cycles: CPUs), a row drafts until its joint draft probability falls below the stop,
+    as the batch-1 engine does: one row drafts and accepts exactly what the engine does, cycle by cycle; three rows
+    stop when all of them are unsure and still decode the engine's greedy tokens."""
+    from eagle3.fast import FastOptions
+
+    model = build_tiny_target("llama", vocab_size=8)
+    d = init_drafter(model, draft_vocab_size=8, seed=1)
+    chain = DraftShape.chain(6)
+    engine = FastEngine(model, draft="eagle3", spec=chain, drafter=d, options=FastOptions(chain_stop=stop))
+    prompts = prompts_of([9, 4, 17], 8, seed=3)
+    ref = [engine.generate(torch.tensor(p), max_new_tokens=40, eos_token_ids=[]) for p in prompts]
+    rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=256,
+                    shapes={1: chain, 2: chain, 4: chain}.get, chain_stop=stop)
+    out, accepted, drafted = [rows.add(prompts[0])], [], []
+    while len(out) < 40:
+        new = rows.cycle(spec=True)[0]
+        out += new
+        accepted.append(len(new) - 1)
+        drafted.append(rows.drafted[0])
+    n = len(accepted)
+    assert accepted == ref[0].stats.accepted_per_cycle[:n]
+    assert out[:40] == ref[0].token_ids[:40]
+    assert 1 <= min(drafted) and min(drafted) < 6  # the chain stopped early in some cycles
+    rows.clear()
+    outs = [[first] for first in rows.add_many(prompts[1:])]
+    for _ in range(15):
+        for o, new in zip(outs, rows.cycle(spec=True), strict=True):
+            o += new
+    for o, r in zip(outs, ref[1:], strict=True):
+        assert o[: len(r.token_ids)] == r.token_ids[: len(o)]
+
+
+def test_rows_chain_stop_needs_eager_cycles():
+    model = build_tiny_target("llama", vocab_size=8)
+    d = init_drafter(model, draft_vocab_size=8, seed=1)
+    with pytest.raises(ConfigError, match="eagerly"):
+        FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=2, seq_len=64,
+                 shapes={1: DraftShape.chain(4), 2: DraftShape.chain(4)}.get, compile_drafting=True, chain_stop=0.2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rows_verification_has_the_bits_of_one_token_steps_in_bf16(arch):
+    """What keeps a row's bf16 chain identical to its plain decoding on a CPU (`exact_rows`, forced here on any
+    CPU, as `tests/test_fast.py` does for the batch-1 engine): two rows' forward of 6 causal tokens each gives
+    every token the logits, bit for bit, that six one-token forwards of one row give (MLP of 2,048, where a CPU
+    without AMX rounds one-row and many-row products differently with the vendor's kernels)."""
+    model = build_tiny_target(arch, hidden_size=256, intermediate_size=2048).to(torch.bfloat16)
+    t = FastTarget(model)
+    t.exact_rows = True
+    ids = torch.stack([prompt for prompt in map(torch.tensor, prompts_of([24, 24], model.config.vocab_size, 3))])
+    ar = torch.arange(32)
+    shape = (t.num_layers, 2, t.nkv, 32, t.hd)
+    rope = t.rope_table(32)
+    logits = {}
+    for mode in ("rows", "steps"):
+        k, v = torch.zeros(shape, dtype=t.dtype), torch.zeros(shape, dtype=t.dtype)
+        pre = ar[:18][None].expand(2, -1)
+        t.forward_rows(ids[:, :18], pre, pre, (ar[None, :] <= ar[:18, None])[None].expand(2, -1, -1), k, v,
+                       rope)
+        if mode == "rows":
+            pos = ar[18:24][None].expand(2, -1)
+            logits[mode] = t.forward_rows(ids[:, 18:24], pos, pos, (ar[None, :] <= ar[18:24, None])[None].expand(2, -1, -1),
+                                          k, v, rope)[0]
+        else:  # row 0 alone, one token at a time
+            steps = []
+            for p in range(18, 24):
+                pos = ar[p : p + 1][None]
+                steps.append(t.forward_rows(ids[:1, p : p + 1], pos, pos, (ar <= p)[None, None], k[:, :1], v[:, :1],
+                                            rope)[0])
+            logits[mode] = torch.cat(steps, dim=1)
+    assert torch.equal(logits["rows"][:1], logits["steps"])
+
+
 def test_rows_draft_through_the_top_k_kernel_as_through_pytorch(monkeypatch):
     """Where the batch-1 engine's draft top-k kernel runs (CUDA), the rows' greedy drafting calls it on every
     row's outputs at once ([rows·T, Vd] logits) and reshapes its answer back: a CPU stand-in with the kernel's

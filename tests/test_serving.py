@@ -566,14 +566,15 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypa
         assert "no effect" not in caplog.text
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
-        # auto: the lane wherever `eagle3 generate` takes the fast engine (a CPU with native bf16); rows on CUDA only
-        lane, rows = "--fast-lane" in extra or native_bf16("cpu"), "--fast-rows" in extra
+        # auto: the lane and the fast rows wherever `eagle3 generate` takes the fast engine (a CPU with native bf16)
+        lane, rows = "--fast-lane" in extra or native_bf16("cpu"), "--fast-rows" in extra or native_bf16("cpu")
         assert (sched.fast is not None) == lane and (sched.fast_rows is not None) == rows
         line = describe(sched)
         assert f"fast lane {'on' if lane else 'off'}" in line and "cpu" in line
-        assert ("fast rows on (256 slots each)" if rows else "fast rows off") in line
-        if rows:
-            assert sched.fast_rows.seq_len == 256 and (sched.fast_rows.d is not None) == (drafter_name is not None)
+        assert (f"fast rows on ({sched.fast_rows.seq_len} slots each)" if rows else "fast rows off") in line
+        if rows:  # the rows draft with EAGLE-3 drafters only; the HF rows draft n-grams
+            assert sched.fast_rows.seq_len == (256 if "--fast-rows-len" in extra else 512 + 128)  # the model's length
+            assert (sched.fast_rows.d is not None) == (drafter_name == "eagle3")
         assert ("plain batched decoding" in line) == (drafter_name is None)
         if lane:
             assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]

@@ -131,9 +131,12 @@ def expand_tree(
     feedback: Callable[[torch.Tensor], torch.Tensor],  # drafter output -> the hidden state of the next step
     to_target: Callable[[torch.Tensor], torch.Tensor],  # draft-vocabulary ids -> target ids
     ranked: bool = False,
+    until: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The EAGLE-2 tree of every row: target token ids [R, N] and parents [R, N] (node index, -1: the root), with
-    N = min(shape.total, recorded nodes); parents precede their children."""
+    N = min(shape.total, recorded nodes); parents precede their children. `until(frontier scores [R, k])`, read
+    on the host before each further step, ends the expansion early when it returns True (a chain that stops
+    where the drafter is unsure: cycles that run eagerly)."""
     r, k, dev = last.shape[0], shape.top_k, last.device
     scores, ids = (t[:, 0] for t in children(last[:, None], 0))  # [R, k]
     rec_scores, rec_tokens = [scores], [to_target(ids)]
@@ -148,6 +151,8 @@ def expand_tree(
     all_tokens = rec_tokens[0]  # [R, records]
     n_rec = k
     for step in range(1, shape.depth):
+        if until is not None and until(f_scores):
+            break
         out = run(step, f_hidden, all_tokens.gather(1, frontier), anc)  # [R, k, H]
         top_lp, top_ids = children(out, step)  # [R, k, k]
         cum = (f_scores[:, :, None] + top_lp).reshape(r, k * k)  # [R, k²]

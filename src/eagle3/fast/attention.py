@@ -68,13 +68,20 @@ def row_attention(
     v_rows: torch.Tensor,  # [B, nkv, S, hd]
     bias: torch.Tensor,  # [B, 1, g·T, S] from row_attention_bias
     scale: float,
+    exact: bool = False,
 ) -> torch.Tensor:
-    """`grouped_attention` for B rows, each over its own cache; returns [B·T, nh·hd]."""
+    """`grouped_attention` for B rows, each over its own cache; `exact`: by `rows_exact_attention` (`exact_rows`).
+    Returns [B·T, nh·hd]."""
     b, t, nh, hd = q.shape
-    nkv = k_rows.shape[1]
+    nkv, s = k_rows.shape[1], k_rows.shape[2]
     g = nh // nkv
     qg = q.view(b, t, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)  # head kv·g + r: row r·T + t
-    o = F.scaled_dot_product_attention(qg, k_rows, v_rows, attn_mask=bias, scale=scale)  # [B, nkv, g·T, hd]
+    if exact:  # every (row, KV head) its own pair of GEMMs
+        o = rows_exact_attention(qg.reshape(b * nkv, g * t, hd), k_rows.reshape(b * nkv, s, hd),
+                                 v_rows.reshape(b * nkv, s, hd), bias.expand(b, nkv, g * t, s).reshape(b * nkv, g * t, s),
+                                 scale).view(b, nkv, g * t, hd)
+    else:
+        o = F.scaled_dot_product_attention(qg, k_rows, v_rows, attn_mask=bias, scale=scale)  # [B, nkv, g·T, hd]
     return o.view(b, nkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b * t, nh * hd)
 
 

@@ -266,10 +266,11 @@ class FastCore(nn.Module):
         self.backlog_n = 0
 
     # -- step functions (fixed shapes, no host sync) ------------------------------------------
-    def draft(self, mode: int = GREEDY) -> None:
+    def draft(self, mode: int = GREEDY, until: Callable[[torch.Tensor], bool] | None = None) -> int:
         """The EAGLE-2 tree (`eagle3.decoding.expand`) into the tree buffers; each node's children as
         `choose_drafts` picks them for `mode`. Expansion step j writes the drafter's scratch slots
-        length + (j-1)·k + [0, k)."""
+        length + (j-1)·k + [0, k). `until`: see `expand_tree` (nodes past the ones drafted stay invalid).
+        Returns the number of nodes drafted."""
         d, k, length = self.drafter, self.top_k, self.length  # length [1]
 
         def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [1, T, H]
@@ -283,40 +284,25 @@ class FastCore(nn.Module):
             return d(hidden[0], tokens[0], pos, slots, mask)[None]  # [1, k, H]
 
         tokens, parents = expand_tree(self.last_out, self.shape, children, run, d.feedback, d.to_target_ids,
-                                      self.ranked)  # [1, N] each
-        self.tree_tokens.copy_(tokens[0])
-        self.tree_parents1[1:].copy_(parents[0] + 1)
+                                      self.ranked, until)  # [1, n] each
+        n = tokens.shape[1]
+        if n < self.n_nodes:  # invalid nodes: token 0, hanging off the root
+            self.tree_tokens.zero_()
+            self.tree_parents1.zero_()
+            self.tree_valid.copy_(self.ar[: self.n_nodes] < n)
+            self._valid_all = False
+        self.tree_tokens[:n].copy_(tokens[0])
+        self.tree_parents1[1 : n + 1].copy_(parents[0] + 1)
         self.tree_parents1[:1].zero_()
+        return n
 
     def draft_chain_until(self, mode: int = GREEDY) -> int:
         """Draft a chain of at most `depth` tokens, stopping after the first token whose chain's joint draft
         probability (the product of the drafter's top-1 probabilities so far) is below `chain_stop`; the rest of
-        the tree buffers become invalid nodes. Returns the number of tokens drafted (at least one). The same
-        proposals as `draft` up to where it stops (the same drafter calls on the same rows and slots), so a chain
-        verified in full would accept the same prefix; one host read per drafted token."""
-        d, length, stop = self.drafter, self.length, self.chain_stop
-        scores, ids = (t[0] for t in self.choose_drafts(self.last_out, length + 1, mode))  # [1]
-        tokens, cum = [d.to_target_ids(ids)], scores
-        hidden = d.feedback(self.last_out)  # [1, H]
-        one = self.ar[:1]
-        anc = torch.ones(1, 1, dtype=torch.bool, device=self.device)  # [1, steps]: the chain's scratch rows
-        while len(tokens) < self.depth and float(cum.exp()) >= stop:
-            step = len(tokens)
-            mask = prefix_and_window(self.ar_sd, length, anc)  # [1, Sd]
-            out = d(hidden, tokens[-1], (length - 1 + step).expand(1), length + step - 1 + one, mask)  # [1, H]
-            scores, ids = (t[0] for t in self.choose_drafts(out, length + 1 + step, mode))
-            cum = cum + scores
-            tokens.append(d.to_target_ids(ids))
-            hidden = d.feedback(out)
-            anc = torch.cat([anc, anc[:, :1]], dim=1)
-        n = len(tokens)
-        self.tree_tokens.zero_()
-        self.tree_tokens[:n].copy_(torch.cat(tokens))
-        self.tree_parents1.copy_(torch.cat([self.ar[:1], self.ar[: self.n_nodes]]))  # node i's parent: node i-1
-        self.tree_parents1[n + 1 :].zero_()  # invalid nodes hang off the root
-        self.tree_valid.copy_(self.ar[: self.n_nodes] < n)
-        self._valid_all = False
-        return n
+        the tree buffers become invalid nodes. Returns the number of tokens drafted (at least one): the same
+        proposals as `draft` up to where it stops, one host read per drafted token."""
+        stop = self.chain_stop
+        return self.draft(mode, until=lambda scores: float(scores.exp().max()) < stop)
 
     def choose_drafts(self, out: torch.Tensor, pos: torch.Tensor,
                       mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:

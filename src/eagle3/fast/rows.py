@@ -90,7 +90,8 @@ class FastRows:
     def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
                  shapes: Callable[[int], DraftShape | None] | None = None, graphs: bool = True,
                  prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW,
-                 fused_sampling: bool | None = None, compile_drafting: bool = False):
+                 fused_sampling: bool | None = None, compile_drafting: bool = False,
+                 chain_stop: float | None = None):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if feed_window < 0:
@@ -142,10 +143,16 @@ class FastRows:
         self._held: list[int] = []  # host mirror of held_n for the active rows
         # per row, of the last cycle: depth and draft tokens drafted (0: did not draft)
         self.depths: list[int] = []
+        self._nodes = 0  # draft nodes of the last speculative cycle
         self.drafted: list[int] = []
         self.n = 0  # active rows: [0, n)
         self.cycles = self.spec_cycles = self.feeds = 0  # cycles run (all, speculative), feed steps run
         self.graphs = graphs and dev.type == "cuda"
+        # Chains stop drafting once every row's joint draft probability is below this (`FastCore.chain_stop`):
+        # the host reads each draft step's scores, so only where cycles run eagerly
+        if chain_stop is not None and (self.graphs or compile_drafting):
+            raise ConfigError("chain_stop needs cycles that run eagerly (a CPU, or graphs and compilation off)")
+        self.chain_stop = chain_stop
         self._pool = graph_pool(dev)
         self._runners: dict[tuple[int, bool, int], StepRunner] = {}
         self._feeds: dict[int, StepRunner] = {}  # bucket -> its feed step
@@ -426,7 +433,7 @@ class FastRows:
                 self._feed(nb)
         pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
         self.depths = [p[1] for p in pkt]
-        self.drafted = [self.shapes[nb].total if spec else 0] * self.n
+        self.drafted = [self._nodes if spec else 0] * self.n
         return [p[2 : 3 + p[0]] for p in pkt]
 
     def _feed(self, nb: int) -> None:
@@ -525,8 +532,13 @@ class FastRows:
             return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, self.dk[:nb], self.dv[:nb], self.d_rope,
                                   paths=paths)
 
+        until = None
+        if self.chain_stop is not None and shape.is_chain:  # every row unsure: stop (`FastCore.draft_chain_until`)
+            stop = self.chain_stop
+            until = lambda scores: float(scores.exp().max()) < stop  # noqa: E731
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
-                                      self.ranked)
+                                      self.ranked, until)
+        self._nodes = tokens.shape[1]
         return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
 
     def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, by_paths: bool):

@@ -470,6 +470,11 @@ class FastTarget(nn.Module):
         each row's tokens attend by position as in `forward` (`eagle3.fast.split_attention.Paths`), else by
         `mask`."""
         b, t = ids.shape
+        if b * t == 1 and self.exact_rows:  # one token as two equal ones: the many-row kernels' bits (`forward`)
+            logits, aux = self.forward_rows(
+                ids.repeat(1, 2), pos.repeat(1, 2), slots.repeat(1, 2), None if mask is None else mask.repeat(1, 2, 1),
+                k_rows, v_rows, rope, logits_at, want_aux, None if path is None else (path[0], path[1].repeat(1, 2, 1)))
+            return logits[:, :1], None if aux is None else aux[:, :1]
         nh, nkv, hd = self.nh, self.nkv, self.hd
         g = nh // nkv
         rows = torch.arange(b, device=ids.device)[:, None]  # [B, 1]
@@ -499,7 +504,8 @@ class FastTarget(nn.Module):
                 q, k = self.rope_qk(qkv, lw, cos, sin)  # [B·T, nh, hd], [B·T, nkv, hd]
                 k_rows[i][rows, :, slots] = k.view(b, t, nkv, hd)  # row b's tokens at its slots
                 v_rows[i][rows, :, slots] = qkv[:, (nh + nkv) * hd :].view(b, t, nkv, hd)
-                o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale)  # [B·T, nh·hd]
+                o = row_attention(q.view(b, t, nh, hd), k_rows[i], v_rows[i], bias, self.scale,
+                                  self.exact_rows)  # [B·T, nh·hd]
             h, x = self.post_attention(i, h, o)
         if want_aux and self.num_layers in self.aux_layer_ids:
             aux.append(h)

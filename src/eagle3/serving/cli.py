@@ -96,7 +96,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     help="a request on an idle server decodes on the batch-1 fast engine, as `eagle3 generate` does "
                          "(costs a second, fused copy of the target's weights; auto: wherever generate takes it)")
     fp.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
-                    help="requests decode as rows of a static-cache batch, one CUDA graph per batch size")
+                    help="requests decode as rows of a static-cache batch, one CUDA graph per batch size on a GPU "
+                         "(auto: wherever `eagle3 generate` takes the fast engine)")
     fp.add_argument("--fast-rows-len", type=int, default=ServeConfig.fast_rows_len, metavar="N",
                     help="cache slots per fast row; longer requests use the HF rows")
     s.set_defaults(func=cmd_serve)
@@ -175,7 +176,8 @@ def load_server(args):
     fast = fast_lane_engine(lane, model, draft if policy.enabled else "none", spec,
                             d if draft == "eagle3" else None, device, config, decoding=decoding)
     rows = fast_rows(fast_batch, model, d if draft == "eagle3" else None, policy, config, device,
-                     target=fast.target if fast is not None else None, token_budget=args.spec_budget)
+                     target=fast.target if fast is not None else None, token_budget=args.spec_budget,
+                     decoding=decoding)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
                             config=config, fast=fast, rows=rows)
     if draft == "eagle3":
@@ -228,11 +230,17 @@ def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, 
 
 
 def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
-              token_budget: int | None = None, fuse_pointwise: bool | str | None = None):
+              token_budget: int | None = None, fuse_pointwise: bool | str | None = None,
+              decoding: Decoding | None = None):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
     `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
-    shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`)."""
-    if not on_for_device(choice, device):
+    shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`).
+    "auto" builds them where `decoding` (`serving_decoding`) runs on the fast engine (CUDA, and CPUs decoding in
+    bf16), and takes its chain stop (eager cycles on a CPU); without `decoding`, on CUDA."""
+    on = on_for_device(choice, device)
+    if choice == "auto" and decoding is not None:
+        on = decoding.engine == "fast"
+    if not on:
         return None
     from dataclasses import replace
 
@@ -262,8 +270,9 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
 
     try:
         staging = prefill_staging_tokens(config.max_prefill_tokens)
+        stop = decoding.chain_stop if decoding is not None and drafter is not None else None
         rows = FastRows(target, drafter, capacity=config.max_batch_size, seq_len=seq_len, shapes=rows_policy.shape,
-                        prefill_tokens=staging)
+                        prefill_tokens=staging, chain_stop=stop)
         seconds = rows.prepare()
     except torch.OutOfMemoryError as e:
         raise ConfigError(f"the fast rows' caches ({config.max_batch_size} rows x {seq_len} slots) do not fit on "
