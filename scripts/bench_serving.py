@@ -37,7 +37,7 @@ from eagle3.fast.pointwise import fuse_level
 from eagle3.record import run_record, write_json
 from eagle3.runtime import drafter_for, eos_token_ids
 from eagle3.serving.app import create_app
-from eagle3.serving.cli import fast_lane_engine, fast_rows, serving_decoding
+from eagle3.serving.cli import fast_rows, serving_decoding
 from eagle3.serving.config import ServeConfig
 from eagle3.serving.loadgen import drive_in_process
 from eagle3.serving.policy import SpecPolicy, default_token_budget
@@ -69,17 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-budget", type=int, default=None)
     p.add_argument("--spec-max-batch", type=int, default=None)
     p.add_argument("--no-spec-gate", action="store_true", help="speculate even where measured slower")
-    p.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
-                   help="as `eagle3 serve --fast-lane` (auto: wherever `eagle3 generate` takes the fast engine)")
-    # the fast path's variants (library options of `fast_lane_engine` / `fast_rows`; `eagle3 serve` takes the defaults)
+    # a variant of the fast rows (a library option of `fast_rows`; `eagle3 serve` takes the default)
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="elementwise", default="auto",
                    help=FUSE_POINTWISE_HELP)
-    p.add_argument("--eager-drafting", action="store_true",
-                   help="the fast lane's drafting op by op (FastOptions.compile_drafting=False)")
-    p.add_argument("--graph-prefill", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
-                   help="the fast lane prefills via CUDA graphs (FastOptions.graph_prefill; auto: on for CUDA)")
     p.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
-                   help="as `eagle3 serve --fast-rows` (auto: on for CUDA targets of the fast-path families)")
+                   help="as `eagle3 serve --fast-rows` (auto: wherever `eagle3 generate` takes the fast engine)")
     p.add_argument("--max-batch-size", type=int, default=ServeConfig.max_batch_size)
     p.add_argument("--admit-wait", type=float, default=ServeConfig.admit_wait,
                    help="as `eagle3 serve --admit-wait` (0: admit every request at once)")
@@ -127,15 +121,9 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
         target, batch_drafter = Target(model, drafter.config.aux_layer_ids), Eagle3BatchDrafter(drafter)
     config = ServeConfig(model_name=MODEL, max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
                          admit_wait=args.admit_wait, stream_interval=args.stream_interval)
-    fast = fast_lane_engine(args.fast_lane, model, "eagle3" if batch_drafter else "none", spec,
-                            drafter if batch_drafter else None, device, config,
-                            fuse_pointwise=args.fuse_pointwise, eager_drafting=args.eager_drafting,
-                            graph_prefill=args.graph_prefill, decoding=decoding)
     fr = fast_rows(args.fast_rows, model, drafter if batch_drafter else None, policy, config, device,
-                   target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                   fuse_pointwise=args.fuse_pointwise, decoding=decoding)
-    sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, fast=fast,
-                            rows=fr)
+                   token_budget=args.spec_budget, fuse_pointwise=args.fuse_pointwise, decoding=decoding)
+    sched = build_scheduler(target, tok, eos_token_ids(model, tok), batch_drafter, policy, config, rows=fr)
     rows = []
     srv = ServerThread(create_app(sched), shutdown_timeout=10).start()
     try:
@@ -198,8 +186,7 @@ def run_mode(mode: str, model, tok, drafter, args, prompts, chat: bool, device: 
     rows_policy = asdict(policy)
     for r in rows:
         r["policy"] = rows_policy
-        r["fast_lane"], r["fast_rows"] = fast is not None, fr is not None
-        r["graph_prefill"] = fast is not None and fast.options.graph_prefill  # what --graph-prefill auto became
+        r["fast_rows"] = fr is not None
         r["admit_wait"], r["stream_interval"] = config.admit_wait, config.stream_interval
     return rows
 

@@ -165,89 +165,25 @@ def test_eos_inside_an_accepted_run_finishes_only_that_row():
         assert (ev.token_ids, ev.finish_reason) == (ref.token_ids, ref.finish_reason)
 
 
-# -- the fast lane: a lone greedy request on the batch-1 fast path ---------------------------------------
-def _lane_scheduler(model, tok, eos, mode):
-    """A scheduler with a fast lane; `calls` counts the lane's generate() runs."""
-    from eagle3.fast.engine import FastEngine
+# -- cancellation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["batch", "rows"])
+def test_a_cancelled_request_frees_its_row(stories, where):
+    """A request cancelled mid-stream (as a client disconnect does) leaves its row, on the HF rows and on the fast
+    rows alike, with no final event; the server goes on serving."""
+    from eagle3.serving.cli import fast_rows
 
+    model, tok, ids, max_tokens, eos, refs = stories
     model = copy.deepcopy(model)  # the Target below hooks the model; keep the shared fixture clean
-    drafter, aux, d = None, [], None
-    if mode == "eagle3":
-        d = init_drafter(model, seed=0)
-        drafter, aux = Eagle3BatchDrafter(d), d.config.aux_layer_ids
-    policy = SpecPolicy(SMALL_TREE, token_budget=1000, measure=False) if drafter else None
-    fast = FastEngine(model, draft=mode if mode == "eagle3" else "none", spec=SMALL_TREE, drafter=d)
-    calls = []
-    generate = fast.generate
-    fast.generate = lambda *a, **k: (calls.append(1), generate(*a, **k))[1]
-    return Scheduler(Target(model, aux), tok, eos, drafter=drafter, policy=policy, fast=fast), calls
-
-
-@pytest.mark.parametrize("mode", ["plain", "eagle3"])
-def test_fast_lane_equals_single_requests(stories, mode):
-    """One request at a time: each runs on the lane, and gives the bs=1 reference tokens, text and reason."""
-    model, tok, ids, max_tokens, eos, refs = stories
-    sched, calls = _lane_scheduler(model, tok, eos, mode)
-    sched.start()
-    try:
-        for p, n, ref in zip(ids, max_tokens, refs, strict=True):
-            ev = run_one(sched, GenParams(p, n, stream=True))
-            assert ev.kind == "done"
-            assert (ev.token_ids, ev.text, ev.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
-    finally:
-        sched.stop(timeout=5)
-    assert len(calls) == len(ids)  # every request ran on the lane
-    snap = sched.metrics.snapshot()
-    assert snap["eagle3_generation_tokens_total"] == sum(len(r.token_ids) for r in refs)
-    if mode == "eagle3":
-        assert snap["eagle3_spec_row_steps_total"] > 0
-
-
-@pytest.mark.parametrize("mode", ["plain", "eagle3"])
-def test_fast_lane_hands_over_to_the_batch_when_others_arrive(stories, mode):
-    """The first request starts alone on the lane; when it has streamed text the others are submitted, it
-    joins the batch with its text so far, and every request still gives the bs=1 reference."""
-    model, tok, ids, max_tokens, eos, refs = stories
-    sched, calls = _lane_scheduler(model, tok, eos, mode)
-    done: dict[int, object] = {}
-    flags = [threading.Event() for _ in ids]
-    others = threading.Event()
-
-    def sink_for(i):
-        def sink(ev):
-            if ev.kind == "delta" and i == 0 and not others.is_set():
-                others.set()
-                for j in range(1, len(ids)):
-                    sched.submit(RequestHandle(GenParams(ids[j], max_tokens[j]), sink_for(j)))
-            elif ev.kind != "delta":
-                done[i] = ev
-                flags[i].set()
-        return sink
-
-    sched.start()
-    try:
-        sched.submit(RequestHandle(GenParams(ids[3], max_tokens[3], stream=True), sink_for(0)))
-        assert flags[0].wait(30) and all(f.wait(30) for f in flags[1:]), "a request hung"
-    finally:
-        sched.stop(timeout=5)
-    for i in range(len(ids)):  # request 0 is prompt 3 (the longest answer); request j >= 1 is prompt j
-        ref = refs[3] if i == 0 else refs[i]
-        assert done[i].kind == "done" and done[i].token_ids == ref.token_ids, f"request {i}"
-    assert len(calls) == 1  # the first one started on the lane; the rest were batched with it
-    snap = sched.metrics.snapshot()
-    assert snap["eagle3_batch_size_sum"] / snap["eagle3_batch_size_count"] > 1.5
-
-
-def test_fast_lane_frees_a_cancelled_request(stories):
-    model, tok, ids, max_tokens, eos, refs = stories
-    sched, _ = _lane_scheduler(model, tok, eos, "plain")
+    cfg = ServeConfig(max_batch_size=4, fast_rows_len=256)
+    rows = fast_rows("on", model, None, SpecPolicy(largest=None), cfg, "cpu") if where == "rows" else None
+    sched = Scheduler(Target(model, []), tok, eos, config=cfg, rows=rows)
     events = []
     holder = {}
 
     def sink(ev):
         events.append(ev)
         if ev.kind == "delta" and len(events) == 2:
-            holder["h"].cancelled = True  # as a client disconnect does
+            holder["h"].cancelled = True
 
     sched.start()
     try:
@@ -262,6 +198,8 @@ def test_fast_lane_frees_a_cancelled_request(stories):
     finally:
         sched.stop(timeout=5)
     assert 'finish_reason="cancelled"' in sched.metrics.render()
+    assert set(sched.cycle_trace()["path"]) == {where} and sched.running == 0
+    assert all(b.backend.n == 0 for b in sched._batches)
 
 
 # -- batched drafter == per-row drafter ------------------------------------------------------------
@@ -599,29 +537,6 @@ def test_speed_gate_margin_and_affordable_probes():
     assert gate.interval(1) == 450
     modes = [gate.speculate(1) for _ in range(450)]
     assert modes.count(True) == 1 and modes[-1]
-
-
-def test_lane_gate_probes_a_slower_mode_within_the_policys_share():
-    """The fast lane's gate decides per request: after one speculative and one plain request it runs the faster
-    mode and probes the other no more often than `probe_share` of the time allows (a fixed probe every few
-    requests would run a large share of a one-client benchmark in the slower mode)."""
-    from eagle3.serving.policy import SpecPolicy
-
-    gate = SpecPolicy(probe_share=0.02).lane_gate()
-    assert gate.speculate(1)  # no measurement yet: speculate first
-    gate.record(1, True, seconds=1.0, tokens=127)  # a speculative request: 127 tokens/s
-    assert not gate.speculate(1)  # then time a plain one
-    gate.record(1, False, seconds=2.0, tokens=127)  # half as fast
-    # a plain probe loses 2 s x (1 - 0.5) = 1 s of output; at 2 % of 1 s requests that is one per 50 requests
-    assert gate.interval(1) == 50
-    modes = [gate.speculate(1) for _ in range(50)]
-    assert modes.count(False) == 1 and not modes[-1]
-    slow = SpecPolicy(probe_share=0.02).lane_gate()  # speculation slower: its probes are bounded the same way
-    slow.speculate(1)
-    slow.record(1, True, seconds=2.0, tokens=127)
-    slow.speculate(1)
-    slow.record(1, False, seconds=1.0, tokens=127)
-    assert slow.interval(1) == 50 and [slow.speculate(1) for _ in range(50)].count(True) == 1
 
 
 def _noisy_cycles(gate: SpeedGate, accept: float, n: int = 1000, seed: int = 0) -> tuple[float, float]:

@@ -227,7 +227,7 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
     out = tmp_path / "out"
     assert mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--concurrency", "1", "3",
                      "--max-tokens", "8", "--min-requests", "3", "--rounds", "1", "--warmup", "1",
-                     "--prompts", "gsm8k", "--fast-lane", "off", "--out", str(out)]) == 0
+                     "--prompts", "gsm8k", "--out", str(out)]) == 0
     rec = json.loads((out / "bench_serving.json").read_text())
     assert rec["kind"] == "bench_serving" and rec["git_sha"] is not None and rec["argv"]
     levels = {(r["mode"], r["concurrency"]) for r in rec["results"]}
@@ -245,7 +245,7 @@ def test_bench_serving_script_writes_a_record(tmp_path, capsys):
         assert len(cyc["ms"]) == r["verify_steps"] and all(ms > 0 for ms in cyc["ms"])
         assert sum(cyc["tokens"]) == r["output_tokens"] - r["requests"]
         assert set(cyc["path"]) == {path}
-        assert r["fast_lane"] is False and r["graph_prefill"] is False  # what ran, beside the argv that asked
+        assert r["fast_rows"] == (path == "rows")  # what ran, beside the argv that asked
         spec_rates = [g["spec"] for g in r["gates"][path].values()]
         assert (r["mode"] == "spec") == (any(cyc["spec"]) or any(x is not None for x in spec_rates))
         assert r["mode"] == "spec" or not any(cyc["spec"])
@@ -270,7 +270,7 @@ def test_bench_serving_keeps_the_levels_measured_before_a_failure(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         mod.main(["--target", "stories260k", "--random-drafter", "--device", "cpu", "--concurrency", "1", "2",
                   "--max-tokens", "6", "--min-requests", "2", "--rounds", "1", "--warmup", "0", "--prompts", "gsm8k",
-                  "--fast-lane", "off", "--out", str(out)])
+                  "--out", str(out)])
     rec = json.loads((out / "bench_serving.json").read_text())
     assert rec["complete"] is False
     assert [(r["mode"], r["concurrency"]) for r in rec["results"]] == [("plain", 1), ("plain", 2)]

@@ -301,7 +301,7 @@ def test_qwen3_next_mtp_with_no_shape_flag_drafts_a_chain(tmp_path, capsys):
 def test_served_mtp_rows_answer_as_plain_serving(folders, capsys):
     """`eagle3 serve --draft mtp`: the target's MTP layer drafts for a batch of rows (one `Eagle3BatchDrafter` on
     the HF rows); 8 concurrent greedy clients get plain serving's answers, and the copying MTP layer's drafts are
-    accepted. The fast lane and rows draft EAGLE-3 only: asking for them with MTP is refused."""
+    accepted. The fast rows draft EAGLE-3 only: asking for them with MTP is refused."""
     import argparse
     from concurrent.futures import ThreadPoolExecutor
 
@@ -335,5 +335,5 @@ def test_served_mtp_rows_answer_as_plain_serving(folders, capsys):
     assert answers["mtp"] == answers["plain"]
     assert accepted["plain"] == 0 and accepted["mtp"] > len(prompts)
     assert main(["serve", "--target", str(folders["copy"]), "--device", "cpu", "--draft", "mtp",
-                 "--fast-lane", "on"]) == 2
-    assert "eagle3: error: --draft mtp serves on the HF rows" in capsys.readouterr().err
+                 "--fast-rows", "on"]) == 2
+    assert "eagle3: error: --draft mtp drafts on the HF rows" in capsys.readouterr().err

@@ -27,7 +27,6 @@ from eagle3.decoding.drafters import Eagle3BatchDrafter  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
 from eagle3.defaults import native_bf16  # noqa: E402
-from eagle3.fast.engine import FastEngine, FastOptions  # noqa: E402
 from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter  # noqa: E402
 from eagle3.serving.app import create_app  # noqa: E402
 from eagle3.serving.cli import fast_rows  # noqa: E402
@@ -42,11 +41,9 @@ PROMPTS = ["Once upon a time", "Lily", "The end.", "Tom had a red ball. He", "On
            "The little dog", "Mia found a shiny"]
 
 
-def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = False, graph_prefill: bool = False,
-                **config) -> ServerThread:
+def make_server(model, tok, spec: bool = True, rows: bool = False, **config) -> ServerThread:
     """A started server on a private copy of `model` (its Target hooks must not touch the shared fixture);
-    `lane`: with a fast lane (`FastEngine`) for lone greedy requests; `rows`: greedy requests on `FastRows`;
-    `graph_prefill`: the lane prefills at fixed widths (`FastOptions.graph_prefill`)."""
+    `rows`: requests decode on `FastRows` (else on the HF rows)."""
     model = copy.deepcopy(model)
     drafter, aux, policy, d = None, [], None, None
     shape = DraftShape(3, 2, 6)
@@ -56,14 +53,8 @@ def make_server(model, tok, spec: bool = True, lane: bool = False, rows: bool = 
         # a random drafter: its trees are verified in every cycle the speed gate lets speculate
         policy = SpecPolicy(shape, token_budget=64)
     cfg = ServeConfig(model_name=MODEL, chat_template=TEMPLATE, **config)
-    fast = None
-    if lane:
-        fast = FastEngine(model, draft="eagle3" if spec else "none", spec=shape, drafter=d,
-                          options=FastOptions(graph_prefill=graph_prefill))
-    fr = fast_rows("on", model, d, policy or SpecPolicy(largest=None), cfg, "cpu",
-                   target=fast.target if fast is not None else None) if rows else None
-    sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, fast=fast,
-                            rows=fr)
+    fr = fast_rows("on", model, d, policy or SpecPolicy(largest=None), cfg, "cpu") if rows else None
+    sched = build_scheduler(Target(model, aux), tok, eos_token_ids(model, tok), drafter, policy, cfg, rows=fr)
     return ServerThread(create_app(sched), shutdown_timeout=cfg.shutdown_timeout).start()
 
 
@@ -136,57 +127,25 @@ def test_completion_matches_single_request_greedy(client, ref):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
 
 
-@pytest.mark.parametrize("graph_prefill", [False, True])
-def test_fast_lane_server_answers_like_the_batch(stories260k, ref, graph_prefill):
-    """Through HTTP with the real client: lone requests (fast lane), streamed and not, then a concurrent burst
-    (the lane hands over to the batch); every greedy answer equals the bs=1 reference. Also with the lane's
-    prefills at fixed widths (`FastOptions.graph_prefill`)."""
-    srv = make_server(*stories260k, lane=True, graph_prefill=graph_prefill)
-    try:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        for p in PROMPTS[:3]:
-            r = c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
-            assert r.choices[0].text == ref(24, prompt=p).text
-        chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stream=True))
-        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref(24, prompt=PROMPTS[3]).text
-        assert metric(srv, "eagle3_spec_row_steps_total") > 0
-        trace = srv.app.state.scheduler.cycle_trace()  # lone requests: every traced cycle ran in the lane
-        assert set(trace["path"]) == {"lane"} and set(trace["rows"]) == {1} and any(trace["spec"])
-        lane = srv.app.state.scheduler.fast
-        assert any(name.startswith("prefill_") for name in lane._runners) == graph_prefill
-        assert len(trace["ms"]) == metric(srv, "eagle3_verify_steps_total")
-        want = ref(24, prompt=PROMPTS[0], stop=("girl",))  # a stop string, streamed with a held-back prefix
-        chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
-                                           stop=["zzz", "girl"], stream=True))
-        assert "".join(ch.choices[0].text for ch in chunks) == want.text
-        assert chunks[-1].choices[0].finish_reason == "stop"
-        one = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1, temperature=0)
-        assert (one.choices[0].text, one.usage.completion_tokens) == (ref(1, prompt=PROMPTS[1]).text, 1)
-        with ThreadPoolExecutor(8) as pool:
-            texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=13, temperature=0)
-                                  .choices[0].text, PROMPTS * 2, timeout=120))
-        assert texts == [ref(13, prompt=p).text for p in PROMPTS * 2]
-    finally:
-        srv.stop()
-
-
-def test_sampled_lone_requests_run_in_the_fast_lane(stories260k):
-    """A sampled request that finds the server idle decodes in the fast lane, and its text is the one the HF rows
-    give for the same settings and seed (the same position-keyed draws); the lane's gate measures sampled
-    requests apart from greedy ones."""
+def test_sampled_lone_requests_on_fast_rows_match_the_hf_rows(stories260k):
+    """Sampled requests one at a time: each decodes alone as one fast row, and its text is the one the HF rows
+    give for the same settings and seed (the same position-keyed draws); every traced cycle ran on the fast rows
+    with one row, and their gate measures sampled cycles in a bucket of their own."""
     jobs = [(PROMPTS[i], 20, (0.7, 1.0, 1.3)[i % 3], (1.0, 0.9)[i % 2], (0, 12)[i % 4 == 1], 40 + i) for i in range(6)]
     answers = {}
-    for lane in (False, True):
-        srv = make_server(*stories260k, lane=lane)
+    for rows in (False, True):
+        srv = make_server(*stories260k, rows=rows)
         try:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            answers[lane] = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature,
+            answers[rows] = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature,
                                                   top_p=top_p, seed=seed, extra_body={"top_k": top_k}).choices[0].text
                              for prompt, n, temperature, top_p, top_k, seed in jobs]  # one at a time
-            if lane:
+            if rows:
                 sched = srv.app.state.scheduler
-                assert set(sched.cycle_trace()["path"]) == {"lane"}
-                assert set(sched._lane_gate.snapshot()) == {"b1_q4_sampled"}
+                trace = sched.cycle_trace()
+                assert set(trace["path"]) == {"rows"} and set(trace["rows"]) == {1}
+                assert len(trace["ms"]) == metric(srv, "eagle3_verify_steps_total")
+                assert set(sched.gate_snapshots()["rows"]) == {"b1_q4_sampled"}
         finally:
             srv.stop()
     assert answers[True] == answers[False]
@@ -194,10 +153,9 @@ def test_sampled_lone_requests_run_in_the_fast_lane(stories260k):
 
 
 def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
-    """Greedy and sampled requests on `FastRows` (with the fast lane handing over to them), 64 concurrent
-    clients streamed and not: every greedy answer equals the bs=1 reference, speculative cycles
-    ran, and a client that leaves mid-stream frees its row."""
-    srv = make_server(*stories260k, lane=True, rows=True, max_batch_size=16)
+    """Greedy and sampled requests on `FastRows`, 64 concurrent clients streamed and not: every greedy answer
+    equals the bs=1 reference, speculative cycles ran, and a client that leaves mid-stream frees its row."""
+    srv = make_server(*stories260k, rows=True, max_batch_size=16)
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         jobs = [(PROMPTS[i % len(PROMPTS)], (1, 8, 13, 24)[i % 4], i % 3 == 0, 0.0 if i % 5 else 0.8)
@@ -225,7 +183,7 @@ def test_fast_rows_server_answers_like_the_reference(stories260k, ref):
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r1, \
                 httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r2:
             next(r1.iter_lines())
-            next(r2.iter_lines())  # two requests: the lane has handed over to the fast rows
+            next(r2.iter_lines())  # two requests decoding on the fast rows
         assert wait_idle(srv)
         assert sched.fast_rows.n == 0
     finally:
@@ -476,10 +434,9 @@ def test_64_concurrent_clients(client, ref):
         assert (text, finish) == (want.text, want.finish_reason), (prompt, n)
 
 
-@pytest.mark.parametrize("where", ["batch", "fast-lane", "fast-rows"])
+@pytest.mark.parametrize("where", ["batch", "fast-rows"])
 def test_graceful_shutdown_finishes_in_flight_requests(stories260k, where):
-    srv = make_server(*stories260k, spec=False, lane=where == "fast-lane", rows=where == "fast-rows",
-                      shutdown_timeout=20.0)
+    srv = make_server(*stories260k, spec=False, rows=where == "fast-rows", shutdown_timeout=20.0)
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 200, "temperature": 0, "stream": True}
     got: list[str] = []
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
@@ -519,8 +476,8 @@ def test_smollm2_chat(smollm2):
 
 
 def test_auto_on_off_choice():
-    """An auto/on/off option (`--fast-lane`, `--fast-rows`, the lane's `graph_prefill`): auto is on for CUDA only;
-    anything else is refused."""
+    """An auto/on/off option (`--fast-rows`, `FastOptions.graph_prefill`): auto is on for CUDA only; anything
+    else is refused."""
     from eagle3.config import ConfigError, on_for_device
 
     assert [on_for_device(c, d) for c, d in (("auto", "cuda:1"), ("auto", "cpu"), ("on", "cpu"),
@@ -529,12 +486,12 @@ def test_auto_on_off_choice():
         on_for_device(True, "cuda")
 
 
-def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypatch):
-    """`eagle3 serve` flags -> a working server: drafter from disk, chat template file, ngram and plain modes."""
+def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog):
+    """`eagle3 serve` flags -> a working server: drafter from disk, chat template file, ngram and plain modes, with
+    and without the fast rows."""
     import argparse
-    import functools
 
-    import eagle3.serving.cli as serving_cli
+    from eagle3.config import ConfigError
     from eagle3.formats import save_drafter
     from eagle3.serving.cli import add_serve_parser, describe, load_server
 
@@ -543,43 +500,31 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypa
     (tmp_path / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
-    real_lane = serving_cli.fast_lane_engine
-    for case in ((["--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6"], "eagle3"),
-                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3"),
-                 (["--draft", "ngram", "--chain", "3", "--fast-lane", "on"], "per-row"),
-                 (["--no-spec"], None), (["--no-spec", "--fast-lane", "on"], None),
-                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on", "--fast-rows", "on",
-                   "--fast-rows-len", "256"], "eagle3"),
-                 (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None),
-                 # the lane's variants, library options of `fast_lane_engine` (not serve flags)
-                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
-                  {"graph_prefill": "on"}),
-                 (["--drafter", str(tmp_path / "drafter"), "--fast-lane", "on"], "eagle3",
-                  {"graph_prefill": "off"})):
-        extra, drafter_name, variant = case if len(case) == 3 else (*case, {})
+    for extra, drafter_name in ((["--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6"], "eagle3"),
+                                (["--draft", "ngram", "--chain", "3"], "per-row"),
+                                (["--no-spec"], None),
+                                (["--drafter", str(tmp_path / "drafter"), "--fast-rows", "on",
+                                  "--fast-rows-len", "256"], "eagle3"),
+                                (["--no-spec", "--fast-rows", "on", "--fast-rows-len", "256"], None)):
         args = parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--chat-template",
                                   str(tmp_path / "chat.jinja"), *extra])
         assert args.func.__name__ == "cmd_serve"
-        monkeypatch.setattr(serving_cli, "fast_lane_engine", functools.partial(real_lane, **variant))
         caplog.clear()
         sched, app = load_server(args)
         assert "no effect" not in caplog.text
         assert (sched.drafter.name if sched.drafter else None) == drafter_name
         assert sched.policy.enabled == (drafter_name is not None)
-        # auto: the lane and the fast rows wherever `eagle3 generate` takes the fast engine (a CPU with native bf16)
-        lane, rows = "--fast-lane" in extra or native_bf16("cpu"), "--fast-rows" in extra or native_bf16("cpu")
-        assert (sched.fast is not None) == lane and (sched.fast_rows is not None) == rows
+        # auto: the fast rows wherever `eagle3 generate` takes the fast engine (a CPU with native bf16), unless
+        # n-grams draft (on the HF rows: the fast rows draft with EAGLE-3 drafters only)
+        rows = "--fast-rows" in extra or (native_bf16("cpu") and drafter_name != "per-row")
+        assert (sched.fast_rows is not None) == rows
         line = describe(sched)
-        assert f"fast lane {'on' if lane else 'off'}" in line and "cpu" in line
+        assert "fast lane" not in line and "cpu" in line
         assert (f"fast rows on ({sched.fast_rows.seq_len} slots each)" if rows else "fast rows off") in line
-        if rows:  # the rows draft with EAGLE-3 drafters only; the HF rows draft n-grams
+        if rows:
             assert sched.fast_rows.seq_len == (256 if "--fast-rows-len" in extra else 512 + 128)  # the model's length
             assert (sched.fast_rows.d is not None) == (drafter_name == "eagle3")
         assert ("plain batched decoding" in line) == (drafter_name is None)
-        if lane:
-            assert sched.fast.draft == {"eagle3": "eagle3", "per-row": "ngram", None: "none"}[drafter_name]
-            gp = variant.get("graph_prefill") == "on"  # auto (the default) is off on a CPU
-            assert sched.fast.options.graph_prefill == gp and ("captured prefills" in line) == gp
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
@@ -587,3 +532,6 @@ def test_serve_cli_loads_a_saved_drafter(stories260k, tmp_path, caplog, monkeypa
             assert r.usage.completion_tokens == 6
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--target", MODEL, "--tree", "3,2,6", "--chain", "3"])
+    with pytest.raises(ConfigError, match="--draft ngram drafts on the HF rows"):
+        load_server(parser.parse_args(["serve", "--target", MODEL, "--device", "cpu", "--draft", "ngram",
+                                       "--fast-rows", "on"]))

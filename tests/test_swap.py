@@ -5,8 +5,8 @@ stories260K (fp32, CPU) with a drafter written by `eagle3 init-drafter`, the rea
 Covers: 16 concurrent greedy clients while the drafter is swapped five times between two folders and rolled back
 once (no errors, every answer equal to plain decoding), the admin token (401, and 404 without one), candidates
 refused with a 400 (another target's, other aux layers, no folder) or a 409 (failed probe, nothing to roll back
-to) while serving continues, GET's state, the version label in /metrics, and the fast lane and fast rows taking
-the new drafter's weights in place (or decoding plain where its shapes differ).
+to) while serving continues, GET's state, the version label in /metrics, and the fast rows taking the new
+drafter's weights in place (or decoding plain where its shapes differ).
 Run: pytest tests/test_swap.py
 """
 
@@ -31,7 +31,6 @@ from eagle3.config import ConfigError, DraftShape  # noqa: E402
 from eagle3.decoding.drafters import Eagle3BatchDrafter  # noqa: E402
 from eagle3.decoding.engine import SpeculativeEngine  # noqa: E402
 from eagle3.decoding.proposers import NoDraftProposer  # noqa: E402
-from eagle3.fast.engine import FastEngine  # noqa: E402
 from eagle3.formats import save_drafter  # noqa: E402
 from eagle3.runtime import drafter_for, encode_prompt, eos_token_ids, init_drafter  # noqa: E402
 from eagle3.serving.app import create_app  # noqa: E402
@@ -75,10 +74,10 @@ def ref(stories260k):
     return answers
 
 
-def start(stories260k, drafter_dir, admin_token: str | None = TOKEN, lane: bool = False, rows: bool = False,
+def start(stories260k, drafter_dir, admin_token: str | None = TOKEN, rows: bool = False,
           measure: bool = False) -> ServerThread:
-    """A started server on a private copy of the model, drafting with the drafter in `drafter_dir`; `lane`, `rows`:
-    with a fast lane and fast rows (on the CPU); `measure`: with the speed gates."""
+    """A started server on a private copy of the model, drafting with the drafter in `drafter_dir`; `rows`: with
+    fast rows (on the CPU); `measure`: with the speed gates."""
     model, tok = stories260k
     model = copy.deepcopy(model)
     d = drafter_for(model, drafter_dir)
@@ -86,10 +85,9 @@ def start(stories260k, drafter_dir, admin_token: str | None = TOKEN, lane: bool 
     # no speed gate: rows keep drafting with a random drafter, so every cycle verifies real trees
     policy = SpecPolicy(shape, token_budget=64, measure=measure)
     cfg = ServeConfig(model_name=MODEL, admin_token=admin_token, max_batch_size=16)
-    fast = FastEngine(model, draft="eagle3", spec=shape, drafter=d) if lane else None
-    fr = fast_rows("on", model, d, policy, cfg, "cpu", target=fast.target if fast else None) if rows else None
+    fr = fast_rows("on", model, d, policy, cfg, "cpu") if rows else None
     sched = build_scheduler(Target(model, d.config.aux_layer_ids), tok, eos_token_ids(model, tok),
-                            Eagle3BatchDrafter(d), policy, cfg, fast=fast, rows=fr)
+                            Eagle3BatchDrafter(d), policy, cfg, rows=fr)
     sched.loaded.path = str(drafter_dir)
     return ServerThread(create_app(sched), shutdown_timeout=10).start()
 
@@ -214,11 +212,11 @@ def test_swaps_under_load_keep_every_answer(server, folders, ref, caplog):
     assert sched.metrics.get("eagle3_draft_tokens_total") > drafted  # the new drafter drafts for new rows
 
 
-def test_fast_lane_and_rows_take_the_new_drafter_in_place(stories260k, folders, ref):
-    """A swap to a drafter of the same shapes writes its weights into the fast lane's and fast rows' own tensors:
-    both keep drafting (the rows run speculative cycles after the swap), with the new weights; a rollback brings
-    the old weights back (the swap left the old drafter its own copy). A drafter of other shapes (a smaller draft
-    vocabulary) leaves them decoding plain. Every answer stays plain decoding's."""
+def test_fast_rows_take_the_new_drafter_in_place(stories260k, folders, ref):
+    """A swap to a drafter of the same shapes writes its weights into the fast rows' own tensors: they keep
+    drafting (speculative cycles after the swap, for a lone request and for several), with the new weights; a
+    rollback brings the old weights back (the swap left the old drafter its own copy). A drafter of other shapes
+    (a smaller draft vocabulary) leaves them decoding plain. Every answer stays plain decoding's."""
     from eagle3.fast.drafter import WEIGHTS, FastDrafter
 
     def same(fd: FastDrafter, ref: FastDrafter) -> bool:
@@ -229,11 +227,11 @@ def test_fast_lane_and_rows_take_the_new_drafter_in_place(stories260k, folders, 
     if not small.exists():
         assert main(["init-drafter", "--target", MODEL, "--out", str(small), "--draft-vocab-size", "256"]) == 0
     want = {name: FastDrafter(drafter_for(copy.deepcopy(model), folders[name])) for name in ("a", "b")}
-    srv = start(stories260k, folders["a"], lane=True, rows=True)  # no gate: the rows draft in every cycle
+    srv = start(stories260k, folders["a"], rows=True)  # no gate: the rows draft in every cycle
     try:
         sched = srv.app.state.scheduler
-        lane_d, rows_d = sched.fast.core.drafter, sched.fast_rows.d
-        wqkv = lane_d.wqkv.data_ptr()
+        rows_d = sched.fast_rows.d
+        wqkv = rows_d.wqkv.data_ptr()
         assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text
 
         def serve_four() -> None:
@@ -245,20 +243,22 @@ def test_fast_lane_and_rows_take_the_new_drafter_in_place(stories260k, folders, 
 
         r = admin(srv, "POST", json={"path": str(folders["b"])})
         assert r.status_code == 200 and r.json()["version"] == "v2"
-        assert sched.fast.mode == "eagle3" and sched._batches[0].spec
-        assert sched.fast.core.drafter is lane_d and lane_d.wqkv.data_ptr() == wqkv  # the same tensors
-        assert same(lane_d, want["b"]) and same(rows_d, want["b"])
-        assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text  # alone: on the lane, drafting
+        assert sched._batches[0].spec
+        assert sched.fast_rows.d is rows_d and rows_d.wqkv.data_ptr() == wqkv  # the same tensors
+        assert same(rows_d, want["b"])
+        spec_cycles = sched.fast_rows.spec_cycles
+        assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text  # alone: one fast row, drafting
+        assert sched.fast_rows.spec_cycles > spec_cycles
         assert serve_four() > 0
 
         r = admin(srv, "POST", "/rollback")
         assert r.status_code == 200 and r.json()["version"] == "v1"
-        assert same(lane_d, want["a"]) and same(rows_d, want["a"])
+        assert same(rows_d, want["a"])
         assert serve_four() > 0
 
         r = admin(srv, "POST", json={"path": str(small)})
         assert r.status_code == 200
-        assert sched.fast.mode == "none" and not sched._batches[0].spec  # other shapes: plain from now on
+        assert not sched._batches[0].spec  # other shapes: plain from now on
         assert complete(srv, PROMPTS[3], 13) == ref[(PROMPTS[3], 13)].text
         assert serve_four() == 0
     finally:

@@ -28,7 +28,7 @@ DEFAULT_NGRAM_MIN = 1
 FEED_WINDOW = 32
 
 # The fast path's variants are library options only (`eagle3.fast.engine.FastOptions`, `run_bench`'s keywords,
-# `fast_lane_engine`/`fast_rows`, the scripts' own flags); their auto defaults pick per device
+# `fast_rows`, the scripts' own flags); their auto defaults pick per device
 # (docs/how-it-works.md, "The fast path's options"). The values each accepts, checked where they resolve:
 # `FastOptions.fuse_pointwise` (`eagle3.fast.pointwise.fuse_level`).
 FUSE_POINTWISE_CHOICES = ("auto", "off", "elementwise")
@@ -61,8 +61,8 @@ AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as
 
 
 def on_for_device(choice: str, device) -> bool:
-    """An auto/on/off option (`--fast-lane`, `--fast-rows`, `FastOptions.graph_prefill` of the server's lane) for
-    `device`: auto means on for CUDA only."""
+    """An auto/on/off option (`--fast-rows`, `FastOptions.graph_prefill`) for `device`: auto means on for CUDA
+    only."""
     if choice not in AUTO_ON_OFF:
         raise ConfigError(f"an auto/on/off option must be auto, on or off, not {choice!r}")
     on = AUTO_ON_OFF[choice]

@@ -195,7 +195,6 @@ class FastEngine:
         self._pool = None
         self._alloc: tuple[int, int] | None = None  # cache allocation the runners were captured against
         self._runners: dict[str, StepRunner] = {}
-        self._on_tokens: Callable[[list[int]], bool] | None = None  # set for the duration of one generate()
 
     # -- setup ---------------------------------------------------------------------------------
     @property
@@ -277,6 +276,11 @@ class FastEngine:
             torch.cuda.synchronize(self.device)
 
     # -- generate ------------------------------------------------------------------------------
+    def _first_token(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
+        """The first new token [1] from the prefill's logits [V]: the token at position T of a T-token prompt."""
+        last = req.prompt.numel() - 1  # the RoPE position of the prompt's last token
+        return self.core.choose(logits[None], torch.tensor([last], device=self.device), self._mode(req))
+
     @torch.no_grad()
     def generate(
         self,
@@ -286,23 +290,7 @@ class FastEngine:
         eos_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
-        on_tokens: Callable[[list[int]], bool] | None = None,
     ) -> GenerationResult:
-        """`on_tokens`, if given, sees the first token and then each cycle's new tokens before the engine checks
-        them; returning True stops here with finish_reason "interrupted" (the server's fast lane uses it to
-        stream, to stop on its own rules, and to hand a request over to the batch when another one arrives)."""
-        self._on_tokens = on_tokens
-        try:
-            return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text)
-        finally:
-            self._on_tokens = None
-
-    def _first_token(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
-        """The first new token [1] from the prefill's logits [V]: the token at position T of a T-token prompt."""
-        last = req.prompt.numel() - 1  # the RoPE position of the prompt's last token
-        return self.core.choose(logits[None], torch.tensor([last], device=self.device), self._mode(req))
-
-    def _generate(self, prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text) -> GenerationResult:
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer)
         eos, stream, prompt = req.eos, req.stream, req.prompt
@@ -330,10 +318,7 @@ class FastEngine:
                 first_t = self._first_token(logits, req)
                 core.begin(dev_prompt, aux, first_t)
         out = [int(first_t)]
-        if self._on_tokens is not None and self._on_tokens(list(out)):
-            finish = "interrupted"
-        else:
-            finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
+        finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
         if self.proposer is not None:
             self.proposer.begin(prompt, None, out[0])
         self._sync()
@@ -353,9 +338,6 @@ class FastEngine:
         return stream.result(out, finish, stats, t0)
 
     def _emit(self, out, new, eos, max_new_tokens, stream, stop_strings) -> str | None:
-        if self._on_tokens is not None and self._on_tokens(list(new)):
-            out.extend(new)
-            return "interrupted"
         for tok in new:
             out.append(tok)
             finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)

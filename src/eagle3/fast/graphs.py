@@ -22,7 +22,7 @@ from torch._dynamo import exc as _dynamo_exc
 
 log = logging.getLogger("eagle3.fast")
 
-# One process compiles the same step functions for many shapes (tree and chain sizes, a lane's plain and
+# One process compiles the same step functions for many shapes (tree and chain sizes, plain and
 # speculative engines, the overhead benchmark's 13 shapes): more than dynamo's default of 8 recompiles per function.
 RECOMPILE_LIMIT = 64
 

@@ -25,7 +25,7 @@ from eagle3.serving.policy import SpecPolicy
 if TYPE_CHECKING:
     from eagle3.defaults import Decoding
 
-__all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_lane_engine", "fast_rows", "load_server",
+__all__ = ["add_serve_parser", "cmd_serve", "describe", "fast_rows", "load_server",
            "served_model_name", "serving_decoding"]
 
 log = logging.getLogger("eagle3")
@@ -92,9 +92,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     sp.add_argument("--no-spec-gate", action="store_true",
                     help="speculate wherever the budget allows, even where measured slower")
     fp = s.add_argument_group("static-cache fast paths (targets of the Llama/Mistral/Qwen families)")
-    fp.add_argument("--fast-lane", choices=("auto", "on", "off"), default="auto",
-                    help="a request on an idle server decodes on the batch-1 fast engine, as `eagle3 generate` does "
-                         "(costs a second, fused copy of the target's weights; auto: wherever generate takes it)")
     fp.add_argument("--fast-rows", choices=("auto", "on", "off"), default="auto",
                     help="requests decode as rows of a static-cache batch, one CUDA graph per batch size on a GPU "
                          "(auto: wherever `eagle3 generate` takes the fast engine)")
@@ -168,18 +165,15 @@ def load_server(args):
     if drafter is None or not decoding.speculate:  # nothing drafts, or `eagle3 tune` found plain decoding faster
         policy = SpecPolicy(largest=None)
     target = Target(model, aux_ids)
-    lane, fast_batch = args.fast_lane, args.fast_rows
-    if draft == "mtp":  # the fast path drafts EAGLE-3 and n-grams only: MTP serves on the HF rows
-        if "on" in (lane, fast_batch):
-            raise ConfigError("--draft mtp serves on the HF rows: leave --fast-lane and --fast-rows at auto or off")
-        lane = fast_batch = "off"
-    fast = fast_lane_engine(lane, model, draft if policy.enabled else "none", spec,
-                            d if draft == "eagle3" else None, device, config, decoding=decoding)
+    fast_batch = args.fast_rows
+    if draft in ("mtp", "ngram"):  # the fast rows draft with EAGLE-3 only: the others draft on the HF rows
+        if fast_batch == "on":
+            raise ConfigError(f"--draft {draft} drafts on the HF rows: leave --fast-rows at auto or off")
+        fast_batch = "off"
     rows = fast_rows(fast_batch, model, d if draft == "eagle3" else None, policy, config, device,
-                     target=fast.target if fast is not None else None, token_budget=args.spec_budget,
-                     decoding=decoding)
+                     token_budget=args.spec_budget, decoding=decoding)
     sched = build_scheduler(target, tokenizer, eos_token_ids(model, tokenizer), drafter=drafter, policy=policy,
-                            config=config, fast=fast, rows=rows)
+                            config=config, rows=rows)
     if draft == "eagle3":
         sched.loaded.path = str(args.drafter)
     return sched, create_app(sched)
@@ -195,46 +189,12 @@ def serving_decoding(model, draft: str, target: str, drafter_dir, shape: DraftSh
     return decoding_for(model, draft, shape=shape, engine=engine, tuned=tuned)
 
 
-def fast_lane_engine(choice: str, model, draft: str, spec: DraftShape, drafter, device: str, config,
-                     fuse_pointwise: bool | str | None = None, eager_drafting: bool = False,
-                     graph_prefill: str = "auto", decoding: Decoding | None = None):
-    """The batch-1 `FastEngine` of the fast lane, or None (see `--fast-lane`). "auto" builds it where `decoding`
-    (`serving_decoding`) runs on the fast engine, as `eagle3 generate` would (CUDA, and CPUs decoding in bf16),
-    and takes its chain stop (eager cycles on a CPU); without `decoding`, on CUDA. `serve` takes the defaults; the
-    variants are for developers (scripts/bench_serving.py): `fuse_pointwise`: `FastOptions.fuse_pointwise`;
-    `eager_drafting`: `FastOptions.compile_drafting=False`; `graph_prefill`: "on"/"off" set
-    `FastOptions.graph_prefill`; "auto" turns it on for a CUDA device."""
-    on = on_for_device(choice, device)
-    if choice == "auto" and decoding is not None:
-        on = decoding.engine == "fast"
-    if not on:
-        return None
-    from eagle3.decoding.sampling import MODES
-    from eagle3.fast.engine import FastEngine, FastOptions
-    from eagle3.fast.families import fast_support
-
-    reason = fast_support(model)
-    if reason is not None:
-        if choice == "on":
-            raise ConfigError(f"--fast-lane on: this target cannot use the fast path ({reason}); "
-                              "use --fast-lane off")
-        log.warning("fast lane off: %s", reason)
-        return None
-    stop = decoding.chain_stop if decoding is not None and draft == "eagle3" and spec.is_chain else None
-    engine = FastEngine(model, draft=draft, spec=spec, drafter=drafter,
-                        options=FastOptions(fuse_pointwise=fuse_pointwise,
-                                            compile_drafting=False if eager_drafting else None,
-                                            graph_prefill=on_for_device(graph_prefill, device), chain_stop=stop))
-    engine.prepare(512, config.default_max_tokens, MODES)  # every sampling mode's cycle, before the first request
-    return engine
-
-
-def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str, target=None,
+def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConfig, device: str,
               token_budget: int | None = None, fuse_pointwise: bool | str | None = None,
               decoding: Decoding | None = None):
     """The server's `FastRows` (requests on the static-cache batch), captured and ready, or None (see
-    `--fast-rows`). `target`: the fast lane's `FastTarget`, shared when it taps the drafter's layers. The draft
-    shape per batch size is `policy`'s with `token_budget` (default: `default_token_budget(device, fast_rows=True)`).
+    `--fast-rows`). The draft shape per batch size is `policy`'s with `token_budget` (default:
+    `default_token_budget(device, fast_rows=True)`).
     "auto" builds them where `decoding` (`serving_decoding`) runs on the fast engine (CUDA, and CPUs decoding in
     bf16), and takes its chain stop (eager cycles on a CPU); without `decoding`, on CUDA."""
     on = on_for_device(choice, device)
@@ -258,11 +218,8 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
         log.warning("fast rows off: %s", reason)
         return None
     drafter = drafter if policy.enabled else None
-    aux = sorted(drafter.config.aux_layer_ids) if drafter is not None else []
-    if target is None or target.aux_layer_ids != aux:
-        target = FastTarget(model, aux)
-    if not target.pointwise.compiled:
-        target.fuse_pointwise(level=fuse_pointwise)  # None or "auto": elementwise on CUDA (`fuse_level`)
+    target = FastTarget(model, sorted(drafter.config.aux_layer_ids) if drafter is not None else [])
+    target.fuse_pointwise(level=fuse_pointwise)  # None or "auto": elementwise on CUDA (`fuse_level`)
     limit = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or config.fast_rows_len)
     seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
 
@@ -292,11 +249,9 @@ def describe(sched) -> str:
     else:
         spec = (f"drafter {sched.drafter.name}, up to a {p.largest}, token budget {p.token_budget}, "
                 f"speed gate {'on' if p.measure else 'off'}")
-    lane = "off" if sched.fast is None else (
-        f"on ({sched.fast.draft}{', captured prefills' if sched.fast.options.graph_prefill else ''})")
     rows = "off" if sched.fast_rows is None else f"on ({sched.fast_rows.seq_len} slots each)"
     return (f"eagle3 serve: {sched.config.model_name} on {sched.target.device}; {spec}; "
-            f"max batch {sched.config.max_batch_size}; fast lane {lane}; fast rows {rows}")
+            f"max batch {sched.config.max_batch_size}; fast rows {rows}")
 
 
 def cmd_serve(args) -> int:

@@ -1,8 +1,7 @@
-"""The scheduler's two ways of decoding (`PathsMixin`, methods of `Scheduler`): the fast lane, one request (greedy
-or sampled) alone on a batch-1 `FastEngine`, and the rows: requests decoding together on a rows backend, `FastRows` (static
-caches, captured cycles) or `HFRows` (any HF model). Every backend runs through the same admission, cycle, metrics
-and speed gate here; the lane and the fast rows hold the drafter the server started with, so after a drafter swap
-the lane runs a drafter-less engine and the fast rows decode plain (`Scheduler._serve_with`)."""
+"""How the scheduler decodes (`PathsMixin`, methods of `Scheduler`): requests decode together as rows of a rows
+backend, `FastRows` (static caches, captured cycles) or `HFRows` (any HF model), a request alone as one row. Every
+backend runs through the same admission, cycle, metrics and speed gate here; where a drafter swap brings weights of
+other shapes than the fast rows were built for, they decode plain from then on (`Scheduler._serve_with`)."""
 
 from __future__ import annotations
 
@@ -41,78 +40,7 @@ def _row_sampling(h: RequestHandle) -> SamplingConfig | None:
 
 
 class PathsMixin:
-    """`Scheduler` methods for the fast lane and the rows (see the `eagle3.serving.scheduler` docstring)."""
-
-    # -- the fast lane: one request alone on the batch-1 fast path -----------------------------
-    def _lane_takes(self, admitted: list[RequestHandle]) -> bool:
-        return self.fast is not None and not self.running and len(admitted) == 1 and not self._waiting
-
-    def _run_lane(self, h: RequestHandle) -> _Row | None:
-        """Decode `h` on the fast engine until it finishes, is cancelled, or another request arrives; returns
-        its row in the last case (to join the rows), else None."""
-        p, m = h.params, self.metrics
-        row = _Row(h)
-        h.drafter_version = self.drafter_version  # recorded traffic names the drafter it ran with
-        m.inc("eagle3_prompt_tokens_total", len(p.prompt_ids))
-        engine, sampling = self.fast, _row_sampling(h)
-        sampled = sampling is not None
-        if self._lane_gate is not None and not self._lane_gate.speculate(1, sampled=sampled):
-            engine = self._lane_plain
-            m.inc("eagle3_spec_paused_cycles_total")
-        spec = engine.mode != "none"
-        last = [None]  # perf_counter of the previous callback: None until the first token
-        first = [0.0]
-
-        def on_tokens(new: list[int]) -> bool:
-            now = time.perf_counter()
-            if last[0] is None:
-                h.first_token_at = first[0] = now
-                m.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
-            else:  # one verification cycle of a batch of one
-                m.observe("eagle3_cycle_seconds", now - last[0])
-                m.inc("eagle3_verify_steps_total")
-                m.observe("eagle3_batch_size", 1)
-                if spec:
-                    m.inc("eagle3_verified_tokens_total", engine.core.n_nodes + 1)
-                    m.inc("eagle3_draft_tokens_total", engine.core.n_nodes)
-                    m.inc("eagle3_accepted_tokens_total", len(new) - 1)
-                    m.inc("eagle3_spec_row_steps_total")
-                    m.record_row_cycle(engine.core.depth or engine.core.n_nodes, len(new) - 1)
-                    row.cycles += 1
-                    row.accepted += len(new) - 1
-                else:
-                    m.inc("eagle3_verified_tokens_total")
-                self._trace_cycle("lane", 1, spec, self._lane_gate, now - last[0], len(new))
-            last[0] = now
-            if self._emit(row, new):
-                return True
-            return h.cancelled or self._stopping or bool(self._waiting) or bool(self._swaps)
-
-        m.set("eagle3_running_requests", 1)
-        self._in_lane = True
-        try:
-            engine.generate(p.prompt_ids, max_new_tokens=p.max_tokens, sampling=sampling, on_tokens=on_tokens)
-        finally:
-            self._in_lane = False
-        if self._lane_gate is not None and len(row.out) > 1 and last[0] > first[0]:
-            # the decoding rate after the prefill
-            self._lane_gate.record(1, spec, last[0] - first[0], len(row.out) - 1, sampled=sampled)
-        if h.finished:
-            return None
-        if h.cancelled:
-            h.finished = True
-            m.inc("eagle3_requests_total", endpoint=p.endpoint, finish_reason="cancelled")
-            return None
-        return row
-
-    def _join_rows(self, row: _Row) -> None:
-        """Move a lane request into the rows: prefill its text so far (the root, its last token, stays out of the
-        cache as for every row); the drafter's history comes with that prefill."""
-        h = row.handle
-        ctx = list(h.params.prompt_ids) + row.out[:-1]
-        batch = self._batch_for(h.params, len(ctx), defaultdict(int))
-        batch.backend.add_many([ctx], roots=[row.root], sampling=[_row_sampling(h)])
-        batch.rows.append(row)
+    """`Scheduler` methods for the rows (see the `eagle3.serving.scheduler` docstring)."""
 
     # -- the rows ------------------------------------------------------------------------------
     def _batch_for(self, p: GenParams, context: int, taken: dict[str, int]) -> _Batch:

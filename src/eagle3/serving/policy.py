@@ -52,7 +52,6 @@ class SpecPolicy:
     token_budget: int = GPU_TOKEN_BUDGET  # B·(N+1) per verification forward
     max_batch: int | None = None  # no speculation with more rows than this (None: the budget decides)
     min_draft_tokens: int = 1
-    ema: float = 0.25  # weight of a request's newest sample in the fast lane's gate
     measure: bool = True  # SpeedGate: speculate only where measured faster than plain cycles
     probe_every: int = 16  # cycles between re-timings of the mode the gate is not using (doubles while confirmed)
     max_probe_every: int = 512
@@ -67,8 +66,6 @@ class SpecPolicy:
             raise ConfigError(f"--spec-budget {self.token_budget} must be >= 2 (one root and one draft token)")
         if self.min_draft_tokens < 1:
             raise ConfigError(f"min_draft_tokens={self.min_draft_tokens} must be >= 1")
-        if not 0.0 < self.ema <= 1.0:
-            raise ConfigError(f"ema={self.ema} must be in (0, 1]")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"--spec-max-batch {self.max_batch} must be >= 1")
         if self.probe_every < 2:
@@ -109,13 +106,6 @@ class SpecPolicy:
         """A `SpeedGate` for serving cycles with this policy's settings."""
         return SpeedGate(self.probe_every, self.gate_ema, self.max_probe_every, settle=self.gate_settle,
                          margin=self.gate_margin, probe_share=self.probe_share, probe_cycles=self.probe_cycles)
-
-    def lane_gate(self) -> SpeedGate:
-        """A `SpeedGate` for the fast lane, which decides per request (a whole request speculative or plain, each
-        request one sample): probes every 4 requests at first, at most every 64 while confirmed, and never more
-        often than `probe_share` of the time allows. Without that bound a lane twice as fast speculating ran a plain
-        probe every 4-8 requests, a large share of a single client's cycles."""
-        return SpeedGate(probe_every=4, ema=self.ema, max_probe_every=64, probe_share=self.probe_share)
 
 
 class SpeedGate:

@@ -66,7 +66,7 @@ class SchedulerUnavailable(Exception):
 
 
 class _Row:
-    """A request in a batch (or the fast lane): its tokens and how its text has been streamed so far."""
+    """A request in a batch: its tokens and how its text has been streamed so far."""
 
     def __init__(self, handle: RequestHandle):
         self.handle = handle

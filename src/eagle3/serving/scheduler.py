@@ -13,15 +13,9 @@ Each loop iteration:
 4. finished rows (EOS, stop string, max_tokens) leave.
 
 The rows backends share one interface (`add_many`, `cycle`, `remove`): `eagle3.fast.rows.FastRows` (static caches,
-one graph-captured cycle per batch-size bucket; families the fast path covers, on a GPU) and
+one cycle per batch-size bucket, captured as a CUDA graph on a GPU; families the fast path covers) and
 `eagle3.decoding.hf_rows.HFRows` (any HF causal LM, one padded cache). Sampled rows draw the same position-keyed
 tokens on both.
-
-The fast lane (when the server has a `FastEngine`): a request (greedy or sampled) that arrives at an idle server
-decodes alone on the batch-1 static-cache path (CUDA graphs on a GPU), faster than rows of one. When another
-request arrives it stops after its current cycle, is prefilled into the rows with the text it has so far, and
-continues there; outputs are the same either way (greedy tokens are the target's, sampled ones its
-position-keyed draws).
 
 Results reach the HTTP side through each request's `sink` (called from this thread). Greedy output equals
 `SpeculativeEngine` with `NoDraftProposer` token for token, whatever else shares the batch (padded batched
@@ -31,11 +25,11 @@ Drafter swaps (`swap_drafter`, `rollback_drafter`, called from any thread): the 
 against the target by the caller, then handed to this thread, which at the top of a loop iteration (between
 cycles) runs the identity probe (`eagle3.decoding.drafters.identity_probe`) and switches: rows already decoding stop
 drafting (the old drafter's cache is theirs; their greedy tokens are the target's either way), new rows draft with
-the new drafter. The fast lane and fast rows hold their own copy of the drafter's weights: a swap writes the new
-weights into it where the shapes match (`FastDrafter.load_weights`; their captured graphs stay valid), else they
-decode plain from then on.
+the new drafter. The fast rows hold their own copy of the drafter's weights: a swap writes the new weights into it
+where the shapes match (`FastDrafter.load_weights`; their captured graphs stay valid), else they decode plain from
+then on.
 
-The scheduler's parts: `requests` (what it serves), `paths` (the lane and the rows), `hf_rows` (the HF backend)
+The scheduler's parts: `requests` (what it serves), `paths` (the rows), `hf_rows` (the HF backend)
 and `output` (text and events), all in `eagle3.serving`.
 """
 
@@ -47,7 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,7 +51,6 @@ from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter, identity_
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.hf_rows import HFRows
 from eagle3.decoding.proposers import NoDraftProposer
-from eagle3.decoding.sampling import MODES
 from eagle3.drafter import Eagle3Drafter
 from eagle3.runtime import drafter_for, encode_prompt
 from eagle3.serving.config import ServeConfig
@@ -69,7 +62,6 @@ from eagle3.serving.requests import RequestHandle, SchedulerUnavailable
 from eagle3.target import Target
 
 if TYPE_CHECKING:
-    from eagle3.fast.engine import FastEngine
     from eagle3.fast.rows import FastRows
 
 __all__ = ["LoadedDrafter", "Scheduler", "SwapRefused"]
@@ -113,19 +105,6 @@ class _SwapOrder:
         self.error: SwapRefused | None = None
 
 
-def _plain_lane(fast: FastEngine) -> FastEngine:
-    """A drafter-less engine on the lane's fused weights and caches, captured (and compiled) now for every
-    sampling mode and every prompt those caches hold (with `graph_prefill`, its prefills too), not inside its
-    first request."""
-    from eagle3.fast.engine import FastEngine
-
-    plain = FastEngine(fast.model, draft="none", target=fast.target,
-                       options=replace(fast.options, chain_stop=None, guard=False))
-    if fast.seq_len:
-        plain.prepare(max(1, fast.seq_len - plain.core.slots_needed(0, 0)), 0, MODES)
-    return plain
-
-
 class Scheduler(PathsMixin, OutputMixin):
     """Owns the target, the drafter and the rows; `start()` runs the loop in a daemon thread."""
 
@@ -138,28 +117,16 @@ class Scheduler(PathsMixin, OutputMixin):
         policy: SpecPolicy | None = None,
         config: ServeConfig | None = None,
         metrics: Metrics | None = None,
-        fast: FastEngine | None = None,
         rows: FastRows | None = None,
     ):
-        """`fast`: a batch-1 `FastEngine` on the same model (with this server's drafter and largest shape) for
-        the fast lane: a request that finds the server idle runs on it alone, and moves into the batch
-        (re-prefilled) as soon as another request arrives. With the speed gate on, lane requests alternate
-        between it and a drafter-less engine on the same weights until one is measured faster.
-        `rows`: `FastRows` on the same model (see the module docstring)."""
+        """`rows`: `FastRows` on the same model (see the module docstring)."""
         self.target = target
-        self.fast = fast
-        self._in_lane = False  # a request is decoding on the fast lane (neither waiting nor in the batch)
         self.tokenizer = tokenizer
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self.eos = set(int(e) for e in eos_token_ids)
         self.policy = policy or SpecPolicy(largest=DraftShape() if drafter is not None else None)
         self.config = config or ServeConfig()
         self.batch = HFRows(target, drafter, self.config.max_batch_size, shapes=self.policy.shape)
-        # the lane's own gate, in whole requests: speculative lane requests vs plain ones on a drafter-less
-        # engine that shares the lane's fused weights and caches
-        self._lane_plain, self._lane_gate = None, None
-        if fast is not None and fast.mode != "none" and self.policy.measure:
-            self._lane_plain, self._lane_gate = _plain_lane(fast), self.policy.lane_gate()
         self.metrics = metrics or Metrics(self.config.model_name)
         self.fast_rows = rows
         self.loaded = LoadedDrafter("v1" if drafter is not None else "none", None, time.time(),
@@ -252,7 +219,7 @@ class Scheduler(PathsMixin, OutputMixin):
             self._closing = True
             self._cond.notify_all()
         deadline = time.monotonic() + timeout
-        while ((self.running or self._waiting or self._in_lane) and time.monotonic() < deadline
+        while ((self.running or self._waiting) and time.monotonic() < deadline
                and self._thread_alive()):
             time.sleep(0.01)
         with self._cond:
@@ -351,21 +318,16 @@ class Scheduler(PathsMixin, OutputMixin):
 
     def _serve_with(self, new: LoadedDrafter, previous: LoadedDrafter | None) -> None:
         """Switch drafters: the HF rows decoding now finish without drafting, new rows draft with `new`. The fast
-        lane and fast rows take `new`'s weights into their own tensors (their graphs stay valid) where its shapes
-        allow (`FastDrafter.mismatch`), else they decode plain from now on."""
+        rows take `new`'s weights into their own tensors (their graphs stay valid) where its shapes allow
+        (`FastDrafter.mismatch`), else they decode plain from now on."""
         from eagle3.fast.drafter import load_in_place
 
         self.batch.swap_drafter(Eagle3BatchDrafter(new.drafter))
-        lane = self.fast.core.drafter if self.fast is not None else None  # None: no lane, or it drafts otherwise
-        fast = [lane] if lane is not None else []
-        fast += [b.backend.d for b in self._batches
-                 if b.backend is not self.batch and b.spec and b.backend.d is not None]
+        fast = [b.backend.d for b in self._batches
+                if b.backend is not self.batch and b.spec and b.backend.d is not None]
         why = load_in_place(fast, new.drafter)
         if why is not None:
-            log.warning("the fast lane and fast rows decode plain from now on: %s", why)
-            if self.fast is not None and self.fast.mode != "none":
-                plain = self._lane_plain if self._lane_plain is not None else _plain_lane(self.fast)
-                self.fast, self._lane_plain, self._lane_gate = plain, None, None
+            log.warning("the fast rows decode plain from now on: %s", why)
             for b in self._batches:
                 b.spec = b.backend is self.batch
         old = self.loaded.version
@@ -409,11 +371,6 @@ class Scheduler(PathsMixin, OutputMixin):
     def _step(self, admitted: list[RequestHandle]) -> None:
         try:
             self._drop_cancelled()
-            if self._lane_takes(admitted):
-                row = self._run_lane(admitted[0])
-                if row is not None:  # interrupted by an arrival (or shutdown): continue in the rows
-                    self._join_rows(row)
-                return
             if admitted:
                 t0 = time.perf_counter()
                 self._admit(admitted)
@@ -501,8 +458,8 @@ class Scheduler(PathsMixin, OutputMixin):
 
     def cycle_trace(self, since: int = 0) -> dict[str, list]:
         """The decode cycles traced after the first `since` (at most the last TRACE_CYCLES), as columns: path
-        ("rows": the fast rows, "batch": the HF rows, or "lane"; a lane cycle is timed between its token callbacks), rows, spec, probe (a gate
-        probe of the slower mode), ms, tokens. Read it while the server is idle (between benchmark levels): the
+        ("rows": the fast rows, "batch": the HF rows), rows, spec, probe (a gate probe of the slower mode), ms,
+        tokens. Read it while the server is idle (between benchmark levels): the
         scheduler thread appends without a lock."""
         cycles = list(self._trace)[max(0, len(self._trace) - (self.cycles_traced - since)):]
         cols = ("path", "rows", "spec", "probe", "ms", "tokens")
@@ -511,6 +468,5 @@ class Scheduler(PathsMixin, OutputMixin):
         return out
 
     def gate_snapshots(self) -> dict[str, dict]:
-        """The speed gates' current beliefs (`SpeedGate.snapshot`) by path: HF rows, fast lane, fast rows."""
-        gates = {"lane": self._lane_gate, **{b.name: b.gate for b in self._batches}}
-        return {name: g.snapshot() for name, g in gates.items() if g is not None}
+        """The speed gates' current beliefs (`SpeedGate.snapshot`) by path: fast rows, HF rows."""
+        return {b.name: b.gate.snapshot() for b in self._batches if b.gate is not None}

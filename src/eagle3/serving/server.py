@@ -27,11 +27,11 @@ log = logging.getLogger("eagle3.serving")
 
 
 def build_scheduler(target: Target, tokenizer, eos_token_ids, drafter: BatchDrafter | None = None,
-                    policy: SpecPolicy | None = None, config: ServeConfig | None = None, fast=None,
+                    policy: SpecPolicy | None = None, config: ServeConfig | None = None,
                     rows=None) -> Scheduler:
     config = config or ServeConfig()
     return Scheduler(target, tokenizer, eos_token_ids, drafter=drafter, policy=policy, config=config,
-                     metrics=Metrics(config.model_name), fast=fast, rows=rows)
+                     metrics=Metrics(config.model_name), rows=rows)
 
 
 class ServerThread:
