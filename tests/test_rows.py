@@ -203,6 +203,26 @@ def test_rows_stop_their_chains_where_the_batch1_engine_does(stop):
         assert o[: len(r.token_ids)] == r.token_ids[: len(o)]
 
 
+def test_eager_rows_attend_over_the_slots_they_reach():
+    """Eager cycles (a CPU) attend over the slots the active rows can reach, rounded up to 64, not the whole cache;
+    the tokens are those of a full-span run (asserted against the batch-1 engine above), and the span follows the
+    longest row as it grows and as rows leave."""
+    model = build_tiny_target("llama", vocab_size=8)
+    d = init_drafter(model, draft_vocab_size=8, seed=1)
+    rows = make_rows(model, d, 4, {1: TREE, 2: TREE, 4: TREE}, seq_len=512)
+    rows.add_many(prompts_of([9, 70], 8, seed=3))
+    spans = []
+    for _ in range(6):
+        longest = max(rows._lens)
+        rows.cycle(spec=True)
+        spans.append(rows.span)
+        assert longest + rows.margin <= rows.span < rows.seq_len and rows.span % 64 == 0
+        assert rows._lens == rows.length[: rows.n].tolist()  # the host mirror of each row's length
+    rows.remove(1)  # the long row leaves: the span shrinks with the next cycle
+    rows.cycle(spec=False)
+    assert rows.span < spans[-1] and rows._lens == rows.length[:1].tolist()
+
+
 def test_rows_chain_stop_needs_eager_cycles():
     model = build_tiny_target("llama", vocab_size=8)
     d = init_drafter(model, draft_vocab_size=8, seed=1)
@@ -271,7 +291,7 @@ def test_rows_draft_through_the_top_k_kernel_as_through_pytorch(monkeypatch):
                 out.append(new)
         runs.append(outs)
     assert runs[0] == runs[1]
-    assert calls and all(len(c) == 2 for c in calls) and calls[0][0] == 4  # the 4-row bucket's roots at once
+    assert calls and all(len(c) == 2 for c in calls) and calls[0][0] == 3  # the 3 rows' roots at once (eager: no bucket)
     assert sum(len(new) - 1 for out in runs[1] for new in out[1:]) > 0  # drafts were accepted
 
 
@@ -463,7 +483,7 @@ def test_serve_says_what_to_do_when_the_rows_do_not_fit(monkeypatch):
 def test_prefill_staging_covers_every_admission():
     """Every admission the scheduler allows (R rows x longest prompt T <= max_prefill_tokens, up to 64 rows and
     2,048 slots) falls in a captured bucket, also for sizes that are not powers of two."""
-    from eagle3.fast.rows import MIN_PREFILL_WIDTH, prefill_staging_tokens
+    from eagle3.fast.rows_prefill import MIN_PREFILL_WIDTH, prefill_staging_tokens
 
     def pow2(n: int) -> int:
         return 1 << (n - 1).bit_length()

@@ -40,43 +40,13 @@ from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention as split
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
+from eagle3.fast.rows_prefill import MIN_PREFILL_WIDTH, Prefill
 from eagle3.fast.target import FastTarget, argmax_ids
 
 __all__ = ["FastRows"]
 
-MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
 # The speculative cycle's pieces that never run the target's weights (`FastRows.compile_drafting`)
 DRAFTING_PIECES = ("_draft", "_tree_inputs", "_accept", "_feed_rows")
-
-
-class _Prefill:
-    """Static inputs, outputs and staging caches of one prefill shape: `r` prompts right-padded to `t` tokens."""
-
-    def __init__(self, rows: FastRows, r: int, t: int, shared: bool = True):
-        dev, tg = rows.device, rows.t
-        self.r, self.t = r, t
-        self.sampling = SamplingRows(r, tg.vocab_size, dev)  # each prompt's settings
-        self.ids = torch.zeros(r, t, dtype=torch.long, device=dev)  # [R, T] right-padded prompts
-        self.lens = torch.ones(r, dtype=torch.long, device=dev)  # [R] (padding rows: 1)
-        self.root = torch.zeros(r, dtype=torch.long, device=dev)  # [R] a first token known in advance
-        self.has_root = torch.zeros(r, dtype=torch.bool, device=dev)  # [R]
-        self.first = torch.zeros(r, dtype=torch.long, device=dev)  # [R] out: each row's first new token
-        self.k, self.v = rows._staging("target", tg.num_layers, (r, tg.nkv, t, tg.hd), tg.dtype,
-                                       shared)  # [L, R, n_kv, T, hd]
-        if rows.d is not None:
-            fd = rows.d
-            self.dk, self.dv = rows._staging("drafter", None, (r, fd.nkv, t, fd.hd), fd.dtype,
-                                             shared)  # [R, n_kv, T, hd]
-            self.last_out = torch.zeros(r, fd.hidden_size, dtype=fd.dtype, device=dev)  # [R, H] out
-        self.runner: StepRunner | None = None
-
-
-def prefill_staging_tokens(max_prefill_tokens: int) -> int:
-    """Padded tokens to capture prefill buckets for, so that every admission of at most M = `max_prefill_tokens`
-    padded tokens (R rows x longest prompt T) replays a graph. With bucket(R) = 2^a (2^(a-1) < R) and
-    pow2(T) = 2^b (2^(b-1) < T): 2^(a+b-2) < R T <= M <= 2^m (M rounded up), so a + b <= m + 1 and the bucket
-    holds at most 2^(m+1) tokens. (The width floor MIN_PREFILL_WIDTH adds nothing for M >= 512 and <= 64 rows.)"""
-    return 2 * (1 << (max(1, max_prefill_tokens) - 1).bit_length())
 
 
 class FastRows:
@@ -146,6 +116,8 @@ class FastRows:
         self._nodes = 0  # draft nodes of the last speculative cycle
         self.drafted: list[int] = []
         self.n = 0  # active rows: [0, n)
+        self._lens: list[int] = []  # host mirror of length for the active rows
+        self.span, self.d_span = seq_len, getattr(self, "sd", 0)  # cache slots the next cycle attends over
         self.cycles = self.spec_cycles = self.feeds = 0  # cycles run (all, speculative), feed steps run
         self.graphs = graphs and dev.type == "cuda"
         # Chains stop drafting once every row's joint draft probability is below this (`FastCore.chain_stop`):
@@ -158,8 +130,8 @@ class FastRows:
         self._feeds: dict[int, StepRunner] = {}  # bucket -> its feed step
         # prefill buckets (R, T) of at most `prefill_tokens` padded tokens share flat staging buffers
         self.prefill_tokens = prefill_tokens
-        self._flat: dict[str, torch.Tensor] = {}
-        self._prefills: dict[tuple[int, int], _Prefill] = {}
+        self.flat_staging: dict[str, torch.Tensor] = {}
+        self._prefills: dict[tuple[int, int], Prefill] = {}
         self.pieces = CompiledPieces(self)
         self.ranked = False  # top-k by ranking inside compiled drafting (`ranked_top_k`)
         # greedy drafting's log-softmax and top-k as the batch-1 engine's Triton kernels where they run (CUDA)
@@ -230,37 +202,17 @@ class FastRows:
         key = (self.bucket(r), min(t, self.seq_len))
         return key if key[0] * key[1] <= self.prefill_tokens else None
 
-    def _staging(self, name: str, lead: int | None, shape: tuple[int, int, int, int],
-                 dtype: torch.dtype, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V staging caches of `shape` = (R, n_kv, T, hd), behind a leading layer dim `lead` unless None.
-        `shared`: views into flat buffers of `prefill_tokens` tokens that every prefill bucket uses (they never
-        run at the same time); otherwise new tensors (a prefill larger than every bucket)."""
-        full = shape if lead is None else (lead, *shape)
-        if not shared:
-            return (torch.empty(full, dtype=dtype, device=self.device),
-                    torch.empty(full, dtype=dtype, device=self.device))
-        r, nkv, t, hd = shape
-        out = []
-        for kv in ("k", "v"):
-            flat = self._flat.get(name + kv)
-            if flat is None:
-                flat = torch.empty(lead or 1, self.prefill_tokens * nkv * hd, dtype=dtype, device=self.device)
-                self._flat[name + kv] = flat
-            n = r * nkv * t * hd
-            out.append(flat[:, :n].view(full) if lead is not None else flat[0, :n].view(full))
-        return out[0], out[1]
-
-    def _prefill_slot(self, r: int, t: int) -> _Prefill:
+    def _prefill_slot(self, r: int, t: int) -> Prefill:
         p = self._prefills.get((r, t))
         if p is None:
-            p = _Prefill(self, r, t)
+            p = Prefill(self, r, t)
             p.runner = StepRunner(lambda: self._prefill_step(p), self.device, graphs=self.graphs, pool=self._pool,
                                   name=f"rows_prefill_r{r}_t{t}")
             p.runner.prepare()
             self._prefills[(r, t)] = p
         return p
 
-    def _prefill_step(self, p: _Prefill) -> None:
+    def _prefill_step(self, p: Prefill) -> None:
         """Prefill p.ids into p's staging caches (causal, positions from 0); first tokens and, with a drafter,
         its output at each prompt's last token."""
         r, t = p.r, p.t
@@ -326,7 +278,7 @@ class FastRows:
                 raise ConfigError(f"a {len(p)}-token context does not fit {self.seq_len} cache slots")
         width = max(len(p) for p in prompts)
         key = self._prefill_key(r, width)
-        p = self._prefill_slot(*key) if key is not None else _Prefill(self, r, width, shared=False)  # too big: eager
+        p = self._prefill_slot(*key) if key is not None else Prefill(self, r, width, shared=False)  # too big: eager
         ids = torch.zeros(p.r, p.t, dtype=torch.long)
         lens = torch.ones(p.r, dtype=torch.long)
         root = torch.zeros(p.r, dtype=torch.long)
@@ -356,6 +308,7 @@ class FastRows:
         self._held += [0] * r
         self.root[i : i + r] = p.first[:r]
         self.length[i : i + r] = p.lens[:r]
+        self._lens += [len(x) for x in prompts]
         self.row_sampling.set(i, sampling)
         self._modes += modes
         self.n += r
@@ -375,15 +328,17 @@ class FastRows:
             self.row_sampling.move(i, last)
             self._modes[i] = self._modes[last]
             self._held[i] = self._held[last]
+            self._lens[i] = self._lens[last]
         self._modes.pop()
         self._held.pop()
+        self._lens.pop()
         self._reset_rows(last, last + 1)
         self.n -= 1
 
     def clear(self) -> None:
         """Free every row."""
         self._reset_rows(0, self.capacity)
-        self._modes, self._held, self.n = [], [], 0
+        self._modes, self._held, self._lens, self.n = [], [], [], 0
 
     @property
     def drafting(self) -> int:
@@ -419,9 +374,10 @@ class FastRows:
         next token). `spec` needs a draft shape for the current bucket."""
         if self.n == 0:
             return []
-        nb = self.bucket(self.n)
-        if spec and self.shapes[nb] is None:
-            raise ValueError(f"bucket {nb} has no draft shape")
+        nb = self.bucket(self.n) if self.graphs else self.n  # eager cycles run the active rows only
+        if spec and self.shape_of(nb) is None:
+            raise ValueError(f"bucket {self.bucket(nb)} has no draft shape")
+        self._set_span()
         if spec and max(self._held):  # the drafter catches up before it drafts
             self._feed(nb)
         self._runner(nb, spec, self.mode)()
@@ -432,9 +388,27 @@ class FastRows:
             if max(self._held) >= self.feed_window:  # a full window: feed before the next plain cycle
                 self._feed(nb)
         pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
+        self._lens = [n + p[0] + 1 for n, p in zip(self._lens, pkt, strict=True)]
         self.depths = [p[1] for p in pkt]
         self.drafted = [self._nodes if spec else 0] * self.n
         return [p[2 : 3 + p[0]] for p in pkt]
+
+    def _set_span(self) -> None:
+        """Eager cycles (a CPU) attend over the cache slots the active rows can reach in this cycle, rounded up to
+        64, rather than all of them: there attention and its masks cost in proportion to the slots they cover (a
+        SmolLM2 verification of 7 tokens over 2,048 slots cost 1.3 times one over 256). Captured cycles keep
+        every slot."""
+        if self.graphs or not self._lens:
+            self.span, self.d_span = self.seq_len, getattr(self, "sd", 0)
+            return
+        reach = max(self._lens) + self.margin  # the furthest slot a cycle writes, plus one
+
+        def up(x: int) -> int:
+            return -(-x // 64) * 64
+
+        self.span = min(self.seq_len, up(reach))
+        if self.d is not None:
+            self.d_span = min(self.sd, up(reach + self.sd - self.seq_len))  # the drafter's scratch rows too
 
     def _feed(self, nb: int) -> None:
         self._feed_runner(nb)()
@@ -446,6 +420,16 @@ class FastRows:
 
     def shape_of(self, n: int) -> DraftShape | None:
         return self.shapes[self.bucket(max(1, n))]
+
+    def _caches(self, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The target's K and V of the first nb rows over the slots this cycle attends (`span`), and their arange."""
+        s = self.span
+        return self.k[:, :nb, :, :s], self.v[:, :nb, :, :s], self.ar_s[:s]
+
+    def _d_caches(self, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The drafter's K and V of the first nb rows over `d_span` slots, and their arange."""
+        s = self.d_span
+        return self.dk[:nb, :, :s], self.dv[:nb, :, :s], self.ar_sd[:s]
 
     # -- device steps (fixed shapes for a bucket of nb rows) ------------------------------------------
     def _choose(self, rows: SamplingRows, logits: torch.Tensor, positions: torch.Tensor, mode: int) -> torch.Tensor:
@@ -462,12 +446,13 @@ class FastRows:
 
     def _plain_cycle(self, nb: int, mode: int) -> None:
         length, root = self.length[:nb], self.root[:nb]
+        k, v, ar_s = self._caches(nb)
         pos = length[:, None]  # [nb, 1]
         if self.t.by_splits(1):  # by position: the prefix, then the root at its own slot
             mask, path = None, (length, pos[:, :, None])  # tail [nb, 1, 1]
         else:
-            mask, path = (self.ar_s[None, :] <= length[:, None])[:, None, :], None  # [nb, 1, S]
-        logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
+            mask, path = (ar_s[None, :] <= length[:, None])[:, None, :], None  # [nb, 1, S]
+        logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, k, v, self.rope,
                                           want_aux=self.d is not None, path=path)  # [nb, 1, V]
         # [nb]: the token at length + 1
         tok = self._choose(self.row_sampling, logits, pos + 1, mode)[:, 0]
@@ -478,9 +463,10 @@ class FastRows:
             self.held_tok[rows, j] = tok
             self.held_n[:nb].copy_((self.held_n[:nb] + 1).clamp(max=self.feed_window))
         elif self.d is not None:
-            dmask = (self.ar_sd[None, :] <= length[:, None])[:, None, :]  # [nb, 1, Sd]
-            out = self.d.forward_rows(self.d.combine(aux), tok[:, None], pos, pos, dmask, self.dk[:nb],
-                                      self.dv[:nb], self.d_rope)  # [nb, 1, H]
+            dk, dv, ar_sd = self._d_caches(nb)
+            dmask = (ar_sd[None, :] <= length[:, None])[:, None, :]  # [nb, 1, Sd]
+            out = self.d.forward_rows(self.d.combine(aux), tok[:, None], pos, pos, dmask, dk, dv,
+                                      self.d_rope)  # [nb, 1, H]
             self.last_out[:nb].copy_(out[:, 0])
         zero = torch.zeros_like(tok)
         self.packet[:nb, :3].copy_(torch.stack([zero, zero, tok], dim=1))
@@ -492,11 +478,12 @@ class FastRows:
         output at the newest held token. Rows j >= n are padding: they write drafter K/V at slots >= length,
         which nothing reads before it is overwritten."""
         n_held = self.held_n[:nb]  # [nb]
+        dk, dv, ar_sd = self._d_caches(nb)
         start = (self.length[:nb] - n_held).clamp(min=0)  # [nb] position of the first held token
-        pos = (start[:, None] + self.ar_w[None]).clamp(max=self.sd - 1)  # [nb, W]
-        mask = self.ar_sd[None, None, :] <= pos[:, :, None]  # [nb, W, Sd] causal over the row's drafter cache
-        out = self.d.forward_rows(self.d.combine(self.held_aux[:nb]), self.held_tok[:nb], pos, pos, mask,
-                                  self.dk[:nb], self.dv[:nb], self.d_rope)  # [nb, W, H]
+        pos = (start[:, None] + self.ar_w[None]).clamp(max=ar_sd.shape[0] - 1)  # [nb, W]
+        mask = ar_sd[None, None, :] <= pos[:, :, None]  # [nb, W, Sd] causal over the row's drafter cache
+        out = self.d.forward_rows(self.d.combine(self.held_aux[:nb]), self.held_tok[:nb], pos, pos, mask, dk, dv,
+                                  self.d_rope)  # [nb, W, H]
         newest = out[torch.arange(nb, device=self.device), (n_held - 1).clamp(min=0)]  # [nb, H]
         self.last_out[:nb].copy_(torch.where((n_held > 0)[:, None], newest, self.last_out[:nb]))
         self.held_n[:nb].zero_()
@@ -511,9 +498,10 @@ class FastRows:
         """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
         indexing; the root is its own parent). Row r drafts its token at length[r] + 1 + step (`FastCore.draft`
         with a row axis)."""
-        shape = self.shapes[nb]
+        shape = self.shape_of(nb)
         d, k = self.d, shape.top_k
         length = self.length[:nb]
+        dk, dv, ar_sd = self._d_caches(nb)
 
         def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [nb, T, H]
             if mode == GREEDY:
@@ -522,15 +510,14 @@ class FastRows:
                                  self.ranked)
 
         def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-            cols = length[:, None] + self.ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
+            cols = length[:, None] + ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
             pos = (length - 1 + step)[:, None].expand(nb, k).contiguous()  # [nb, k]
             if d.paths_op is not None:  # by position: the committed rows, then each row's path in scratch
                 paths, mask = (length, scratch_path_slots(anc, length, k)), None  # tail [nb, k, step]
             else:  # [nb, k, Sd]: the committed rows and each row's ancestors in scratch
-                paths, mask = None, (self.ar_sd[None, None, :] < length[:, None, None]).expand(nb, k, -1).clone()
+                paths, mask = None, (ar_sd[None, None, :] < length[:, None, None]).expand(nb, k, -1).clone()
                 mask.scatter_(2, cols[:, None, :].expand(nb, k, -1), anc)
-            return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, self.dk[:nb], self.dv[:nb], self.d_rope,
-                                  paths=paths)
+            return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, dk, dv, self.d_rope, paths=paths)
 
         until = None
         if self.chain_stop is not None and shape.is_chain:  # every row unsure: stop (`FastCore.draft_chain_until`)
@@ -546,7 +533,7 @@ class FastRows:
         slots [nb, N+1], and how the target sees each row's cache: with `by_paths`, each node's path by depth,
         tail [nb, N+1, D+1] (`eagle3.decoding.tree.path_slots`), else the mask [nb, N+1, S]; the other is
         None (as `FastCore.tree_inputs`)."""
-        shape = self.shapes[nb]
+        shape = self.shape_of(nb)
         n1 = tokens.shape[1] + 1
         length = self.length[:nb]
         anc = ancestry(parents1, shape.depth)  # [nb, N+1, N+1]
@@ -555,7 +542,7 @@ class FastRows:
         slots = length[:, None] + self.ar[:n1][None]  # [nb, N+1]
         if by_paths:
             return anc, ids, pos, slots, None, path_slots(anc, length, shape.depth)
-        mask = (self.ar_s[None, :] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
+        mask = (self._caches(nb)[2][None, :] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
         mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
         return anc, ids, pos, slots, mask, None
 
@@ -564,8 +551,9 @@ class FastRows:
         [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
         by_paths = self.t.by_splits(tokens.shape[1] + 1)
         anc, ids, pos, slots, mask, tail = self.pieces.run("_tree_inputs", nb, tokens, parents1, by_paths)
-        logits, aux = self.t.forward_rows(ids, pos, slots, mask, self.k[:, :nb], self.v[:, :nb], self.rope,
-                                          want_aux=True, path=(self.length[:nb], tail) if by_paths else None)
+        k, v, _ = self._caches(nb)
+        logits, aux = self.t.forward_rows(ids, pos, slots, mask, k, v, self.rope, want_aux=True,
+                                          path=(self.length[:nb], tail) if by_paths else None)
         # logits [nb, N+1, V], aux [nb, N+1, 3·Ht]
         # node j predicts the token at pos[j] + 1
         top = self._choose(self.row_sampling, logits, pos + 1, mode)  # [nb, N+1]
@@ -584,7 +572,7 @@ class FastRows:
         length = self.length[:nb]
         dst = length[:, None] + self.ar[: keep.shape[1]][None]  # [nb, D+1]
         src = length[:, None] + keep  # src >= dst elementwise: gather first, then write
-        k, v = self.k[:, :nb], self.v[:, :nb]
+        k, v, _ = self._caches(nb)
         k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
         v[:, rows, :, dst] = v[:, rows, :, src]
         self.pieces.run("_feed_rows", nb, keep, n_acc, emitted, aux, rows, dst)
@@ -593,8 +581,9 @@ class FastRows:
         """The drafter fed with each row's accepted path (`rows` [nb, 1], its cache slots `dst` [nb, D+1]), state
         advanced."""
         hidden = self.d.combine(aux[rows, keep])  # [nb, D+1, H]
-        dmask = self.ar_sd[None, None, :] <= dst[:, :, None]  # [nb, D+1, Sd]
-        out = self.d.forward_rows(hidden, emitted, dst, dst, dmask, self.dk[:nb], self.dv[:nb],
-                                  self.d_rope)  # [nb, D+1, H]; rows past n_acc are padding
+        dk, dv, ar_sd = self._d_caches(nb)
+        dmask = ar_sd[None, None, :] <= dst[:, :, None]  # [nb, D+1, Sd]
+        out = self.d.forward_rows(hidden, emitted, dst, dst, dmask, dk, dv, self.d_rope)  # [nb, D+1, H]
+        # (rows past n_acc are padding)
         self.last_out[:nb].copy_(out[rows[:, 0], n_acc])
         self._advance(nb, n_acc, emitted.gather(1, n_acc[:, None])[:, 0])

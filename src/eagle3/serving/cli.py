@@ -207,7 +207,8 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     import torch
 
     from eagle3.fast.families import fast_support
-    from eagle3.fast.rows import FastRows, prefill_staging_tokens
+    from eagle3.fast.rows import FastRows
+    from eagle3.fast.rows_prefill import prefill_staging_tokens
     from eagle3.fast.target import FastTarget
     from eagle3.serving.policy import default_token_budget
 

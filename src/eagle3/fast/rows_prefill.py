@@ -1,0 +1,67 @@
+"""Admission buffers of `eagle3.fast.rows.FastRows`: the static inputs, outputs and staging caches of one prefill
+shape (R prompts right-padded to T tokens), captured once per shape and sharing flat staging buffers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from eagle3.decoding.sampling import SamplingRows
+
+if TYPE_CHECKING:
+    from eagle3.fast.graphs import StepRunner
+    from eagle3.fast.rows import FastRows
+
+MIN_PREFILL_WIDTH = 16  # the narrowest prefill bucket (tokens per prompt)
+
+
+def prefill_staging_tokens(max_prefill_tokens: int) -> int:
+    """Padded tokens to capture prefill buckets for, so that every admission of at most M = `max_prefill_tokens`
+    padded tokens (R rows x longest prompt T) replays a graph. With bucket(R) = 2^a (2^(a-1) < R) and
+    pow2(T) = 2^b (2^(b-1) < T): 2^(a+b-2) < R T <= M <= 2^m (M rounded up), so a + b <= m + 1 and the bucket
+    holds at most 2^(m+1) tokens. (The width floor MIN_PREFILL_WIDTH adds nothing for M >= 512 and <= 64 rows.)"""
+    return 2 * (1 << (max(1, max_prefill_tokens) - 1).bit_length())
+
+
+def staging(rows: FastRows, name: str, lead: int | None, shape: tuple[int, int, int, int], dtype: torch.dtype,
+            shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V staging caches of `shape` = (R, n_kv, T, hd), behind a leading layer dim `lead` unless None.
+    `shared`: views into flat buffers of `rows.prefill_tokens` tokens that every prefill bucket uses (they never
+    run at the same time); otherwise new tensors (a prefill larger than every bucket)."""
+    full = shape if lead is None else (lead, *shape)
+    if not shared:
+        return (torch.empty(full, dtype=dtype, device=rows.device),
+                torch.empty(full, dtype=dtype, device=rows.device))
+    r, nkv, t, hd = shape
+    out = []
+    for kv in ("k", "v"):
+        flat = rows.flat_staging.get(name + kv)
+        if flat is None:
+            flat = torch.empty(lead or 1, rows.prefill_tokens * nkv * hd, dtype=dtype, device=rows.device)
+            rows.flat_staging[name + kv] = flat
+        n = r * nkv * t * hd
+        out.append(flat[:, :n].view(full) if lead is not None else flat[0, :n].view(full))
+    return out[0], out[1]
+
+
+class Prefill:
+    """Static inputs, outputs and staging caches of one prefill shape: `r` prompts right-padded to `t` tokens."""
+
+    def __init__(self, rows: FastRows, r: int, t: int, shared: bool = True):
+        dev, tg = rows.device, rows.t
+        self.r, self.t = r, t
+        self.sampling = SamplingRows(r, tg.vocab_size, dev)  # each prompt's settings
+        self.ids = torch.zeros(r, t, dtype=torch.long, device=dev)  # [R, T] right-padded prompts
+        self.lens = torch.ones(r, dtype=torch.long, device=dev)  # [R] (padding rows: 1)
+        self.root = torch.zeros(r, dtype=torch.long, device=dev)  # [R] a first token known in advance
+        self.has_root = torch.zeros(r, dtype=torch.bool, device=dev)  # [R]
+        self.first = torch.zeros(r, dtype=torch.long, device=dev)  # [R] out: each row's first new token
+        self.k, self.v = staging(rows, "target", tg.num_layers, (r, tg.nkv, t, tg.hd), tg.dtype,
+                                 shared)  # [L, R, n_kv, T, hd]
+        if rows.d is not None:
+            fd = rows.d
+            self.dk, self.dv = staging(rows, "drafter", None, (r, fd.nkv, t, fd.hd), fd.dtype,
+                                       shared)  # [R, n_kv, T, hd]
+            self.last_out = torch.zeros(r, fd.hidden_size, dtype=fd.dtype, device=dev)  # [R, H] out
+        self.runner: StepRunner | None = None
