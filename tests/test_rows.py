@@ -480,6 +480,31 @@ def test_serve_says_what_to_do_when_the_rows_do_not_fit(monkeypatch):
         fast_rows("on", model, None, SpecPolicy(largest=None), ServeConfig(max_batch_size=8), "cpu")
 
 
+def test_serve_leaves_the_rows_off_where_host_memory_is_short(monkeypatch, caplog):
+    """On a CPU the rows' caches are host memory: where they would take more than half of what the machine has
+    available, `--fast-rows auto` serves on the HF rows and says why, and `--fast-rows on` is refused naming the
+    flags; with room they are built."""
+    import eagle3.fast.cpu as cpu_mod
+    from eagle3.defaults import Decoding
+    from eagle3.serving.cli import fast_rows
+    from eagle3.serving.config import ServeConfig
+    from eagle3.serving.policy import SpecPolicy
+
+    model = build_tiny_target("llama", vocab_size=64)
+    config = ServeConfig(max_batch_size=8, fast_rows_len=256)
+    need = 2 * model.config.num_hidden_layers * 8 * model.config.num_key_value_heads * 256 * (
+        model.config.hidden_size // model.config.num_attention_heads) * 4  # fp32 caches
+    monkeypatch.setattr(cpu_mod, "available_memory", lambda: 2 * need - 1)
+    fast = Decoding("fast", DraftShape.chain(4), None, False)  # what a CPU decoding in bf16 takes
+    with caplog.at_level("WARNING"):
+        assert fast_rows("auto", model, None, SpecPolicy(largest=None), config, "cpu", decoding=fast) is None
+    assert "fast rows off" in caplog.text and "--max-batch-size or --fast-rows-len" in caplog.text
+    with pytest.raises(ConfigError, match="lower --max-batch-size or --fast-rows-len, or use --fast-rows off"):
+        fast_rows("on", model, None, SpecPolicy(largest=None), config, "cpu")
+    monkeypatch.setattr(cpu_mod, "available_memory", lambda: 2 * need)
+    assert fast_rows("on", model, None, SpecPolicy(largest=None), config, "cpu") is not None
+
+
 def test_prefill_staging_covers_every_admission():
     """Every admission the scheduler allows (R rows x longest prompt T <= max_prefill_tokens, up to 64 rows and
     2,048 slots) falls in a captured bucket, also for sizes that are not powers of two."""

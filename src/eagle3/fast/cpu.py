@@ -32,6 +32,19 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the system can give a process now without swapping (Linux `MemAvailable`), or None where
+    that is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _cpu_probe(name: str) -> bool:
     """torch's private CPU feature probe `torch.cpu.<name>`; False where this torch lacks it."""
     probe = getattr(torch.cpu, name, None)

@@ -225,6 +225,19 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
     seq_len = min(config.fast_rows_len, limit + 128)  # a cycle may write past the last token
 
     rows_policy = replace(policy, token_budget=token_budget or default_token_budget(device, fast_rows=True))
+    where = f"{config.max_batch_size} rows x {seq_len} slots"
+    if torch.device(device).type == "cpu":  # host memory: an allocation too large fails late or wakes the OOM killer
+        from eagle3.fast.cpu import available_memory
+
+        need = 2 * target.num_layers * config.max_batch_size * target.nkv * seq_len * target.hd * target.dtype.itemsize
+        free = available_memory()
+        if free is not None and need > free // 2:
+            why = (f"the fast rows' caches ({where}, {need / 2**30:.1f} GiB) would take more than half of this "
+                   f"machine's available memory ({free / 2**30:.1f} GiB)")
+            if choice == "on":
+                raise ConfigError(f"{why}: lower --max-batch-size or --fast-rows-len, or use --fast-rows off")
+            log.warning("fast rows off: %s; lower --max-batch-size or --fast-rows-len to use them", why)
+            return None
 
     try:
         staging = prefill_staging_tokens(config.max_prefill_tokens)
@@ -233,7 +246,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
                         prefill_tokens=staging, chain_stop=stop)
         seconds = rows.prepare()
     except torch.OutOfMemoryError as e:
-        raise ConfigError(f"the fast rows' caches ({config.max_batch_size} rows x {seq_len} slots) do not fit on "
+        raise ConfigError(f"the fast rows' caches ({where}) do not fit on "
                           f"{device} with their prefill staging ({staging} tokens): lower --fast-rows-len, --max-batch-size or "
                           "--max-prefill-tokens, or use --fast-rows off") from e
     log.info("fast rows: %d rows x %d slots (%.2f GiB of cache), %d cycles and %d prefill shapes prepared in "
