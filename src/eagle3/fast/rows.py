@@ -18,8 +18,8 @@ emitted...] once per cycle.
 
 Admission (`add_many`) prefills R prompts right-padded to T tokens in a staging cache rounded up to a prefill
 bucket (R to a batch bucket, T to a power of two), each bucket a captured graph, and copies the result into the
-rows' caches. Rows [n, nb) of a bucket are idle (their lengths clamped inside the cache); a row that leaves is
-replaced by the last one. Sampled rows carry their own settings (`add_many(..., sampling=)`): their tokens are the
+rows' caches. Rows [n, nb) of a captured bucket are idle (their lengths clamped inside the cache); eager cycles (a
+CPU) run the active rows only, over the cache slots they can reach. A row that leaves is replaced by the last one. Sampled rows carry their own settings (`add_many(..., sampling=)`): their tokens are the
 position-keyed draws of `eagle3.decoding.sampling` (the same text as anywhere else), drafted coupled to those draws
 (`eagle3.decoding.expand.coupled_top_k`), in cycles captured per sampling mode.
 """
@@ -117,7 +117,6 @@ class FastRows:
         self.drafted: list[int] = []
         self.n = 0  # active rows: [0, n)
         self._lens: list[int] = []  # host mirror of length for the active rows
-        self.span, self.d_span = seq_len, getattr(self, "sd", 0)  # cache slots the next cycle attends over
         self.cycles = self.spec_cycles = self.feeds = 0  # cycles run (all, speculative), feed steps run
         self.graphs = graphs and dev.type == "cuda"
         # Chains stop drafting once every row's joint draft probability is below this (`FastCore.chain_stop`):
@@ -125,6 +124,7 @@ class FastRows:
         if chain_stop is not None and (self.graphs or compile_drafting):
             raise ConfigError("chain_stop needs cycles that run eagerly (a CPU, or graphs and compilation off)")
         self.chain_stop = chain_stop
+        self._set_span()  # span, d_span: the cache slots the next cycle attends over
         self._pool = graph_pool(dev)
         self._runners: dict[tuple[int, bool, int], StepRunner] = {}
         self._feeds: dict[int, StepRunner] = {}  # bucket -> its feed step
@@ -395,11 +395,10 @@ class FastRows:
 
     def _set_span(self) -> None:
         """Eager cycles (a CPU) attend over the cache slots the active rows can reach in this cycle, rounded up to
-        64, rather than all of them: there attention and its masks cost in proportion to the slots they cover (a
-        SmolLM2 verification of 7 tokens over 2,048 slots cost 1.3 times one over 256). Captured cycles keep
-        every slot."""
+        64, rather than all of them: there attention and its masks cost in proportion to the slots they cover
+        (docs/benchmarks.md section 20). Captured cycles keep every slot."""
         if self.graphs or not self._lens:
-            self.span, self.d_span = self.seq_len, getattr(self, "sd", 0)
+            self.span, self.d_span = self.seq_len, (self.sd if self.d is not None else 0)
             return
         reach = max(self._lens) + self.margin  # the furthest slot a cycle writes, plus one
 
@@ -542,7 +541,7 @@ class FastRows:
         slots = length[:, None] + self.ar[:n1][None]  # [nb, N+1]
         if by_paths:
             return anc, ids, pos, slots, None, path_slots(anc, length, shape.depth)
-        mask = (self._caches(nb)[2][None, :] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
+        mask = (self.ar_s[None, : self.span] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
         mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
         return anc, ids, pos, slots, mask, None
 
