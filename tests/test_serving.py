@@ -142,6 +142,11 @@ def test_sampled_lone_requests_on_fast_rows_match_the_hf_rows(stories260k):
                              for prompt, n, temperature, top_p, top_k, seed in jobs]  # one at a time
             if rows:
                 sched = srv.app.state.scheduler
+                # the last cycle's answer can reach the client before that cycle is traced: wait for the trace
+                deadline = time.monotonic() + 5
+                while (len(sched.cycle_trace()["ms"]) != metric(srv, "eagle3_verify_steps_total")
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
                 trace = sched.cycle_trace()
                 assert set(trace["path"]) == {"rows"} and set(trace["rows"]) == {1}
                 assert len(trace["ms"]) == metric(srv, "eagle3_verify_steps_total")
