@@ -1,13 +1,13 @@
 """Where the time of one decoding step goes: GPU kernel time by kind, against the step's captured wall time.
 
 For plain decoding's step (one-token forward + argmax) and, with a drafter, one EAGLE-3 tree cycle (draft,
-verify, accept, commit) on the fast path (`eagle3.fast.core`): the step runs eagerly under `torch.profiler`
+verify, accept, commit) on the fast path (one row of `eagle3.fast.rows.FastRows`, what `FastEngine` runs): the
+step runs eagerly under `torch.profiler`
 (kernel durations do not depend on how they were launched), and its CUDA-graph replay is timed as the engines
 run it. Kernels are grouped by name into matmul, attention, top-k/sort/reduce, index/copy, elementwise and other;
 "idle" is the graph's wall time minus the sum of its kernels (gaps between small kernels). `--pieces` does the
-same for each piece of the cycle (draft, verify, accept, commit). `--rows N` also profiles the server's batched
-cycle (`eagle3.fast.rows.FastRows`) with N rows of `--context` tokens each, plain and speculative (and its pieces),
-so the batch-1 engine's cycle and the rows' cycle at one row can be compared kernel by kernel. `--by-source N` also
+same for each piece of the cycle (draft, verify, accept, commit). `--rows N` also profiles the cycles with N rows
+of `--context` tokens each (a server batch), plain and speculative (and their pieces). `--by-source N` also
 lists the N (eagle3 function, operator) pairs that took the most kernel time, with the operator's calls: which code
 to change. Writes `profile_step.json` (run record) and prints a table.
 
@@ -21,27 +21,20 @@ from __future__ import annotations
 import argparse
 import re
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from eagle3.config import (
-    DRAFTER_ATTENTION,
-    DRAFTER_ATTENTION_HELP,
-    FUSE_POINTWISE_CHOICES,
-    TARGET_ATTENTION,
-    TARGET_ATTENTION_HELP,
-    DraftShape,
-)
+from eagle3.config import FUSE_POINTWISE_CHOICES, TARGET_ATTENTION, TARGET_ATTENTION_HELP, DraftShape
+from eagle3.decoding.sampling import GREEDY
 from eagle3.fast import split_attention
-from eagle3.fast.core import FastCore
 from eagle3.fast.cpu import cpu_has_bf16
 from eagle3.fast.drafter import FastDrafter
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.overhead import SHAPES, begin_random, build_random, copy_bandwidth, time_step
 from eagle3.fast.pointwise import fuse_level
 from eagle3.fast.row_norm import rms_norm_rows
+from eagle3.fast.rows import FastRows
 from eagle3.fast.target import FastTarget
 from eagle3.record import run_record, write_json
 
@@ -76,8 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-pointwise", choices=FUSE_POINTWISE_CHOICES, nargs="?", const="elementwise", default="auto",
                    help="the target's elementwise work compiled (Pointwise, FastOptions.fuse_pointwise; "
                         "auto: elementwise on CUDA, off on a CPU)")
-    p.add_argument("--drafter-attention", choices=DRAFTER_ATTENTION, default="auto",
-                   help=DRAFTER_ATTENTION_HELP.removeprefix("fast path: "))
     p.add_argument("--residual-add", choices=("auto", "gemm", "separate"), default="auto",
                    help="experiment: the target's residual adds in the products' epilogues (gemm) or after them "
                         "(separate); auto: FastTarget's default (gemm on CUDA)")
@@ -90,20 +81,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--split-blocks", type=int, default=None, metavar="N",
                    help="experiment: key blocks per split at least in the split attention (default "
                         "eagle3.fast.split_attention.MIN_SPLIT_BLOCKS)")
-    p.add_argument("--draft-top-k", choices=("kernel", "torch"), default="kernel",
-                   help="experiment: the draft steps' log-softmax and top-k as two Triton kernels "
-                        "(eagle3.fast.draft_top_k, the default on CUDA) or as PyTorch work (torch)")
     p.add_argument("--eager-drafting", action="store_true", help="do not compile the cycle's drafting pieces "
-                   "(FastCore.compile_drafting, on by default on CUDA as in the engines)")
-    p.add_argument("--drafting-mode", default=None, metavar="MODE",
-                   help="torch.compile mode for the compiled drafting pieces (e.g. max-autotune-no-cudagraphs: "
-                        "Triton templates for the drafter's small matrix products where they time faster)")
+                   "(FastRows.compile_drafting, on by default on CUDA as in the engines)")
     p.add_argument("--pieces", action="store_true",
                    help="also profile the cycle's pieces one by one (draft, verify, accept, commit with the drafter's "
                         "feed), each timed as its own graph: which piece holds the kernels a cycle adds")
     p.add_argument("--rows", type=int, nargs="*", default=[], metavar="N",
-                   help="also profile the server's batched cycles (FastRows, drafting compiled unless "
-                        "--eager-drafting) with each of these row counts")
+                   help="also profile the cycles with each of these row counts (a server batch; drafting compiled "
+                        "unless --eager-drafting)")
     p.add_argument("--by-source", type=int, default=0, metavar="N",
                    help="also list the N (eagle3 function, operator) pairs with the most kernel time")
     p.add_argument("--all-kernels", action="store_true",
@@ -222,30 +207,11 @@ def profile(name: str, fn, dev: torch.device, pool, reps: int, runners: list, by
     return out | ({"sources": sources} if sources else {}) | ({"kernels": every} if all_kernels else {})
 
 
-def profile_pieces(core: FastCore, saved: torch.Tensor, dev: torch.device, pool, reps: int, runners: list,
-                   plain_us: float, all_kernels: bool = False) -> dict:
-    """Each piece of a greedy cycle on its own, from the same state every repetition (the pieces read the buffers
-    the previous piece wrote; commit's advance of `length` is undone): kernels by kind and graph replay time."""
-    def commit():
-        core.commit()
-        core.length.copy_(saved)
-
-    pieces = {"draft": partial(core.piece, "draft"), "verify": core.verify,
-              "accept": partial(core.piece, "accept"), "commit": commit}
-    out = {name: profile(f"piece {name}", fn, dev, pool, reps, runners, all_kernels=all_kernels)
-           for name, fn in pieces.items()}
-    print("pieces in plain steps: " + ", ".join(f"{n} {r['wall_us'] / plain_us:.3f}" for n, r in out.items()))
-    return out
-
-
 def profile_rows(target: FastTarget, drafter, shape: DraftShape, n: int, context: int, compiled: bool,
                  pieces: bool, dev: torch.device, pool, reps: int, runners: list, plain_us: float,
                  by_source: int = 0, all_kernels: bool = False) -> dict:
-    """The rows' plain and speculative cycles with `n` rows of `context` random tokens, each repetition from the
-    same lengths (as the batch-1 cycle above); with `pieces`, draft / verify / accept / commit one by one."""
-    from eagle3.decoding.sampling import GREEDY
-    from eagle3.fast.rows import FastRows
-
+    """The plain and speculative cycles of `n` rows of `context` random tokens, each repetition from the same
+    lengths; with `pieces`, draft / verify / accept / commit one by one."""
     seq_len = -(-(context + 2 * shape.total + shape.depth + 16) // 128) * 128
     rows = FastRows(target, drafter, capacity=n, seq_len=seq_len, shapes=lambda _b: shape, sampling=False,
                     compile_drafting=compiled)
@@ -263,14 +229,14 @@ def profile_rows(target: FastTarget, drafter, shape: DraftShape, n: int, context
                                   pool, reps, runners, by_source, all_kernels),
            "spec_cycle": profile(f"rows={n} tree cycle {shape.text}", restoring(lambda: rows._spec_cycle(nb, GREEDY)),
                                  dev, pool, reps, runners, by_source, all_kernels)}
-    print(f"rows={n}: tree cycle = {out['spec_cycle']['wall_us'] / plain_us:.2f} plain steps of the batch-1 engine")
+    print(f"rows={n}: tree cycle = {out['spec_cycle']['wall_us'] / plain_us:.2f} plain steps of one row")
     if pieces:
         tokens, parents1 = rows.pieces.run("_draft", nb, GREEDY)
         anc, top, aux = rows._verify(nb, tokens, parents1, GREEDY)
-        keep, n_acc, emitted = rows.pieces.run("_accept", nb, tokens, parents1, anc, top)
+        keep, n_acc, emitted = rows.pieces.run("_accept", nb, tokens, parents1, anc, top, None)
         steps = {"draft": lambda: rows.pieces.run("_draft", nb, GREEDY),
                  "verify": lambda: rows._verify(nb, tokens, parents1, GREEDY),
-                 "accept": lambda: rows.pieces.run("_accept", nb, tokens, parents1, anc, top),
+                 "accept": lambda: rows.pieces.run("_accept", nb, tokens, parents1, anc, top, None),
                  "commit": restoring(lambda: rows._commit(nb, keep, n_acc, emitted, aux))}
         out["pieces"] = {name: profile(f"rows={n} piece {name}", fn, dev, pool, reps, runners,
                                        all_kernels=all_kernels) for name, fn in steps.items()}
@@ -311,58 +277,44 @@ def main(argv=None) -> int:
     seq_len = -(-(args.context + 2 * shape.total + shape.depth + 16) // 128) * 128
     pool, runners, results = graph_pool(dev), [], {}
 
-    def ready(core: FastCore) -> FastCore:
-        core.allocate(seq_len)
-        begin_random(core, args.context, target.vocab_size)
-        return core
+    plain = FastRows(target, None, capacity=1, seq_len=seq_len, sampling=False)
+    begin_random(plain, args.context, target.vocab_size)
+    saved = plain.length.clone()
 
-    plain = ready(FastCore(target, "none"))
-    results["plain_step"] = profile("plain step", plain.verify, dev, pool, args.reps, runners,
+    def plain_step():
+        plain._plain_cycle(1, GREEDY)
+        plain.length.copy_(saved)  # the same state every repetition
+
+    results["plain_step"] = profile("plain step", plain_step, dev, pool, args.reps, runners,
                                     args.by_source, args.all_kernels)
     wbytes, bw = target.weight_bytes(), copy_bandwidth(dev)
     step_s = results["plain_step"]["wall_us"] / 1e6
     print(f"\nweights {wbytes / 1e9:.3f} GB: {wbytes / step_s / 1e9:.0f} GB/s, {100 * wbytes / step_s / bw:.1f} % of "
           f"measured copy bandwidth ({bw / 1e9:.0f} GB/s)")
+    compiled = drafter is not None and dev.type == "cuda" and not args.eager_drafting
     if drafter is not None:
         fd = FastDrafter(drafter)
-        attention = fd.use_attention(args.drafter_attention)
-        core = FastCore(target, "eagle3", fd, shape)
-        if args.draft_top_k == "torch":
-            core.top_k_op = None
-        if dev.type == "cuda" and not args.eager_drafting:
-            core.compile_drafting(mode=args.drafting_mode)
-        ready(core).piece("draft")
-        saved = core.length.clone()
-
-        def cycle():
-            core.cycle()
-            core.length.copy_(saved)  # the same state every repetition
-
-        results["tree_cycle"] = profile(f"tree cycle {args.tree}", cycle, dev, pool, args.reps, runners,
-                                        args.by_source, args.all_kernels)
-        print(f"tree cycle = {results['tree_cycle']['wall_us'] / results['plain_step']['wall_us']:.2f} plain steps")
-        if args.pieces:
-            results["pieces"] = profile_pieces(core, saved, dev, pool, args.reps, runners,
-                                               results["plain_step"]["wall_us"], args.all_kernels)
-        for n in args.rows:
-            results[f"rows_{n}"] = profile_rows(target, drafter, shape, n, args.context,
-                                                dev.type == "cuda" and not args.eager_drafting, args.pieces, dev, pool,
-                                                args.reps, runners, results["plain_step"]["wall_us"], args.by_source,
-                                                args.all_kernels)
+        for n in sorted({1, *args.rows}):
+            r = profile_rows(target, fd, shape, n, args.context, compiled, args.pieces and n == 1, dev, pool,
+                             args.reps, runners, results["plain_step"]["wall_us"], args.by_source, args.all_kernels)
+            if n == 1:  # one request's cycle, what `FastEngine` replays
+                results["tree_cycle"] = r["spec_cycle"]
+                if "pieces" in r:
+                    results["pieces"] = r["pieces"]
+            if n in args.rows:
+                results[f"rows_{n}"] = r
     out = Path(args.out)
     write_json(run_record("profile_step", target=args.target or args.shape,
                           drafter=args.drafter or ("random" if drafter is not None else None),
                           device_name=str(dev), dtype=str(target.dtype), context=args.context, tree=args.tree,
                           weight_bytes=wbytes,
-                          drafting_compiled=drafter is not None and core.drafting_compiled,
-                          drafting_mode=args.drafting_mode,
-                          drafter_attention=attention if drafter is not None else None,
+                          drafting_compiled=compiled,
+                          drafter_attention=None if drafter is None else "split" if fd.paths_op else "mask",
                           fuse_pointwise=fuse_level(args.fuse_pointwise, dev) or "off",
                           residual_in_gemm=target.residual_in_gemm, target_attention=target_attention,
                           target_norm="fold" if target.folded else
                           "triton" if target.pointwise.norm is rms_norm_rows else "torch",
                           split_blocks=split_attention.MIN_SPLIT_BLOCKS,
-                          draft_top_k=core.top_k_op is not None if drafter is not None else None,
                           copy_bandwidth_gbs=round(bw / 1e9, 1), results=results), out / "profile_step.json")
     print(f"report: {out / 'profile_step.json'}")
     return 0

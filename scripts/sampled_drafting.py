@@ -2,7 +2,7 @@
 
 For each temperature the bundled MT-bench prompts are answered three ways with the device's drafting
 (`eagle3.defaults`): plain decoding, EAGLE-3 drafting the drafter's top-k (what greedy requests draft), and EAGLE-3
-with coupled drafts (`FastCore.choose_drafts`: the drafter draws with the noise of the target's own draw). Prompt i
+with coupled drafts (`FastRows.choose_drafts`: the drafter draws with the noise of the target's own draw). Prompt i
 samples with seed i in all three, so every answer must equal plain decoding's token for token (up to bf16 rounding
 of many-row verifications on a GPU's trees). Prints tau, acceptance by position, tok/s and the speedup, and writes
 a run record.

@@ -47,7 +47,7 @@ def test_generate_every_draft_kind_gives_the_same_text(capsys, random_drafter):
 def test_no_graphs_on_the_generic_engine_warns_and_fast_variants_keep_the_text(capsys, caplog, monkeypatch,
                                                                                random_drafter):
     """`--no-graphs` says so when the generic engine runs (auto on a CPU), and changes nothing; the fast path's
-    variants (library options: `FastOptions.drafter_attention`) emit the same tokens."""
+    variants (library options: `FastOptions.graph_prefill`) emit the same tokens."""
     from dataclasses import replace
 
     import eagle3.runtime
@@ -59,7 +59,7 @@ def test_no_graphs_on_the_generic_engine_warns_and_fast_variants_keep_the_text(c
     assert out["token_ids"] == plain["token_ids"]
     assert "--no-graphs has no effect" in caplog.text
     real = eagle3.runtime.decoder
-    for variant in ({"drafter_attention": "matmul"},):
+    for variant in ({"graph_prefill": True},):  # prompts padded into fixed prefill buckets
         caplog.clear()
         monkeypatch.setattr(eagle3.runtime, "decoder",
                             lambda rt, d, options=None, v=variant: real(rt, d, options and replace(options, **v)))

@@ -1,4 +1,4 @@
-"""Coupled drafts for sampled requests (`FastCore.choose_drafts`): the drafter draws with the noise of the target's
+"""Coupled drafts for sampled requests (`FastRows.choose_drafts`): the drafter draws with the noise of the target's
 own position-keyed draw, so a drafter that matches the target drafts exactly the token the target will draw; the
 target's tokens, and so the output, stay its own draws."""
 
@@ -9,36 +9,36 @@ import torch
 
 from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.sampling import FILTERED, TEMPERATURE, race_sample
-from eagle3.fast import FastEngine, FastOptions
+from eagle3.fast import FastRows, FastTarget
 from eagle3.runtime import init_drafter
 
 SEED = 7
 
 
-def core_for(model, vocab: int | None, coupled: bool = True, k: int = 1):
+def rows_for(model, vocab: int | None, coupled: bool = True, k: int = 1) -> FastRows:
     drafter = init_drafter(model, draft_vocab_size=vocab, seed=2).eval()
-    engine = FastEngine(model, draft="eagle3", spec=DraftShape(3, k, 3 * k if k > 1 else 3), drafter=drafter,
-                        options=FastOptions(coupled_drafts=coupled))
-    return engine.core
+    shape = DraftShape(3, k, 3 * k if k > 1 else 3)
+    return FastRows(FastTarget(model, drafter.config.aux_layer_ids), drafter, capacity=1, seq_len=64,
+                    shapes=lambda _b: shape, coupled=coupled)
 
 
-def coupled_hits(core, sampling: SamplingConfig, mode: int, positions: range, outside: float) -> int:
+def coupled_hits(rows: FastRows, sampling: SamplingConfig, mode: int, positions: range, outside: float) -> int:
     """How often the first draft equals the target's draw when the drafter's logits are the target's on the draft
     vocabulary (the target's logits elsewhere: `outside`)."""
-    d = core.drafter
-    vocab = core.sampling.vocab_h.shape[0]
+    d = rows.d
+    vocab = rows.row_sampling.vocab_h.shape[0]
     draft_to_target = d.to_target_ids(torch.arange(d.lm_head.shape[0]))  # [Vd]
-    core.sampling.set(0, [sampling])
+    rows.row_sampling.set(0, [sampling])
     g = torch.Generator().manual_seed(0)
     hits = 0
     for p in positions:
         target = torch.full((vocab,), outside)
         target[draft_to_target] = 3.0 * torch.randn(len(draft_to_target), generator=g)
         d.logits = lambda out, t=target: t[draft_to_target].expand(*out.shape[:-1], -1)  # [..., Vd]
-        _, ids = core.choose_drafts(torch.zeros(1, d.hidden_size), torch.tensor([p]), mode)
+        _, ids = rows.choose_drafts(torch.zeros(1, 1, d.hidden_size), torch.tensor([p]), mode, 1)  # [1, 1, 1]
         drawn = race_sample(target[None], torch.tensor([p]), SEED, sampling.temperature, sampling.top_p,
                             sampling.top_k)
-        hits += int(d.to_target_ids(ids[0, :1])) == int(drawn)
+        hits += int(d.to_target_ids(ids[0, 0, :1])) == int(drawn)
     return hits
 
 
@@ -49,20 +49,20 @@ def coupled_hits(core, sampling: SamplingConfig, mode: int, positions: range, ou
 def test_a_drafter_that_is_the_target_drafts_the_targets_draw(stories260k, vocab, sampling, mode):
     model, _ = stories260k
     positions = range(40, 240)
-    assert coupled_hits(core_for(model, vocab), sampling, mode, positions, float("-inf")) == len(positions)
+    assert coupled_hits(rows_for(model, vocab), sampling, mode, positions, float("-inf")) == len(positions)
     # negative control: the drafter's top-1 is the target's draw far less often at these temperatures
-    assert coupled_hits(core_for(model, vocab, coupled=False), sampling, mode, positions,
+    assert coupled_hits(rows_for(model, vocab, coupled=False), sampling, mode, positions,
                         float("-inf")) < 0.8 * len(positions)
 
 
 def test_siblings_are_draws_without_replacement(stories260k):
     """A tree's k children of one node: distinct tokens, the first the coupled draw."""
     model, _ = stories260k
-    core = core_for(model, None, k=4)
-    core.sampling.set(0, [SamplingConfig(temperature=1.0, seed=SEED)])
-    out = torch.randn(3, core.drafter.hidden_size)
-    lq, ids = core.choose_drafts(out, torch.tensor([55]), TEMPERATURE)
-    assert ids.shape == (3, 4) and all(len(set(row.tolist())) == 4 for row in ids)
+    rows = rows_for(model, None, k=4)
+    rows.row_sampling.set(0, [SamplingConfig(temperature=1.0, seed=SEED)])
+    out = torch.randn(1, 3, rows.d.hidden_size)
+    lq, ids = rows.choose_drafts(out, torch.tensor([55]), TEMPERATURE, 4)
+    assert ids.shape == (1, 3, 4) and all(len(set(row.tolist())) == 4 for row in ids[0])
     assert torch.all(lq <= 0)
 
 

@@ -2,7 +2,7 @@
 
 On a CPU the kernels run in Triton's interpreter; on a GPU (marked `gpu`) compiled. Against torch's log-softmax
 and top-k: values, indices, the lower index first among equal logits, vocabularies of one chunk and of many (with
-a short last chunk), k = 1; the op through torch.compile; and a FastCore's drafted tree, which must be the tree
+a short last chunk), k = 1; the op through torch.compile; and the rows' drafted tree, which must be the tree
 that the PyTorch top-k drafts from the same state, with greedy decoding through it equal to HF `generate`.
 Run: pytest tests/test_draft_top_k.py
 """
@@ -14,7 +14,7 @@ import torch
 
 from conftest import build_tiny_target
 from eagle3.config import DraftShape
-from eagle3.fast import FastEngine, FastOptions
+from eagle3.fast import FastRows, FastTarget
 from eagle3.fast import draft_top_k as dtk
 from eagle3.runtime import init_drafter
 
@@ -73,24 +73,25 @@ def test_the_op_compiles_as_one_call(interpreted, backend):
     torch.testing.assert_close(vals, want.values)
 
 
-def test_fast_core_drafts_the_same_tree_and_decodes_losslessly(interpreted):
-    """A 4,3,12 tree through the fast path with the kernels: HF `generate`'s greedy tokens, and from the state the
-    last cycle left, the same drafted tree as the PyTorch top-k."""
+def test_rows_draft_the_same_tree_through_the_kernels_and_decode_losslessly(interpreted):
+    """A 4,3,12 tree on the fast path with the kernels: HF `generate`'s greedy tokens, and from the state the last
+    cycle left, the same drafted tree as the PyTorch top-k."""
     model = build_tiny_target("llama")
     d = init_drafter(model, draft_vocab_size=200, seed=1)
-    engine = FastEngine(model, draft="eagle3", spec=DraftShape(4, 3, 12), drafter=d,
-                        options=FastOptions(max_seq_len=256))
-    core = engine.core
-    assert core.top_k_op is None  # a CPU: PyTorch's top-k unless asked
-    core.top_k_op = dtk.draft_top_k_op()
+    rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=1, seq_len=256,
+                    shapes=lambda _b: DraftShape(4, 3, 12), sampling=False)
+    assert rows._top_k_ops[3] is None  # a CPU: PyTorch's top-k unless asked
+    rows._top_k_ops[3] = dtk.draft_top_k_op()
     prompt = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(5))
     ref = model.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 11:].tolist()
-    assert engine.generate(prompt, max_new_tokens=12, eos_token_ids=[]).token_ids == ref
-    core.draft()
-    tree = core.tree_tokens.clone(), core.tree_parents1.clone()
-    core.top_k_op = None
-    core.draft()
-    assert torch.equal(core.tree_tokens, tree[0]) and torch.equal(core.tree_parents1, tree[1])
+    out = [rows.add(prompt.tolist())]
+    while len(out) < 12:
+        out += rows.cycle(spec=True)[0]
+    assert out[:12] == ref
+    tree = rows._draft(1)
+    rows._top_k_ops[3] = None
+    assert all(torch.equal(a, b) for a, b in zip(rows._draft(1), tree, strict=True))
+
 
 
 @pytest.mark.gpu

@@ -26,13 +26,10 @@ from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.expand import top_k_last, top_n_in_order
 from eagle3.decoding.proposers import ModelProposer, NoDraftProposer
-from eagle3.decoding.sampling import FILTERED, TEMPERATURE
 from eagle3.decoding.tree import DraftTree, ancestry
 from eagle3.decoding.verify import accept
-from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, build_engine, fast_support
-from eagle3.fast.core import prefix_and_window
+from eagle3.fast import FastDrafter, FastEngine, FastOptions, FastRows, FastTarget, build_engine, fast_support
 from eagle3.fast.cpu import argmax_ids
-from eagle3.fast.drafter import drafter_attention_for
 from eagle3.fast.pointwise import (
     ELEMENTWISE_PIECES,
     apply_rope,
@@ -148,22 +145,16 @@ def test_stopping_chains_match_hf_generate(models, drafters, arch, stop):
 
 
 def test_a_stopping_chain_drafts_a_prefix_of_the_full_chain(models, drafters):
-    """From one state, `draft_chain_until` proposes the first n tokens `draft` proposes for the full chain and
-    marks the rest invalid; afterwards a full draft marks every node valid again."""
-    model = models["llama"]
-    engine = FastEngine(model, draft="eagle3", spec=DraftShape.chain(5),
-                        drafter=drafters["llama"], options=FastOptions(chain_stop=1e-3))
-    engine.generate(prompt_of(11, seed=3), max_new_tokens=9, eos_token_ids=[])
-    core = engine.core
-    core.draft()
-    full = core.tree_tokens.clone()
-    n = core.draft_chain_until()
-    assert 1 <= n < 5
-    assert torch.equal(core.tree_tokens[:n], full[:n]) and not core.tree_tokens[n:].any()
-    assert core.tree_valid.tolist() == [True] * n + [False] * (5 - n)
-    core.chain_stop = None
-    core.cycle()
-    assert core.tree_valid.all()
+    """From one state, a chain with a stop proposes the first n tokens of the full chain, n < its depth here."""
+    model, d = models["llama"], drafters["llama"]
+    rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=1, seq_len=128,
+                    shapes=lambda _b: DraftShape.chain(5), chain_stop=1e-3)
+    rows.add(prompt_of(11, seed=3).tolist())
+    stopped, _ = rows._draft(1)
+    rows.chain_stop = None
+    full, _ = rows._draft(1)
+    n = stopped.shape[1]
+    assert 1 <= n < 5 and torch.equal(stopped, full[:, :n])
 
 
 def test_chain_stop_is_checked(models, drafters):
@@ -214,17 +205,13 @@ def test_device_tree_equals_generic_proposer(models, drafters, arch, ranked):
     generic.begin(prompt, aux, int(logits[0, -1].argmax()))
     tree = generic.propose()
 
-    engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d)
-    engine.prepare(prompt.numel(), 8)
-    core = engine.core
-    core.ranked = ranked  # the top-k of compiled drafting on CUDA (`ranked_top_k`)
-    flog, faux = core.prefill(prompt)
-    # fp32 rounding only: 1e-4 held on an Intel CPU; an AMD EPYC's GEMMs differed by 1.7e-4 in one of 2,112 values
-    torch.testing.assert_close(faux, aux[0], rtol=1e-3, atol=1e-3)
-    core.begin(prompt, faux, flog.argmax().view(1))
-    core.draft()
-    assert core.tree_tokens.tolist() == tree.tokens.tolist()
-    assert (core.tree_parents1[1:] - 1).tolist() == tree.parents.tolist()
+    rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=1, seq_len=128,
+                    shapes=lambda _b: spec, sampling=False)
+    rows.ranked = ranked  # the top-k of compiled drafting on CUDA (`ranked_top_k`)
+    assert rows.add(prompt.tolist()) == int(logits[0, -1].argmax())
+    tokens, parents1 = rows._draft(1)
+    assert tokens[0].tolist() == tree.tokens.tolist()
+    assert (parents1[0, 1:] - 1).tolist() == tree.parents.tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -341,71 +328,45 @@ def _random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_device_acceptance_equals_accept(models, seed):
+    """Acceptance on device of a host tree (`load_tree`, padded with invalid nodes) against the reference `accept`."""
     g = torch.Generator().manual_seed(seed)
     n_max, vocab = 10, 6  # a small vocabulary makes long accepted paths likely
-    core = FastCore(FastTarget(models["llama"]), "host", max_nodes=n_max)
-    core.allocate(64)
+    rows = FastRows(FastTarget(models["llama"]), None, capacity=1, seq_len=64, host_nodes=n_max, sampling=False)
     n = int(torch.randint(1, n_max + 1, (1,), generator=g))
     tree = _random_tree(n, vocab, g)
     logits = torch.randn(n + 1, vocab, generator=g)
     for i in torch.randperm(n, generator=g)[: n // 2].tolist():  # plant matches: node i is the target's argmax
         logits[tree.parents[i] + 1, tree.tokens[i]] = 10.0 + i
-    core.root.fill_(4)
-    core.load_tree(tree.tokens.tolist(), tree.parents.tolist())
+    rows.root.fill_(4)
+    rows.load_tree(0, tree.tokens.tolist(), tree.parents.tolist())
     top = torch.cat([logits.argmax(-1), torch.zeros(n_max - n, dtype=torch.long)])  # padding rows: any value
-    core.top.copy_(top)
-    core.anc.copy_(ancestry(core.tree_parents1, core.max_depth))
-    core.accept()
+    tokens, parents1, valid = rows.tree_tokens[:1], rows.tree_parents1[:1], rows.tree_valid[:1]
+    keep, n_acc, emitted = rows._accept(1, tokens, parents1, ancestry(parents1, n_max), top[None], valid)
     ref = accept(tree, logits.argmax(-1))
-    a = int(core.n_acc)
+    a = int(n_acc)
     assert a == ref.n_accepted
-    assert core.keep[1 : a + 1].tolist() == ref.path
-    assert core.emitted[: a + 1].tolist() == ref.emitted(tree)
-    assert core.packet[0] == a and core.packet[2 : a + 3].tolist() == ref.emitted(tree)
-    assert int(core.packet[1]) == (int(tree.depths().max()) if n else 0)
+    assert keep[0, 1 : a + 1].tolist() == ref.path
+    assert emitted[0, : a + 1].tolist() == ref.emitted(tree)
+    assert rows.packet[0, 0] == a and rows.packet[0, 2 : a + 3].tolist() == ref.emitted(tree)
+    assert int(rows.packet[0, 1]) == (int(tree.depths().max()) if n else 0)
 
 
 def test_kv_compaction_moves_the_accepted_slots(models):
-    core = FastCore(FastTarget(models["qwen3"]), "host", max_nodes=6)
-    core.allocate(64)
-    t = core.target
-    slots = torch.arange(64, dtype=t.k_cache.dtype)
-    t.k_cache.copy_(slots[None, None, :, None].expand_as(t.k_cache))
-    t.v_cache.copy_(-slots[None, None, :, None].expand_as(t.v_cache))
+    rows = FastRows(FastTarget(models["qwen3"]), None, capacity=1, seq_len=64, host_nodes=6, sampling=False)
+    slots = torch.arange(64, dtype=rows.k.dtype)
+    rows.k.copy_(slots[None, None, None, :, None].expand_as(rows.k))
+    rows.v.copy_(-slots[None, None, None, :, None].expand_as(rows.v))
     length = 20
-    core.length.fill_(length)
-    core.keep.copy_(torch.tensor([0, 2, 5, 6, 0, 0, 0]))  # root, then N+1 indices of the accepted path
-    core.n_acc.fill_(3)
-    core.emitted.copy_(torch.tensor([7, 8, 9, 10, 0, 0, 0]))  # its tokens, then the bonus token
-    core.commit()
-    k = t.k_cache[:, :, :, 0]  # [L, nkv, S] holds the slot each entry came from
+    rows.length.fill_(length)
+    rows.span = 64
+    keep = torch.tensor([[0, 2, 5, 6, 0, 0, 0]])  # root, then N+1 indices of the accepted path
+    emitted = torch.tensor([[7, 8, 9, 10, 0, 0, 0]])  # its tokens, then the bonus token
+    rows._commit(1, keep, torch.tensor([3]), emitted, None)
     expect = [*range(length), length + 0, length + 2, length + 5, length + 6]
-    for layer in range(t.num_layers):
-        assert k[layer, 0, : length + 4].tolist() == expect
-        assert (-t.v_cache[layer, 1, : length + 4, 0]).tolist() == expect
-    assert int(core.length) == length + 4 and int(core.root) == 10
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-def test_step_functions_are_capture_safe(arch):
-    """On the meta device any `.item()`, nonzero / boolean indexing, or tensor made on the CPU raises: the same
-    things that break (or silently slow) CUDA graph capture."""
-    model = build_tiny_target(arch)
-    d = init_drafter(model, draft_vocab_size=200, seed=1)
-    model, d = model.to("meta"), d.to("meta")
-    aux = d.config.aux_layer_ids
-    cores = [FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), DraftShape(4, 3, 10)),
-             FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), DraftShape(3, 1, 3)),
-             FastCore(FastTarget(model), "none"), FastCore(FastTarget(model), "host", max_nodes=5)]
-    for core in cores:
-        core.allocate(256)
-        core.cycle()
-        core.cycle(TEMPERATURE)
-        core.cycle(FILTERED)
-        core.allocate_prefill()  # `graph_prefill`'s two captured functions
-        core.prefill_fixed(64)
-        core.begin_fixed(64)
-        assert core.packet.device.type == "meta" and core.pre_logits.device.type == "meta"
+    for layer in range(rows.t.num_layers):
+        assert rows.k[layer, 0, 0, : length + 4, 0].tolist() == expect
+        assert (-rows.v[layer, 0, 1, : length + 4, 0]).tolist() == expect
+    assert int(rows.length[0]) == length + 4 and int(rows.root[0]) == 10
 
 
 @pytest.mark.parametrize("ranked", [False, True])
@@ -443,199 +404,14 @@ def test_top_n_in_order_equals_the_two_sorts(ranked):
             assert torch.equal(top_n_in_order(scores, n, ranked), ref), (scores.shape, n)
 
 
-def test_prefix_and_window_equals_the_scatter_it_replaces():
-    """The masks of drafting and verification (committed prefix plus a window of ancestry bits after it), built
-    by a gather so that compiled pieces fuse them, equal the scatter into the prefix mask they replaced."""
-    g = torch.Generator().manual_seed(6)
-    for s, length, rows, w in ((64, 10, 10, 30), (64, 0, 3, 5), (40, 35, 4, 5), (160, 70, 61, 61)):
-        window = torch.rand(rows, w, generator=g) < 0.5
-        ar = torch.arange(s)
-        ref = (ar < length)[None].repeat(rows, 1)
-        ref.scatter_(1, (length + torch.arange(w))[None].expand(rows, -1), window)
-        assert torch.equal(prefix_and_window(ar, torch.tensor([length]), window), ref), (s, length, rows, w)
-
-
-def cycle_trees(core: FastCore, prompt: torch.Tensor, cycles: int = 5) -> list[tuple]:
-    """Tokens, parents and packet of each of `cycles` greedy cycles after `prompt`'s prefill."""
-    core.allocate(256)
-    logits, aux = core.prefill(prompt)
-    core.begin(prompt, aux, logits.argmax().view(1))
-    trees = []
-    for _ in range(cycles):
-        core.cycle()
-        trees.append((core.tree_tokens.tolist(), core.tree_parents1.tolist(), core.packet.tolist()))
-    return trees
-
-
-def test_compiled_drafting_keeps_trees_and_output(models, drafters):
-    """`compile_drafting`: drafting, the verification's inputs, acceptance and feeding the drafter compiled by
-    inductor, the target eager: the same trees as eager drafting cycle after cycle (fp32), the same emitted
-    tokens as HF generate, and every piece really ran compiled."""
+def test_compiled_drafting_keeps_greedy_output(models, drafters):
+    """`FastOptions(compile_drafting=True)` (the default on CUDA): the engine's rows compile their drafting pieces
+    and emit HF generate's tokens (the rows' own test compares the trees cycle by cycle)."""
     model, d = models["qwen3"], drafters["qwen3"]
     prompt = prompt_of(20, seed=40)
-    runs = []
-    for compiled in (False, True):
-        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d),
-                        DraftShape(4, 3, 12))
-        if compiled:
-            core.compile_drafting()
-            core.ranked = True  # as on CUDA (`ranked_top_k`): the ranked top-k compiles and keeps the trees
-        runs.append(cycle_trees(core, prompt))
-        if compiled:
-            assert core.pieces.tried == {"draft", "tree_inputs", "accept", "feed"}
-    assert runs[0] == runs[1]
-
     engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(compile_drafting=True))
-    assert engine.core.drafting_compiled
     assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt, NEW)
-
-
-def tree_core(model, d, use=None) -> FastCore:
-    """A depth-4, top-3, 12-node tree core whose drafter attends as `use(drafter)` sets (None: SDPA)."""
-    fd = FastDrafter(d)
-    if use is not None:
-        use(fd)
-    return FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", fd, DraftShape(4, 3, 12))
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_matmul_drafter_attention_keeps_trees_and_output(models, drafters, compiled):
-    """`FastOptions(drafter_attention="matmul")`: the drafter attends by two batched products around a softmax
-    (`FastDrafter.use_matmul_attention`), eagerly or in compiled drafting as on CUDA: in fp32 the same trees as
-    with SDPA cycle after cycle, and HF's greedy tokens; an unknown choice stops with the choices."""
-    model, d = models["llama"], drafters["llama"]
-    prompt = prompt_of(20, seed=41)
-    runs = []
-    for matmul in (False, True):
-        core = tree_core(model, d, FastDrafter.use_matmul_attention if matmul else None)
-        if matmul and compiled:
-            core.compile_drafting()
-            core.ranked = True
-        runs.append(cycle_trees(core, prompt))
-        if matmul and compiled:
-            assert set(core.pieces.fns) == core.pieces.tried == {"draft", "tree_inputs", "accept", "feed"}
-    assert runs[0] == runs[1]
-    if compiled:
-        return
-    fd = FastDrafter(d)  # one forward under a tree-like mask: the same outputs up to fp32 rounding
-    fd.allocate(64)
-    g = torch.Generator().manual_seed(42)
-    t = 7
-    hidden, tokens = torch.randn(t, fd.hidden_size, generator=g), torch.randint(3, 200, (t,), generator=g)
-    pos = torch.arange(t)
-    mask = (torch.rand(t, 64, generator=g) < 0.5) & (torch.arange(64)[None, :] <= pos[:, None] + 20)
-    mask[pos, pos] = True
-    ref = fd(hidden, tokens, pos, pos, mask)
-    fd.use_matmul_attention()
-    torch.testing.assert_close(fd(hidden, tokens, pos, pos, mask), ref, rtol=1e-5, atol=1e-5)
-    for spec in (CHAIN, TREE):
-        engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d,
-                            options=FastOptions(drafter_attention="matmul"))
-        assert engine.core.drafter.matmul_attention
-        out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[])
-        assert out.token_ids == hf_greedy(model, prompt, NEW)
-    with pytest.raises(ConfigError, match=r"attention 'flash': expected one of \('auto', 'matmul', 'split', "
-                                          r"'prefix'\)"):
-        FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d, options=FastOptions(drafter_attention="flash"))
-
-
-def test_prefix_drafter_attention_keeps_trees_and_output(models, drafters):
-    """`FastOptions(drafter_attention="prefix")` (the default on a CPU): the drafter attends in fp32 over the
-    cache slots in use only (`prefix_attention`): in fp32 the same trees as with SDPA cycle after cycle, one
-    forward under a tree-like mask within rounding of SDPA's, HF's greedy tokens with a chain and a tree; CUDA
-    refuses it (the last slot is read on the host)."""
-    model, d = models["llama"], drafters["llama"]
-    prompt = prompt_of(20, seed=43)
-    assert cycle_trees(tree_core(model, d), prompt) == cycle_trees(
-        tree_core(model, d, FastDrafter.use_prefix_attention), prompt)
-    fd = FastDrafter(d)
-    fd.allocate(64)
-    g = torch.Generator().manual_seed(44)
-    t = 7
-    hidden, tokens = torch.randn(t, fd.hidden_size, generator=g), torch.randint(3, 200, (t,), generator=g)
-    pos = torch.arange(t) + 20
-    slots = pos + 5  # rows written above the prefix, as a tree's scratch rows are
-    mask = (torch.rand(t, 64, generator=g) < 0.5) & (torch.arange(64)[None, :] < 20)
-    mask[torch.arange(t), slots] = True
-    ref = fd(hidden, tokens, pos, slots, mask)
-    fd.use_prefix_attention()
-    torch.testing.assert_close(fd(hidden, tokens, pos, slots, mask), ref, rtol=1e-5, atol=1e-5)
-    for spec in (CHAIN, TREE):
-        engine = FastEngine(model, draft="eagle3", spec=spec, drafter=d,
-                            options=FastOptions(drafter_attention="prefix"))
-        assert engine.core.drafter.prefix and engine.settings()["drafter_attention"] == "prefix"
-        assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == hf_greedy(model, prompt,
-                                                                                                    NEW)
-    with pytest.raises(ConfigError, match="prefix reads the last slot in use on the host"):
-        drafter_attention_for("prefix", "cuda:0")
-
-
-def test_feeding_only_the_accepted_rows_keeps_the_drafter_state(models, drafters):
-    """`FastCore.feed_accepted_only` (on by default on a CPU, off elsewhere): feeding the drafter only the n_acc + 1
-    accepted rows gives the drafter's newest output, its committed cache rows and its next chain of feeding all
-    D + 1 (fp32, up to rounding), cycle after cycle. The chains are made to accept two of four tokens (the
-    target's own next two, then a wrong one), so that the two feeds differ in rows."""
-    model, d = models["llama"], drafters["llama"]
-    prompt = prompt_of(20, seed=45)
-    ref = hf_greedy(model, prompt, 40)
-    cores, outs = [], []
-    for trim in (False, True):
-        core = FastCore(FastTarget(model, d.config.aux_layer_ids), "eagle3", FastDrafter(d),
-                        DraftShape.chain(4))
-        assert core.feed_accepted_only  # a CPU
-        core.feed_accepted_only = trim
-        core.allocate(256)
-        logits, aux = core.prefill(prompt)
-        core.begin(prompt, aux, logits.argmax().view(1))
-        cores.append(core)
-        outs.append([int(logits.argmax())])
-    for _ in range(6):
-        drafted = []
-        for core, out in zip(cores, outs, strict=True):
-            core.draft()
-            drafted.append(core.tree_tokens.tolist())
-            nxt = ref[len(out) : len(out) + 3]
-            core.tree_tokens.copy_(torch.tensor([*nxt[:2], (nxt[2] + 1) % 300, nxt[2]]))
-            core.verify()
-            core.accept()
-            core.commit()
-            assert int(core.n_acc) == 2
-            out.extend(core.emitted[:3].tolist())
-        assert drafted[0] == drafted[1]
-        full, trimmed = cores
-        n = int(full.length)
-        assert int(trimmed.length) == n and outs[0] == outs[1] == ref[: len(outs[0])]
-        torch.testing.assert_close(trimmed.last_out, full.last_out, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(trimmed.drafter.k_cache[:, :n], full.drafter.k_cache[:, :n], rtol=1e-5, atol=1e-5)
-
-
-def test_drafter_attention_auto_is_split_on_cuda_only(models, drafters):
-    """`FastOptions.drafter_attention` "auto" (the default; also profile_step's): split on
-    CUDA where Triton imports and the head size is one the kernels take (faster on an H200), else matmul;
-    prefix on a CPU;
-    a named choice is kept on any device (split needs CUDA, prefix eager drafting off CUDA), and the engine and
-    `settings()` say which one runs."""
-    from eagle3.fast.split_attention import triton_available
-
-    resolve = drafter_attention_for
-    split = "split" if triton_available() else "matmul"
-    assert resolve("auto", "cuda:0") == resolve(None, torch.device("cuda"), head_dim=64) == split
-    assert resolve("auto", "cuda:0", head_dim=96) == "matmul"  # not a head size of the kernels
-    assert resolve("auto", "cpu") == resolve(None, "cpu") == "prefix"
-    assert resolve("matmul", "cpu") == "matmul"
-    with pytest.raises(ConfigError, match="expected one of"):
-        resolve("sdpa", "cuda")
-    if triton_available():
-        assert resolve("split", "cuda") == "split"
-    with pytest.raises(ConfigError, match="split needs a CUDA device"):
-        resolve("split", "cpu")
-    model, d = models["llama"], drafters["llama"]
-    engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d)
-    assert engine.drafter_attention == "prefix" and engine.core.drafter.prefix
-    assert not engine.core.drafter.matmul_attention and engine.settings()["drafter_attention"] == "prefix"
-    engine = FastEngine(model, draft="eagle3", spec=CHAIN, drafter=d,
-                        options=FastOptions(drafter_attention="matmul"))
-    assert engine.settings()["drafter_attention"] == "matmul" and engine.core.drafter.matmul_attention
+    assert engine.drafting_compiled and engine.rows.pieces.tried
 
 
 def test_compiled_drafting_falls_back_to_eager_with_a_warning(models, drafters, caplog):
@@ -644,13 +420,13 @@ def test_compiled_drafting_falls_back_to_eager_with_a_warning(models, drafters, 
 
     model, d = models["llama"], drafters["llama"]
     prompt = prompt_of(9, seed=41)
-    engine = FastEngine(model, draft="eagle3", spec=TREE, drafter=d, options=FastOptions(compile_drafting=False))
-    engine.core.compile_drafting(backend=broken)
+    engine = FastEngine(model, draft="eagle3", spec=TREE, drafter=d,
+                        options=FastOptions(compile_drafting=True, compile_backend=broken))
     with caplog.at_level(logging.WARNING, logger="eagle3.fast"):
         out = engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids
     assert out == hf_greedy(model, prompt, NEW)
-    assert "torch.compile of the cycle piece draft failed" in caplog.text
-    assert not engine.core.drafting_compiled  # every piece now runs eagerly
+    assert "torch.compile of the cycle piece _draft failed" in caplog.text
+    assert not engine.drafting_compiled  # every piece now runs eagerly
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -781,7 +557,7 @@ def test_fixed_width_prefill_matches_hf_generate(models, drafters, kind):
         prompt = prompt_of(n, seed)
         assert engine.generate(prompt, max_new_tokens=NEW, eos_token_ids=[]).token_ids == \
             hf_greedy(model, prompt, NEW), n
-    assert {name for name in engine._runners if name.startswith("prefill_")} >= {"prefill_16", "prefill_256"}
+    assert {t for _, t in engine.rows._prefills} >= {16, 256}  # prefill widths captured
     if kind == "tree":
         prompt, sampling = prompt_of(8, seed=9), SamplingConfig(temperature=0.8, top_p=0.95, seed=123)
         target = Target(model, d.config.aux_layer_ids)
@@ -791,14 +567,6 @@ def test_fixed_width_prefill_matches_hf_generate(models, drafters, kind):
         finally:
             target.close()
         assert engine.generate(prompt, max_new_tokens=NEW, sampling=sampling).token_ids == ref
-
-
-def test_prefill_widths():
-    from eagle3.fast.engine import PREFILL_MIN_WIDTH, prefill_width
-
-    assert PREFILL_MIN_WIDTH == 16
-    assert [prefill_width(t, 1024) for t in (1, 16, 17, 32, 33, 1000, 1024)] == [16, 16, 32, 32, 64, 1024, 1024]
-    assert prefill_width(600, 640) is None  # 1,024 slots would not fit: that prompt prefills eagerly
 
 
 def test_graph_prefill_is_on_by_default_only_on_cuda(models):
@@ -900,7 +668,7 @@ def test_cuda_graphs_match_hf_generate(kind):
                    "ngram": ("ngram", CHAIN)}[kind]
     for opts in (FastOptions(), FastOptions(pipeline=False), FastOptions(graphs=False),
                  FastOptions(fuse_pointwise=True), FastOptions(fuse_pointwise="off"),
-                 FastOptions(drafter_attention="matmul"), FastOptions(target_attention="sdpa"),
+                 FastOptions(target_attention="sdpa"),
                  FastOptions(graph_prefill=True)):
         engine = FastEngine(model, draft=draft, spec=spec, drafter=d, options=opts)
         for _ in range(2):  # the second request replays the graphs captured for the first
@@ -1002,14 +770,16 @@ def test_a_drafter_loads_in_place_and_keeps_its_source_intact(models):
     assert fd.mismatch(new) is None
     fd.load_weights(new)
     assert {n: getattr(fd, n).data_ptr() for n in ptrs} == ptrs
-    for f in (fd, ref):
-        f.allocate(64)
     g = torch.Generator().manual_seed(3)
-    hidden, tokens = torch.randn(5, fd.hidden_size, generator=g), torch.randint(3, 200, (5,), generator=g)
-    pos = torch.arange(5)
-    mask = torch.arange(64)[None, :] <= pos[:, None]
-    torch.testing.assert_close(fd.logits(fd(hidden, tokens, pos, pos, mask)),
-                               ref.logits(ref(hidden, tokens, pos, pos, mask)), rtol=0, atol=0)
+    hidden, tokens = torch.randn(1, 5, fd.hidden_size, generator=g), torch.randint(3, 200, (1, 5), generator=g)
+    pos = torch.arange(5)[None]
+    mask = torch.arange(64)[None, None, :] <= pos[:, :, None]  # [1, 5, 64]
+
+    def out(f: FastDrafter) -> torch.Tensor:
+        k = torch.zeros(1, f.nkv, 64, f.hd)
+        return f.logits(f.forward_rows(hidden, tokens, pos, pos, mask, k, torch.zeros_like(k), f.rope_table(64)))
+
+    torch.testing.assert_close(out(fd), out(ref), rtol=0, atol=0)
     assert all(torch.equal(t, before[n]) for n, t in old.state_dict().items())
 
     small = init_drafter(model, draft_vocab_size=100, seed=3)

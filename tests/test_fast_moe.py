@@ -20,9 +20,10 @@ import transformers
 
 from conftest import _COMMON
 from eagle3.config import DraftShape
-from eagle3.decoding.sampling import TEMPERATURE
-from eagle3.fast import FastCore, FastDrafter, FastEngine, FastOptions, FastTarget, fast_support
+from eagle3.decoding.sampling import GREEDY, TEMPERATURE
+from eagle3.fast import FastEngine, FastOptions, FastRows, FastTarget, fast_support
 from eagle3.fast.moe import RoutedExperts
+from eagle3.fast.rows_prefill import prefill_step
 from eagle3.runtime import init_drafter
 from test_fast import forward_outputs, hf_greedy, prompt_of, verification_and_steps
 
@@ -116,19 +117,20 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(family, on_host):
 
 @pytest.mark.parametrize("experts", [8, 64])
 def test_step_functions_are_capture_safe(experts):
-    """As tests/test_fast.py's test of the same name, on the meta device, with experts gathered and run whole."""
+    """As tests/test_rows.py's test of cycles, on the meta device (any host read raises there), with experts
+    gathered and run whole."""
     model = build("qwen3_moe", experts)
     d = init_drafter(model, draft_vocab_size=200, seed=1)
     model, d = model.to("meta"), d.to("meta")
     aux = d.config.aux_layer_ids
     for shape in (DraftShape(4, 3, 10), DraftShape.chain(3)):
-        core = FastCore(FastTarget(model, aux), "eagle3", FastDrafter(d), shape)
-        core.allocate(256)
-        core.cycle()
-        core.cycle(TEMPERATURE)
-        core.allocate_prefill()
-        core.prefill_fixed(64)  # 64 tokens: every expert runs
-        assert core.packet.device.type == "meta"
+        rows = FastRows(FastTarget(model, aux), d, capacity=2, seq_len=256, shapes=lambda _b, s=shape: s)
+        for nb in (1, 2):
+            rows._spec_cycle(nb, GREEDY)
+            rows._spec_cycle(nb, TEMPERATURE)
+            rows._plain_cycle(nb, GREEDY)
+        prefill_step(rows, rows._prefill_slot(1, 64))  # 64 tokens: every expert runs
+        assert rows.packet.device.type == "meta"
 
 
 def test_rows_forward_equals_the_batch_one_forward():

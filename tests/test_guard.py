@@ -13,7 +13,7 @@ from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.guard import SpeculationGuard
 from eagle3.decoding.proposers import NoDraftProposer
-from eagle3.fast import FastEngine, FastOptions
+from eagle3.fast import FastEngine, FastOptions, FastRows, FastTarget
 from eagle3.runtime import init_drafter
 from eagle3.target import Target
 
@@ -163,32 +163,30 @@ def test_fast_engine_under_guard_is_plain_decoding(pair, monkeypatch, chain_stop
         assert 0 < b.stats.plain_steps < b.stats.cycles
 
 
-def test_fast_engine_feeds_the_drafter_what_plain_steps_skipped(pair, monkeypatch):
-    """Rows of plain steps wait in a backlog; fed in one forward, they leave the drafter where a prefill of the
-    whole text leaves it (no stale cache slots), also after a request that ended with its backlog unfed."""
+def test_plain_cycles_feed_the_drafter_what_they_held(pair):
+    """The guard's plain steps are plain cycles of the row: they hold their rows for the drafter, and fed in one
+    forward the rows leave the drafter where a prefill of the whole text leaves it (no stale cache slots), also
+    after a request that left with its rows unfed."""
     model, tok, drafter = pair
     ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
 
-    class Never(SpeculationGuard):
-        def drafting(self) -> bool:
-            return False
+    def rows() -> FastRows:
+        return FastRows(FastTarget(model, drafter.config.aux_layer_ids), drafter, capacity=1, seq_len=256,
+                        shapes=lambda _b: DraftShape.chain(4), feed_window=32)
 
-    monkeypatch.setattr("eagle3.fast.engine.SpeculationGuard", Never)
-    late = FastEngine(model, draft="eagle3", spec=DraftShape.chain(4), drafter=drafter, tokenizer=tok,
-                      options=FastOptions(guard=True))
-    late.generate(tok("The dog", add_special_tokens=True)["input_ids"], max_new_tokens=20)  # leaves 19 unfed
-    out = late.generate(ids, max_new_tokens=30).token_ids
-    core = late.core
-    assert core.backlog_n == 29 and int(core.length) == len(ids) + 29
-    core.feed_backlog()
-    fed = core.last_out.clone()
-
-    fresh = FastEngine(model, draft="eagle3", spec=DraftShape.chain(4), drafter=drafter, tokenizer=tok)
-    text = torch.tensor(ids + out[:-1])
-    fresh.prepare(text.numel(), 8)
-    _, aux = fresh.core.prefill(text)
-    fresh.core.begin(text, aux, torch.tensor(out[-1:]))
-    assert torch.allclose(fed, fresh.core.last_out, atol=1e-4, rtol=1e-4)
+    late = rows()
+    late.add(tok("The dog", add_special_tokens=True)["input_ids"])
+    for _ in range(19):  # leaves 19 unfed
+        late.cycle(spec=False)
+    late.clear()
+    out = [late.add(ids)]
+    for _ in range(29):
+        out += late.cycle(spec=False)[0]
+    assert late._held == [29] and int(late.length[0]) == len(ids) + 29
+    late._feed(1)
+    fresh = rows()
+    fresh.add(ids + out[:-1], root=out[-1])
+    assert torch.allclose(late.last_out[0], fresh.last_out[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("engine", ["generic", "fast"])

@@ -82,7 +82,7 @@ def test_a_reloaded_drafter_drafts_in_the_engines_built_before(stories260k, tmp_
     fast, generic = (decoder(rt, Decoding(kind, shape, guard=True)) for kind in ("fast", "generic"))
     ids = tok("Once upon a time", add_special_tokens=True)["input_ids"]
     plain = FastEngine(model, draft="none", tokenizer=tok).generate(ids, max_new_tokens=24).token_ids
-    fd = fast.core.drafter
+    fd = fast.drafter
     ptr = fd.wqkv.data_ptr()
 
     def holds(want) -> bool:

@@ -416,34 +416,6 @@ def test_split_attention_hides_what_a_sliding_window_leaves_out(interpreted):
     assert engine.generate(prompt, max_new_tokens=6, eos_token_ids=[]).token_ids == ref
 
 
-def test_drafter_attends_by_splits(interpreted):
-    """`FastDrafter.use_split_attention` (`FastOptions.drafter_attention="split"`): a drafter forward close to the matmul
-    attention's, and from the state a 4,3,12 tree's decoding left (HF `generate`'s tokens), the same tree drafted
-    as with the matmul attention."""
-    model = build_tiny_target("llama")
-    d = init_drafter(model, draft_vocab_size=200, seed=1)
-    engine = FastEngine(model, draft="eagle3", spec=DraftShape(4, 3, 12), drafter=d,
-                        options=FastOptions(max_seq_len=256))
-    core, fd = engine.core, engine.core.drafter
-    fd.use_split_attention()
-    prompt = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(5))
-    ref = model.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 11:].tolist()
-    assert engine.generate(prompt, max_new_tokens=12, eos_token_ids=[]).token_ids == ref
-    n = int(core.length)
-    hidden = torch.randn(3, fd.hidden_size, generator=torch.Generator().manual_seed(6))
-    tokens, slots = torch.tensor([5, 6, 7]), n + torch.arange(3)
-    mask = torch.arange(fd.seq_len)[None, :] <= slots[:, None]
-    by_splits = fd(hidden, tokens, slots, slots, mask)
-    core.draft()
-    tree = core.tree_tokens.clone(), core.tree_parents1.clone()
-    fd.split_op = None  # the matmul attention
-    torch.testing.assert_close(fd(hidden, tokens, slots, slots, mask), by_splits, atol=1e-5, rtol=1e-5)
-    core.draft()
-    assert torch.equal(core.tree_tokens, tree[0]) and torch.equal(core.tree_parents1, tree[1])
-    with pytest.raises(ConfigError, match="needs a CUDA device"):
-        fd.use_attention("split")
-
-
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("s,t,nkv,g,hd", [(900, 1, 8, 4, 128), (900, 6, 3, 3, 64), (900, 61, 8, 4, 128)])
@@ -467,23 +439,20 @@ def test_compiled_kernels_in_bf16(s, t, nkv, g, hd):
 @pytest.mark.gpu
 @cuda
 def test_bf16_chains_stay_identical_to_plain_decoding_with_split_attention():
-    """The fast path's default attention on CUDA: bf16 EAGLE-3 chains emit what bf16 plain decoding emits, also
-    with the drafter attending by splits inside compiled drafting."""
+    """The fast path's default attention on CUDA: bf16 EAGLE-3 chains emit what bf16 plain decoding emits, with the
+    drafter attending by position (the split kernels) inside compiled drafting."""
     model = build_tiny_target("llama").cuda().to(torch.bfloat16)
     d = init_drafter(model, draft_vocab_size=200, seed=1).cuda().to(torch.bfloat16)
     plain = FastEngine(model, draft="none", options=FastOptions())
     chain = FastEngine(model, draft="eagle3", spec=DraftShape.chain(5), drafter=d,
                        options=FastOptions())
     assert plain.target_attention == chain.target_attention == "split"
-    split_drafter = FastEngine(model, draft="eagle3", spec=DraftShape.chain(5), drafter=d,
-                               options=FastOptions(drafter_attention="split"))
-    assert split_drafter.drafter_attention == "split" and split_drafter.core.drafting_compiled
+    assert chain.settings()["drafter_attention"] == "split" and chain.drafting_compiled
     for seed in range(4):
         prompt = torch.randint(3, 300, (9 + seed,), generator=torch.Generator().manual_seed(seed))
         want = plain.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids
         assert chain.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids == want, seed
-        assert split_drafter.generate(prompt, max_new_tokens=40, eos_token_ids=[]).token_ids == want, seed
-    assert {"draft", "feed"} <= set(split_drafter.core.pieces.fns)  # compiled with the custom op, not eager
+    assert {"_draft", "_feed_rows"} <= chain.rows.pieces.tried  # compiled with the custom op, not eager
 
 
 def _tree_over_a_path(path: list[int], n: int, gen: torch.Generator) -> tuple[list[int], list[int], list[int]]:

@@ -155,7 +155,6 @@ def run_bench(
     graphs: bool = True,
     fuse_pointwise: bool | str | None = None,
     pipeline: bool = True,
-    drafter_attention: str | None = None,
     target_attention: str | None = None,
     warmup: int = 1,
     echo: Callable[[str], None] = print,
@@ -182,7 +181,6 @@ def run_bench(
     from eagle3.defaults import decoding_for, device_tree, load_for_decoding, tuned_choice, with_flags
     from eagle3.evaluate import load_prompts
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
-    from eagle3.fast.drafter import drafter_attention_for
     from eagle3.fast.engine import graph_prefill_by_default
     from eagle3.fast.overhead import copy_bandwidth
     from eagle3.fast.target import fuse_level
@@ -235,7 +233,7 @@ def run_bench(
     cache_len = len(longest) + max_new_tokens + 2 * (max_nodes + 1) + max_depth + 2
     options = FastOptions(graphs=graphs, fuse_pointwise=fuse_pointwise, pipeline=pipeline,
                           max_seq_len=cache_len, compile_drafting=compile_drafting,
-                          drafter_attention=drafter_attention, target_attention=target_attention,
+                          target_attention=target_attention,
                           graph_prefill=graph_prefill, batch_invariant=batch_invariant)
     eager = dev.type == "cpu" and reason is None
     shared, attention = None, "sdpa"  # the generic engine attends through HF's modules
@@ -281,8 +279,7 @@ def run_bench(
             options={"graphs": graphs, "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
                      "pipeline": pipeline,
                      "compile_drafting": compile_drafting,
-                     "drafter_attention": drafter_attention_for(
-                         drafter_attention, dev, d.layers[0].self_attn.hd if d is not None else None),
+                     "drafter_attention": "split" if attention == "split" and d is not None else "mask",
                      "target_attention": attention, "norms_folded": shared is not None and shared.folded,
                      "graph_prefill": graph_prefill_by_default(dev) if graph_prefill is None else graph_prefill,
                      "warmup": warmup, "device": str(dev),
@@ -313,7 +310,7 @@ def run_bench(
         ran = "hf" if engine is None else ("fast" if fast else "generic")
         summary.append({"method": m, "letter": letter, "label": label, "engine": ran, "warmup_s": round(warm_s, 3),
                         "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed,
-                        "drafting_compiled": fast and engine.core.drafting_compiled})
+                        "drafting_compiled": fast and engine.drafting_compiled})
         echo(f"({letter}) {label}: done on the {ran} engine ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
         del engine
         partial = record(None)  # also fills the summary, which the bandwidth's fraction of the floor reads

@@ -33,10 +33,6 @@ FEED_WINDOW = 32
 # `FastOptions.fuse_pointwise` (`eagle3.fast.pointwise.fuse_level`).
 FUSE_POINTWISE_CHOICES = ("auto", "off", "elementwise")
 FUSE_POINTWISE_HELP = "elementwise (the flag alone): compile RoPE and SwiGLU; auto: elementwise on CUDA, off elsewhere"
-# `FastOptions.drafter_attention`, resolved by `eagle3.fast.drafter.drafter_attention_for`.
-DRAFTER_ATTENTION = ("auto", "matmul", "split", "prefix")
-DRAFTER_ATTENTION_HELP = ("how the drafter attends; auto: split (split-KV Triton kernels) on CUDA where the head "
-                          "size allows, else matmul; prefix on a CPU (never changes the output)")
 # `FastOptions.target_attention`, resolved by `eagle3.fast.attention.target_attention_for`.
 TARGET_ATTENTION = ("auto", "sdpa", "split")
 TARGET_ATTENTION_HELP = ("how the target attends when decoding; auto: split (flash-decoding Triton kernels) on "

@@ -24,7 +24,7 @@ log = logging.getLogger("eagle3")
 
 CPU_FP32_SHAPE = DraftShape.chain(2)
 CPU_BF16_SHAPE = DraftShape.chain(6)
-CPU_BF16_CHAIN_STOP = 0.2  # stop a chain's drafting below this joint draft probability (`FastCore.draft_chain_until`)
+CPU_BF16_CHAIN_STOP = 0.2  # stop a chain's drafting below this joint draft probability (`FastRows(chain_stop=)`)
 CPU_TREE = DraftShape(3, 2, 6)  # the tree `bench` times on a CPU: 6,10,60 verifies 61 rows, several steps' cost there
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

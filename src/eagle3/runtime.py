@@ -218,8 +218,8 @@ def decoder(rt: Runtime, decoding: Decoding, options=None):
                           guard=decoding.guard and on)
         engine = FastEngine(rt.model, draft=draft, spec=decoding.shape, drafter=rt.drafter, tokenizer=rt.tokenizer,
                             options=options, target=rt.fast_target())
-        if engine.core.drafter is not None:
-            rt._fast_drafters.add(engine.core.drafter)
+        if engine.drafter is not None:
+            rt._fast_drafters.add(engine.drafter)
     else:
         proposer = rt.engine.proposer
         if draft == "none" or decoding.shape != rt.engine_spec:

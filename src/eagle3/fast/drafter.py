@@ -1,9 +1,10 @@
-"""The EAGLE-3 drafter over a static KV cache: same maths as `eagle3.drafter.Eagle3Drafter`, fixed shapes.
+"""The EAGLE-3 drafter over static KV caches, one per row: same maths as `eagle3.drafter.Eagle3Drafter`, fixed
+shapes.
 
-Rows are written at cache slots given as device tensors and attend through a `[T, S]` boolean mask, so the
-draft steps can be captured in a CUDA graph. Slot s holds the drafter row at RoPE position s for rows computed
-from target features; tree-expansion rows live in scratch slots above the committed length and are overwritten
-by the next commit (see `eagle3.fast.core`).
+Rows are written at cache slots given as device tensors and attend through a `[B, T, S]` boolean mask or by
+position (the split kernels), so the draft steps can be captured in a CUDA graph. Slot s holds the drafter row at
+RoPE position s for rows computed from target features; tree-expansion rows live in scratch slots above the
+committed length and are overwritten by the next commit (see `eagle3.fast.rows`).
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.attention import shapes_vary
-from eagle3.config import DRAFTER_ATTENTION, ConfigError, on_for_device
+from eagle3.config import ConfigError
 from eagle3.decoding.expand import top_k_last
 from eagle3.decoding.sampling import token_hash
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention
 from eagle3.fast.attention import (
-    attention_bias,
-    grouped_attention,
     row_attention,
     row_attention_bias,
 )
@@ -30,7 +28,7 @@ from eagle3.fast.split_attention import triton_available
 
 
 def ranked_top_k(device: torch.device | str) -> bool:
-    """Whether compiled drafting pieces (`FastCore.compile_drafting`) pick their top-k and rerank by ranking
+    """Whether compiled drafting pieces (`FastRows.compile_drafting`) pick their top-k and rerank by ranking
     (`eagle3.decoding.expand.top_k_last` and `top_n_in_order` with `ranked`): on CUDA, where each torch.topk is a
     radix select in several passes however small its input, while inductor fuses the ranking's comparisons and
     sums into a few short kernels. Eager pieces and CPUs keep torch.topk: run op by op, the ranking is more
@@ -48,58 +46,13 @@ def draft_top_k_op_for(drafter: FastDrafter | None, k: int):
     return draft_top_k.draft_top_k_op() if draft_top_k.takes(k, drafter.lm_head.shape[0]) else None
 
 
-def drafter_attention_for(choice: str | None, device: torch.device | str, head_dim: int | None = None) -> str:
-    """`FastOptions.drafter_attention` for a drafter on `device`: "matmul"
-    (`FastDrafter.use_matmul_attention`), "split" (`FastDrafter.use_split_attention`) or "prefix"
-    (`prefix_attention`). None or "auto": on CUDA split where Triton imports and the head size `head_dim` is one
-    the kernels take (None: not known, taken as one), else matmul; prefix elsewhere, where drafting runs eagerly.
-
-    On a CPU, eager drafting attends fastest over only the slots in use in fp32 (`prefix_attention`), rather
-    than SDPA over the whole cache or bf16 products. On CUDA, split launches fewer kernels than matmul, and matmul
-    beats cuDNN's SDPA because compiled drafting fuses its mask and softmax between two GEMMs
-    (docs/benchmarks.md)."""
-    if choice is None or choice == "auto":
-        if not on_for_device("auto", device):
-            return "prefix"
-        takes = head_dim is None or split_attention.supports(head_dim, 1)
-        return "split" if triton_available() and takes else "matmul"
-    if choice not in DRAFTER_ATTENTION:
-        raise ConfigError(f"drafter attention {choice!r}: expected one of {DRAFTER_ATTENTION}")
-    if choice == "split" and (torch.device(device).type != "cuda" or not triton_available()):
-        raise ConfigError("drafter attention split needs a CUDA device and Triton; use auto or matmul")
-    if choice == "prefix" and torch.device(device).type == "cuda":
-        raise ConfigError("drafter attention prefix reads the last slot in use on the host, which CUDA graphs "
-                          "cannot; use auto, split or matmul on CUDA")
-    return choice
-
-
-def prefix_attention(
-    q: torch.Tensor,  # [nh, T, hd], heads first
-    k_cache: torch.Tensor,  # [nkv, S, hd]
-    v_cache: torch.Tensor,  # [nkv, S, hd]
-    mask: torch.Tensor,  # bool [T, S]: no row sees a slot beyond the last of `slots`
-    slots: torch.Tensor,  # [T] the slots this forward wrote
-    scale: float,
-) -> torch.Tensor:
-    """GQA attention over cache slots 0..max(slots) only, products and softmax in fp32, for drafting that runs
-    eagerly (the last slot is read on the host). On a CPU the drafter's rows see a few hundred of the cache's
-    slots, and bf16 batched products there were slow and uneven (`drafter_attention_for`).
-    Returns [T, nh·hd] in q's dtype."""
-    n = int(slots.max()) + 1
-    groups = q.shape[0] // k_cache.shape[0]
-    bias = attention_bias(mask[:, :n], groups, torch.float32)  # [1, 1, g·T, n]
-    o = grouped_attention(q.float(), k_cache[:, :n].float(), v_cache[:, :n].float(), bias, scale,
-                          exact=True)  # [T, nh·hd]: `rows_exact_attention`'s two products, here in fp32
-    return o.to(q.dtype)
-
-
 # The tensors `FastDrafter.load_weights` rewrites in place (the embedding is the target's: never written)
 WEIGHTS = ("fc", "input_norm", "fc_norm", "hidden_norm", "input_layernorm", "post_ln", "wqkv", "bqkv", "wo", "bo",
            "w13", "b13", "w2", "b2", "norm", "lm_head", "d2t", "draft_h")
 
 
 class FastDrafter(nn.Module):
-    """Weights of an `Eagle3Drafter` (fused q/k/v and gate/up) plus a static KV cache `[n_kv, S, hd]`."""
+    """Weights of an `Eagle3Drafter` (fused q/k/v and gate/up); the caches are the rows' (`forward_rows`)."""
 
     def __init__(self, drafter: Eagle3Drafter):
         super().__init__()
@@ -140,16 +93,7 @@ class FastDrafter(nn.Module):
         buf("draft_h", token_hash(self.to_target_ids(torch.arange(self.lm_head.shape[0], device=self.d2t.device))))
         self._rotary = [drafter.rotary_emb]  # a list, so it is not registered as a submodule
         self.dtype = self.fc.dtype
-        self.register_buffer("cos", None, persistent=False)
-        self.register_buffer("sin", None, persistent=False)
-        self.register_buffer("k_cache", None, persistent=False)
-        self.register_buffer("v_cache", None, persistent=False)
-        self.seq_len = 0
-        self.alloc_id = 0
-        self.matmul_attention = False  # `use_matmul_attention`
-        self.split_op = None  # `use_split_attention`
         self.paths_op = None  # `use_paths_attention`
-        self.prefix = False  # `use_prefix_attention`
         self.packed = self._pack()
 
     @property
@@ -164,47 +108,12 @@ class FastDrafter(nn.Module):
         """`F.linear`, over a packed copy of `w` where this drafter packs its weights (`cpu_packs_weights`)."""
         return F.linear(x, w, b) if self.packed is None else self.packed.linear(x, w, b)
 
-    def use_matmul_attention(self) -> None:
-        """Attend by two batched matrix products around an fp32 softmax (`rows_exact_attention`) instead of SDPA,
-        with the query heads stacked; call before capturing graphs. The default on CUDA where the split kernels
-        do not apply (`FastOptions.drafter_attention`, `drafter_attention_for`): compiled drafting fuses the bias
-        and softmax into one kernel between two small GEMMs, where cuDNN's attention needs its own kernels and a
-        bias built apart. The drafter's rounding only changes which tokens are proposed, never what the target
-        emits."""
-        self.matmul_attention = True
-
-    def use_split_attention(self) -> None:
-        """Attend by `eagle3.fast.split_attention` (the target's decoding kernels, as the custom op
-        `split_attention_op`, so that compiled drafting keeps it as one call) in forwards of up to
-        `split_attention.MAX_ROWS` rows of fixed shape, with the query heads stacked; longer or varying forwards
-        keep the matmul attention. The default on CUDA (`drafter_attention_for`); call before capturing graphs."""
-        if not split_attention.supports(self.hd, 1):
-            raise ConfigError(f"the split attention takes head sizes {split_attention.HEAD_DIMS}, not {self.hd}")
-        self.use_matmul_attention()
-        self.split_op = split_attention.split_attention_op()
-
     def use_paths_attention(self) -> None:
         """Let `forward_rows` attend by position (`split_attention.split_paths_op`, resolved here, outside traced
         code): the server's rows draft this way where their target attends by the split kernel."""
         if not split_attention.supports(self.hd, 1):
             raise ConfigError(f"the split attention takes head sizes {split_attention.HEAD_DIMS}, not {self.hd}")
         self.paths_op = split_attention.split_paths_op()
-
-    def use_prefix_attention(self) -> None:
-        """Attend by `prefix_attention` in eager forwards (compiled ones keep SDPA); the default off CUDA."""
-        self.prefix = True
-
-    def use_attention(self, choice: str | None) -> str:
-        """Attend as `choice` says (`drafter_attention_for` on this drafter's device; call before capturing
-        graphs); returns what it resolved to, "matmul", "split" or "prefix"."""
-        attention = drafter_attention_for(choice, self.device, self.hd)
-        if attention == "matmul":
-            self.use_matmul_attention()
-        elif attention == "split":
-            self.use_split_attention()
-        elif attention == "prefix":
-            self.use_prefix_attention()
-        return attention
 
     @torch.no_grad()
     def rope_table(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,20 +123,8 @@ class FastDrafter(nn.Module):
         cos, sin = self._rotary[0](torch.zeros(1, dtype=dt, device=dev), pos)  # [1, S, hd]
         return rope_tables(cos[0].to(dt), sin[0].to(dt))
 
-    @torch.no_grad()
-    def allocate(self, seq_len: int) -> None:
-        """Allocate the KV cache [n_kv, S, hd] and RoPE table (a no-op when the size is unchanged)."""
-        if seq_len == self.seq_len:
-            return
-        dev, dt = self.device, self.dtype
-        self.cos, self.sin = self.rope_table(seq_len)
-        self.k_cache = torch.zeros(self.nkv, seq_len, self.hd, dtype=dt, device=dev)
-        self.v_cache = torch.zeros(self.nkv, seq_len, self.hd, dtype=dt, device=dev)
-        self.seq_len = seq_len
-        self.alloc_id += 1
-
     def weight_bytes(self) -> int:
-        skip = {"embed", "cos", "sin", "k_cache", "v_cache", "d2t"}
+        skip = {"embed", "d2t"}
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n not in skip)
 
     # -- the maths of Eagle3Drafter ------------------------------------------------------------
@@ -241,44 +138,6 @@ class FastDrafter(nn.Module):
             aux = rms_norm(aux, self.input_norm, self.eps)
         return self.linear(aux.to(self.dtype), self.fc)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [T, H]
-        tokens: torch.Tensor,  # [T] target-vocabulary ids
-        pos: torch.Tensor,  # [T] RoPE positions
-        slots: torch.Tensor,  # [T] cache slots to write
-        mask: torch.Tensor,  # bool [T, S]
-    ) -> torch.Tensor:
-        """The pre-norm drafter output [T, H] (as `Eagle3Drafter.forward`)."""
-        t = hidden.shape[0]
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        emb = F.embedding(tokens, self.embed).to(hidden.dtype)  # [T, H]
-        normed = rms_norm(hidden, self.hidden_norm, self.eps)
-        residual = normed if self.norm_before_residual else hidden
-        u = torch.cat([rms_norm(emb, self.input_layernorm, self.eps), normed], dim=-1)  # [T, 2H]
-        qkv = self.linear(u, self.wqkv, self.bqkv)  # [T, (nh + 2·nkv)·hd]
-        cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
-        # tokens first here: compiled drafting fuses the copies, and a heads-first copy made its cycle slower
-        q = apply_rope(qkv[:, : nh * hd].view(t, nh, hd), cos, sin).transpose(0, 1)  # [nh, T, hd]
-        k = apply_rope(qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd), cos, sin)
-        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-        self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # [nkv, S, hd]
-        self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
-        fixed = torch.compiler.is_compiling() or not shapes_vary()  # compiled pieces have fixed shapes (and
-        # dynamo does not read the thread-local flag)
-        if self.split_op is not None and t <= split_attention.MAX_ROWS and fixed:
-            # rows see committed slots and their own (ancestors among) this forward's: none beyond the last
-            o = self.split_op(q.reshape(nkv, -1, hd), self.k_cache, self.v_cache, mask, self.scale, slots)
-        elif self.prefix and not torch.compiler.is_compiling():
-            o = prefix_attention(q, self.k_cache, self.v_cache, mask, slots, self.scale)  # [T, nh·hd]
-        else:
-            bias = attention_bias(mask, nh // nkv, self.dtype)  # [1, 1, g·T, S]
-            o = grouped_attention(q, self.k_cache, self.v_cache, bias, self.scale,
-                                  exact=self.matmul_attention)  # [T, nh·hd]
-        r1 = residual + self.linear(o, self.wo, self.bo)
-        gate, up = self.linear(rms_norm(r1, self.post_ln, self.eps), self.w13, self.b13).chunk(2, dim=-1)
-        return r1 + self.linear(F.silu(gate) * up, self.w2, self.b2)  # [T, H]
-
     def forward_rows(
         self,
         hidden: torch.Tensor,  # [B, T, H]
@@ -291,7 +150,8 @@ class FastDrafter(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # (cos, signed sin) [S, hd] from `rope_table`
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,  # (length [B], tail [B, T, W]): `mask` unused
     ) -> torch.Tensor:
-        """`forward` for B rows, each with its own cache; returns [B, T, H]. With `paths` (after
+        """The pre-norm drafter output [B, T, H] (as `Eagle3Drafter.forward`) for B rows, each with its own cache.
+        With `paths` (after
         `use_paths_attention`) each token attends by position (`eagle3.fast.split_attention.Paths`) instead of by
         `mask`."""
         b, t, _ = hidden.shape

@@ -1,10 +1,10 @@
-"""`FastEngine`: the speculative decoding loop on the static-cache, graph-captured path (batch size 1).
+"""`FastEngine`: one request at a time on the fast path, as one row of `eagle3.fast.rows.FastRows`.
 
-Same `generate(...)` signature and `GenerationResult` as `eagle3.decoding.engine.SpeculativeEngine`. Greedy
-decoding runs one captured graph per cycle (draft -> verify -> accept -> compact -> feed the drafter) and reads
-one small packet back per cycle: the accepted count and the emitted tokens, which the host needs for EOS, stop
-strings and streaming. With `pipeline` (CUDA only) the next cycle is launched before that packet is read, so the
-GPU does not wait for the host; when generation stops, the extra cycle's work is discarded.
+Same `generate(...)` signature and `GenerationResult` as `eagle3.decoding.engine.SpeculativeEngine`, and the same
+cycle as the server's batch: each cycle (draft -> verify -> accept -> compact -> feed the drafter) is one captured
+graph on CUDA, and the host reads one small packet per cycle: the accepted count and the emitted tokens, which it
+needs for EOS, stop strings and streaming. With `pipeline` (CUDA only) the next cycle is launched before that
+packet is read, so the GPU does not wait for the host; when generation stops, the extra cycle's work is dropped.
 
 Draft kinds: "none" (plain decoding), "eagle3" (chain or EAGLE-2 tree drafted on device), "ngram" and any
 `eagle3.decoding.proposers.Proposer` (drafted on the host, padded to a fixed node count; one host round trip per
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from eagle3.attention import varying_shape_attention
 from eagle3.config import (
     DEFAULT_MAX_NEW_TOKENS,
     ConfigError,
@@ -37,9 +37,9 @@ from eagle3.decoding.guard import EngineGuards, SpeculationGuard
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import GREEDY, sampling_mode
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast.core import FastCore
-from eagle3.fast.drafter import FastDrafter, drafter_attention_for
-from eagle3.fast.graphs import StepRunner, graph_pool
+from eagle3.fast import split_attention as split
+from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.rows import FastRows
 from eagle3.fast.target import STEP_ROWS, FastTarget, fast_support
 
 log = logging.getLogger("eagle3.fast")
@@ -56,27 +56,23 @@ class FastOptions:
     # compile the target's RoPE and SwiGLU (`Pointwise`, `fuse_level`): "elementwise" (True) or "off" (False); None
     # or "auto": elementwise on CUDA, off on a CPU. A shared target stays as it is.
     fuse_pointwise: bool | str | None = None
-    # compile the cycle's pieces that do not run the target (`FastCore.compile_drafting`; emitted tokens unchanged).
+    # compile the cycle's pieces that do not run the target (`FastRows.compile_drafting`; emitted tokens unchanged).
     # None: on CUDA, where the compiled kernels are captured in the cycle's graph and shorten it; not on a CPU,
     # where compiling takes seconds and the target dominates a cycle.
     compile_drafting: bool | None = None
-    # the drafter's attention (`drafter_attention_for`): "matmul" (`FastDrafter.use_matmul_attention`),
-    # "split" (`FastDrafter.use_split_attention`), "prefix" (`prefix_attention`) or None / "auto": split on CUDA
-    # where Triton and the head size allow, else matmul; prefix elsewhere
-    drafter_attention: str | None = None
     # the target's attention in decoding forwards (`target_attention_for`): "split" (`eagle3.fast.split_attention`),
     # "sdpa", or None / "auto": split on CUDA where Triton imports, sdpa elsewhere. A shared target
     # takes the last engine's choice.
     target_attention: str | None = None
     pipeline: bool = True  # launch cycle i+1 before reading cycle i's packet (device drafting, greedy)
-    # run each prompt's prefill (target, then drafter) padded to a power of two of at least PREFILL_MIN_WIDTH
-    # tokens, a fixed-shape function captured per width like the cycles: an eager prefill launches every kernel
-    # from Python (hundreds of launches) while the request waits for its first token. None: on CUDA
+    # run each prompt's prefill (target, then drafter) padded to a power of two of at least 16 tokens, a
+    # fixed-shape function captured per width like the cycles: an eager prefill launches every kernel from
+    # Python (hundreds of launches) while the request waits for its first token. None: on CUDA
     # (`graph_prefill_by_default`), in the server, `eagle3 generate` and `bench` alike.
     graph_prefill: bool | None = None
     max_seq_len: int = 0  # cache slots to allocate up front (0: sized by the first request, grown on demand)
     # chains only, cycles that run eagerly (a CPU, or graphs off): stop drafting once the chain's joint draft
-    # probability falls below this and verify only the drafted tokens (`FastCore.draft_chain_until`); None: draft
+    # probability falls below this and verify only the drafted tokens (`FastRows(chain_stop=)`); None: draft
     # the full chain every cycle.
     chain_stop: float | None = None
     # time each request's cycles and pause drafting while it is slower than plain decoding
@@ -84,15 +80,12 @@ class FastOptions:
     guard: bool = False
     seq_align: int = 128  # slot counts are rounded up to a multiple of this
     # sampled requests: draft with the noise of the target's own draws, coupling each draft to the token the
-    # target will draw (`FastCore.choose_drafts`); False: the drafter's top-k, as for greedy requests
+    # target will draw (`eagle3.decoding.expand.coupled_top_k`); False: the drafter's top-k, as for greedy ones
     coupled_drafts: bool = True
     # CUDA: pad every decoding forward to `STEP_ROWS` tokens so that each product runs one kernel whatever the
     # forward holds (`FastTarget.step_rows`): greedy trees of up to 63 nodes then keep plain decoding's bits by
     # construction, not only where the vendor's kernels happen to agree. A shared target takes the last choice.
     batch_invariant: bool = False
-
-
-PREFILL_MIN_WIDTH = 16  # the narrowest fixed prefill (`FastOptions.graph_prefill`)
 
 
 def graph_prefill_by_default(device: torch.device | str) -> bool:
@@ -106,15 +99,15 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def prefill_width(prompt_len: int, seq_len: int) -> int | None:
-    """The fixed width a prompt's prefill runs at with `graph_prefill`: the next power of two, at least
-    PREFILL_MIN_WIDTH; None where that exceeds the cache (that prompt prefills eagerly at its own length)."""
-    w = max(PREFILL_MIN_WIDTH, 1 << (max(1, prompt_len) - 1).bit_length())
-    return w if w <= seq_len else None
+def drafting_compiled_by_default(device: torch.device | str) -> bool:
+    """`FastOptions.compile_drafting`'s default: on CUDA, where the compiled pieces are captured in the cycle's
+    graph and shorten it."""
+    return torch.device(device).type == "cuda"
 
 
 class FastEngine:
-    """Batch-1 speculative decoding on `eagle3.fast` (static caches, fixed shapes, CUDA graphs)."""
+    """Batch-1 speculative decoding on `eagle3.fast` (static caches, fixed shapes, CUDA graphs): one row of
+    `FastRows`."""
 
     def __init__(
         self,
@@ -127,21 +120,22 @@ class FastEngine:
         max_nodes: int | None = None,
         target: FastTarget | None = None,
     ):
-        """`target`: a `FastTarget` to share with other engines (one copy of the fused weights and caches);
-        it must carry the drafter's aux layer ids when `draft` is 'eagle3'."""
+        """`target`: a `FastTarget` to share with other engines (one copy of the fused weights); it must carry the
+        drafter's aux layer ids when `draft` is 'eagle3'."""
         self.model, self.tokenizer = model, tokenizer
         self.options = options or FastOptions()
         self.spec = spec or DraftShape()  # the draft shape
         self.proposer: Proposer | None = None
+        self.max_nodes = 0
         if isinstance(draft, Proposer):
             if not max_nodes:
                 raise ConfigError("a host-side proposer needs max_nodes (the most draft nodes it proposes)")
-            self.proposer, mode, self.draft = draft, "host", draft.name
+            self.proposer, mode, self.draft, self.max_nodes = draft, "host", draft.name, int(max_nodes)
         elif draft == "none":
             mode, self.draft = "none", "none"
         elif draft == "ngram":
             k = self.spec.depth
-            self.proposer, mode, self.draft, max_nodes = NgramProposer(length=k), "host", "ngram", k
+            self.proposer, mode, self.draft, self.max_nodes = NgramProposer(length=k), "host", "ngram", k
         elif draft == "eagle3":
             if drafter is None:
                 raise ConfigError("draft 'eagle3' needs a drafter (--drafter DIR)")
@@ -159,25 +153,14 @@ class FastEngine:
         self.target_attention = target.use_attention(self.options.target_attention)
         target.step_rows = STEP_ROWS if self.options.batch_invariant and target.device.type == "cuda" else 0
         self.target = target
-        fd = FastDrafter(drafter) if mode == "eagle3" else None
-        if fd is not None:  # "matmul" | "split" | "prefix"
-            self.drafter_attention = fd.use_attention(self.options.drafter_attention)
-        else:
-            self.drafter_attention = drafter_attention_for(self.options.drafter_attention, self.target.device)
-        if mode == "eagle3":
-            self.core = FastCore(self.target, "eagle3", fd, self.spec)
-        elif mode == "host":
-            self.core = FastCore(self.target, "host", max_nodes=int(max_nodes))
-        else:
-            self.core = FastCore(self.target, "none")
-        if self.options.graph_prefill is None:
-            self.options = replace(self.options, graph_prefill=graph_prefill_by_default(self.target.device))
+        self.drafter = FastDrafter(drafter) if mode == "eagle3" else None  # shared by the rows of every size
         o = self.options
-        cd = FastCore.drafting_compiled_by_default(self.target.device) if o.compile_drafting is None \
-            else o.compile_drafting
-        if cd and mode != "none":
-            self.core.compile_drafting(o.compile_backend)
-        self.core.coupled = o.coupled_drafts
+        if o.graph_prefill is None:
+            self.options = o = replace(o, graph_prefill=graph_prefill_by_default(target.device))
+        cd = drafting_compiled_by_default(target.device) if o.compile_drafting is None else o.compile_drafting
+        self.compile_drafting = bool(cd) and mode != "none"
+        self.mode = mode
+        self.device = target.device
         if o.chain_stop is not None:
             if mode != "eagle3" or not self.spec.is_chain:
                 raise ConfigError("chain_stop (--chain-stop) is for EAGLE-3 chains")
@@ -186,54 +169,44 @@ class FastEngine:
             if not self.eager:
                 raise ConfigError("chain_stop (--chain-stop) needs cycles that run eagerly, where the host can "
                                   "read each draft step: a CPU, or CUDA with graphs and compilation off")
-            self.core.chain_stop = o.chain_stop
         if o.guard and mode != "eagle3":
             raise ConfigError("the speculation guard is for EAGLE-3 drafting (--draft eagle3)")
-        self.mode = mode
-        self.device = self.target.device
         self.guards = EngineGuards(SpeculationGuard)  # what the guard learned, kept from request to request
-        self._pool = None
-        self._alloc: tuple[int, int] | None = None  # cache allocation the runners were captured against
-        self._runners: dict[str, StepRunner] = {}
+        self.rows: FastRows | None = None  # built by `reserve`, again where a request needs more slots
 
     # -- setup ---------------------------------------------------------------------------------
     @property
     def eager(self) -> bool:
         """Whether cycles run eagerly (no graph, nothing compiled), so the host can act between draft steps."""
-        o = self.options
-        return not ((o.graphs and self.target.device.type == "cuda") or self.core.drafting_compiled)
+        return not ((self.options.graphs and self.device.type == "cuda") or self.compile_drafting)
 
     @property
     def seq_len(self) -> int:
-        return self.core.seq_len
+        return self.rows.seq_len if self.rows is not None else 0
+
+    @property
+    def margin(self) -> int:
+        """Slots a cycle may write beyond the row's length (`FastRows.margin`)."""
+        n = self.max_nodes or (self.spec.total if self.mode == "eagle3" else 0)
+        d = self.max_nodes or (self.spec.depth if self.mode == "eagle3" else 0)
+        return n + d + 2
 
     def reserve(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Make the caches big enough for a request; (re)allocating drops captured graphs."""
-        need = self.core.slots_needed(prompt_len, max_new_tokens)
-        if need <= self.seq_len and self._alloc == self.core.alloc_ids():
+        """Make the row's caches big enough for a request (room for one pipelined cycle beyond its end); new
+        caches drop the captured graphs."""
+        need = prompt_len + max_new_tokens + 2 * self.margin
+        if need <= self.seq_len:
             return
-        size = _round_up(max(need, self.options.max_seq_len, self.seq_len), self.options.seq_align)
-        if self._alloc is not None:
-            log.info("fast path: caches resized or shared target reallocated (%d slots); capturing again", size)
-        self._runners.clear()
-        self.core.allocate(size)
-        if self.options.graph_prefill:
-            self.core.allocate_prefill()
-        self._alloc = self.core.alloc_ids()
-        self._pool = graph_pool(self.device)
-
-    def _runner(self, name: str) -> StepRunner:
-        if name not in self._runners:
-            kind, _, arg = name.partition("_")  # "prefill_64": `prefill_fixed(64)`; "cycle_1": `cycle(1)`
-            fn = {"cycle": lambda: self.core.cycle(int(arg)),
-                  "plain": lambda: self.core.plain_verify(int(arg)),
-                  "prefill": lambda: self.core.prefill_fixed(int(arg)),
-                  "begin": lambda: self.core.begin_fixed(int(arg))}[kind]
-            r = StepRunner(fn, self.device, graphs=self.options.graphs, pool=self._pool, name=name)
-            r.prepare()
-            self.core.reset()
-            self._runners[name] = r
-        return self._runners[name]
+        o = self.options
+        size = _round_up(max(need, o.max_seq_len, self.seq_len), o.seq_align)
+        if self.rows is not None:
+            log.info("fast path: caches resized (%d slots); capturing again", size)
+        self.rows = FastRows(self.target, self.drafter, capacity=1, seq_len=size,
+                             shapes=(lambda _b: self.spec) if self.mode == "eagle3" else None, graphs=o.graphs,
+                             chain_stop=o.chain_stop, host_nodes=self.max_nodes, coupled=o.coupled_drafts,
+                             prefill_graphs=o.graph_prefill)
+        if self.compile_drafting:
+            self.rows.compile_drafting(o.compile_backend)
 
     @torch.no_grad()
     def prepare(self, prompt_len: int, max_new_tokens: int, mode: int | tuple[int, ...] = GREEDY) -> float:
@@ -241,46 +214,38 @@ class FastEngine:
         each of them) needs; returns the seconds it took."""
         t0 = time.perf_counter()
         self.reserve(prompt_len, max_new_tokens)
-        for m in (mode,) if isinstance(mode, int) else mode:
-            self._runner(f"cycle_{m}")
-            if self.options.guard:
-                self._runner(f"plain_{m}")
-        if self.options.graph_prefill:  # every width that fits and a prompt of up to prompt_len tokens can need
-            w = PREFILL_MIN_WIDTH
-            while w <= self.seq_len and (w == PREFILL_MIN_WIDTH or w // 2 < prompt_len):
-                self._prefill_runners(w)
-                w *= 2
+        modes = (mode,) if isinstance(mode, int) else tuple(mode)
+        self.rows.prepare(modes, spec=self.mode != "none", plain=self.mode == "none" or self.options.guard,
+                          max_prompt=prompt_len)
         return time.perf_counter() - t0
-
-    def _prefill_runners(self, width: int) -> tuple[StepRunner, StepRunner]:
-        return self._runner(f"prefill_{width}"), self._runner(f"begin_{width}")
 
     @property
     def graphed(self) -> bool:
         """Whether every prepared step replays a CUDA graph (False on CPU, with --no-graphs, or after a
         capture failure)."""
-        return bool(self._runners) and all(r.graph is not None for r in self._runners.values())
+        runners = [*self.rows._runners.values(), *self.rows._feeds.values()] if self.rows is not None else []
+        return bool(runners) and all(r.graph is not None for r in runners)
+
+    @property
+    def drafting_compiled(self) -> bool:
+        return self.rows.drafting_compiled if self.rows is not None else self.compile_drafting
 
     def settings(self) -> dict:
         """What this engine runs with, resolved for its device (for run records: `eagle3 eval`)."""
         o = self.options
+        paths = self.target.attention == "split" and self.drafter is not None and split.supports(self.drafter.hd, 1)
         return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda",
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
-                "drafting_compiled": self.core.drafting_compiled, "drafter_attention": self.drafter_attention,
+                "drafting_compiled": self.drafting_compiled, "drafter_attention": "split" if paths else "mask",
                 "target_attention": self.target_attention, "norms_folded": self.target.folded,
                 "batch_invariant": self.target.step_rows > 0,
-                "chain_stop": self.core.chain_stop, "guard": o.guard, "coupled_drafts": o.coupled_drafts}
+                "chain_stop": o.chain_stop, "guard": o.guard, "coupled_drafts": o.coupled_drafts}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     # -- generate ------------------------------------------------------------------------------
-    def _first_token(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
-        """The first new token [1] from the prefill's logits [V]: the token at position T of a T-token prompt."""
-        last = req.prompt.numel() - 1  # the RoPE position of the prompt's last token
-        return self.core.choose(logits[None], torch.tensor([last], device=self.device), self._mode(req))
-
     @torch.no_grad()
     def generate(
         self,
@@ -296,45 +261,29 @@ class FastEngine:
         eos, stream, prompt = req.eos, req.stream, req.prompt
         mode = self._mode(req)
         self.prepare(prompt.numel(), max_new_tokens, mode)
-        self.core.sampling.set(0, [replace(req.sampling, seed=req.seed)])
+        rows = self.rows
         stats = GenerationStats()
         t0 = time.perf_counter()
-
-        core = self.core
-        dev_prompt = prompt.to(self.device)
-        width = prefill_width(prompt.numel(), self.seq_len) if self.options.graph_prefill else None
-        if width is not None:  # fixed shapes: replayed graphs on CUDA
-            run_prefill, run_begin = self._prefill_runners(width)
-            core.pre_ids[: prompt.numel()].copy_(dev_prompt)
-            core.pre_len.fill_(prompt.numel())
-            run_prefill()
-            core.pre_first.copy_(self._first_token(core.pre_logits, req))
-            run_begin()
-            core.backlog_n = 0  # the replayed begin cleared the device's backlog, not the host's count
-            first_t = core.pre_first
-        else:
-            with varying_shape_attention(self.device):  # the prompt length is new per request; cycles are fixed
-                logits, aux = core.prefill(dev_prompt)  # [V], [T, 3·Ht]
-                first_t = self._first_token(logits, req)
-                core.begin(dev_prompt, aux, first_t)
-        out = [int(first_t)]
-        finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
-        if self.proposer is not None:
-            self.proposer.begin(prompt, None, out[0])
-        self._sync()
-        stats.prefill_s = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        if finish is None:
-            cycle = self._runner(f"cycle_{mode}")
-            if self.mode == "host":
-                finish = self._loop_host(cycle, out, stats, eos, max_new_tokens, stream, stop_strings)
-            else:
-                guard = self.guards.for_request(mode != GREEDY) if self.options.guard else None
-                finish = self._loop_device(cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings, guard)
-        self._sync()
-        stats.verify_s = time.perf_counter() - t1  # cycles are fused: drafting time is inside verify_s
-
+        try:
+            first = rows.add(prompt.tolist(), sampling=replace(req.sampling, seed=req.seed) if mode else None)
+            out = [first]
+            finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
+            if self.proposer is not None:
+                self.proposer.begin(prompt, None, out[0])
+            self._sync()
+            stats.prefill_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if finish is None:
+                emit = lambda new: self._emit(out, new, eos, max_new_tokens, stream, stop_strings)  # noqa: E731
+                if self.mode == "host":
+                    finish = self._loop_host(stats, emit)
+                else:
+                    guard = self.guards.for_request(mode != GREEDY) if self.options.guard else None
+                    finish = self._loop(stats, emit, guard)
+            self._sync()
+            stats.verify_s = time.perf_counter() - t1  # cycles are fused: drafting time is inside verify_s
+        finally:
+            rows.clear()
         return stream.result(out, finish, stats, t0)
 
     def _emit(self, out, new, eos, max_new_tokens, stream, stop_strings) -> str | None:
@@ -350,74 +299,56 @@ class FastEngine:
         s = req.sampling
         return sampling_mode(s.temperature, s.top_p, s.top_k)
 
-    def _loop_device(self, cycle, mode, out, stats, eos, max_new_tokens, stream, stop_strings,
-                     guard: SpeculationGuard | None = None) -> str:
-        """Drafting on device: one graph and one packet read per cycle, pipelined on CUDA (cycle i+1 is launched
-        before cycle i's packet is read). Under a `guard` each step drafts, or is a plain step (its own graph), as
-        the guard says, timed from one packet to the next; its decisions then trail its measurements by a step."""
-        core = self.core
-        plain = self._runner(f"plain_{mode}") if guard is not None else None
-        cuda = self.device.type == "cuda"
-        pipeline = cuda and self.options.pipeline
-        bufs = [torch.empty(core.packet.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        drafted = [True, True]
+    def _loop(self, stats: GenerationStats, emit: Callable[[list[int]], str | None],
+              guard: SpeculationGuard | None = None) -> str:
+        """Drafting on device (or none): one packet read per cycle, pipelined on CUDA (cycle i+1 is launched
+        before cycle i's packet is read). Under a `guard` each cycle drafts, or is a plain step, as the guard
+        says, timed from one packet to the next; its decisions then trail its measurements by a cycle."""
+        rows, speculate = self.rows, self.mode == "eagle3"
+        pipeline = self.device.type == "cuda" and self.options.pipeline
+        in_flight: deque[bool] = deque()
 
-        def launch(i: int) -> None:
-            drafted[i % 2] = guard is None or guard.drafting()
-            if drafted[i % 2]:
-                if guard is not None:
-                    core.feed_backlog()
-                cycle()
-            else:
-                core.plain_step(mode, plain)
-            bufs[i % 2].copy_(core.packet, non_blocking=cuda)
-            if cuda:
-                events[i % 2].record(torch.cuda.current_stream(self.device))  # this GPU's, current or not
+        def launch() -> None:
+            drafting = speculate and (guard is None or guard.drafting())
+            rows.launch(drafting)
+            in_flight.append(drafting)
 
         t = time.perf_counter()
-        launch(0)
-        i = 0
+        launch()
         while True:
             if pipeline:
-                launch(i + 1)
-            if cuda:
-                events[i % 2].synchronize()
-            pkt = bufs[i % 2].tolist()  # [n_acc, drafted depth, emitted...]
-            n_acc, drafting = pkt[0], drafted[i % 2]
+                launch()
+            drafting = in_flight.popleft()
+            new = rows.collect()[0]
+            n_acc = len(new) - 1
             if guard is not None:
                 now = time.perf_counter()
                 guard.record(drafting, now - t, n_acc + 1)
                 t = now
             stats.cycles += 1
-            stats.plain_steps += not drafting
+            stats.plain_steps += speculate and not drafting
             stats.accepted_per_cycle.append(n_acc)
-            stats.drafted_depth_per_cycle.append(pkt[1])
-            if drafting:  # a stopped chain drafts its depth
-                stats.drafted_tokens += core.n_nodes if core.chain_stop is None else pkt[1]
-            finish = self._emit(out, pkt[2 : 3 + n_acc], eos, max_new_tokens, stream, stop_strings)
+            stats.drafted_depth_per_cycle.append(rows.depths[0])
+            stats.drafted_tokens += rows.drafted[0]
+            finish = emit(new)
             if finish is not None:
                 return finish
             if not pipeline:
-                launch(i + 1)
-            i += 1
+                launch()
 
-    def _loop_host(self, cycle, out, stats, eos, max_new_tokens, stream, stop_strings) -> str:
-        """A host proposer: write its tree, run the cycle graph, read the packet."""
-        core = self.core
+    def _loop_host(self, stats: GenerationStats, emit: Callable[[list[int]], str | None]) -> str:
+        """A host proposer: write its tree, run the cycle, read the packet."""
+        rows = self.rows
         while True:
             tree = self.proposer.propose()
             tree.validate()
-            core.load_tree(tree.tokens.tolist(), tree.parents.tolist())
-            cycle()
-            pkt = core.packet.tolist()
-            n_acc = pkt[0]
+            rows.load_tree(0, tree.tokens.tolist(), tree.parents.tolist())
+            new = rows.cycle(True)[0]
             stats.cycles += 1
-            stats.accepted_per_cycle.append(n_acc)
-            stats.drafted_depth_per_cycle.append(pkt[1])
+            stats.accepted_per_cycle.append(len(new) - 1)
+            stats.drafted_depth_per_cycle.append(rows.depths[0])
             stats.drafted_tokens += tree.n
-            new = pkt[2 : 3 + n_acc]
-            finish = self._emit(out, new, eos, max_new_tokens, stream, stop_strings)
+            finish = emit(new)
             if finish is not None:
                 return finish
             self.proposer.accept(None, torch.tensor(new))

@@ -3,8 +3,8 @@
 Random weights at the Llama-3.1-8B shape in bf16 (32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads,
 vocabulary 128256) and a random EAGLE-3 drafter at H = 4096 with a 32000-token draft vocabulary, or (`shape=
 "smollm2-135m"`) at SmolLM2-135M's shape with the bundled drafter's 12,288-token draft vocabulary, where every
-step is launch-bound. Timings come from the fast path (`eagle3.fast.core`), each piece captured in its own CUDA
-graph and replayed `reps` times:
+step is launch-bound. Timings come from the fast path (one row of `eagle3.fast.rows.FastRows`, as `FastEngine`
+runs it), each piece captured in its own CUDA graph and replayed `reps` times:
 
     target step   one-token verification (forward + argmax): the unit everything is divided by
     draft         the d draft steps of a chain (K) or tree (depth, top_k, N nodes), rerank included
@@ -22,17 +22,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import transformers
 
 from eagle3.config import DrafterConfig, DraftShape
+from eagle3.decoding.sampling import GREEDY
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast.core import FastCore
 from eagle3.fast.drafter import FastDrafter
+from eagle3.fast.engine import drafting_compiled_by_default
 from eagle3.fast.graphs import StepRunner, graph_pool
 from eagle3.fast.pointwise import fuse_level
+from eagle3.fast.rows import FastRows
 from eagle3.fast.target import FastTarget
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -105,12 +106,10 @@ def time_step(runner: Callable[[], None], device: torch.device, reps: int, round
     return statistics.median(_time_once(burst, device) / reps for _ in range(rounds))
 
 
-def begin_random(core: FastCore, context: int, vocab: int) -> None:
-    """Prefill `core` (caches allocated) with `context` random tokens (seed 0) and begin decoding after them."""
+def begin_random(rows: FastRows, context: int, vocab: int) -> None:
+    """Prefill one row of `rows` with `context` random tokens (seed 0) and begin decoding after them."""
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, vocab, (context,), generator=g).to(core.device)
-    logits, aux = core.prefill(prompt)
-    core.begin(prompt, aux, logits.argmax().view(1))
+    rows.add(torch.randint(3, vocab, (context,), generator=g).tolist())
 
 
 @torch.no_grad()
@@ -127,24 +126,22 @@ def measure_overhead(
     reps: int = 20,
     log: Callable[[str], None] = print,
     compile_drafting: bool | None = None,
-    drafter_attention: str | None = None,
     target_attention: str | None = None,
     on_progress: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Per-cycle costs for each chain length and tree size, in seconds and in target-step units.
-    `compile_drafting` (None: on CUDA, as `FastOptions`): the cycle's pieces that do not run the target are
-    inductor-compiled (`FastCore.compile_drafting`); `drafter_attention`, `target_attention`: as `FastOptions`
-    (None: auto). `on_progress` gets the result so far (`complete` False) after the unit step and after each
-    row, so that a run stopped part way keeps what it measured."""
+    """Per-cycle costs for each chain length and tree size, in seconds and in target-step units, on one row of
+    `FastRows` (what `FastEngine` runs). `compile_drafting` (None: on CUDA, as `FastOptions`): the cycle's pieces
+    that do not run the target are inductor-compiled; `target_attention`: as `FastOptions` (None: auto).
+    `on_progress` gets the result so far (`complete` False) after the unit step and after each row, so that a run
+    stopped part way keeps what it measured."""
     target = FastTarget(model, drafter.config.aux_layer_ids)
     target.fuse_pointwise(level=fuse_pointwise)  # None: auto, as `FastOptions`
     target_attention = target.use_attention(target_attention)
     progress = on_progress or (lambda result: None)
     fdrafter = FastDrafter(drafter)
     dev = target.device
-    attention = fdrafter.use_attention(drafter_attention)
     if compile_drafting is None:
-        compile_drafting = FastCore.drafting_compiled_by_default(dev)
+        compile_drafting = drafting_compiled_by_default(dev)
     vocab = target.vocab_size
     biggest = max([*trees, *chains, 1])
     seq_len = -(-(context + 2 * biggest + tree_depth + 16) // 128) * 128
@@ -159,11 +156,16 @@ def measure_overhead(
         runners.append(r)
         return r
 
-    # the unit: plain decoding's step (one-token forward + argmax), state left unchanged
-    plain = FastCore(target, "none")
-    plain.allocate(seq_len)
+    # the unit: plain decoding's step (one-token forward + argmax), the row's length restored after it
+    plain = FastRows(target, None, capacity=1, seq_len=seq_len, graphs=graphs, sampling=False)
     begin_random(plain, context, vocab)
-    t_step = time_step(runner(plain.verify, "target-step"), dev, reps)
+    saved = plain.length.clone()
+
+    def step():
+        plain._plain_cycle(1, GREEDY)
+        plain.length.copy_(saved)
+
+    t_step = time_step(runner(step, "target-step"), dev, reps)
     wbytes = target.weight_bytes()
     kv_ctx = target.kv_bytes(context)
     bw = copy_bandwidth(dev)
@@ -171,7 +173,7 @@ def measure_overhead(
         "context": context, "seq_len": seq_len, "dtype": str(target.dtype).removeprefix("torch."),
         "graphs": graphs and dev.type == "cuda",
         "fuse_pointwise": fuse_level(fuse_pointwise, dev) or "off",
-        "compile_drafting": compile_drafting, "drafter_attention": attention, "target_attention": target_attention,
+        "compile_drafting": compile_drafting, "target_attention": target_attention,
         "norms_folded": target.folded,
         "reps": reps,
         "target_step_ms": t_step * 1e3, "weight_bytes": wbytes, "kv_bytes_context": kv_ctx,
@@ -185,38 +187,45 @@ def measure_overhead(
     log(f"target step {t_step * 1e3:.3f} ms; weights {wbytes / 1e9:.2f} GB -> {out['plain_bandwidth_gbs']:.0f} GB/s "
         f"({100 * out['plain_fraction_of_copy']:.0f}% of measured copy bandwidth {bw / 1e9:.0f} GB/s)")
     progress(out)
-    del plain
 
     configs = [("chain", DraftShape.chain(k)) for k in chains] + [("tree", DraftShape(tree_depth, tree_top_k, n))
                                                                   for n in trees]
     for kind, shape in configs:
-        core = FastCore(target, "eagle3", fdrafter, shape)
-        depth, top_k = shape.depth, shape.top_k
+        rows = FastRows(target, fdrafter, capacity=1, seq_len=seq_len, shapes=lambda _b, s=shape: s,
+                        graphs=graphs, sampling=False)
+        out["drafter_attention"] = "split" if fdrafter.paths_op is not None else "mask"
         if compile_drafting:
-            core.compile_drafting()
-        core.allocate(seq_len)
-        begin_random(core, context, vocab)
-        draft = partial(core.piece, "draft")
-        draft()
-        saved = core.length.clone()
+            rows.compile_drafting()
+        begin_random(rows, context, vocab)
+        tree: list[torch.Tensor] = []  # the drafted tokens [1, N] and parents [1, N+1] the other pieces read
+        checked: list[tuple] = []  # the verification's ancestry, choices and aux
 
-        def book(core=core, saved=saved):
-            core.piece("accept")
-            core.commit()
-            core.length.copy_(saved)  # keep the state fixed across repetitions
+        def draft(rows=rows, tree=tree):
+            tree[:] = rows.pieces.run("_draft", 1, GREEDY)
 
-        def cycle(core=core, book=book, draft=draft):
+        def verify(rows=rows, tree=tree, checked=checked):
+            checked[:] = [rows._verify(1, *tree, GREEDY)]
+
+        saved = rows.length.clone()
+
+        def book(rows=rows, tree=tree, checked=checked, saved=saved):
+            anc, top, aux = checked[0]
+            keep, n_acc, emitted = rows.pieces.run("_accept", 1, *tree, anc, top, None)
+            rows._commit(1, keep, n_acc, emitted, aux)
+            rows.length.copy_(saved)  # keep the state fixed across repetitions
+
+        def cycle(draft=draft, verify=verify, book=book):
             draft()
-            core.verify()
+            verify()
             book()
 
         name = f"{kind}-{shape.text}"
         t_draft = time_step(runner(draft, name + " draft"), dev, reps)
-        t_verify = time_step(runner(core.verify, name + " verify"), dev, reps)
-        core.verify()
+        t_verify = time_step(runner(verify, name + " verify"), dev, reps)
         t_book = time_step(runner(book, name + " bookkeeping"), dev, reps)
         t_cycle = time_step(runner(cycle, name + " cycle"), dev, reps)
-        row = {"kind": kind, "depth": depth, "top_k": top_k, "tokens": core.n_nodes, "draft_steps": depth,
+        row = {"kind": kind, "depth": shape.depth, "top_k": shape.top_k, "tokens": shape.total,
+               "draft_steps": shape.depth,
                "draft_ms": t_draft * 1e3, "verify_ms": t_verify * 1e3, "bookkeeping_ms": t_book * 1e3,
                "cycle_ms": t_cycle * 1e3, "draft_units": t_draft / t_step, "verify_units": t_verify / t_step,
                "bookkeeping_units": t_book / t_step, "cycle_units": t_cycle / t_step}
@@ -236,15 +245,14 @@ SHAPES = {"llama-3.1-8b": (LLAMA_8B, 32000), "smollm2-135m": (SMOLLM2, 12288)}
 def run_overhead(device: str, tiny: bool = False, context: int | None = None, graphs: bool = True,
                  fuse_pointwise: bool | str | None = None, reps: int | None = None,
                  log: Callable[[str], None] = print, compile_drafting: bool | None = None,
-                 shape: str = "llama-3.1-8b", drafter_attention: str | None = None,
+                 shape: str = "llama-3.1-8b",
                  target_attention: str | None = None, on_progress: Callable[[dict], None] | None = None) -> dict:
     """Build the random model (`SHAPES[shape]` in bf16, or tiny in fp32) and measure; returns the result dict
     (`on_progress` as `measure_overhead`, each result with its `shape`)."""
     dev = torch.device(device)
     name = "tiny-llama" if tiny else shape
     common = dict(graphs=graphs, fuse_pointwise=fuse_pointwise, log=log,
-                  compile_drafting=compile_drafting, drafter_attention=drafter_attention,
-                  target_attention=target_attention,
+                  compile_drafting=compile_drafting, target_attention=target_attention,
                   on_progress=None if on_progress is None else lambda r: on_progress({"shape": name, **r}))
     if tiny:
         model, drafter = build_random(TINY, dev, torch.float32, draft_vocab_size=256)

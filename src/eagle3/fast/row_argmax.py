@@ -1,5 +1,5 @@
 """Greedy token ids as two Triton kernels, for CUDA: the argmax of each row of the target's logits
-(`eagle3.fast.core.FastCore.verify` where the target attends by splits, `FastTarget.argmax`).
+(`eagle3.fast.rows.FastRows` verification where the target attends by splits, `FastTarget.argmax`).
 
 torch's argmax reduces one row in one thread block, which leaves most of the GPU idle for a vocabulary-wide
 row (once per plain step and once per verification). Here `argmax_chunk_kernel` runs one program per (row,

@@ -1,24 +1,27 @@
-"""Batched decoding on the fast path: B rows, each with its own static KV cache, plain or speculative.
+"""The speculative cycle on the fast path: B rows, each with its own static KV cache, plain or speculative.
 
-`FastCore` generalised to rows, for the server's batch (`eagle3.serving.scheduler`). Row b's token at position p
+Every fast decoding runs here: the server's batch (`eagle3.serving.scheduler`) and `FastEngine`, which decodes
+one request as one row (`generate`, `eval`, `bench`, `demo`). Row b's token at position p
 lives in slot p of row b's cache (`[L, B, n_kv, S, hd]`), so rows of any lengths decode together without padding
 or cross-row masks. Where the split-KV kernel runs (CUDA), every decoding forward attends by position
 (`eagle3.fast.split_attention.Paths` with a row axis). One cycle of the first `nb` rows (a batch-size bucket) is a
 fixed-shape function of device buffers, replayed as a CUDA graph:
 
-    spec cycle   draft a tree per row (EAGLE-2 expansion as `FastCore.draft`), verify [nb, N+1], accept per row,
-                 move each row's accepted K/V next to its prefix, feed the drafter, advance.
+    spec cycle   draft a tree per row (EAGLE-2 expansion, `eagle3.decoding.expand`; or a tree the host wrote with
+                 `load_tree`, for host proposers), verify [nb, N+1], accept per row, move each row's accepted K/V
+                 next to its prefix, feed the drafter, advance.
     plain cycle  one token per row; with a drafter, each row's features and new token are held back (up to
                  `feed_window`) and fed to the drafter in one batched step before the next speculative cycle.
 
 State per row: length [B] (committed tokens), root [B] (last emitted token, not yet cached), last_out [B, H]
 (drafter output of the newest committed row), held_n [B] (tokens held back for the drafter, their features
 held_aux [B, W, 3·Ht] and next tokens held_tok [B, W]). The host reads packet [nb, D+3] = [n_acc, drafted depth,
-emitted...] once per cycle.
+emitted...] once per cycle: `cycle` is `launch` then `collect`, and a caller may launch the next cycle before it
+collects this one's packet (on CUDA the GPU then never waits for the host).
 
 Admission (`add_many`) prefills R prompts right-padded to T tokens in a staging cache rounded up to a prefill
-bucket (R to a batch bucket, T to a power of two), each bucket a captured graph, and copies the result into the
-rows' caches. Rows [n, nb) of a captured bucket are idle (their lengths clamped inside the cache); eager cycles (a
+bucket (R to a batch bucket, T to a power of two), each bucket a captured graph (eagerly at the prompts' own
+width where prefills are not captured), and copies the result into the rows' caches. Rows [n, nb) of a captured bucket are idle (their lengths clamped inside the cache); eager cycles (a
 CPU) run the active rows only, over the cache slots they can reach. A row that leaves is replaced by the last one. Sampled rows carry their own settings (`add_many(..., sampling=)`): their tokens are the
 position-keyed draws of `eagle3.decoding.sampling` (the same text as anywhere else), drafted coupled to those draws
 (`eagle3.decoding.expand.coupled_top_k`), in cycles captured per sampling mode.
@@ -27,21 +30,21 @@ position-keyed draws of `eagle3.decoding.sampling` (the same text as anywhere el
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 
+from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
-from eagle3.decoding.expand import coupled_top_k, expand_tree
-from eagle3.decoding.sampling import FILTERED, GREEDY, MODES, SamplingRows, sampling_mode
-from eagle3.decoding.tree import ancestry, parents_with_root, path_slots, scratch_path_slots
-from eagle3.decoding.verify import accept_rows
+from eagle3.decoding.sampling import GREEDY, MODES, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention as split
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
-from eagle3.fast.rows_prefill import MIN_PREFILL_WIDTH, Prefill
-from eagle3.fast.target import FastTarget, argmax_ids
+from eagle3.fast.row_steps import RowSteps
+from eagle3.fast.rows_prefill import MIN_PREFILL_WIDTH, Prefill, prefill_buckets, prefill_key, prefill_step
+from eagle3.fast.target import FastTarget
 
 __all__ = ["FastRows"]
 
@@ -49,30 +52,38 @@ __all__ = ["FastRows"]
 DRAFTING_PIECES = ("_draft", "_tree_inputs", "_accept", "_feed_rows")
 
 
-class FastRows:
-    """Up to `capacity` greedy rows over per-row static caches of `seq_len` slots; see the module docstring.
+class FastRows(RowSteps):
+    """Up to `capacity` rows over per-row static caches of `seq_len` slots; see the module docstring.
 
-    `shapes(bucket)` is the draft shape of that bucket's speculative cycle (None: plain only).
+    `shapes(bucket)` is the draft shape of that bucket's speculative cycle (None: plain only). `host_nodes` > 0
+    (no drafter): speculative cycles verify trees of up to that many nodes that the host writes with `load_tree`.
     `add` prefills a row and returns its first token; `cycle(spec)` runs one cycle of all active rows and
     returns each row's new tokens; `remove(i)` frees row i (the last row takes its place).
     """
 
-    def __init__(self, target: FastTarget, drafter: Eagle3Drafter | None, capacity: int, seq_len: int,
+    def __init__(self, target: FastTarget, drafter: Eagle3Drafter | FastDrafter | None, capacity: int, seq_len: int,
                  shapes: Callable[[int], DraftShape | None] | None = None, graphs: bool = True,
                  prefill_tokens: int = 8192, sampling: bool = True, feed_window: int = FEED_WINDOW,
                  fused_sampling: bool | None = None, compile_drafting: bool = False,
-                 chain_stop: float | None = None):
+                 chain_stop: float | None = None, host_nodes: int = 0, coupled: bool = True,
+                 prefill_graphs: bool | None = None):
         if capacity < 1 or seq_len < 8:
             raise ConfigError(f"FastRows needs capacity >= 1 and seq_len >= 8 (got {capacity}, {seq_len})")
         if feed_window < 0:
             raise ConfigError(f"feed_window={feed_window} must be >= 0 (0: feed the drafter in every plain cycle)")
-        if drafter is not None and target.aux_layer_ids != sorted(drafter.config.aux_layer_ids):
+        if host_nodes and drafter is not None:
+            raise ConfigError("host trees (host_nodes) and an EAGLE-3 drafter exclude each other")
+        self.d = drafter if isinstance(drafter, FastDrafter) or drafter is None else FastDrafter(drafter)
+        if self.d is not None and target.aux_layer_ids != sorted(self.d.config.aux_layer_ids):
             raise ConfigError(f"the FastTarget taps layers {target.aux_layer_ids}; the drafter needs "
-                              f"{sorted(drafter.config.aux_layer_ids)}")
+                              f"{sorted(self.d.config.aux_layer_ids)}")
         self.t, self.capacity, self.seq_len = target, capacity, seq_len
-        self.d = FastDrafter(drafter) if drafter is not None else None
+        self.host_nodes = host_nodes
         self.buckets = [1 << i for i in range((capacity - 1).bit_length())] + [capacity]  # one graph each
-        self.shapes = {b: (shapes(b) if self.d is not None and shapes is not None else None) for b in self.buckets}
+        if host_nodes:  # a host tree of N nodes may be as deep as a chain of N
+            shapes = lambda _b: DraftShape.chain(host_nodes)  # noqa: E731
+        drafts = self.d is not None or host_nodes
+        self.shapes = {b: (shapes(b) if drafts and shapes is not None else None) for b in self.buckets}
         d_max = max([s.depth for s in self.shapes.values() if s] + [0])
         n_max = max([s.total for s in self.shapes.values() if s] + [0])
         scratch = max([s.scratch for s in self.shapes.values() if s] + [0])
@@ -88,11 +99,17 @@ class FastRows:
         self.length = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.root = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.packet = torch.zeros(capacity, d_max + 3, dtype=torch.long, device=dev)
+        if host_nodes:  # `load_tree`'s trees: tokens [B, N], parents [B, N+1] (N+1 indexing), valid [B, N]
+            self.tree_tokens = torch.zeros(capacity, host_nodes, dtype=torch.long, device=dev)
+            self.tree_parents1 = torch.zeros(capacity, host_nodes + 1, dtype=torch.long, device=dev)
+            self.tree_valid = torch.zeros(capacity, host_nodes, dtype=torch.bool, device=dev)
         self.sampling = sampling  # sampled rows allowed: their cycles are captured too
         # sampled draws compiled into one kernel (None: on CUDA, where the cycles are graphs; the noise is ~30 eager
         # passes over [rows, positions, V] otherwise; eagle3.decoding.sampling)
         self.fused_sampling = dev.type == "cuda" if fused_sampling is None else fused_sampling
         self.row_sampling = SamplingRows(capacity, target.vocab_size, dev)
+        # sampled rows draft with the noise of their own draws (`coupled_top_k`); False: the drafter's top-k
+        self.coupled = coupled
         self._modes: list[int] = []  # host mirror: how active row i chooses its tokens
         if self.d is not None:
             fd = self.d
@@ -111,16 +128,18 @@ class FastRows:
             self.held_n = torch.zeros(capacity, dtype=torch.long, device=dev)  # [B]
             self.ar_w = torch.arange(w, device=dev)
         self._held: list[int] = []  # host mirror of held_n for the active rows
-        # per row, of the last cycle: depth and draft tokens drafted (0: did not draft)
+        # per row, of the last cycle collected: depth and draft tokens drafted (0: did not draft)
         self.depths: list[int] = []
-        self._nodes = 0  # draft nodes of the last speculative cycle
+        self._nodes = 0  # draft nodes of the last speculative cycle run
         self.drafted: list[int] = []
         self.n = 0  # active rows: [0, n)
         self._lens: list[int] = []  # host mirror of length for the active rows
         self.cycles = self.spec_cycles = self.feeds = 0  # cycles run (all, speculative), feed steps run
         self.graphs = graphs and dev.type == "cuda"
-        # Chains stop drafting once every row's joint draft probability is below this (`FastCore.chain_stop`):
-        # the host reads each draft step's scores, so only where cycles run eagerly
+        # admission in fixed buckets, each a captured step (None: where cycles are graphs); else at each width
+        self.prefill_graphs = self.graphs if prefill_graphs is None else prefill_graphs
+        # Chains stop drafting once every row's joint draft probability is below this: the host reads each draft
+        # step's scores, so only where cycles run eagerly
         if chain_stop is not None and (self.graphs or compile_drafting):
             raise ConfigError("chain_stop needs cycles that run eagerly (a CPU, or graphs and compilation off)")
         self.chain_stop = chain_stop
@@ -128,26 +147,32 @@ class FastRows:
         self._pool = graph_pool(dev)
         self._runners: dict[tuple[int, bool, int], StepRunner] = {}
         self._feeds: dict[int, StepRunner] = {}  # bucket -> its feed step
+        self._launched: deque[tuple[torch.Tensor, torch.cuda.Event | None, int]] = deque()  # `collect`
+        self._packets = [torch.empty(self.packet.shape, dtype=torch.long, pin_memory=dev.type == "cuda")
+                         for _ in range(2)]  # host copies of two cycles' packets
         # prefill buckets (R, T) of at most `prefill_tokens` padded tokens share flat staging buffers
         self.prefill_tokens = prefill_tokens
         self.flat_staging: dict[str, torch.Tensor] = {}
         self._prefills: dict[tuple[int, int], Prefill] = {}
         self.pieces = CompiledPieces(self)
         self.ranked = False  # top-k by ranking inside compiled drafting (`ranked_top_k`)
-        # greedy drafting's log-softmax and top-k as the batch-1 engine's Triton kernels where they run (CUDA)
+        # greedy drafting's log-softmax and top-k as Triton kernels where they run (CUDA)
         self._top_k_ops = {s.top_k: draft_top_k_op_for(self.d, s.top_k) for s in self.shapes.values() if s}
         if self.d is not None and target.attention == "split" and split.supports(self.d.hd, 1):
             self.d.use_paths_attention()  # drafting attends by position, as the target's forwards do
-        if self.d is not None and compile_drafting:
+        if compile_drafting and (self.d is not None or host_nodes):
             self.compile_drafting()
 
     def compile_drafting(self, backend: str | Callable = "inductor") -> None:
-        """Compile the cycle's pieces that do not run the target (`DRAFTING_PIECES`), as `FastCore.compile_drafting`
-        does: one variant per bucket and sampling mode, so `prepare` takes longer. Call before cycles are captured.
-        Emitted tokens are unchanged: the drafter decides only what is proposed."""
+        """Compile the cycle's pieces that do not run the target (`DRAFTING_PIECES`) with inductor from now on, one
+        variant per bucket and sampling mode (they compile on first use: call before cycles are captured). A piece
+        that fails to compile logs a warning and runs eagerly (`CompiledPieces`). Emitted tokens are unchanged:
+        the target's arithmetic is untouched, acceptance is integer logic, and the drafter only decides what is
+        proposed."""
         if self._runners:
             raise RuntimeError("compile_drafting() must come before cycles are captured")
-        self.pieces.compile(list(DRAFTING_PIECES), backend)
+        names = [n for n in DRAFTING_PIECES if self.d is not None or n in ("_tree_inputs", "_accept")]
+        self.pieces.compile(names, backend)
         self.ranked = ranked_top_k(self.device)
 
     @property
@@ -163,22 +188,28 @@ class FastRows:
         return context + max_new_tokens + self.margin <= self.seq_len
 
     @torch.no_grad()
-    def prepare(self) -> float:
-        """Capture every bucket's cycles (plain, and speculative where a shape is set) and every prefill bucket
-        before rows exist: warm-up runs real cycles on the buffers. Returns the seconds it took."""
+    def prepare(self, modes: Sequence[int] | None = None, spec: bool = True, plain: bool = True,
+                max_prompt: int | None = None) -> float:
+        """Capture cycles before rows exist (warm-up runs real cycles on the buffers): for every bucket and each
+        of `modes` (None: every mode these rows take), the speculative cycle where a shape is set and `spec`, the
+        plain cycle where `plain` (and the drafter's feed step), and the prefill buckets for prompts of up to
+        `max_prompt` tokens (None: all). Already captured ones are kept. Returns the seconds it took."""
         if self.n:
             raise RuntimeError("prepare() runs real cycles: call it before adding rows")
         t0 = time.perf_counter()
-        for mode in MODES if self.sampling else (GREEDY,):
+        for mode in modes if modes is not None else MODES if self.sampling else (GREEDY,):
             for b in self.buckets:
-                for spec in (False, True):
-                    if not spec or self.shapes[b] is not None:
-                        self._runner(b, spec, mode)
-        if self.feed_window:
+                if plain:
+                    self._runner(b, False, mode)
+                if spec and self.shapes[b] is not None:
+                    self._runner(b, True, mode)
+        if self.feed_window and plain:
             for b in self.buckets:
                 self._feed_runner(b)
-        for key in self.prefill_buckets():
-            self._prefill_slot(*key)
+        if self.prefill_graphs:
+            for r, t in prefill_buckets(self):
+                if max_prompt is None or t // 2 < max(max_prompt, 1) or t == MIN_PREFILL_WIDTH:
+                    self._prefill_slot(r, t)
         self._reset_rows(0, self.capacity)
         return time.perf_counter() - t0
 
@@ -186,48 +217,15 @@ class FastRows:
     def cycles_prepared(self) -> int:
         return len(self._runners) + len(self._feeds)
 
-    # -- prefill ------------------------------------------------------------------------------------
-    def prefill_buckets(self) -> list[tuple[int, int]]:
-        """(rows, width) shapes captured for admission: batch buckets x powers of two up to the cache length,
-        at most `prefill_tokens` padded tokens each."""
-        widths, w = [], MIN_PREFILL_WIDTH
-        while w < self.seq_len:
-            widths.append(w)
-            w *= 2
-        widths.append(self.seq_len)
-        return [(r, t) for r in self.buckets for t in widths if r * t <= self.prefill_tokens]
-
-    def _prefill_key(self, r: int, width: int) -> tuple[int, int] | None:
-        t = max(MIN_PREFILL_WIDTH, 1 << (width - 1).bit_length())
-        key = (self.bucket(r), min(t, self.seq_len))
-        return key if key[0] * key[1] <= self.prefill_tokens else None
-
     def _prefill_slot(self, r: int, t: int) -> Prefill:
         p = self._prefills.get((r, t))
         if p is None:
             p = Prefill(self, r, t)
-            p.runner = StepRunner(lambda: self._prefill_step(p), self.device, graphs=self.graphs, pool=self._pool,
+            p.runner = StepRunner(lambda: prefill_step(self, p), self.device, graphs=self.graphs, pool=self._pool,
                                   name=f"rows_prefill_r{r}_t{t}")
             p.runner.prepare()
             self._prefills[(r, t)] = p
         return p
-
-    def _prefill_step(self, p: Prefill) -> None:
-        """Prefill p.ids into p's staging caches (causal, positions from 0); first tokens and, with a drafter,
-        its output at each prompt's last token."""
-        r, t = p.r, p.t
-        pos = self.ar_s[:t][None].expand(r, -1)  # [R, T]
-        mask = self.ar_s[None, None, :t] <= pos[:, :, None]  # [R, T, T] causal
-        logits, aux = self.t.forward_rows(p.ids, pos, pos, mask, p.k, p.v, self.rope, logits_at=p.lens - 1,
-                                          want_aux=self.d is not None)  # [R, 1, V], [R, T, 3·Ht]
-        mode = FILTERED if self.sampling else GREEDY  # the first new token sits at position lens
-        tok = self._choose(p.sampling, logits, p.lens[:, None], mode)[:, 0]  # [R]
-        p.first.copy_(torch.where(p.has_root, p.root, tok))
-        if self.d is not None:
-            nxt = torch.cat([p.ids[:, 1:], p.ids[:, :1]], dim=1).scatter(1, (p.lens - 1)[:, None], p.first[:, None])
-            out = self.d.forward_rows(self.d.combine(aux), nxt, pos, pos, mask, p.dk, p.dv,
-                                      self.d_rope)  # [R, T, H]; row t pairs g_t with x_{t+1}
-            p.last_out.copy_(out[torch.arange(r, device=self.device), p.lens - 1])
 
     def _runner(self, nb: int, spec: bool, mode: int) -> StepRunner:
         key = (nb, spec, mode)
@@ -277,8 +275,8 @@ class FastRows:
             if not p or not self.fits(len(p), 1):
                 raise ConfigError(f"a {len(p)}-token context does not fit {self.seq_len} cache slots")
         width = max(len(p) for p in prompts)
-        key = self._prefill_key(r, width)
-        p = self._prefill_slot(*key) if key is not None else Prefill(self, r, width, shared=False)  # too big: eager
+        key = prefill_key(self, r, width) if self.prefill_graphs else None
+        p = self._prefill_slot(*key) if key is not None else Prefill(self, r, width, shared=False)  # eager
         ids = torch.zeros(p.r, p.t, dtype=torch.long)
         lens = torch.ones(p.r, dtype=torch.long)
         root = torch.zeros(p.r, dtype=torch.long)
@@ -295,7 +293,8 @@ class FastRows:
         if p.runner is not None:
             p.runner()
         else:
-            self._prefill_step(p)
+            with varying_shape_attention(self.device):  # a new width per admission
+                prefill_step(self, p)
         t = p.t  # padding K/V lands in slots a row's length never covers before they are overwritten
         self.k[:, i : i + r, :, :t].copy_(p.k[:, :r])
         self.v[:, i : i + r, :, :t].copy_(p.v[:, :r])
@@ -336,7 +335,11 @@ class FastRows:
         self.n -= 1
 
     def clear(self) -> None:
-        """Free every row."""
+        """Free every row; cycles still in flight are dropped (their work is discarded)."""
+        for _, event, _ in self._launched:
+            if event is not None:
+                event.synchronize()
+        self._launched.clear()
         self._reset_rows(0, self.capacity)
         self._modes, self._held, self._lens, self.n = [], [], [], 0
 
@@ -372,8 +375,17 @@ class FastRows:
     def cycle(self, spec: bool) -> list[list[int]]:
         """One cycle of the active rows; returns each row's new tokens (accepted drafts, then the target's
         next token). `spec` needs a draft shape for the current bucket."""
+        self.launch(spec)
+        return self.collect()
+
+    @torch.no_grad()
+    def launch(self, spec: bool) -> None:
+        """Start one cycle of the active rows (see `cycle`); its packet is read by the next `collect`. At most two
+        cycles may be in flight. Eager cycles attend over what `collect` last saw: collect before launching."""
         if self.n == 0:
-            return []
+            raise RuntimeError("no active rows")
+        if len(self._launched) == 2:
+            raise RuntimeError("two cycles are in flight: collect one first")
         nb = self.bucket(self.n) if self.graphs else self.n  # eager cycles run the active rows only
         if spec and self.shape_of(nb) is None:
             raise ValueError(f"bucket {self.bucket(nb)} has no draft shape")
@@ -387,11 +399,39 @@ class FastRows:
             self._held = [h + 1 for h in self._held]
             if max(self._held) >= self.feed_window:  # a full window: feed before the next plain cycle
                 self._feed(nb)
-        pkt = self.packet[: self.n].tolist()  # the one host sync per cycle
+        buf = self._packets[self.cycles % 2]
+        cuda = self.device.type == "cuda"
+        buf.copy_(self.packet, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._launched.append((buf, event, self._nodes if spec else 0))
+
+    def collect(self) -> list[list[int]]:
+        """The new tokens of the oldest cycle in flight, per row (the one host sync per cycle)."""
+        buf, event, nodes = self._launched.popleft()
+        if event is not None:
+            event.synchronize()
+        pkt = buf[: self.n].tolist()
         self._lens = [n + p[0] + 1 for n, p in zip(self._lens, pkt, strict=True)]
         self.depths = [p[1] for p in pkt]
-        self.drafted = [self._nodes if spec else 0] * self.n
+        self.drafted = [nodes] * self.n
         return [p[2 : 3 + p[0]] for p in pkt]
+
+    @torch.no_grad()
+    def load_tree(self, i: int, tokens: list[int], parents: list[int]) -> None:
+        """Row i's tree for the next speculative cycle (host proposers, `host_nodes`): tokens, and parents (-1: the
+        root, else an earlier node), padded to `host_nodes` invalid children of the root."""
+        n, m = self.host_nodes, len(tokens)
+        if m > n:
+            raise ValueError(f"the proposer drafted {m} nodes; these rows verify at most {n}")
+        pad = n - m
+        host = torch.tensor([*tokens, *[0] * pad, 0, *[p + 1 for p in parents], *[0] * pad, *[1] * m, *[0] * pad],
+                            dtype=torch.long).to(self.device)
+        self.tree_tokens[i].copy_(host[:n])
+        self.tree_parents1[i].copy_(host[n : 2 * n + 1])
+        self.tree_valid[i].copy_(host[2 * n + 1 :].bool())
 
     def _set_span(self) -> None:
         """Eager cycles (a CPU) attend over the cache slots the active rows can reach in this cycle, rounded up to
@@ -429,160 +469,3 @@ class FastRows:
         """The drafter's K and V of the first nb rows over `d_span` slots, and their arange."""
         s = self.d_span
         return self.dk[:nb, :, :s], self.dv[:nb, :, :s], self.ar_sd[:s]
-
-    # -- device steps (fixed shapes for a bucket of nb rows) ------------------------------------------
-    def _choose(self, rows: SamplingRows, logits: torch.Tensor, positions: torch.Tensor, mode: int) -> torch.Tensor:
-        """The token after each of logits [nb, M, V], predicting `positions` [nb, M]: argmax in greedy buckets,
-        else each row's own choice (`SamplingRows.draw`). [nb, M]."""
-        if mode == GREEDY:
-            return argmax_ids(logits)
-        return rows.draw(logits, positions, mode, self.fused_sampling)
-
-    def _advance(self, nb: int, n_acc: torch.Tensor, new_root: torch.Tensor) -> None:
-        self.root[:nb].copy_(new_root)
-        last = self.seq_len - self.margin  # idle rows stay inside their caches; active rows never get here
-        self.length[:nb].copy_((self.length[:nb] + n_acc + 1).clamp(max=last))
-
-    def _plain_cycle(self, nb: int, mode: int) -> None:
-        length, root = self.length[:nb], self.root[:nb]
-        k, v, ar_s = self._caches(nb)
-        pos = length[:, None]  # [nb, 1]
-        if self.t.by_splits(1):  # by position: the prefix, then the root at its own slot
-            mask, path = None, (length, pos[:, :, None])  # tail [nb, 1, 1]
-        else:
-            mask, path = (ar_s[None, :] <= length[:, None])[:, None, :], None  # [nb, 1, S]
-        logits, aux = self.t.forward_rows(root[:, None], pos, pos, mask, k, v, self.rope,
-                                          want_aux=self.d is not None, path=path)  # [nb, 1, V]
-        # [nb]: the token at length + 1
-        tok = self._choose(self.row_sampling, logits, pos + 1, mode)[:, 0]
-        if self.feed_window:  # hold (features, next token) back for `_feed_held`
-            rows = torch.arange(nb, device=self.device)
-            j = self.held_n[:nb].clamp(max=self.feed_window - 1)  # idle rows may reach the end: they stay there
-            self.held_aux[rows, j] = aux[:, 0]
-            self.held_tok[rows, j] = tok
-            self.held_n[:nb].copy_((self.held_n[:nb] + 1).clamp(max=self.feed_window))
-        elif self.d is not None:
-            dk, dv, ar_sd = self._d_caches(nb)
-            dmask = (ar_sd[None, :] <= length[:, None])[:, None, :]  # [nb, 1, Sd]
-            out = self.d.forward_rows(self.d.combine(aux), tok[:, None], pos, pos, dmask, dk, dv,
-                                      self.d_rope)  # [nb, 1, H]
-            self.last_out[:nb].copy_(out[:, 0])
-        zero = torch.zeros_like(tok)
-        self.packet[:nb, :3].copy_(torch.stack([zero, zero, tok], dim=1))
-        self._advance(nb, zero, tok)
-
-    def _feed_held(self, nb: int) -> None:
-        """Feed the drafter every row's held tokens in one forward of [nb, W] rows (row j of a row that holds n
-        tokens is position length - n + j, the pair the plain cycle would have fed there); last_out becomes the
-        output at the newest held token. Rows j >= n are padding: they write drafter K/V at slots >= length,
-        which nothing reads before it is overwritten."""
-        n_held = self.held_n[:nb]  # [nb]
-        dk, dv, ar_sd = self._d_caches(nb)
-        start = (self.length[:nb] - n_held).clamp(min=0)  # [nb] position of the first held token
-        pos = (start[:, None] + self.ar_w[None]).clamp(max=ar_sd.shape[0] - 1)  # [nb, W]
-        mask = ar_sd[None, None, :] <= pos[:, :, None]  # [nb, W, Sd] causal over the row's drafter cache
-        out = self.d.forward_rows(self.d.combine(self.held_aux[:nb]), self.held_tok[:nb], pos, pos, mask, dk, dv,
-                                  self.d_rope)  # [nb, W, H]
-        newest = out[torch.arange(nb, device=self.device), (n_held - 1).clamp(min=0)]  # [nb, H]
-        self.last_out[:nb].copy_(torch.where((n_held > 0)[:, None], newest, self.last_out[:nb]))
-        self.held_n[:nb].zero_()
-
-    def _spec_cycle(self, nb: int, mode: int) -> None:
-        tokens, parents1 = self.pieces.run("_draft", nb, mode)  # [nb, N], [nb, N+1]
-        anc, top, aux = self._verify(nb, tokens, parents1, mode)
-        keep, n_acc, emitted = self.pieces.run("_accept", nb, tokens, parents1, anc, top)
-        self._commit(nb, keep, n_acc, emitted, aux)
-
-    def _draft(self, nb: int, mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
-        """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
-        indexing; the root is its own parent). Row r drafts its token at length[r] + 1 + step (`FastCore.draft`
-        with a row axis)."""
-        shape = self.shape_of(nb)
-        d, k = self.d, shape.top_k
-        length = self.length[:nb]
-        dk, dv, ar_sd = self._d_caches(nb)
-
-        def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [nb, T, H]
-            if mode == GREEDY:
-                return d.top_k(out, k, self._top_k_ops.get(k), self.ranked)
-            return coupled_top_k(d.logits(out), length + 1 + step, self.row_sampling, mode, d.draft_h, k,
-                                 self.ranked)
-
-        def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-            cols = length[:, None] + ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
-            pos = (length - 1 + step)[:, None].expand(nb, k).contiguous()  # [nb, k]
-            if d.paths_op is not None:  # by position: the committed rows, then each row's path in scratch
-                paths, mask = (length, scratch_path_slots(anc, length, k)), None  # tail [nb, k, step]
-            else:  # [nb, k, Sd]: the committed rows and each row's ancestors in scratch
-                paths, mask = None, (ar_sd[None, None, :] < length[:, None, None]).expand(nb, k, -1).clone()
-                mask.scatter_(2, cols[:, None, :].expand(nb, k, -1), anc)
-            return d.forward_rows(hidden, tokens, pos, cols[:, -k:], mask, dk, dv, self.d_rope, paths=paths)
-
-        until = None
-        if self.chain_stop is not None and shape.is_chain:  # every row unsure: stop (`FastCore.draft_chain_until`)
-            stop = self.chain_stop
-            until = lambda scores: float(scores.exp().max()) < stop  # noqa: E731
-        tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
-                                      self.ranked, until)
-        self._nodes = tokens.shape[1]
-        return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
-
-    def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, by_paths: bool):
-        """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache
-        slots [nb, N+1], and how the target sees each row's cache: with `by_paths`, each node's path by depth,
-        tail [nb, N+1, D+1] (`eagle3.decoding.tree.path_slots`), else the mask [nb, N+1, S]; the other is
-        None (as `FastCore.tree_inputs`)."""
-        shape = self.shape_of(nb)
-        n1 = tokens.shape[1] + 1
-        length = self.length[:nb]
-        anc = ancestry(parents1, shape.depth)  # [nb, N+1, N+1]
-        ids = torch.cat([self.root[:nb, None], tokens], dim=1)  # [nb, N+1]
-        pos = length[:, None] + anc.sum(dim=-1) - 1  # [nb, N+1]
-        slots = length[:, None] + self.ar[:n1][None]  # [nb, N+1]
-        if by_paths:
-            return anc, ids, pos, slots, None, path_slots(anc, length, shape.depth)
-        mask = (self.ar_s[None, : self.span] < length[:, None])[:, None, :].repeat(1, n1, 1)  # [nb, N+1, S]
-        mask.scatter_(2, slots[:, None, :].expand(nb, n1, n1), anc)
-        return anc, ids, pos, slots, mask, None
-
-    def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, mode: int):
-        """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
-        [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
-        by_paths = self.t.by_splits(tokens.shape[1] + 1)
-        anc, ids, pos, slots, mask, tail = self.pieces.run("_tree_inputs", nb, tokens, parents1, by_paths)
-        k, v, _ = self._caches(nb)
-        logits, aux = self.t.forward_rows(ids, pos, slots, mask, k, v, self.rope, want_aux=True,
-                                          path=(self.length[:nb], tail) if by_paths else None)
-        # logits [nb, N+1, V], aux [nb, N+1, 3·Ht]
-        # node j predicts the token at pos[j] + 1
-        top = self._choose(self.row_sampling, logits, pos + 1, mode)  # [nb, N+1]
-        return anc, top, aux
-
-    def _accept(self, nb: int, tokens, parents1, anc, top):
-        """Acceptance per row (`eagle3.decoding.verify.accept_rows`): keep [nb, D+1], n_acc [nb], emitted
-        [nb, D+1]."""
-        acc = accept_rows(tokens, parents1, anc, top, self.packet.shape[1] - 3, root=self.root[:nb])
-        self.packet[:nb].copy_(torch.cat([acc.n_acc[:, None], acc.drafted[:, None], acc.emitted], dim=1))
-        return acc.keep, acc.n_acc, acc.emitted
-
-    def _commit(self, nb: int, keep, n_acc, emitted, aux) -> None:
-        """Accepted K/V next to each row's prefix, then `_feed_rows`."""
-        rows = torch.arange(nb, device=self.device)[:, None]  # [nb, 1]
-        length = self.length[:nb]
-        dst = length[:, None] + self.ar[: keep.shape[1]][None]  # [nb, D+1]
-        src = length[:, None] + keep  # src >= dst elementwise: gather first, then write
-        k, v, _ = self._caches(nb)
-        k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
-        v[:, rows, :, dst] = v[:, rows, :, src]
-        self.pieces.run("_feed_rows", nb, keep, n_acc, emitted, aux, rows, dst)
-
-    def _feed_rows(self, nb: int, keep, n_acc, emitted, aux, rows: torch.Tensor, dst: torch.Tensor) -> None:
-        """The drafter fed with each row's accepted path (`rows` [nb, 1], its cache slots `dst` [nb, D+1]), state
-        advanced."""
-        hidden = self.d.combine(aux[rows, keep])  # [nb, D+1, H]
-        dk, dv, ar_sd = self._d_caches(nb)
-        dmask = ar_sd[None, None, :] <= dst[:, :, None]  # [nb, D+1, Sd]
-        out = self.d.forward_rows(hidden, emitted, dst, dst, dmask, dk, dv, self.d_rope)  # [nb, D+1, H]
-        # (rows past n_acc are padding)
-        self.last_out[:nb].copy_(out[rows[:, 0], n_acc])
-        self._advance(nb, n_acc, emitted.gather(1, n_acc[:, None])[:, 0])

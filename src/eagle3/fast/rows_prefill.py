@@ -1,5 +1,5 @@
-"""Admission buffers of `eagle3.fast.rows.FastRows`: the static inputs, outputs and staging caches of one prefill
-shape (R prompts right-padded to T tokens), captured once per shape and sharing flat staging buffers."""
+"""Admission of `eagle3.fast.rows.FastRows`: the static inputs, outputs and staging caches of one prefill shape (R
+prompts right-padded to T tokens), captured once per shape and sharing flat staging buffers, and the prefill step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle3.decoding.sampling import SamplingRows
+from eagle3.decoding.sampling import FILTERED, GREEDY, SamplingRows
 
 if TYPE_CHECKING:
     from eagle3.fast.graphs import StepRunner
@@ -65,3 +65,39 @@ class Prefill:
                                        shared)  # [R, n_kv, T, hd]
             self.last_out = torch.zeros(r, fd.hidden_size, dtype=fd.dtype, device=dev)  # [R, H] out
         self.runner: StepRunner | None = None
+
+
+def prefill_buckets(rows: FastRows) -> list[tuple[int, int]]:
+    """(rows, width) shapes captured for admission: batch buckets x powers of two up to the cache length, at most
+    `prefill_tokens` padded tokens each."""
+    widths, w = [], MIN_PREFILL_WIDTH
+    while w < rows.seq_len:
+        widths.append(w)
+        w *= 2
+    widths.append(rows.seq_len)
+    return [(r, t) for r in rows.buckets for t in widths if r * t <= rows.prefill_tokens]
+
+
+def prefill_key(rows: FastRows, r: int, width: int) -> tuple[int, int] | None:
+    """The captured bucket that admits r prompts of up to `width` tokens, or None where none is that large."""
+    t = max(MIN_PREFILL_WIDTH, 1 << (width - 1).bit_length())
+    key = (rows.bucket(r), min(t, rows.seq_len))
+    return key if key[0] * key[1] <= rows.prefill_tokens else None
+
+
+def prefill_step(rows: FastRows, p: Prefill) -> None:
+    """Prefill p.ids into p's staging caches (causal, positions from 0); each prompt's first new token (the
+    position-keyed choice at its length, or the root it came with) and, with a drafter, the drafter's output at
+    each prompt's last token (row t pairs the target's features g_t with token x_{t+1})."""
+    r, t, d = p.r, p.t, rows.d
+    pos = rows.ar_s[:t][None].expand(r, -1)  # [R, T]
+    mask = rows.ar_s[None, None, :t] <= pos[:, :, None]  # [R, T, T] causal
+    logits, aux = rows.t.forward_rows(p.ids, pos, pos, mask, p.k, p.v, rows.rope, logits_at=p.lens - 1,
+                                      want_aux=d is not None)  # [R, 1, V], [R, T, 3·Ht]
+    mode = FILTERED if rows.sampling else GREEDY
+    tok = rows._choose(p.sampling, logits, p.lens[:, None], mode)[:, 0]  # [R]
+    p.first.copy_(torch.where(p.has_root, p.root, tok))
+    if d is not None:
+        nxt = torch.cat([p.ids[:, 1:], p.ids[:, :1]], dim=1).scatter(1, (p.lens - 1)[:, None], p.first[:, None])
+        out = d.forward_rows(d.combine(aux), nxt, pos, pos, mask, p.dk, p.dv, rows.d_rope)  # [R, T, H]
+        p.last_out.copy_(out[torch.arange(r, device=rows.device), p.lens - 1])

@@ -325,25 +325,6 @@ def split_attention(
 
 
 @functools.cache
-def split_attention_op():
-    """`split_attention` as the opaque custom op `eagle3::split_attention` (a fake implementation gives its output
-    shape), for compiled code: the drafter's attention inside compiled drafting (`FastDrafter.use_split_attention`),
-    which inductor keeps as one call and CUDA graphs capture. Registered on first use; resolve it outside traced
-    code."""
-
-    @torch.library.custom_op("eagle3::split_attention", mutates_args=())
-    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           last: torch.Tensor) -> torch.Tensor:
-        return split_attention(q, k, v, mask, scale, last=last)
-
-    @op.register_fake
-    def _(q, k, v, mask, scale, last):
-        return q.new_empty(mask.shape[0], q.shape[0] * q.shape[1] // mask.shape[0] * q.shape[2])
-
-    return torch.ops.eagle3.split_attention.default
-
-
-@functools.cache
 def split_paths_op():
     """`split_attention` of B rows by `Paths` as the opaque custom op `eagle3::split_attention_paths`, for compiled
     code: the server's rows' drafter attends this way inside compiled drafting (`FastDrafter.forward_rows`).

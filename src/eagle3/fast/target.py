@@ -350,7 +350,7 @@ class FastTarget(nn.Module):
 
     def kv_bytes(self, context: int) -> int:
         """K and V bytes of `context` cached positions over all layers."""
-        return 2 * self.num_layers * self.nkv * context * self.hd * self.k_cache.element_size()
+        return 2 * self.num_layers * self.nkv * context * self.hd * self.dtype.itemsize
 
     # -- forward -------------------------------------------------------------------------------
     def windowed(self, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -470,6 +470,14 @@ class FastTarget(nn.Module):
         each row's tokens attend by position as in `forward` (`eagle3.fast.split_attention.Paths`), else by
         `mask`."""
         b, t = ids.shape
+        pad = self.step_rows - t if path is not None and self.by_splits(t) else 0
+        if pad > 0:  # batch-invariant: every decoding forward at `step_rows` tokens, padded with the last one
+            def padded(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] -> [B, step_rows, ...]
+                return torch.cat([x, x[:, -1:].expand(b, pad, *x.shape[2:])], dim=1)
+
+            logits, aux = self.forward_rows(padded(ids), padded(pos), padded(slots), None, k_rows, v_rows, rope,
+                                            logits_at, want_aux, (path[0], padded(path[1])))
+            return logits[:, :t], None if aux is None else aux[:, :t]  # padding writes its last token's K/V again
         if b * t == 1 and self.exact_rows:  # one token as two equal ones: the many-row kernels' bits (`forward`)
             logits, aux = self.forward_rows(
                 ids.repeat(1, 2), pos.repeat(1, 2), slots.repeat(1, 2), None if mask is None else mask.repeat(1, 2, 1),

@@ -208,7 +208,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
 
     from eagle3.fast.families import fast_support
     from eagle3.fast.rows import FastRows
-    from eagle3.fast.rows_prefill import prefill_staging_tokens
+    from eagle3.fast.rows_prefill import prefill_buckets, prefill_staging_tokens
     from eagle3.fast.target import FastTarget
     from eagle3.serving.policy import default_token_budget
 
@@ -251,7 +251,7 @@ def fast_rows(choice: str, model, drafter, policy: SpecPolicy, config: ServeConf
                           "--max-prefill-tokens, or use --fast-rows off") from e
     log.info("fast rows: %d rows x %d slots (%.2f GiB of cache), %d cycles and %d prefill shapes prepared in "
              "%.1f s", rows.capacity, seq_len, rows.cache_bytes() / 2**30, rows.cycles_prepared,
-             len(rows.prefill_buckets()), seconds)
+             len(prefill_buckets(rows)), seconds)
     return rows
 
 
