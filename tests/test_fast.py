@@ -35,8 +35,6 @@ from eagle3.fast.pointwise import (
     apply_rope,
     apply_rope_heads,
     fuse_level,
-    heads_first,
-    heads_first_rope,
     rope_tables,
 )
 from eagle3.runtime import init_drafter
@@ -64,18 +62,21 @@ def prompt_of(n: int, seed: int) -> torch.Tensor:
 
 
 def forward_outputs(tgt: FastTarget, ids: torch.Tensor, s: int = 32) -> tuple[torch.Tensor, ...]:
-    """A causal forward of ids [T] into a fresh cache of s slots: logits [T, V] and aux [T, 3·H] from `forward`,
-    and the same for two equal rows from `forward_rows` ([2, T, V], [2, T, 3·H])."""
+    """A causal forward of ids [T] into fresh caches of s slots: logits [T, V] and aux [T, 3·H] of one row, and the
+    same for two equal rows ([2, T, V], [2, T, 3·H])."""
     t = ids.shape[0]
     pos = torch.arange(t)
     mask = torch.zeros(t, s, dtype=torch.bool)
     mask[:, :t] = torch.tril(torch.ones(t, t, dtype=torch.bool))
-    tgt.allocate(s)
-    logits, aux = tgt.forward(ids, pos, pos, mask, want_aux=True)
-    k_rows = torch.zeros(tgt.num_layers, 2, tgt.nkv, s, tgt.hd)
-    rows, rows_aux = tgt.forward_rows(ids.expand(2, t), pos.expand(2, t), pos.expand(2, t), mask.expand(2, t, s),
-                                      k_rows, torch.zeros_like(k_rows), (tgt.cos, tgt.sin), want_aux=True)
-    return logits, aux, rows, rows_aux
+    rope = tgt.rope_table(s)
+
+    def rows(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.zeros(tgt.num_layers, b, tgt.nkv, s, tgt.hd, dtype=tgt.dtype)
+        return tgt.forward_rows(ids.expand(b, t), pos.expand(b, t), pos.expand(b, t), mask.expand(b, t, s), k,
+                                torch.zeros_like(k), rope, want_aux=True)
+
+    (logits, aux), (two, two_aux) = rows(1), rows(2)
+    return logits[0], aux[0], two, two_aux
 
 
 def hf_greedy(model, prompt: torch.Tensor, max_new: int, eos: int | None = None) -> list[int]:
@@ -223,23 +224,13 @@ def test_rope_with_roll_is_bit_exact(dtype):
     assert torch.equal(apply_rope(x, *rope_tables(cos, sin)), x * cos[:, None] + rotate_half(x) * sin[:, None])
 
 
-@pytest.mark.parametrize("tokens", [1, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_heads_first_is_bit_exact(dtype, tokens):
-    """RoPE on the heads-first copy of a strided slice of the fused projections gives `apply_rope`'s bits."""
+def test_rope_with_the_heads_in_front_is_bit_exact(dtype):
+    """RoPE on heads-first operands (what the RoPE kernel computes) gives `apply_rope`'s bits."""
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(tokens, 5 * 16, generator=g).to(dtype)  # [T, (nh + 2·nkv)·hd] with nh = 3, nkv = 1
-    cos, ssin = rope_tables(*(torch.randn(tokens, 16, generator=g).to(dtype) for _ in range(2)))
-    qk = qkv[:, : 4 * 16].view(tokens, 4, 16)
-    x = heads_first(qk)
-    assert x.is_contiguous() and (tokens > 1 or x.data_ptr() == qk.data_ptr())  # no copy for one token
-    assert torch.equal(apply_rope_heads(x, cos, ssin), apply_rope(qk, cos, ssin).transpose(0, 1))
-    # the compiled path's function, run eagerly: the copy and RoPE of q and k, v copied as it is
-    heads_cos, heads_sin = (t[None].expand(4, -1, -1) for t in (cos, ssin))  # [4, T, hd]
-    fused = heads_first_rope(qkv.view(tokens, 5, 16), heads_cos, heads_sin, 4)
-    assert fused.is_contiguous() and fused.shape == (5, tokens, 16)
-    assert torch.equal(fused[:4], apply_rope(qk, cos, ssin).transpose(0, 1))
-    assert torch.equal(fused[4], qkv[:, 4 * 16 :])
+    x = torch.randn(6, 4, 16, generator=g).to(dtype)  # [T, heads, hd]
+    cos, ssin = rope_tables(*(torch.randn(6, 16, generator=g).to(dtype) for _ in range(2)))
+    assert torch.equal(apply_rope_heads(x.transpose(0, 1), cos, ssin), apply_rope(x, cos, ssin).transpose(0, 1))
 
 
 def test_fuse_levels_and_bad_levels():
@@ -277,10 +268,10 @@ def test_argmax_ids_equals_argmax_first_maximum_included(dtype):
 def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse, gemm):
     """The property that keeps bf16 chains identical to plain decoding on the fast path: a forward of T causal
     tokens gives each row the logits (bit for bit) that T one-token steps give, whatever layout the many-token
-    path uses internally (heads first for T > 1, `FastTarget.qkv_heads_first`). Qwen3 covers the q/k-norm path.
+    path uses internally. Qwen3 covers the q/k-norm path.
     `wide`: an MLP of 2,048 (SmolLM2's is 1,536), where a CPU without AMX (AMD EPYC, AVX512-BF16) rounds a
     one-row product differently from a many-row one with the vendor's kernels; the fast path's own
-    (`exact_rows`, forced here on any CPU) keep the rows equal. `fuse`: with RoPE (and the heads-first copy) and
+    (`exact_rows`, forced here on any CPU) keep the rows equal. `fuse`: with RoPE and
     SwiGLU compiled by inductor (`FastOptions.fuse_pointwise="elementwise"`), whose one-token and many-token kernels must
     round alike. `gemm`: the residual adds in the products' epilogues (`residual_in_gemm`, the CUDA default;
     qwen2 has q/k/v biases but none on o_proj and down_proj, so both its adds still fuse)."""
@@ -301,20 +292,22 @@ def test_chain_rows_have_the_bits_of_one_token_steps_in_bf16(arch, wide, fuse, g
 
 def verification_and_steps(fresh) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [6, V] of tokens 18..23 of a 24-token prompt after the same 18-token prefill, on two fresh targets
-    (`fresh()`): as one 6-token causal forward, and as six one-token steps."""
+    (`fresh()`), one row each: as one 6-token causal forward, and as six one-token steps."""
     ids = prompt_of(24, seed=3)
     ar = torch.arange(32)
     logits = {}
     for mode in ("rows", "steps"):
         t = fresh()
-        t.allocate(32)
-        t(ids[:18], ar[:18], ar[:18], ar[None, :] <= ar[:18, None])  # the same prefill for both
-        if mode == "rows":
-            pos = ar[18:24]
-            logits[mode] = t(ids[18:24], pos, pos, ar[None, :] <= pos[:, None])[0]
-        else:
-            logits[mode] = torch.cat([t(ids[p : p + 1], ar[p : p + 1], ar[p : p + 1], (ar <= p)[None])[0]
-                                      for p in range(18, 24)])
+        k, rope = torch.zeros(t.num_layers, 1, t.nkv, 32, t.hd, dtype=t.dtype), t.rope_table(32)
+        v = torch.zeros_like(k)
+
+        def run(a: int, b: int, t=t, k=k, v=v, rope=rope) -> torch.Tensor:  # tokens a..b-1: logits [b-a, V]
+            pos = ar[a:b]  # their positions and slots
+            mask = (ar[None, :] <= pos[:, None])[None]  # [1, b-a, 32] causal
+            return t.forward_rows(ids[None, a:b], pos[None], pos[None], mask, k, v, rope)[0][0]
+
+        run(0, 18)  # the same prefill for both
+        logits[mode] = run(18, 24) if mode == "rows" else torch.cat([run(p, p + 1) for p in range(18, 24)])
     return logits["rows"], logits["steps"]
 
 
@@ -479,7 +472,7 @@ def test_residual_in_gemm_keeps_greedy_output(models, drafters, arch, monkeypatc
 def test_residual_in_gemm_keeps_logits_and_aux_features(models, drafters):
     """With the residual changing in place (`residual_in_gemm`), a forward's logits and aux features (which the
     drafter reads, so a wrong one would only cost acceptance, never output) equal the separate adds' up to fp32
-    rounding, in `forward` and `forward_rows`, and the batched generator answers alike."""
+    rounding, in one row and in two, and the batched generator answers alike."""
     from eagle3.fast.batched import BatchedGenerator
 
     model, d = models["llama"], drafters["llama"]

@@ -133,7 +133,7 @@ def test_step_functions_are_capture_safe(experts):
         assert rows.packet.device.type == "meta"
 
 
-def test_rows_forward_equals_the_batch_one_forward():
+def test_two_rows_forward_as_one():
     model = build("qwen3_moe")
     logits, aux, rows, rows_aux = forward_outputs(FastTarget(model, [1, 3, 5]), prompt_of(12, seed=4))
     for r in range(2):

@@ -105,20 +105,25 @@ def test_rope_kernel_applies_the_folded_scale(interpreted, head_norm, dtype, tol
 
 
 def forwards(target: FastTarget, seed: int = 0):
-    """Logits and aux of a 9-token prefill and a 3-token continuation, through `forward` and `forward_rows`."""
-    target.allocate(64)
-    target.kv_cache.zero_()
+    """Logits and aux of a 9-token prefill and a 3-token continuation in one row, and of all 12 tokens in another."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 300, (12,), generator=gen)
     pos = torch.arange(12)
     mask = pos[None, :] <= pos[:, None]
     mask = torch.cat([mask, torch.zeros(12, 52, dtype=torch.bool)], dim=1)  # [12, 64]
-    first = target(ids[:9], pos[:9], pos[:9], mask[:9], want_aux=True)
-    second = target(ids[9:], pos[9:], pos[9:], mask[9:12], want_aux=True)
-    k_rows = torch.zeros(target.num_layers, 1, target.nkv, 64, target.hd)
-    rows = target.forward_rows(ids[None], pos[None], pos[None], mask[None], k_rows, torch.zeros_like(k_rows),
-                               target.rope_table(64), want_aux=True)
-    return first, second, rows
+    rope = target.rope_table(64)
+
+    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.zeros(target.num_layers, 1, target.nkv, 64, target.hd, dtype=target.dtype)
+        return k, torch.zeros_like(k)
+
+    k, v = cache()
+
+    def run(a: int, b: int, k: torch.Tensor, v: torch.Tensor):
+        return target.forward_rows(ids[None, a:b], pos[None, a:b], pos[None, a:b], mask[None, a:b], k, v, rope,
+                                   want_aux=True)
+
+    return run(0, 9, k, v), run(9, 12, k, v), run(0, 12, *cache())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
@@ -197,13 +202,17 @@ def test_folded_target_on_a_gpu_matches_the_unfolded_one():
     assert target.attention == "split" and target.folded
 
     def run():
-        target.allocate(256)
-        target.kv_cache.zero_()
-        ids = torch.randint(3, 300, (203,), generator=torch.Generator().manual_seed(2)).cuda()
-        pos = torch.arange(203, device="cuda")
-        mask = torch.arange(256, device="cuda")[None, :] <= pos[:, None]
-        return target(ids[:200], pos[:200], pos[:200], mask[:200], want_aux=True), \
-            target(ids[200:], pos[200:], pos[200:], mask[200:], want_aux=True)
+        k = torch.zeros(target.num_layers, 1, target.nkv, 256, target.hd, device="cuda")
+        v, rope = torch.zeros_like(k), target.rope_table(256)
+        ids = torch.randint(3, 300, (1, 203), generator=torch.Generator().manual_seed(2)).cuda()
+        pos = torch.arange(203, device="cuda")[None]
+        mask = torch.arange(256, device="cuda")[None, None, :] <= pos[:, :, None]  # [1, 203, 256]
+        tail = torch.tensor([[[200, 200, 200], [200, 201, 200], [200, 201, 202]]], device="cuda")  # a chain's paths
+        step = (pos[0, :1] + 200, tail)  # by position: the committed 200 slots, then each token's path [1, 3, 3]
+        return target.forward_rows(ids[:, :200], pos[:, :200], pos[:, :200], mask[:, :200], k, v, rope,
+                                   want_aux=True), \
+            target.forward_rows(ids[:, 200:], pos[:, 200:], pos[:, 200:], None, k, v, rope, want_aux=True,
+                                path=step)
 
     folded = run()
     target.norm_kernel = "on"

@@ -1,7 +1,7 @@
 """RoPE and the KV-cache write in one Triton kernel (`eagle3.fast.rope_cache`).
 
 On a CPU the kernel runs in Triton's interpreter (fp32 and fp16); on a GPU (marked `gpu`) compiled, in bf16.
-Against the PyTorch path it replaces (`FastTarget.qkv_heads_first`'s rotation, then the index copy into the
+Against the PyTorch path it replaces (`FastTarget.rope_qk`'s rotation, then the index copy into the
 cache): q, the cached K and V, slots not written left as they were, Qwen3's head norms, and rows that keep their
 values whatever rows come with them. The fast path's greedy decoding through it is checked against HF `generate`
 in `tests/test_split_attention.py` (forwards that attend by splits use it).

@@ -482,10 +482,16 @@ def test_bf16_tree_nodes_get_the_bits_of_plain_steps(arch):
     from eagle3.fast.target import STEP_ROWS, FastTarget
 
     model = build_tiny_target(arch).cuda().to(torch.bfloat16)
-    ft = FastTarget(model)
-    assert ft.attention == "split" and ft.step_rows == 0
-    ft.step_rows = STEP_ROWS  # what `FastOptions.batch_invariant` sets
-    ft.allocate(512)
+    target = FastTarget(model)
+    assert target.attention == "split" and target.step_rows == 0
+    target.step_rows = STEP_ROWS  # what `FastOptions.batch_invariant` sets
+    k = torch.zeros(target.num_layers, 1, target.nkv, 512, target.hd, dtype=torch.bfloat16, device="cuda")
+    v, rope = torch.zeros_like(k), target.rope_table(512)
+
+    def ft(ids, pos, slots, mask, path=None):  # one row: ids, pos, slots [T], mask [T, S], path (length, tail [T, W])
+        return target.forward_rows(ids[None], pos[None], slots[None], None if mask is None else mask[None], k, v,
+                                   rope, path=None if path is None else (path[0], path[1][None]))[0][0]
+
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 300, (200,), generator=gen).cuda()
     ar = torch.arange(512, device="cuda")
@@ -495,10 +501,10 @@ def test_bf16_tree_nodes_get_the_bits_of_plain_steps(arch):
     plain = []
     for j, tok in enumerate(path):  # one-token steps at positions n0 + j, slots n0 + j
         p = ar[n0 + j : n0 + j + 1]
-        plain.append(ft(torch.tensor([tok], device="cuda"), p, p, None, path=(p, p[:, None]))[0][0])
+        plain.append(ft(torch.tensor([tok], device="cuda"), p, p, None, path=(p, p[:, None]))[0])
     tokens, parents, nodes = _tree_over_a_path(path[1:], 40, gen)
     pos, tail = tree_paths(torch.tensor(parents), n0)  # the tree verified at slots n0 + [0, 40]
     ids = torch.tensor([path[0], *tokens], device="cuda")
-    logits, _ = ft(ids, pos.cuda(), n0 + ar[:41], None, path=(ar[n0 : n0 + 1], tail.cuda()))
+    logits = ft(ids, pos.cuda(), n0 + ar[:41], None, path=(ar[n0 : n0 + 1], tail.cuda()))
     for j, node in enumerate([0, *nodes]):
         assert torch.equal(logits[node], plain[j]), j

@@ -1,7 +1,7 @@
-"""The fast target's attention over its static cache: GQA with each KV head's query heads stacked along the query
-axis, over one cache or one per row, and the choice among split, sdpa and matmul.
+"""The fast target's attention over its static caches: GQA with each KV head's query heads stacked along the query
+axis, one cache per row, and the choice between split and sdpa.
 
-Stacked: q [n_kv, g·T, hd] against k [n_kv, S, hd], one plain batched attention, K/V never repeated. (The query
+Stacked: q [B, n_kv, g·T, hd] against k [B, n_kv, S, hd], one plain batched attention, K/V never repeated. (The query
 heads as SDPA heads with `enable_gqa` made plain decoding on CUDA faster, but cuDNN then runs one query row with
 other kernels than several, so bf16 chains were no longer identical to plain decoding: docs/benchmarks.md.)"""
 
@@ -14,34 +14,6 @@ from eagle3.config import TARGET_ATTENTION, ConfigError
 from eagle3.fast import split_attention as split
 
 
-def attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask [T, S] -> additive bias [1, 1, g·T, S] for `grouped_attention` (built once per forward; g query
-    heads per KV head)."""
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    return bias.repeat(groups, 1)[None, None]  # row r·T + t belongs to token t
-
-
-def grouped_attention(
-    q: torch.Tensor,  # [nh, T, hd], heads first (contiguous from `FastTarget.qkv_heads_first`: no copy here)
-    k_all: torch.Tensor,  # [nkv, S, hd]
-    v_all: torch.Tensor,  # [nkv, S, hd]
-    bias: torch.Tensor,  # [1, 1, g·T, S] from attention_bias
-    scale: float,
-    exact: bool = False,
-) -> torch.Tensor:
-    """GQA attention over a static cache without repeating K/V, the query heads stacked; `exact`: by
-    `rows_exact_attention` (`exact_rows`). Returns [T, nh·hd]."""
-    nh, t, hd = q.shape
-    nkv = k_all.shape[0]
-    g = nh // nkv
-    qg = q.reshape(nkv, g * t, hd)  # [nkv, g·T, hd] (a view if q is contiguous); row r·T + t: head kv·g + r, token t
-    if exact:
-        o = rows_exact_attention(qg, k_all, v_all, bias[0], scale)
-    else:
-        o = F.scaled_dot_product_attention(qg[None], k_all[None], v_all[None], attn_mask=bias, scale=scale)[0]
-    return o.reshape(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)  # [T, nh·hd]
-
-
 def rows_exact_attention(
     q: torch.Tensor,  # [nkv, R, hd]
     k: torch.Tensor,  # [nkv, S, hd]
@@ -51,7 +23,7 @@ def rows_exact_attention(
 ) -> torch.Tensor:
     """Attention in two batched GEMMs (scores scaled and biased in the first, softmax in fp32, the weights back
     in the model dtype for the second), whose rows do not depend on how many come with them when there are at
-    least two (`exact_rows`; `FastTarget.forward` runs a single token as two rows). Returns [nkv, R, hd]."""
+    least two (`exact_rows`; `FastTarget.forward_rows` runs a single token as two rows). Returns [nkv, R, hd]."""
     scores = torch.baddbmm(bias, q, k.transpose(-1, -2), alpha=scale)  # [nkv, R, S]
     return torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [nkv, R, hd]
 
@@ -70,8 +42,8 @@ def row_attention(
     scale: float,
     exact: bool = False,
 ) -> torch.Tensor:
-    """`grouped_attention` for B rows, each over its own cache; `exact`: by `rows_exact_attention` (`exact_rows`).
-    Returns [B·T, nh·hd]."""
+    """GQA attention of B rows, each over its own cache, without repeating K/V (each KV head's query heads
+    stacked); `exact`: by `rows_exact_attention` (`exact_rows`). Returns [B·T, nh·hd]."""
     b, t, nh, hd = q.shape
     nkv, s = k_rows.shape[1], k_rows.shape[2]
     g = nh // nkv

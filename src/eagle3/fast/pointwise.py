@@ -47,22 +47,6 @@ def apply_rope_heads(
     return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin, out=out)
 
 
-def heads_first_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, n_rot: int) -> torch.Tensor:
-    """x [N, heads, hd] (a strided view of the fused q/k/v projections) -> [heads, N, hd] contiguous, RoPE on the
-    first n_rot heads (q and k) and the rest (v) as they are; cos/signed_sin [n_rot, N, hd] (`FastTarget.
-    rope_tables_heads`). Written for inductor (`Pointwise`, piece "qkv_rope"), which makes the copy and RoPE one
-    kernel reading the projections where they lie; eagerly `FastTarget.qkv_heads_first` copies, then rotates in
-    place."""
-    x = x.transpose(0, 1)  # [heads, N, hd], a view
-    return torch.cat([apply_rope_heads(x[:n_rot], cos, signed_sin), x[n_rot:]])
-
-
-def heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[T, heads, hd] (a strided view of the fused projections) -> contiguous [heads, T, hd]: one copy for T > 1,
-    none for T = 1 (a single row is already laid out that way)."""
-    return x.transpose(0, 1).contiguous()
-
-
 def residual_in_gemm(device: torch.device | str) -> bool:
     """Whether a new `FastTarget` adds each residual in the epilogue of the product before it (`Tensor.addmm_`
     on the residual: h += x·Wᵀ in one cuBLAS kernel, accumulated in fp32 and rounded once, where a product and
@@ -94,7 +78,7 @@ def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
 # one for many), and a one-token step and a many-token verification round alike. The norms reduce over the hidden
 # size, and inductor may split a one-row reduction where it does not split 61 rows: compiled too, they broke bf16
 # chain identity (docs/benchmarks.md), so they stay eager.
-ELEMENTWISE_PIECES = ("rope", "rope_heads", "gate", "qkv_rope")
+ELEMENTWISE_PIECES = ("rope", "gate")
 
 
 def fuse_level(value: bool | str | None, device: torch.device | str) -> str | None:
@@ -127,8 +111,7 @@ class Pointwise:
 
     def __init__(self, backend: str | None = None):
         self.fused = frozenset(ELEMENTWISE_PIECES if backend is not None else ())
-        fns = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "rope_heads": apply_rope_heads,
-               "gate": silu_gate, "qkv_rope": heads_first_rope}
+        fns = {"norm": rms_norm, "add_norm": add_rms_norm, "rope": apply_rope, "gate": silu_gate}
         for name, f in fns.items():
             if name in self.fused:
                 f = torch.compile(f, dynamic=None, fullgraph=True, backend=backend)
@@ -137,15 +120,6 @@ class Pointwise:
     @property
     def compiled(self) -> bool:
         return bool(self.fused)
-
-    def rope_heads_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        out: torch.Tensor | None = None) -> None:
-        """`apply_rope_heads` written into `out` (default: x, in place); compiled, the result is copied there."""
-        out = x if out is None else out
-        if "rope_heads" in self.fused:
-            out.copy_(self.rope_heads(x, cos, sin))
-        else:
-            apply_rope_heads(x, cos, sin, out=out)
 
 
 EAGER = Pointwise()

@@ -1,14 +1,13 @@
 """RoPE and the KV-cache write of one decoder layer as one Triton kernel, for CUDA decoding forwards.
 
 After its fused q/k/v projection a layer of the fast target rotates q and k and writes the new K and V into the
-static cache at the forward's slots. As PyTorch work that is two kernels per layer, a compiled copy-and-rotate
-(`eagle3.fast.target.heads_first_rope`) and an index copy into the cache, each a launch per layer on the
-decoding path. Here one program per (token, head) reads its head's slice of
+static cache at the forward's slots. As PyTorch work that is several kernels per layer (the rotation, then an
+index write into each row's cache), each a launch per layer on the decoding path. Here one program per (token, head) reads its head's slice of
 the projections, rotates it when it is a q or k head, and stores it where attention reads it: q heads first
 `[nh, T, hd]` (the stacked layout `eagle3.fast.split_attention` takes), K and V straight into the layer's cache
 `[2·n_kv, S, hd]` at the token's slot.
 
-The rotation is `eagle3.fast.target.apply_rope_heads` (rotate-half layout with the signed sin of `rope_tables`):
+The rotation is `eagle3.fast.pointwise.apply_rope_heads` (rotate-half layout with the signed sin of `rope_tables`):
 x·cos + roll(x, hd/2)·signed_sin, computed in fp32 and rounded once, as inductor's compiled piece does. Qwen3's
 RMSNorm over each q and k head comes first (fp32, one rounding, as `F.rms_norm`). Each token is rotated on its
 own, so a row's values do not depend on the rows beside it (bf16 chains stay identical to plain decoding).
@@ -16,8 +15,9 @@ Where the layer's input norm is folded into its q/k/v matrix (`eagle3.fast.norm_
 each program first computes its token's rsqrt(mean(h²) + eps) from the residual row (`rms`) and scales its head
 by it, in fp32, so the norm needs no kernel of its own.
 
-`rope_into_rows` is the same kernel for the server's rows (`eagle3.fast.rows`): B rows of T tokens, row b's K and V
-written into its own cache `[B, n_kv, S, hd]` at its own slots, q heads first per row `[B, nh, T, hd]`.
+`rope_into_rows` is the same kernel for the rows (`eagle3.fast.rows`, what every fast decoding runs): B rows of T
+tokens, row b's K and V written into its own cache `[B, n_kv, S, hd]` at its own slots, q heads first per row
+`[B, nh, T, hd]`; `rope_into_cache` is one row over one cache `[2·n_kv, S, hd]` (the reference its tests use).
 """
 
 from __future__ import annotations

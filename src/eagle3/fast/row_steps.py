@@ -10,7 +10,6 @@ from eagle3.decoding.expand import coupled_top_k, expand_tree
 from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots, scratch_path_slots
 from eagle3.decoding.verify import accept_rows
-from eagle3.fast.target import argmax_ids
 
 
 class RowSteps:
@@ -19,8 +18,8 @@ class RowSteps:
     def _choose(self, rows: SamplingRows, logits: torch.Tensor, positions: torch.Tensor, mode: int) -> torch.Tensor:
         """The token after each of logits [nb, M, V], predicting `positions` [nb, M]: argmax in greedy buckets,
         else each row's own choice (`SamplingRows.draw`). [nb, M]."""
-        if mode == GREEDY:
-            return argmax_ids(logits)
+        if mode == GREEDY:  # [nb, M]: by `eagle3.fast.row_argmax` where the target attends by splits
+            return self.t.argmax(logits.flatten(0, 1)).view(logits.shape[:2])
         return rows.draw(logits, positions, mode, self.fused_sampling)
 
     def _advance(self, nb: int, n_acc: torch.Tensor, new_root: torch.Tensor) -> None:

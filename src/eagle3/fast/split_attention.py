@@ -28,7 +28,7 @@ chain's verification keep the bits of one-token steps, and with `Paths` so do a 
 position (a split holding only the committed prefix takes stacked tiles, any other one token's heads per tile),
 as `tests/test_split_attention.py` checks (on a GPU, and on a CPU in Triton's interpreter).
 
-Query rows are stacked as in `eagle3.fast.target.grouped_attention`: q `[n_kv, g·T, hd]`, row r·T + t is query
+Query rows are stacked as in `eagle3.fast.attention.row_attention`: q `[n_kv, g·T, hd]`, row r·T + t is query
 head kv·g + r of token t.
 """
 

@@ -28,8 +28,6 @@ from eagle3.attention import shapes_vary
 from eagle3.config import ConfigError
 from eagle3.fast import split_attention as split
 from eagle3.fast.attention import (
-    attention_bias,
-    grouped_attention,
     row_attention,
     row_attention_bias,
     target_attention_for,
@@ -42,12 +40,11 @@ from eagle3.fast.pointwise import (
     EAGER,
     Pointwise,
     fuse_level,
-    heads_first,
     residual_in_gemm,
     rms_norm,
     rope_tables,
 )
-from eagle3.fast.rope_cache import rope_into_cache, rope_into_rows
+from eagle3.fast.rope_cache import rope_into_rows
 from eagle3.fast.row_argmax import argmax_rows
 from eagle3.fast.row_norm import rms_norm_rows
 
@@ -57,7 +54,8 @@ STEP_ROWS = 64  # tokens a batch-invariant decoding forward is padded to: trees 
 
 
 class FastTarget(nn.Module):
-    """The target's weights plus a static KV cache; `forward` runs T tokens at given positions and cache slots."""
+    """The target's fused weights; `forward_rows` runs B rows of T tokens at given positions over each row's own
+    static KV cache (`eagle3.fast.rows`)."""
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
         super().__init__()
@@ -85,15 +83,9 @@ class FastTarget(nn.Module):
         self._rotary = [base.rotary_emb]  # a list, so it is not registered as a submodule
         self.dtype = self.embed.dtype
         self.vocab_size = self.lm_head.shape[0]
-        self.register_buffer("cos", None, persistent=False)
-        self.register_buffer("sin", None, persistent=False)
-        self.register_buffer("kv_cache", None, persistent=False)  # [L, 2·n_kv, S, hd]: K heads, then V heads
-        self.k_cache = self.v_cache = None  # [L, n_kv, S, hd] views of kv_cache (`allocate`)
-        self.seq_len = 0
-        self.alloc_id = 0  # bumped by every reallocation: graphs captured before it are stale
         self.pointwise = EAGER
         self.exact_rows = exact_rows(self.device, self.dtype)
-        # decoding forwards that attend by `Paths` are padded to this many tokens (`forward`; 0: none), so that
+        # decoding forwards that attend by `Paths` are padded to this many tokens (`forward_rows`; 0: none), so that
         # every product runs the same kernels whatever the forward holds (`FastOptions.batch_invariant`)
         self.step_rows = 0
         self.residual_in_gemm = residual_in_gemm(self.device)  # set before capturing graphs
@@ -195,23 +187,6 @@ class FastTarget(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
-    # -- static buffers ------------------------------------------------------------------------
-    @torch.no_grad()
-    def allocate(self, seq_len: int) -> None:
-        """(Re)allocate the KV cache and the RoPE table for S = seq_len slots (a no-op when the size is unchanged,
-        so engines sharing this target keep their captured graphs). K and V share one tensor [L, 2·n_kv, S, hd]
-        (`kv_cache`; `k_cache` and `v_cache` are its [L, n_kv, S, hd] halves, each layer's half contiguous as
-        attention reads it), so that a forward writes a layer's new K and V with one index copy and a commit
-        moves the accepted path's K and V with one gather and one copy."""
-        if seq_len == self.seq_len:
-            return
-        dev, dt = self.device, self.dtype
-        self.cos, self.sin = self.rope_table(seq_len)
-        self.kv_cache = torch.zeros(self.num_layers, 2 * self.nkv, seq_len, self.hd, dtype=dt, device=dev)
-        self.k_cache, self.v_cache = self.kv_cache[:, : self.nkv], self.kv_cache[:, self.nkv :]
-        self.seq_len = seq_len
-        self.alloc_id += 1
-
     @torch.no_grad()
     def rope_table(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [S, hd] for positions 0..seq_len-1, from the model's own rotary module."""
@@ -231,42 +206,6 @@ class FastTarget(nn.Module):
         q = pw.rope(pw.norm(qkv[:, : nh * hd].view(n, nh, hd), lw.q_norm, self.eps), cos, sin)
         k = pw.rope(pw.norm(qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd), lw.k_norm, self.eps), cos, sin)
         return q, k
-
-    def rope_tables_heads(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin) at positions pos [N], laid out as `qkv_heads_first` reads them: [nh + nkv, N, hd]
-        contiguous, the rows of each token repeated per head (slice [:heads] for fewer heads).
-
-        Once per forward, so that RoPE's products and sum in every layer run on operands of one shape and layout
-        (vectorized kernels) instead of broadcasting [N, hd] over the heads, which the generic elementwise kernel
-        does at about twice the time for a verification's tokens."""
-        heads = self.nh + self.nkv
-        return tuple(t[pos].expand(heads, -1, -1).contiguous() for t in (self.cos, self.sin))
-
-    def qkv_heads_first(
-        self, qkv: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused projections qkv [N, (nh + 2·nkv)·hd] -> RoPE'd q [nh, N, hd] and the layer's new cache entries
-        kv [2·nkv, N, hd] (RoPE'd K heads, then V heads; `kv_cache`'s layout), heads first and contiguous (Qwen3:
-        RMSNorm over head_dim first); cos/sin [nh + nkv, N, hd] from `rope_tables_heads`. The values are
-        `rope_qk`'s bit for bit (the same elementwise operations on the same operands).
-
-        One copy brings all heads of q, k and v in front (none for N = 1: a single row already lies that way), and
-        RoPE writes its results back into that copy, so q is a view and K and V sit next to each other for one
-        cache write. Stacked attention views q as [nkv, g·N, hd]; the copy replaces the one `torch.roll` makes of a
-        strided input and the transposing copy of q per layer."""
-        n, nh, nkv, hd = qkv.shape[0], self.nh, self.nkv, self.hd
-        pw = self.pointwise
-        if lw.q_norm is None and "qkv_rope" in pw.fused:  # the copy and RoPE in one compiled kernel
-            x = pw.qkv_rope(qkv.view(n, nh + 2 * nkv, hd), cos, sin, nh + nkv)  # [nh + 2·nkv, N, hd]
-            return x[:nh], x[nh:]
-        x = heads_first(qkv.view(n, nh + 2 * nkv, hd))  # [nh + 2·nkv, N, hd]: q, k, v heads
-        if lw.q_norm is None:  # RoPE on q and k at once: they are adjacent in the fused output
-            pw.rope_heads_into(x[: nh + nkv], cos, sin)
-        else:
-            pw.rope_heads_into(pw.norm(x[:nh], lw.q_norm, self.eps), cos[:nh], sin[:nh], out=x[:nh])
-            pw.rope_heads_into(pw.norm(x[nh : nh + nkv], lw.k_norm, self.eps), cos[:nkv], sin[:nkv],
-                               out=x[nh : nh + nkv])
-        return x[:nh], x[nh:]
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear`, over a packed copy of `w` where this target packs its weights (`cpu_packs_weights`)."""
@@ -362,95 +301,11 @@ class FastTarget(nn.Module):
         slots = torch.arange(mask.shape[-1], device=mask.device)  # [S]
         return mask & (slots > pos[..., None] - self.window)
 
-    def forward(
-        self,
-        ids: torch.Tensor,  # [T] long
-        pos: torch.Tensor,  # [T] long, RoPE positions
-        slots: torch.Tensor,  # [T] long, cache slots to write K/V at
-        mask: torch.Tensor,  # bool [T, S]: which slots each token sees (its own, none beyond the last of `slots`)
-        last_only: bool = False,  # logits for the last token only (prefill)
-        want_aux: bool = False,
-        logits_at: torch.Tensor | None = None,  # [1] long: logits for this token only (a padded prefill's last)
-        path: tuple[torch.Tensor, torch.Tensor] | None = None,  # decoding forwards: (length [1], tail [T, W])
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns logits [T or 1, V] in the model dtype and aux features [T, 3·H] (None unless want_aux).
-
-        `path` (decoding forwards, see `eagle3.fast.split_attention.Paths`): where the split attention runs, each
-        token attends by position over the committed prefix and its own path, so a tree's accepted nodes sum
-        what plain decoding's one-token steps sum; with `step_rows` (batch-invariant) the forward is also padded
-        to that many tokens, so that every product has one shape whatever the forward holds."""
-        t = ids.shape[0]
-        if path is not None and self.by_splits(t):
-            return self._by_paths(ids, pos, slots, path, want_aux)
-        mask = self.windowed(mask, pos)
-        if t == 1 and self.exact_rows:  # one token as two equal rows: the many-row kernels' bits (`exact_rows`)
-            logits, aux = self.forward(ids.repeat(2), pos.repeat(2), slots.repeat(2), mask.expand(2, -1),
-                                       want_aux=want_aux)
-            return logits[:1], (None if aux is None else aux[:1])
-        return self._forward(ids, pos, slots, mask, None, last_only, want_aux, logits_at)
-
     def by_splits(self, t: int) -> bool:
         """Whether a forward of t tokens attends by the split kernel: where it was chosen and takes t tokens, in
         fixed-shape code (traced code, torch.compile's, and varying shapes attend by SDPA)."""
         return (self.attention == "split" and not shapes_vary() and split.supports(self.hd, max(t, self.step_rows))
                 and not torch.compiler.is_compiling())
-
-    def _by_paths(self, ids, pos, slots, path, want_aux):
-        """`forward` of a decoding forward attending by `Paths`, padded to `step_rows` tokens: the padding
-        tokens go through the products only (they write no K or V and attend to nothing)."""
-        t = ids.shape[0]
-        length, tail = path
-        pad = max(self.step_rows - t, 0)
-        if pad:
-            ids = torch.cat([ids, ids[-1:].expand(pad)])
-            pos = torch.cat([pos, pos[-1:].expand(pad)])
-            slots = torch.cat([slots, slots[-1:].expand(pad)])
-            tail = torch.cat([tail, tail[-1:].expand(pad, -1)])
-        paths = split.Paths(length, tail, pos, valid=t)
-        logits, aux = self._forward(ids, pos, slots, None, paths, False, want_aux, None)
-        return logits[:t], (None if aux is None else aux[:t])
-
-    def _forward(self, ids, pos, slots, mask, paths, last_only, want_aux, logits_at):
-        """The layers of `forward`: visibility by `mask` [T, S], or by `paths` (split attention only)."""
-        t = ids.shape[0]
-        nh, nkv = self.nh, self.nkv
-        h = F.embedding(ids, self.embed)  # [T, H]
-        exact = self.exact_rows
-        groups = nh // nkv  # query heads per KV head, stacked along the query axis
-        by_splits = paths is not None or self.by_splits(t)
-        # forwards that attend by splits also rotate q and k and write K and V in one kernel per layer (`rope_cache`)
-        cos, sin = (None, None) if by_splits else self.rope_tables_heads(pos)  # [nh + nkv, T, hd]
-        bias = None if by_splits else attention_bias(mask, groups, self.dtype)  # [1, 1, g·T, S]
-        aux: list[torch.Tensor] = []
-        folded = self.folded  # then x is None between layers: the products read h (`eagle3.fast.norm_fold`)
-        x = None if folded else self.pointwise.norm(h, self.layers[0].ln1, self.eps)  # [T, H]: the next input
-        for i, lw in enumerate(self.layers):
-            if want_aux and i in self.aux_layer_ids:
-                aux.append(h.clone() if self.residual_in_gemm else h)  # h changes in place
-            qkv = self.linear(h if folded else x, lw.wqkv, lw.bqkv)  # [T, (nh + 2·nkv)·hd]
-            if by_splits:  # q [nh, T, hd]; K and V written at `slots` of [2·nkv, S, hd]
-                q = rope_into_cache(qkv, self.cos, self.sin, pos, slots, self.kv_cache[i], nh,
-                                    None if lw.q_norm is None else (lw.q_norm, lw.k_norm), self.eps,
-                                    rms=h if folded else None, valid=None if paths is None else paths.valid)
-            else:
-                if folded:
-                    qkv = scale_rows(qkv, h, self.eps)
-                q, kv = self.qkv_heads_first(qkv, lw, cos, sin)  # [nh, T, hd], [2·nkv, T, hd]
-                self.kv_cache[i].index_copy_(1, slots, kv)  # [2·nkv, S, hd]: K and V written at `slots`
-            if by_splits:  # q as [n_kv, g·T, hd] (a view): row r·T + t is head kv·g + r
-                o = split.split_attention(q.view(nkv, -1, self.hd), self.k_cache[i], self.v_cache[i], mask,
-                                          self.scale, last=slots, paths=paths, window=self.window)  # [T, nh·hd]
-            else:
-                o = grouped_attention(q, self.k_cache[i], self.v_cache[i], bias, self.scale, exact)  # [T, nh·hd]
-            h, x = self.post_attention(i, h, o)
-        if want_aux and self.num_layers in self.aux_layer_ids:
-            aux.append(h)
-        if last_only:
-            x = x[-1:]
-        elif logits_at is not None:
-            x = x.index_select(0, logits_at)  # [1, H]
-        logits = self.linear(x, self.lm_head)  # [T', V]
-        return logits, (torch.cat(aux, dim=-1) if want_aux else None)  # aux [T, 3·H]
 
     def forward_rows(
         self,
@@ -465,10 +320,12 @@ class FastTarget(nn.Module):
         want_aux: bool = False,
         path: tuple[torch.Tensor, torch.Tensor] | None = None,  # decoding forwards: (length [B], tail [B, T, W])
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward` for B rows of T tokens, each row with its own cache; returns logits [B, T, V] ([B, 1, V] at
-        `logits_at`) and aux [B, T, 3·H] (None unless want_aux). With `path`, where the split attention runs,
-        each row's tokens attend by position as in `forward` (`eagle3.fast.split_attention.Paths`), else by
-        `mask`."""
+        """B rows of T tokens, each row over its own cache: logits [B, T, V] in the model dtype ([B, 1, V] at
+        `logits_at`) and aux features [B, T, 3·H] (None unless want_aux). With `path` (decoding forwards), where
+        the split attention runs, each token attends by position over its row's committed prefix and its own path
+        (`eagle3.fast.split_attention.Paths`), so a tree's accepted nodes sum what plain decoding's one-token steps
+        sum; with `step_rows` (batch-invariant) such forwards are also padded to that many tokens, so that every
+        product has one shape whatever the forward holds. Elsewhere tokens attend by `mask`."""
         b, t = ids.shape
         pad = self.step_rows - t if path is not None and self.by_splits(t) else 0
         if pad > 0:  # batch-invariant: every decoding forward at `step_rows` tokens, padded with the last one
@@ -478,7 +335,7 @@ class FastTarget(nn.Module):
             logits, aux = self.forward_rows(padded(ids), padded(pos), padded(slots), None, k_rows, v_rows, rope,
                                             logits_at, want_aux, (path[0], padded(path[1])))
             return logits[:, :t], None if aux is None else aux[:, :t]  # padding writes its last token's K/V again
-        if b * t == 1 and self.exact_rows:  # one token as two equal ones: the many-row kernels' bits (`forward`)
+        if b * t == 1 and self.exact_rows:  # one token as two equal ones: the many-row kernels' bits (`exact_rows`)
             logits, aux = self.forward_rows(
                 ids.repeat(1, 2), pos.repeat(1, 2), slots.repeat(1, 2), None if mask is None else mask.repeat(1, 2, 1),
                 k_rows, v_rows, rope, logits_at, want_aux, None if path is None else (path[0], path[1].repeat(1, 2, 1)))
