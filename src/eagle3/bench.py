@@ -318,7 +318,7 @@ def run_bench(
             on_progress(partial)
 
     bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, _by_method(summary).get("plain"),
-                           copy_bandwidth)
+                           copy_bandwidth, cache_len)
     return record(bandwidth)
 
 
@@ -363,7 +363,7 @@ def _summarise(summary: list[dict], results: dict[str, list[dict]], prompts: lis
     return rows
 
 
-def _bandwidth(model, fast_target, prompts, max_new_tokens, dev, plain, copy_bandwidth) -> dict:
+def _bandwidth(model, fast_target, prompts, max_new_tokens, dev, plain, copy_bandwidth, cache_slots: int) -> dict:
     """Bytes one decoding step must read, the floor they imply at the measured copy bandwidth, and the
     fraction of that floor plain decoding reaches."""
     cfg = getattr(model.config, "text_config", None) or model.config
@@ -383,8 +383,8 @@ def _bandwidth(model, fast_target, prompts, max_new_tokens, dev, plain, copy_ban
     floor = bw / (wbytes + kv)
     out = {"weight_bytes": wbytes, "kv_bytes_mean_context": kv, "mean_context": round(mean_ctx, 1),
            "copy_bandwidth_gbs": round(bw / 1e9, 2), "floor_tokens_per_s": round(floor, 2)}
-    if fast_target is not None and fast_target.seq_len:
-        out["kv_bytes_static_cache"] = fast_target.kv_bytes(fast_target.seq_len)
+    if fast_target is not None:  # one row's static cache
+        out["kv_bytes_static_cache"] = fast_target.kv_bytes(cache_slots)
     if plain and plain.get("decode_tokens_per_s_median"):
         out["plain_decode_tokens_per_s"] = plain["decode_tokens_per_s_median"]
         out["plain_fraction_of_floor"] = round(plain["decode_tokens_per_s_median"] / floor, 4)
