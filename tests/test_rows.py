@@ -534,3 +534,23 @@ def test_rows_with_a_sliding_window_match_hf_generate():
             outs[j] += new
     for p, out in zip(prompts, outs, strict=True):
         assert out[:20] == hf_greedy(model, p, 20)
+
+
+def test_a_cycle_launched_before_the_last_is_collected_changes_nothing():
+    """`launch` twice before `collect` (what `FastEngine` does on CUDA, one cycle ahead of the host): the tokens two
+    `cycle` calls give, in order; a third launch waits for a collect, and `clear` drops a cycle in flight."""
+    model = build_tiny_target("llama", vocab_size=8)
+    d = init_drafter(model, draft_vocab_size=8, seed=1)
+    prompt = prompts_of([9], 8, seed=3)[0]
+    ahead, step = (make_rows(model, d, 1, {1: TREE}) for _ in range(2))
+    ahead.add(prompt)
+    step.add(prompt)
+    for _ in range(3):
+        ahead.launch(spec=True)
+        ahead.launch(spec=False)
+        with pytest.raises(RuntimeError, match="collect one first"):
+            ahead.launch(spec=True)
+        assert [ahead.collect(), ahead.collect()] == [step.cycle(spec=True), step.cycle(spec=False)]
+    ahead.launch(spec=True)
+    ahead.clear()
+    assert ahead.n == 0 and not ahead._launched

@@ -204,7 +204,7 @@ class FastEngine:
         self.rows = FastRows(self.target, self.drafter, capacity=1, seq_len=size,
                              shapes=(lambda _b: self.spec) if self.mode == "eagle3" else None, graphs=o.graphs,
                              chain_stop=o.chain_stop, host_nodes=self.max_nodes, coupled=o.coupled_drafts,
-                             prefill_graphs=o.graph_prefill)
+                             prefill_graphs=o.graph_prefill, prefill_tokens=size)  # staging: one row's slots
         if self.compile_drafting:
             self.rows.compile_drafting(o.compile_backend)
 

@@ -294,7 +294,7 @@ class FastRows(RowSteps):
             p.runner()
         else:
             with varying_shape_attention(self.device):  # a new width per admission
-                prefill_step(self, p)
+                prefill_step(self, p, max(modes))
         t = p.t  # padding K/V lands in slots a row's length never covers before they are overwritten
         self.k[:, i : i + r, :, :t].copy_(p.k[:, :r])
         self.v[:, i : i + r, :, :t].copy_(p.v[:, :r])

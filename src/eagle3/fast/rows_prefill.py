@@ -85,16 +85,18 @@ def prefill_key(rows: FastRows, r: int, width: int) -> tuple[int, int] | None:
     return key if key[0] * key[1] <= rows.prefill_tokens else None
 
 
-def prefill_step(rows: FastRows, p: Prefill) -> None:
+def prefill_step(rows: FastRows, p: Prefill, mode: int | None = None) -> None:
     """Prefill p.ids into p's staging caches (causal, positions from 0); each prompt's first new token (the
     position-keyed choice at its length, or the root it came with) and, with a drafter, the drafter's output at
-    each prompt's last token (row t pairs the target's features g_t with token x_{t+1})."""
+    each prompt's last token (row t pairs the target's features g_t with token x_{t+1}). `mode`: how the prompts
+    choose (None: as any row may, what a captured prefill needs)."""
     r, t, d = p.r, p.t, rows.d
     pos = rows.ar_s[:t][None].expand(r, -1)  # [R, T]
     mask = rows.ar_s[None, None, :t] <= pos[:, :, None]  # [R, T, T] causal
     logits, aux = rows.t.forward_rows(p.ids, pos, pos, mask, p.k, p.v, rows.rope, logits_at=p.lens - 1,
                                       want_aux=d is not None)  # [R, 1, V], [R, T, 3·Ht]
-    mode = FILTERED if rows.sampling else GREEDY
+    if mode is None:
+        mode = FILTERED if rows.sampling else GREEDY
     tok = rows._choose(p.sampling, logits, p.lens[:, None], mode)[:, 0]  # [R]
     p.first.copy_(torch.where(p.has_root, p.root, tok))
     if d is not None:
