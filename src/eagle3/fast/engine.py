@@ -37,9 +37,8 @@ from eagle3.decoding.guard import EngineGuards, SpeculationGuard
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import GREEDY, sampling_mode
 from eagle3.drafter import Eagle3Drafter
-from eagle3.fast import split_attention as split
 from eagle3.fast.drafter import FastDrafter
-from eagle3.fast.rows import FastRows
+from eagle3.fast.rows import FastRows, cycle_margin, drafts_by_position
 from eagle3.fast.target import STEP_ROWS, FastTarget, fast_support
 
 log = logging.getLogger("eagle3.fast")
@@ -184,17 +183,12 @@ class FastEngine:
     def seq_len(self) -> int:
         return self.rows.seq_len if self.rows is not None else 0
 
-    @property
-    def margin(self) -> int:
-        """Slots a cycle may write beyond the row's length (`FastRows.margin`)."""
-        n = self.max_nodes or (self.spec.total if self.mode == "eagle3" else 0)
-        d = self.max_nodes or (self.spec.depth if self.mode == "eagle3" else 0)
-        return n + d + 2
-
     def reserve(self, prompt_len: int, max_new_tokens: int) -> None:
         """Make the row's caches big enough for a request (room for one pipelined cycle beyond its end); new
         caches drop the captured graphs."""
-        need = prompt_len + max_new_tokens + 2 * self.margin
+        shapes = ([DraftShape.chain(self.max_nodes)] if self.max_nodes  # a host tree: as deep as its nodes
+                  else [self.spec] if self.mode == "eagle3" else [])
+        need = prompt_len + max_new_tokens + 2 * cycle_margin(shapes)
         if need <= self.seq_len:
             return
         o = self.options
@@ -233,7 +227,7 @@ class FastEngine:
     def settings(self) -> dict:
         """What this engine runs with, resolved for its device (for run records: `eagle3 eval`)."""
         o = self.options
-        paths = self.target.attention == "split" and self.drafter is not None and split.supports(self.drafter.hd, 1)
+        paths = drafts_by_position(self.target, self.drafter)
         return {"engine": "fast", "graphs": o.graphs and self.device.type == "cuda",
                 "pointwise_compiled": sorted(self.target.pointwise.fused), "graph_prefill": o.graph_prefill,
                 "drafting_compiled": self.drafting_compiled, "drafter_attention": "split" if paths else "mask",

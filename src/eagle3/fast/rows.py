@@ -52,6 +52,16 @@ __all__ = ["FastRows"]
 DRAFTING_PIECES = ("_draft", "_tree_inputs", "_accept", "_feed_rows")
 
 
+def cycle_margin(shapes: list[DraftShape]) -> int:
+    """Cache slots a cycle of these draft shapes may write beyond a row's length."""
+    return max([s.total for s in shapes] + [0]) + max([s.depth for s in shapes] + [0]) + 2
+
+
+def drafts_by_position(target: FastTarget, drafter: FastDrafter | None) -> bool:
+    """Whether the rows' drafter attends by position (the split kernels), as the target's forwards do."""
+    return drafter is not None and target.attention == "split" and split.supports(drafter.hd, 1)
+
+
 class FastRows(RowSteps):
     """Up to `capacity` rows over per-row static caches of `seq_len` slots; see the module docstring.
 
@@ -87,7 +97,7 @@ class FastRows(RowSteps):
         d_max = max([s.depth for s in self.shapes.values() if s] + [0])
         n_max = max([s.total for s in self.shapes.values() if s] + [0])
         scratch = max([s.scratch for s in self.shapes.values() if s] + [0])
-        self.margin = n_max + d_max + 2  # slots a cycle may write beyond a row's length
+        self.margin = cycle_margin([s for s in self.shapes.values() if s])  # slots beyond a row's length
         dev, dt, t = target.device, target.dtype, target
         self.device = dev
         self.rope = t.rope_table(seq_len)
@@ -158,8 +168,8 @@ class FastRows(RowSteps):
         self.ranked = False  # top-k by ranking inside compiled drafting (`ranked_top_k`)
         # greedy drafting's log-softmax and top-k as Triton kernels where they run (CUDA)
         self._top_k_ops = {s.top_k: draft_top_k_op_for(self.d, s.top_k) for s in self.shapes.values() if s}
-        if self.d is not None and target.attention == "split" and split.supports(self.d.hd, 1):
-            self.d.use_paths_attention()  # drafting attends by position, as the target's forwards do
+        if drafts_by_position(target, self.d):
+            self.d.use_paths_attention()
         if compile_drafting and (self.d is not None or host_nodes):
             self.compile_drafting()
 
