@@ -169,9 +169,9 @@ class RowSteps:
         length = self.length[:nb]
         dst = length[:, None] + self.ar[: keep.shape[1]][None]  # [nb, D+1]
         src = length[:, None] + keep  # src >= dst elementwise: gather first, then write
-        k, v, _ = self._caches(nb)
-        k[:, rows, :, dst] = k[:, rows, :, src]  # [nb, D+1, L, nkv, hd] moved per row
-        v[:, rows, :, dst] = v[:, rows, :, src]
+        base = self.head_base[:nb, :, None]  # [nb, nkv, 1]
+        kv = self.kv.view(2 * self.t.num_layers, -1, self.t.hd)  # [2·L, B·nkv·S, hd]
+        kv[:, (base + dst[:, None]).flatten()] = kv[:, (base + src[:, None]).flatten()]  # [2·L, nb·nkv·(D+1), hd]
         if self.d is None:
             self._advance(nb, n_acc, emitted.gather(1, n_acc[:, None])[:, 0])
         else:

@@ -102,8 +102,10 @@ class FastRows(RowSteps):
         self.device = dev
         self.rope = t.rope_table(seq_len)
         shape = (t.num_layers, capacity, t.nkv, seq_len, t.hd)
-        self.k = torch.zeros(shape, dtype=dt, device=dev)
-        self.v = torch.zeros(shape, dtype=dt, device=dev)
+        self.kv = torch.zeros((2, *shape), dtype=dt, device=dev)  # [2, L, B, nkv, S, hd]: one buffer, so that
+        self.k, self.v = self.kv[0], self.kv[1]  # a commit moves K and V of every layer in one gather and write
+        # [B, nkv]: where row b's head h starts in a layer's cache flattened to slots (`_commit`)
+        self.head_base = (torch.arange(capacity * t.nkv, device=dev) * seq_len).view(capacity, t.nkv)
         self.ar_s = torch.arange(seq_len, device=dev)
         self.ar = torch.arange(max(n_max, d_max, 1) + 2, device=dev)
         self.length = torch.zeros(capacity, dtype=torch.long, device=dev)
@@ -330,8 +332,7 @@ class FastRows(RowSteps):
         if not 0 <= i <= last:
             raise IndexError(f"row {i} is not active (rows 0..{last})")
         if i != last:
-            self.k[:, i].copy_(self.k[:, last])
-            self.v[:, i].copy_(self.v[:, last])
+            self.kv[:, :, i].copy_(self.kv[:, :, last])
             for state in self._row_state():
                 state[i].copy_(state[last])
             self.row_sampling.move(i, last)
