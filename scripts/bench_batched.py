@@ -1,12 +1,10 @@
 """Continuous-batching plain decoding (`eagle3.fast.batched.BatchedGenerator`, what `eagle3 regenerate --engine
-fast` runs): tokens per second with attention over spans that follow the rows in flight (the default), against
-attention over every row's whole cache (one span), in the same run on the same device.
+fast` runs): tokens per second over `--rounds` timed runs after one warm-up run (graph capture).
 
 Answers the prompts of a bundled set or JSONL (chat template; `--repeat` times over, to fill many rows) with
-`--rows` rows, greedy, at most `--max-new-tokens` each, in a cache of `--max-prompt-tokens` + `--max-new-tokens`
-slots per row (as `eagle3 regenerate` sizes it), the two settings alternating `--rounds` times after one warm-up
-run each (graph capture). Writes `bench_batched.json` (run record: tokens/s per round, the windows run at each
-span, answers identical between the settings) and prints a table.
+`--rows` rows, greedy (or at `--temperature`, seed 0), at most `--max-new-tokens` each, in a cache of
+`--max-prompt-tokens` + `--max-new-tokens` slots per row (as `eagle3 regenerate` sizes it). Writes
+`bench_batched.json` (run record: tokens/s per round, answers identical from round to round) and prints a table.
 
     python scripts/bench_batched.py --target smollm2 --device cuda:0 --rows 512 --dataset gsm8k --repeat 16 \\
         --max-prompt-tokens 1280 --max-new-tokens 384 --out runs/bench-batched
@@ -22,7 +20,7 @@ from pathlib import Path
 import torch
 
 from eagle3.evaluate import load_prompts
-from eagle3.fast.batched import MIN_SPAN, BatchedGenerator
+from eagle3.fast.batched import BatchedGenerator
 from eagle3.models import load_target
 from eagle3.record import run_record, write_json
 from eagle3.runtime import encode_messages, eos_token_ids
@@ -39,24 +37,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=64, help="rows decoded together (regenerate's --batch-size)")
     p.add_argument("--max-prompt-tokens", type=int, default=1280, help="sizes the cache, as in regenerate")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--min-span", type=int, default=MIN_SPAN, help="the narrowest attention span")
-    p.add_argument("--rounds", type=int, default=2, help="timed runs of each setting, alternating")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=2, help="timed runs")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
 
 def timed_run(gen: BatchedGenerator, prompts: list[list[int]], args, eos: list[int], dev: torch.device):
-    gen.span_windows.clear()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
-    outs = gen.generate(prompts, max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+    outs = gen.generate(prompts, max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
+                        temperature=args.temperature, seed=0)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.tokens) for o in outs)
-    return outs, {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-                  "span_windows": {str(s): n for s, n in sorted(gen.span_windows.items())}}
+    return outs, {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
 
 
 @torch.inference_mode()
@@ -68,32 +65,27 @@ def main(argv=None) -> int:
     _, chats = load_prompts(args.dataset, limit=args.limit)
     prompts = [ids[: args.max_prompt_tokens] for ids in (encode_messages(tok, m) for m in chats)] * args.repeat
     seq_len = args.max_prompt_tokens + args.max_new_tokens
-    gens = {"spans": BatchedGenerator(model, rows=args.rows, max_seq_len=seq_len, min_span=args.min_span),
-            "whole": BatchedGenerator(model, rows=args.rows, max_seq_len=seq_len, min_span=seq_len)}
+    gen = BatchedGenerator(model, rows=args.rows, max_seq_len=seq_len)
     print(f"{len(prompts)} prompts ({args.dataset} x {args.repeat}), {args.rows} rows, {seq_len} slots a row, "
-          f"spans {gens['spans'].spans} against ({seq_len},), on {dev}", flush=True)
-    warm = min(len(prompts), args.rows)  # one run each first: captures every span's graph, warms the kernels
-    for gen in gens.values():
-        gen.generate(prompts[:warm], max_new_tokens=min(args.max_new_tokens, 16), eos_token_ids=eos)
-    rounds: dict[str, list[dict]] = {name: [] for name in gens}
-    answers: dict[str, list[list[int]]] = {}
+          f"on {dev}", flush=True)
+    warm = min(len(prompts), args.rows)  # captures the cycles, warms the kernels
+    gen.generate(prompts[:warm], max_new_tokens=min(args.max_new_tokens, 16), eos_token_ids=eos,
+                 temperature=args.temperature, seed=0)
+    rounds, answers = [], []
     for r in range(args.rounds):
-        for name in (("spans", "whole") if r % 2 == 0 else ("whole", "spans")):
-            outs, res = timed_run(gens[name], prompts, args, eos, dev)
-            rounds[name].append(res)
-            answers[name] = [o.tokens for o in outs]
-            print(f"round {r + 1} {name:6s} {res['tokens_per_s']:10.1f} tok/s ({res['tokens']} tokens in "
-                  f"{res['seconds']:.2f} s) windows by span {res['span_windows']}", flush=True)
-    same = sum(a == b for a, b in zip(answers["spans"], answers["whole"], strict=True))
-    summary = {name: statistics.median(x["tokens_per_s"] for x in rs) for name, rs in rounds.items()}
-    ratio = summary["spans"] / summary["whole"]
-    print(f"\nmedian tok/s: spans {summary['spans']:.1f}, whole cache {summary['whole']:.1f}: {ratio:.2f}x; "
-          f"answers identical {same}/{len(prompts)}")
+        outs, res = timed_run(gen, prompts, args, eos, dev)
+        rounds.append(res)
+        answers.append([o.tokens for o in outs])
+        print(f"round {r + 1} {res['tokens_per_s']:10.1f} tok/s ({res['tokens']} tokens in {res['seconds']:.2f} s)",
+              flush=True)
+    same = all(a == answers[0] for a in answers)
+    median = statistics.median(x["tokens_per_s"] for x in rounds)
+    print(f"\nmedian tok/s: {median:.1f}; answers identical from round to round: {'yes' if same else 'no'}")
     path = write_json(run_record("bench_batched", target=args.target, dataset=args.dataset, prompts=len(prompts),
                                  rows=args.rows, seq_len=seq_len, max_new_tokens=args.max_new_tokens,
-                                 spans=list(gens["spans"].spans), dtype=str(model.dtype).removeprefix("torch."),
-                                 rounds=rounds, median_tokens_per_s=summary, speedup=round(ratio, 3),
-                                 identical=same), Path(args.out) / "bench_batched.json")
+                                 temperature=args.temperature, dtype=str(model.dtype).removeprefix("torch."),
+                                 rounds=rounds, median_tokens_per_s=median, identical_rounds=same),
+                      Path(args.out) / "bench_batched.json")
     print(f"record: {path}")
     return 0
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.config import ConfigError
-from eagle3.fast.batched import BatchedGenerator, span_buckets
+from eagle3.config import ConfigError, SamplingConfig
+from eagle3.fast.batched import BatchedGenerator
+from eagle3.fast.engine import FastEngine
 
 FAST_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
@@ -34,33 +35,10 @@ def test_greedy_equals_plain_decoding_with_refills(tiny_target, arch):
     model = tiny_target(arch)
     prompts = _prompts(model.config.vocab_size, [5, 17, 3, 30, 9, 12, 1])
     budgets = 11
-    gen = BatchedGenerator(model, rows=3, max_seq_len=48, sync_every=4, prefill_tokens=40)
+    gen = BatchedGenerator(model, rows=3, max_seq_len=48, prefill_tokens=40)
     outs = gen.generate(prompts, max_new_tokens=budgets, eos_token_ids=[])
     for p, o in zip(prompts, outs, strict=True):
         assert (o.tokens, o.finish_reason) == _greedy(model, p, budgets, set())
-
-
-def test_attention_spans_follow_the_rows_in_flight(tiny_target):
-    """Attention reads only the first `span` slots: short prompts run in small spans, a long one moves its
-    windows to a larger span and back once it is done, and every answer is still plain greedy; a generator
-    with one span (the whole cache, as before spans existed) gives the same tokens."""
-    assert span_buckets(1664) == (128, 256, 512, 1024, 1664)
-    assert span_buckets(128) == (128,) and span_buckets(100) == (100,)
-    assert span_buckets(48, 8) == (8, 16, 32, 48)
-    model = tiny_target("llama")
-    prompts = _prompts(model.config.vocab_size, [3, 4, 2, 26, 5, 3, 1])
-    gen = BatchedGenerator(model, rows=2, max_seq_len=48, sync_every=3, min_span=8)
-    assert gen.spans == (8, 16, 32, 48) and gen.span_for(9) == 16 and gen.span_for(48) == 48
-    outs = gen.generate(prompts, max_new_tokens=10, eos_token_ids=[])
-    for p, o in zip(prompts, outs, strict=True):
-        assert (o.tokens, o.finish_reason) == _greedy(model, p, 10, set())
-    assert set(gen.span_windows) >= {16, 48}  # short rows alone, and the 26-token prompt's windows
-    assert sum(gen.span_windows.values()) > gen.span_windows[48]
-    whole = BatchedGenerator(model, rows=2, max_seq_len=48, sync_every=3, min_span=48)
-    assert whole.spans == (48,)
-    assert [o.tokens for o in whole.generate(prompts, max_new_tokens=10, eos_token_ids=[])] == [
-        o.tokens for o in outs]
-    assert set(whole.span_windows) == {48}
 
 
 def test_stops_at_eos_and_on_the_first_token(tiny_target):
@@ -69,7 +47,7 @@ def test_stops_at_eos_and_on_the_first_token(tiny_target):
     plain = [_greedy(model, p, 9, set())[0] for p in prompts]
     # stop on the 4th token of answer 0 and on the 1st token of answer 1
     stops = {plain[0][3], plain[1][0]}
-    gen = BatchedGenerator(model, rows=2, max_seq_len=32, sync_every=3)
+    gen = BatchedGenerator(model, rows=2, max_seq_len=32)
     outs = gen.generate(prompts, max_new_tokens=9, eos_token_ids=sorted(stops))
     for p, o in zip(prompts, outs, strict=True):
         assert (o.tokens, o.finish_reason) == _greedy(model, p, 9, stops)
@@ -81,7 +59,7 @@ def test_stops_at_eos_and_on_the_first_token(tiny_target):
 def test_sampling_is_seeded_and_cold_temperature_is_greedy(tiny_target):
     model = tiny_target("qwen3")
     prompts = _prompts(model.config.vocab_size, [4, 7, 9])
-    gen = BatchedGenerator(model, rows=2, max_seq_len=32, sync_every=2)
+    gen = BatchedGenerator(model, rows=2, max_seq_len=32)
     greedy = gen.generate(prompts, max_new_tokens=8, eos_token_ids=[])
     cold = gen.generate(prompts, max_new_tokens=8, eos_token_ids=[], temperature=1e-4)
     assert [o.tokens for o in cold] == [o.tokens for o in greedy]
@@ -93,13 +71,28 @@ def test_sampling_is_seeded_and_cold_temperature_is_greedy(tiny_target):
     assert [o.tokens for o in a] != [o.tokens for o in greedy]  # a hot random model does not stay greedy
 
 
+def test_sampled_answers_are_the_one_samplers_draws(tiny_target):
+    """Prompt i with `seed` s samples what any engine samples for it with seed s + i (`eagle3.decoding.sampling`):
+    the same text as `FastEngine` decoding it alone, whatever rows it shares a cycle with."""
+    model = tiny_target("llama")
+    prompts = _prompts(model.config.vocab_size, [4, 11, 6])
+    gen = BatchedGenerator(model, rows=2, max_seq_len=32)
+    outs = gen.generate(prompts, max_new_tokens=8, eos_token_ids=[], temperature=0.9, seed=40)
+    alone = FastEngine(model)
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        ref = alone.generate(p, max_new_tokens=8, sampling=SamplingConfig(temperature=0.9, seed=40 + i))
+        assert o.tokens == ref.token_ids
+    other = gen.generate(prompts, max_new_tokens=8, eos_token_ids=[], temperature=0.9, seed=41)
+    assert [o.tokens for o in other] != [o.tokens for o in outs]  # the seed matters
+
+
 def test_sampling_follows_the_softmax(tiny_target):
     """The first sampled token of one prompt, 600 draws: frequencies match softmax(logits / T) (chi-square)."""
     model = tiny_target("llama", vocab_size=8)
     prompt = [1, 2, 3]
     with torch.inference_mode():
         probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / 0.7, -1)
-    gen = BatchedGenerator(model, rows=50, max_seq_len=8, sync_every=1)
+    gen = BatchedGenerator(model, rows=50, max_seq_len=8)
     torch.manual_seed(0)
     draws = []
     for _ in range(12):

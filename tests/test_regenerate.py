@@ -631,26 +631,26 @@ def test_fast_engine_multi_turn_equals_hf_engine(tmp_path, tokenizer, tiny_model
 def test_fast_engine_interrupt_keeps_finished_conversations(tmp_path, tokenizer, tiny_model, monkeypatch):
     """A conversation is written when its last turn is answered, not after every conversation's first turn:
     a kill loses only the conversations in flight, and the rerun answers just those."""
-    from eagle3.fast.batched import BatchedGenerator
+    from eagle3.fast.rows import FastRows
 
     src = write_jsonl(tmp_path / "in.jsonl", [sharegpt(i, 2) for i in range(3)])
     kw = {"max_new_tokens": 8, "batch_size": 1, "progress": False}
     backend = LocalBackend(tiny_model, tokenizer, engine="fast")
     regenerate(src, tmp_path / "whole.jsonl", backend, **kw)
 
-    prefill, calls = BatchedGenerator._prefill, []
+    prefill, calls = FastRows.add_many, []
 
-    def killed_on_fifth(self, rows, prompts):
+    def killed_on_fifth(self, prompts, *args, **kwargs):
         calls.append(len(prompts))
         if len(calls) == 5:  # one row: turns go A0 A1 B0 B1 C0 ...
             raise KeyboardInterrupt
-        return prefill(self, rows, prompts)
+        return prefill(self, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(BatchedGenerator, "_prefill", killed_on_fifth)
+    monkeypatch.setattr(FastRows, "add_many", killed_on_fifth)
     with pytest.raises(KeyboardInterrupt):
         regenerate(src, tmp_path / "out.jsonl", backend, **kw)
     assert len(read_out(tmp_path / "out.jsonl")) == 2
-    monkeypatch.setattr(BatchedGenerator, "_prefill", prefill)
+    monkeypatch.setattr(FastRows, "add_many", prefill)
     report = regenerate(src, tmp_path / "out.jsonl", backend, **kw)
     assert report.rows_resumed == 2 and report.rows_done == 1
     by_row = lambda path: sorted(read_out(path), key=lambda r: r["row"])  # noqa: E731
