@@ -160,8 +160,8 @@ class BatchedGenerator:
 
     def _admit(self, waiting: deque, prompts, owner: list[int], made: list, stops: set[int], max_new_tokens: int,
                temperature: float, seed: int | None, finished: Callable) -> None:
-        """Prefill waiting prompts into the free rows, in chunks of at most `prefill_tokens` padded tokens (the
-        longest first, so each chunk's width is its first prompt's)."""
+        """Prefill waiting prompts into the free rows, in chunks of at most `prefill_tokens` padded tokens (a
+        chunk is as wide as its longest prompt)."""
         while waiting and len(owner) < self.rows:
             chunk = [waiting.popleft()]  # a follow-up at the front may be shorter than the prompts after it
             width = len(prompts[chunk[0]])
