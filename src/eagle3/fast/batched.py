@@ -55,9 +55,6 @@ class BatchedGenerator:
     def device(self) -> torch.device:
         return self.t.device
 
-    def kv_bytes(self) -> int:
-        return self.r.cache_bytes()
-
     @torch.inference_mode()
     def generate(
         self,
