@@ -94,9 +94,15 @@ def cmd_generate(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    schema = _json_schema(args.json_schema) if args.json_schema else None  # refused before the model loads
     rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
                       dtype=args.dtype, draft_model=args.draft_model, engine="fast" if args.fast else args.engine)
     ids = encode_prompt(rt.tokenizer, prompt=args.prompt, chat=args.chat)
+    grammar = None
+    if schema is not None:
+        from eagle3.decoding.grammar import GrammarCompiler
+
+        grammar = GrammarCompiler.for_model(rt.model, rt.tokenizer, rt.eos_token_ids).compile(schema)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     from eagle3.defaults import decoder_from_args, ran_with, ran_with_line
 
@@ -104,7 +110,8 @@ def cmd_generate(args) -> int:
     ran = ran_with(rt, engine)
     print(f"eagle3 generate: {ran_with_line(ran)}", file=sys.stderr, flush=True)  # stdout keeps the text alone
     res = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                             eos_token_ids=rt.eos_token_ids, stop_strings=args.stop or (), on_text=stream)
+                          eos_token_ids=rt.eos_token_ids, stop_strings=args.stop or (), on_text=stream,
+                          **({"grammar": grammar} if grammar is not None else {}))
     st = res.stats
     if args.json:
         print(json.dumps({
@@ -120,6 +127,19 @@ def cmd_generate(args) -> int:
         print(f"[{rt.draft}] {st.new_tokens} tokens in {st.total_s:.2f}s ({st.tokens_per_s:.1f} tok/s), "
               f"tau {st.tau:.2f}, {st.cycles} target forwards", file=sys.stderr)
     return 0
+
+
+def _json_schema(path: str) -> dict:
+    """`--json-schema FILE`: the schema, checked by the grammar engine."""
+    from eagle3.decoding.grammar import GrammarCompiler, load_schema
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--json-schema {path}: cannot read it ({e.strerror})") from None
+    schema = load_schema(text, f"--json-schema {path}")
+    GrammarCompiler.grammar_text(schema)
+    return schema
 
 
 def cmd_init_drafter(args) -> int:
@@ -357,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", metavar="TEXT", help="a user message, rendered with the target's chat template")
     _add_decoding(g)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the answer to JSON valid under this JSON schema (docs/structured-output.md)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--engine", choices=ENGINE_CHOICES, default="auto", help=ENGINE_HELP)
     g.add_argument("--fast", action="store_true", help="same as --engine fast")

@@ -31,7 +31,8 @@ from dataclasses import replace
 import torch
 
 from eagle3.config import DraftShape, SamplingConfig
-from eagle3.decoding.expand import coupled_top_k, expand_tree
+from eagle3.decoding.expand import Constrain, coupled_top_k, expand_tree
+from eagle3.decoding.grammar import restrict
 from eagle3.decoding.proposers import Proposer
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode, token_hash
 from eagle3.decoding.tree import DraftTree
@@ -57,9 +58,11 @@ class BatchDrafter(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def propose(self, rows: list[int], shape: DraftShape,
-                sampling: list[SamplingConfig] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        ...
+    def propose(self, rows: list[int], shape: DraftShape, sampling: list[SamplingConfig] | None = None,
+                constrain: Constrain | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft trees of `rows`: tokens and parents [R, N] (-1 padding). `constrain`
+        (`eagle3.decoding.expand.Constrain`, in target ids [R, T, V]): what a grammar allows after each node, where
+        the drafter can follow it."""
 
     @abc.abstractmethod
     def extend(self, aux_rows: torch.Tensor | None, new_tokens: list[list[int]], counts: list[int]) -> None:
@@ -193,16 +196,25 @@ class Eagle3BatchDrafter(BatchDrafter):
     # -- drafting --------------------------------------------------------------------------
     def _coupling(self, sampling: list[SamplingConfig] | None, positions: torch.Tensor, k: int):
         """`expand_tree`'s children: drafter outputs [R, T, H] to the top k drafts' (log-probabilities, ids)
-        [R, T, k], sampled rows' coupled to their draws at `positions` [R] + the step (`coupled_top_k`)."""
+        [R, T, k], sampled rows' coupled to their draws at `positions` [R] + the step (`coupled_top_k`), among
+        the draft tokens `allowed` [R, T, Vd] where a grammar constrains."""
         d = self.drafter
+
+        def logits_of(out: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:  # [R, T, Vd]
+            logits = d.logits(out)
+            if allowed is None:
+                return logits.float()
+            ids = d.draft_ids_to_target(torch.arange(logits.shape[-1], device=logits.device))  # [Vd]
+            return restrict(logits, allowed[..., ids])  # allowed [R, T, V] in target ids
+
         modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling or []] if self.coupled else []
         if not any(m != GREEDY for m in modes):
-            return lambda out, step: torch.log_softmax(d.logits(out).float(), dim=-1).topk(k, dim=-1)
+            return lambda out, step, allowed=None: torch.log_softmax(logits_of(out, allowed), dim=-1).topk(k, dim=-1)
         rows = SamplingRows(len(modes), None, self.device)
         rows.set(0, sampling)
 
-        def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = d.logits(out)  # [R, T, Vd]
+        def children(out: torch.Tensor, step: int, allowed: torch.Tensor | None = None):
+            logits = logits_of(out, allowed)  # [R, T, Vd]
             if self.draft_h is None or self.draft_h.shape[0] != logits.shape[-1]:
                 ids = torch.arange(logits.shape[-1], device=self.device)
                 self.draft_h = token_hash(d.draft_ids_to_target(ids))  # [Vd]
@@ -211,7 +223,7 @@ class Eagle3BatchDrafter(BatchDrafter):
         return children
 
     @torch.inference_mode()
-    def propose(self, rows, shape, sampling=None):
+    def propose(self, rows, shape, sampling=None, constrain=None):
         """The EAGLE-2 tree (`eagle3.decoding.expand`) of every row in `rows` at once."""
         d, k, dev = self.drafter, shape.top_k, self.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -234,7 +246,7 @@ class Eagle3BatchDrafter(BatchDrafter):
 
         # the first drafts are for the token at lengths + 1
         return expand_tree(last, shape, self._coupling(sampling, lengths + 1, k), run, d.feedback,
-                           d.draft_ids_to_target)
+                           d.draft_ids_to_target, constrain=constrain)
 
 
 class ProposerBatchDrafter(BatchDrafter):
@@ -262,7 +274,7 @@ class ProposerBatchDrafter(BatchDrafter):
     def select(self, rows):
         self.rows = [self.rows[r] for r in rows]
 
-    def propose(self, rows, shape, sampling=None):
+    def propose(self, rows, shape, sampling=None, constrain=None):  # host proposers draft unconstrained
         trees = []
         for r in rows:
             t = self.rows[r].propose()

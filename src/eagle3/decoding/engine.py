@@ -16,6 +16,7 @@ import torch
 
 from eagle3.config import DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from eagle3.decoding.drafters import rows_drafter
+from eagle3.decoding.grammar import Grammar
 from eagle3.decoding.guard import EngineGuards, SpeculationGuard
 from eagle3.decoding.hf_rows import HFRows
 from eagle3.decoding.proposers import Proposer
@@ -170,7 +171,10 @@ class SpeculativeEngine:
         eos_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
+        """`grammar` (`eagle3.decoding.grammar`, fresh): every token is the target's choice among those it
+        allows."""
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer)
         eos, stream = req.eos, req.stream
@@ -180,7 +184,7 @@ class SpeculativeEngine:
         stats = GenerationStats()
         t0 = time.perf_counter()
         row_sampling = None if req.sampling.greedy else replace(req.sampling, seed=req.seed)
-        out = rows.add_many([req.prompt.tolist()], sampling=[row_sampling])  # the token at position T
+        out = rows.add_many([req.prompt.tolist()], sampling=[row_sampling], grammars=[grammar])  # position T
         finish = self._finished(out, eos, max_new_tokens, stream, stop_strings)
         self._sync()
         stats.prefill_s = time.perf_counter() - t0

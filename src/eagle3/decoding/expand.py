@@ -25,8 +25,13 @@ from eagle3.config import DraftShape
 from eagle3.decoding.sampling import SamplingRows, coupled_draft_scores
 
 # children(out [R, T, H], step) -> (draft log-probabilities [R, T, k], draft ids [R, T, k]) for the token `step`
-# places after each row's first drafted one
-Children = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# places after each row's first drafted one; under a `Constrain`, children(out, step, allowed) with what it
+# returned: the tokens each output may propose
+Children = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# constrain(frontier [R, T] record indices (None: the roots, T = 1), tokens [R, records] target ids, parents
+# [R, records] record indices (-1: the root)) -> allowed bool [R, T, V or Vd]: what may follow each frontier node
+# (a grammar, `eagle3.decoding.grammar`); it reads the tensors on the host
+Constrain = Callable[[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 # run(step, hidden [R, k, H], tokens [R, k], ancestry bool [R, k, step·k]) -> drafter outputs [R, k, H]: the
 # frontier's forward at depth `step`; ancestry says which of the expansion's earlier rows (k per step, in step
 # order) each frontier node descends from, itself included
@@ -132,15 +137,26 @@ def expand_tree(
     to_target: Callable[[torch.Tensor], torch.Tensor],  # draft-vocabulary ids -> target ids
     ranked: bool = False,
     until: Callable[[torch.Tensor], bool] | None = None,
+    constrain: Constrain | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The EAGLE-2 tree of every row: target token ids [R, N] and parents [R, N] (node index, -1: the root), with
     N = min(shape.total, recorded nodes); parents precede their children. `until(frontier scores [R, k])`, read
     on the host before each further step, ends the expansion early when it returns True (a chain that stops
-    where the drafter is unsure: cycles that run eagerly)."""
+    where the drafter is unsure: cycles that run eagerly); `constrain` restricts each node's children."""
     r, k, dev = last.shape[0], shape.top_k, last.device
-    scores, ids = (t[:, 0] for t in children(last[:, None], 0))  # [R, k]
-    rec_scores, rec_tokens = [scores], [to_target(ids)]
-    rec_parents = [torch.full((r, k), -1, dtype=torch.long, device=dev)]
+    rec_tokens: list[torch.Tensor] = []  # per step: target ids [R, k or k²]
+    rec_parents: list[torch.Tensor] = []  # per step: record indices [R, k or k²] (-1: the root)
+
+    def propose(out: torch.Tensor, step: int, frontier: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if constrain is None:
+            return children(out, step)
+        tokens = torch.cat(rec_tokens, dim=1) if rec_tokens else None
+        return children(out, step, constrain(frontier, tokens, torch.cat(rec_parents, dim=1) if rec_tokens else None))
+
+    scores, ids = (t[:, 0] for t in propose(last[:, None], 0, None))  # [R, k]
+    rec_scores = [scores]
+    rec_tokens.append(to_target(ids))
+    rec_parents.append(torch.full((r, k), -1, dtype=torch.long, device=dev))
     rows = torch.arange(r, device=dev)[:, None]  # [R, 1]
     ar_k = torch.arange(k, device=dev)
     eye = (ar_k[:, None] == ar_k[None, :]).expand(r, k, k)  # [R, k, k]
@@ -154,7 +170,7 @@ def expand_tree(
         if until is not None and until(f_scores):
             break
         out = run(step, f_hidden, all_tokens.gather(1, frontier), anc)  # [R, k, H]
-        top_lp, top_ids = children(out, step)  # [R, k, k]
+        top_lp, top_ids = propose(out, step, frontier)  # [R, k, k]
         cum = (f_scores[:, :, None] + top_lp).reshape(r, k * k)  # [R, k²]
         rec_scores.append(cum)
         rec_tokens.append(to_target(top_ids.reshape(r, k * k)))

@@ -25,6 +25,7 @@ import torch
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter
+from eagle3.decoding.grammar import Grammar, frontier_allowed, tree_allowed
 from eagle3.decoding.hf_batch import BatchKV, accept_batch, batched_forward, prefill
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
@@ -60,6 +61,7 @@ class HFRows:
         self._draws = SamplingRows(capacity, target.vocab_size, target.device)  # the same, on the device
         self._modes: list[int] = []  # per row: GREEDY, TEMPERATURE or FILTERED
         self._roots: list[int] = []  # per row: the last emitted token, not yet in the cache
+        self._grammars: list[Grammar | None] = []  # per row: what its tokens must follow (None: anything)
         self._followed: list[bool] = []  # per row: the drafter's state follows it
         self._held_aux: list[list[torch.Tensor]] = []  # per row: root features of plain cycles, [1, 3·Ht] each
         self._held_tok: list[list[int]] = []  # per row: the token after each held root
@@ -87,13 +89,16 @@ class HFRows:
         return max(self._modes, default=GREEDY) != GREEDY
 
     def add_many(self, prompts: list[list[int]], roots: list[int | None] | None = None,
-                 sampling: list[SamplingConfig | None] | None = None) -> list[int]:
+                 sampling: list[SamplingConfig | None] | None = None,
+                 grammars: list[Grammar | None] | None = None) -> list[int]:
         """Prefill prompts into new rows n, n+1, ... in one padded forward; returns their first new tokens (a
-        row's `roots` entry when given: a request moving in from elsewhere, whose next token is known)."""
+        row's `roots` entry when given: a request moving in from elsewhere, whose next token is known).
+        `grammars` (`eagle3.decoding.grammar`, fresh): each row's tokens are the target's choices among the tokens
+        its grammar allows, and EAGLE-3 drafts only such tokens."""
         with torch.inference_mode(), varying_shape_attention(self.t.device):  # target and drafter alike
-            return self._add_many(prompts, roots, sampling)
+            return self._add_many(prompts, roots, sampling, grammars or [None] * len(prompts))
 
-    def _add_many(self, prompts, roots, sampling) -> list[int]:
+    def _add_many(self, prompts, roots, sampling, grammars) -> list[int]:
         r = len(prompts)
         roots = roots or [None] * r
         sampling = [s or SamplingConfig() for s in sampling or [None] * r]
@@ -101,6 +106,9 @@ class HFRows:
             raise RuntimeError(f"{r} more rows do not fit: {self.n} of {self.capacity} are in use")
         self._settle()
         kv, last, aux = prefill(self.t, prompts)  # last [r, V]
+        if any(g is not None for g in grammars):
+            allowed = tree_allowed(grammars, [[]] * r, [[]] * r, last.shape[-1], last.device)[0][:, 0]  # [r, V]
+            last = last.masked_fill(~allowed, float("-inf"))
         modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling]
         self._draws.set(self.n, sampling)
         if max(modes) == GREEDY:
@@ -116,6 +124,10 @@ class HFRows:
         self._sampling += sampling
         self._modes += modes
         self._roots += firsts
+        for g, x in zip(grammars, firsts, strict=True):
+            if g is not None:
+                g.consume([x])
+        self._grammars += grammars
         self._followed += [self.drafter is not None] * r
         self._held_aux += [[] for _ in range(r)]
         self._held_tok += [[] for _ in range(r)]
@@ -128,8 +140,8 @@ class HFRows:
         if not 0 <= i <= last:
             raise IndexError(f"row {i} is not active (rows 0..{last})")
         self._draws.move(i, last)
-        for per_row in (self._slot, self._sampling, self._modes, self._roots, self._followed, self._held_aux,
-                        self._held_tok):
+        for per_row in (self._slot, self._sampling, self._modes, self._roots, self._grammars, self._followed,
+                        self._held_aux, self._held_tok):
             per_row[i] = per_row[last]
             per_row.pop()
         self.n -= 1
@@ -139,7 +151,7 @@ class HFRows:
         self.kv = BatchKV()
         if self.drafter is not None:
             self.drafter.select([])
-        self._slot, self._sampling, self._modes, self._roots = [], [], [], []
+        self._slot, self._sampling, self._modes, self._roots, self._grammars = [], [], [], [], []
         self._followed, self._held_aux, self._held_tok = [], [], []
         self.n = 0
 
@@ -192,15 +204,21 @@ class HFRows:
         lengths = list(self.kv.lengths)
         appended_at = self.kv.width
         logits, aux = batched_forward(self.t, ids, self.kv, anc, offsets)  # [B, N+1, V], [B, N+1, 3·Ht]
+        tok_host = tokens.tolist()
+        if any(g is not None for g in self._grammars):  # each node's allowed tokens; refused nodes never match
+            allowed, _ = tree_allowed(self._grammars, tok_host, parents.tolist(), logits.shape[-1], dev)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         top = self._choose(logits, offsets, lengths)  # [B, N+1]
         paths, nxt = accept_batch(tokens, parents1, anc, top)
         keep = [[0, *p] for p in paths]  # root + accepted nodes, offsets into the appended block
         self.kv.compact(appended_at, keep)
-        tok_host = tokens.tolist()
         self.depths = (offsets[:, 1:] * (tokens >= 0)).amax(dim=1).tolist() if n else [0] * b
         self.drafted = [sum(x >= 0 for x in row) for row in tok_host]  # on the host: no second device read
         new = [[tok_host[i][j - 1] for j in paths[i]] + [nxt[i]] for i in range(b)]
         self._roots = [t[-1] for t in new]
+        for g, t in zip(self._grammars, new, strict=True):
+            if g is not None:
+                g.consume(t)
         if drafting:
             self._extend(aux, keep, new, drafting)
         elif self.drafter is not None:
@@ -218,7 +236,12 @@ class HFRows:
     def _draft(self, drafting: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded draft trees of every row, [B, N] tokens and parents; rows not drafting are all padding."""
         b, dev = self.n, self.t.device
-        t, p = self.drafter.propose(drafting, self.shape_of(b), [self._sampling[i] for i in drafting])  # [R, N]
+        grammars = [self._grammars[i] for i in drafting]
+        constrain = None
+        if any(g is not None for g in grammars):  # drafts among the tokens each row's grammar allows
+            constrain = lambda f, t, p: frontier_allowed(grammars, f, t, p, self.t.vocab_size, dev)  # noqa: E731
+        t, p = self.drafter.propose(drafting, self.shape_of(b), [self._sampling[i] for i in drafting],
+                                    constrain)  # [R, N]
         if self.t.recurrent_layers and t.shape[1] and not torch.equal(p[0], torch.arange(-1, t.shape[1] - 1,
                                                                                           device=p.device)):
             raise ConfigError(self.t.tree_refusal)  # a recurrent state follows one chain

@@ -33,6 +33,7 @@ from eagle3.config import (
     on_for_device,
 )
 from eagle3.decoding.engine import GenerationResult, GenerationStats, Request, SpeculativeEngine
+from eagle3.decoding.grammar import Grammar
 from eagle3.decoding.guard import EngineGuards, SpeculationGuard
 from eagle3.decoding.proposers import NgramProposer, Proposer
 from eagle3.decoding.sampling import GREEDY, sampling_mode
@@ -249,7 +250,10 @@ class FastEngine:
         eos_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
+        """`grammar` (`eagle3.decoding.grammar`, fresh) constrains every token to what it allows; its cycles run
+        eagerly, with the masks computed on the host between drafting and verification."""
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer)
         eos, stream, prompt = req.eos, req.stream, req.prompt
@@ -259,7 +263,8 @@ class FastEngine:
         stats = GenerationStats()
         t0 = time.perf_counter()
         try:
-            first = rows.add(prompt.tolist(), sampling=replace(req.sampling, seed=req.seed) if mode else None)
+            first = rows.add(prompt.tolist(), sampling=replace(req.sampling, seed=req.seed) if mode else None,
+                             grammar=grammar)
             out = [first]
             finish = SpeculativeEngine._finished(out, eos, max_new_tokens, stream, stop_strings)
             if self.proposer is not None:

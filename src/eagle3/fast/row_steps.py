@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.decoding.expand import coupled_top_k, expand_tree
+from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
+from eagle3.decoding.grammar import restrict
 from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots, scratch_path_slots
 from eagle3.decoding.verify import accept_rows
@@ -17,7 +18,10 @@ class RowSteps:
 
     def _choose(self, rows: SamplingRows, logits: torch.Tensor, positions: torch.Tensor, mode: int) -> torch.Tensor:
         """The token after each of logits [nb, M, V], predicting `positions` [nb, M]: argmax in greedy buckets,
-        else each row's own choice (`SamplingRows.draw`). [nb, M]."""
+        else each row's own choice (`SamplingRows.draw`), over the tokens `allowed` [nb, M, V] where a grammar
+        constrains a row (`eagle3.fast.row_grammar`). [nb, M]."""
+        if self.allowed is not None:
+            logits = logits.masked_fill(~self.allowed, float("-inf"))
         if mode == GREEDY:  # [nb, M]: by `eagle3.fast.row_argmax` where the target attends by splits
             return self.t.argmax(logits.flatten(0, 1)).view(logits.shape[:2])
         return rows.draw(logits, positions, mode, self.fused_sampling)
@@ -92,8 +96,8 @@ class RowSteps:
         length = self.length[:nb]
         dk, dv, ar_sd = self._d_caches(nb)
 
-        def children(out: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # out [nb, T, H]
-            return self.choose_drafts(out, length + 1 + step, mode, k)
+        def children(out: torch.Tensor, step: int, allowed: torch.Tensor | None = None):  # out [nb, T, H]
+            return self.choose_drafts(out, length + 1 + step, mode, k, allowed)
 
         def run(step: int, hidden: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
             cols = length[:, None] + ar_sd[None, : step * k]  # [nb, step·k] scratch slots so far
@@ -110,20 +114,27 @@ class RowSteps:
             stop = self.chain_stop
             until = lambda scores: float(scores.exp().max()) < stop  # noqa: E731
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
-                                      self.ranked, until)
+                                      self.ranked, until, self.constrain)
         self._nodes = tokens.shape[1]
         return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
 
-    def choose_drafts(self, out: torch.Tensor, positions: torch.Tensor, mode: int,
-                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose_drafts(self, out: torch.Tensor, positions: torch.Tensor, mode: int, k: int,
+                      allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k drafts after each of the drafter's outputs out [nb, T, H], candidates for row r's token at
         positions[r]: draft log-probabilities [nb, T, k] (what a tree ranks its paths by) and draft-vocabulary ids
         [nb, T, k]. Greedy rows (or `coupled` off): the drafter's top k; sampled rows: `coupled_top_k`, the first
-        coupled to the row's own draw. A draft is accepted where it equals the target's choice either way."""
+        coupled to the row's own draw. A draft is accepted where it equals the target's choice either way.
+        `allowed` [nb, T, Vd]: the draft tokens a grammar allows there (the drafter's distribution restricted to
+        them; an output with none allowed keeps all, and its drafts are never accepted)."""
         d = self.d
+        if allowed is None:
+            if mode == GREEDY or not self.coupled:
+                return d.top_k(out, k, self._top_k_ops.get(k), self.ranked)
+            return coupled_top_k(d.logits(out), positions, self.row_sampling, mode, d.draft_h, k, self.ranked)
+        logits = restrict(d.logits(out), allowed)  # [nb, T, Vd]
         if mode == GREEDY or not self.coupled:
-            return d.top_k(out, k, self._top_k_ops.get(k), self.ranked)
-        return coupled_top_k(d.logits(out), positions, self.row_sampling, mode, d.draft_h, k, self.ranked)
+            return top_k_last(torch.log_softmax(logits, dim=-1), k, self.ranked)
+        return coupled_top_k(logits, positions, self.row_sampling, mode, d.draft_h, k, self.ranked)
 
     def _tree_inputs(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, by_paths: bool):
         """What the verification forward reads per row: ancestry [nb, N+1, N+1], ids, RoPE positions and cache

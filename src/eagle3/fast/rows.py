@@ -37,11 +37,13 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
+from eagle3.decoding.grammar import Grammar
 from eagle3.decoding.sampling import GREEDY, MODES, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention as split
 from eagle3.fast.drafter import FastDrafter, draft_top_k_op_for, ranked_top_k
 from eagle3.fast.graphs import CompiledPieces, StepRunner, graph_pool
+from eagle3.fast.row_grammar import GrammarSteps
 from eagle3.fast.row_steps import RowSteps
 from eagle3.fast.rows_prefill import MIN_PREFILL_WIDTH, Prefill, prefill_buckets, prefill_key, prefill_step
 from eagle3.fast.target import FastTarget
@@ -62,7 +64,7 @@ def drafts_by_position(target: FastTarget, drafter: FastDrafter | None) -> bool:
     return drafter is not None and target.attention == "split" and split.supports(drafter.hd, 1)
 
 
-class FastRows(RowSteps):
+class FastRows(RowSteps, GrammarSteps):
     """Up to `capacity` rows over per-row static caches of `seq_len` slots; see the module docstring.
 
     `shapes(bucket)` is the draft shape of that bucket's speculative cycle (None: plain only). `host_nodes` > 0
@@ -123,6 +125,13 @@ class FastRows(RowSteps):
         # sampled rows draft with the noise of their own draws (`coupled_top_k`); False: the drafter's top-k
         self.coupled = coupled
         self._modes: list[int] = []  # host mirror: how active row i chooses its tokens
+        # rows that follow a grammar (`eagle3.fast.row_grammar`): their cycles run eagerly, with the tokens each
+        # node allows in `allowed` (bool [nb, M, V], read by `_choose`) and the drafter's in `constrain`
+        self.grammars: list[Grammar | None] = []
+        self.grammar_words = (target.vocab_size + 31) // 32
+        self.allowed: torch.Tensor | None = None
+        self.constrain = None
+        self._drafting_rows = 0
         if self.d is not None:
             fd = self.d
             self.sd = seq_len + scratch + d_max + 2
@@ -131,6 +140,7 @@ class FastRows(RowSteps):
             self.dv = torch.zeros_like(self.dk)
             self.ar_sd = torch.arange(self.sd, device=dev)
             self.last_out = torch.zeros(capacity, fd.hidden_size, dtype=fd.dtype, device=dev)
+            self.draft_target_ids = fd.to_target_ids(torch.arange(fd.lm_head.shape[0], device=dev))  # [Vd]
         self.feed_window = feed_window if self.d is not None else 0
         if self.feed_window:
             w = self.feed_window
@@ -260,24 +270,32 @@ class FastRows(RowSteps):
         return self._feeds[nb]
 
     @torch.no_grad()
-    def add(self, prompt: list[int], root: int | None = None, sampling: SamplingConfig | None = None) -> int:
+    def add(self, prompt: list[int], root: int | None = None, sampling: SamplingConfig | None = None,
+            grammar: Grammar | None = None) -> int:
         """Prefill `prompt` into a new row (index `n` before the call); returns the row's first new token
         (`root` when given: a request moving in from elsewhere, whose next token is already known). `sampling`
-        with a temperature > 0 (and a seed) makes the row sample; None is greedy."""
-        return self.add_many([prompt], [root], [sampling])[0]
+        with a temperature > 0 (and a seed) makes the row sample; None is greedy. `grammar` (fresh, nothing
+        consumed) constrains every token the row emits."""
+        return self.add_many([prompt], [root], [sampling], [grammar])[0]
 
     @torch.no_grad()
     def add_many(self, prompts: list[list[int]], roots: list[int | None] | None = None,
-                 sampling: list[SamplingConfig | None] | None = None) -> list[int]:
+                 sampling: list[SamplingConfig | None] | None = None,
+                 grammars: list[Grammar | None] | None = None) -> list[int]:
         """Prefill several prompts into new rows n, n+1, ... in one right-padded forward (and one drafter
         forward); returns their first new tokens (see `add`). Padding writes K/V past each prompt, into slots a
         row's length never covers before they are overwritten, and the causal mask keeps real tokens from it."""
         r, i = len(prompts), self.n
         roots = roots or [None] * r
         sampling = sampling or [None] * r
+        grammars = grammars or [None] * r
+        constrained = any(g is not None for g in grammars)
         modes = [GREEDY if s is None else sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling]
         if any(modes) and not self.sampling:
             raise ConfigError("these FastRows were built with sampling=False; sampled requests need sampling=True")
+        for g in grammars:
+            if g is not None and g.words != self.grammar_words:
+                raise ConfigError(f"the grammar masks {g.words * 32} token ids; the target has {self.t.vocab_size}")
         for s, mode in zip(sampling, modes, strict=True):
             if mode != GREEDY and s.seed is None:
                 raise ConfigError("a sampled row needs a seed (its draws are keyed by seed and position)")
@@ -302,11 +320,16 @@ class FastRows(RowSteps):
         p.has_root.copy_(root >= 0)
         if self.sampling:
             p.sampling.set(0, [*sampling, *[None] * (p.r - r)])
-        if p.runner is not None:
-            p.runner()
-        else:
-            with varying_shape_attention(self.device):  # a new width per admission
-                prefill_step(self, p, max(modes))
+        if constrained:  # the first tokens under each grammar's first mask (eagerly)
+            self.allowed = self.prefill_allowed(grammars, p.r)
+        try:
+            if p.runner is not None and not constrained:
+                p.runner()
+            else:
+                with varying_shape_attention(self.device):  # a new width per admission
+                    prefill_step(self, p, max(modes))
+        finally:
+            self.allowed = None
         t = p.t  # padding K/V lands in slots a row's length never covers before they are overwritten
         self.k[:, i : i + r, :, :t].copy_(p.k[:, :r])
         self.v[:, i : i + r, :, :t].copy_(p.v[:, :r])
@@ -323,7 +346,12 @@ class FastRows(RowSteps):
         self.row_sampling.set(i, sampling)
         self._modes += modes
         self.n += r
-        return p.first[:r].tolist()
+        firsts = p.first[:r].tolist()
+        for g, x in zip(grammars, firsts, strict=True):
+            if g is not None:
+                g.consume([x])
+        self.grammars += grammars
+        return firsts
 
     @torch.no_grad()
     def remove(self, i: int) -> None:
@@ -337,9 +365,11 @@ class FastRows(RowSteps):
                 state[i].copy_(state[last])
             self.row_sampling.move(i, last)
             self._modes[i] = self._modes[last]
+            self.grammars[i] = self.grammars[last]
             self._held[i] = self._held[last]
             self._lens[i] = self._lens[last]
         self._modes.pop()
+        self.grammars.pop()
         self._held.pop()
         self._lens.pop()
         self._reset_rows(last, last + 1)
@@ -353,6 +383,7 @@ class FastRows(RowSteps):
         self._launched.clear()
         self._reset_rows(0, self.capacity)
         self._modes, self._held, self._lens, self.n = [], [], [], 0
+        self.grammars = []
 
     @property
     def drafting(self) -> int:
@@ -403,7 +434,11 @@ class FastRows(RowSteps):
         self._set_span()
         if spec and max(self._held):  # the drafter catches up before it drafts
             self._feed(nb)
-        self._runner(nb, spec, self.mode)()
+        constrained = any(g is not None for g in self.grammars)
+        if constrained:
+            self._constrained_cycle(nb, spec, self.mode)
+        else:
+            self._runner(nb, spec, self.mode)()
         self.cycles += 1
         self.spec_cycles += spec
         if not spec and self.feed_window:
@@ -418,6 +453,8 @@ class FastRows(RowSteps):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         self._launched.append((buf, event, self._nodes if spec else 0))
+        if constrained:  # the next cycle's masks follow this one's tokens
+            self._follow()
 
     def collect(self) -> list[list[int]]:
         """The new tokens of the oldest cycle in flight, per row (the one host sync per cycle)."""

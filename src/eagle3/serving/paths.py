@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from eagle3.config import SamplingConfig
+from eagle3.decoding.grammar import Grammar, GrammarCompiler
 from eagle3.serving.policy import SpeedGate
 from eagle3.serving.requests import GenParams, RequestHandle, _Row
 
@@ -68,7 +69,8 @@ class PathsMixin:
     def _add_rows(self, batch: _Batch, take: list[RequestHandle]) -> None:
         t0 = time.perf_counter()
         firsts = batch.backend.add_many([list(h.params.prompt_ids) for h in take],
-                                        sampling=[_row_sampling(h) for h in take])
+                                        sampling=[_row_sampling(h) for h in take],
+                                        grammars=[self._grammar(h) for h in take])
         now = time.perf_counter()
         self.metrics.observe("eagle3_prefill_seconds", now - t0)
         base = len(batch.rows)  # the new rows are base, base + 1, ... (as in the backend)
@@ -81,6 +83,14 @@ class PathsMixin:
         for j in reversed(range(len(take))):  # from the end: a removal moves an already handled row
             if self._emit(batch.rows[base + j], [firsts[j]]):
                 self._remove_row(batch, base + j)
+
+    def _grammar(self, h: RequestHandle) -> Grammar | None:
+        """A constrained request's fresh matcher (the grammar engine's view of the vocabulary is built once)."""
+        if h.params.json_schema is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, sorted(self.eos))
+        return self._grammars.compile(h.params.json_schema)
 
     def _remove_row(self, batch: _Batch, i: int) -> None:
         """Free row i; the last row moves into its place, here as in the backend."""

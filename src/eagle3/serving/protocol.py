@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3.decoding.grammar import GrammarCompiler, GrammarError
+
 __all__ = ["ChatRequest", "CompletionRequest", "RequestError", "error_body", "parse_chat", "parse_completion"]
 
 MAX_TEMPERATURE = 2.0
@@ -119,7 +121,7 @@ _CHAT = {
     "max_completion_tokens": _int,
     "logprobs": _unsupported("logprobs", lambda v: v is False, "no log probabilities"),
     "top_logprobs": _unsupported("top_logprobs", lambda v: v == 0, "no log probabilities"),
-    "response_format": _unsupported("response_format", lambda v: v == {"type": "text"}, "text output only"),
+    "response_format": _ignored,  # checked below (`_response_format`)
     "tools": _ignored,  # checked below (`_tools`)
     "tool_choice": _ignored,  # checked below (`_tool_choice`)
     "parallel_tool_calls": _bool,
@@ -157,6 +159,7 @@ class ChatRequest(_Sampling):
     tool_function: str | None = None
     parallel_tool_calls: bool = True
     store: bool = True  # False: not recorded (`ServeConfig.record`)
+    json_schema: dict | None = None  # `response_format` json_object ({"type": "object"}) or json_schema
 
 
 @dataclass
@@ -444,7 +447,46 @@ def parse_chat(raw: bytes | str, max_stop: int = 4) -> ChatRequest:
     req.tools = _tools(body.get("tools"))
     req.tool_choice, req.tool_function = _tool_choice(body.get("tool_choice"), req.tools)
     req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
+    req.json_schema = _response_format(body.get("response_format"))
+    if req.json_schema is not None and req.tool_choice in ("required", "function"):
+        raise _invalid("response_format", "a JSON answer cannot be combined with a 'tool_choice' that forces a tool "
+                       "call; use tool_choice 'auto' or 'none'.")
     return req
+
+
+def _response_format(v: Any) -> dict | None:
+    """OpenAI's `response_format`: None for text, else the JSON schema the answer must follow (json_object: any
+    JSON object). The schema is checked by the grammar engine here, so a bad one is a 400 naming the field."""
+    if v is None:
+        return None
+    fmt = _object("response_format", v, {"type", "json_schema"})
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _invalid("response_format.type", f"expected 'text', 'json_object' or 'json_schema', got {kind!r}.")
+    if kind != "json_schema" and "json_schema" in fmt:
+        raise _unknown("response_format.json_schema")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    else:
+        if "json_schema" not in fmt:
+            raise _missing("response_format.json_schema")
+        js = _object("response_format.json_schema", fmt["json_schema"], {"name", "description", "schema", "strict"})
+        name = js.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise _invalid("response_format.json_schema.name", "expected a name of 1 to 64 letters, digits, "
+                           "underscores or dashes.")
+        schema = js.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _bad_type("response_format.json_schema.schema", "an object", schema)
+        if "strict" in js and not isinstance(js["strict"], bool):
+            raise _bad_type("response_format.json_schema.strict", "a boolean", js["strict"])
+    try:
+        GrammarCompiler.grammar_text(schema)
+    except GrammarError as e:
+        raise _invalid("response_format.json_schema.schema", f"{e}.") from None
+    return schema
 
 
 def parse_completion(raw: bytes | str, max_stop: int = 4) -> CompletionRequest:

@@ -27,6 +27,7 @@ class GenParams:
     stream: bool = False
     endpoint: str = "completions"  # a metrics label
     record: bool = True  # into the server's traffic record, when it keeps one (`ServeConfig.record`)
+    json_schema: dict | None = None  # the answer is JSON valid under this schema (`eagle3.decoding.grammar`)
 
 
 @dataclass

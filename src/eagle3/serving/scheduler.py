@@ -137,6 +137,7 @@ class Scheduler(PathsMixin, OutputMixin):
         self._swap_lock = threading.Lock()  # one swap at a time, from loading to switching
         self._next_version = 2
         self._probe_plain: tuple[list[int], list[int]] | None = None  # the probe's prompt and plain tokens
+        self._grammars = None  # `GrammarCompiler`, built for the first constrained request
         self.recorder = None
         if self.config.record:
             from eagle3.traffic import TrafficRecorder

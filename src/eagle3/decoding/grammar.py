@@ -1,0 +1,226 @@
+"""Constrained decoding: a JSON schema (or "any JSON object") as a token mask on the target and on the drafts.
+
+The grammar engine is llguidance (PyPI `llguidance`, Rust, no Python dependencies, wheels for every CPU): a
+request's schema compiles to an `LLMatcher` that follows the tokens the request emits and gives the set of tokens
+allowed next as a bitmask (one bit per token, int32 words). docs/structured-output.md says why this engine and
+what a mask costs.
+
+A constrained row's tokens are the target's choices under the mask at every position: greedy is the argmax over
+the allowed tokens, sampling draws from the target's distribution restricted to them (`eagle3.decoding.sampling`
+with -inf elsewhere). Speculation keeps this exactly, because the mask after a draft node depends only on the
+tokens on its path: `Grammar.tree_masks` walks a draft tree with the matcher (consume a node, take its mask,
+recurse, roll back), so verification applies to each node the mask plain decoding would apply there, and a node
+the grammar does not allow is never accepted. The drafter proposes under the same masks (`Grammar.masks` for a
+step's frontier), so its drafts are tokens the grammar allows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from eagle3.config import ConfigError
+
+__all__ = ["Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "frontier_allowed", "load_schema",
+           "restrict", "tree_allowed"]
+
+ALL = -1  # a bitmask word with every token allowed
+# Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
+# bounded. The engine's default (`[ \n\r\t]+`) lets a model that is unsure emit newlines until max_tokens.
+WHITESPACE = r"[\x20\x09]{0,4}(\x0A[\x20\x09]{0,32})?"
+
+
+class GrammarError(ConfigError):
+    """A schema or response format the grammar engine refuses; the message names the problem."""
+
+
+class GrammarCompiler:
+    """Grammars for one tokenizer: `compile(schema)` gives a request's `Grammar`. `eos_ids` end a constrained
+    answer (the first is the grammar engine's end token); `vocab_size` is the target's (it may exceed the
+    tokenizer's, the extra ids never allowed). Building the engine's view of a 49k-token vocabulary takes about a
+    third of a second, once."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+        if not eos_ids:
+            raise ConfigError("constrained decoding needs an end-of-sequence token to end the answer with")
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self.words = (vocab_size + 31) // 32  # int32 words per bitmask
+        try:  # the engine reads the vocabulary of a fast (Rust) tokenizer
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids)
+        except ValueError as e:
+            raise ConfigError(f"constrained decoding cannot use this tokenizer: {e}") from None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer, eos_ids: Sequence[int]) -> GrammarCompiler:
+        """Grammars over the model's output vocabulary (its logits' width)."""
+        return cls(tokenizer, model.get_output_embeddings().weight.shape[0], eos_ids)
+
+    @staticmethod
+    def grammar_text(schema: dict | None) -> str:
+        """The engine's grammar for a JSON schema (None: any JSON object); raises GrammarError."""
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(
+                schema if schema is not None else {"type": "object"}, overrides={"whitespace_pattern": WHITESPACE})
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"not a JSON schema: {e}") from None
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+        if failed:
+            raise GrammarError(f"the JSON schema cannot be used: {messages[0]}")
+        return text
+
+    def compile(self, schema: dict | None) -> Grammar:
+        """A fresh matcher for `schema` (see `grammar_text`)."""
+        matcher = llguidance.LLMatcher(self._tokenizer, self.grammar_text(schema), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the JSON schema cannot be used: {matcher.get_error()}")
+        return Grammar(matcher, self.words, self.eos_ids)
+
+
+def load_schema(text: str, where: str) -> dict:
+    """A JSON schema from JSON text (a file's content, a request field); GrammarError names `where`."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"{where} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{where} must be a JSON object (a JSON schema), got {type(schema).__name__}")
+    return schema
+
+
+class Grammar:
+    """One request's matcher, in the state after every token the request has emitted (`consume`)."""
+
+    def __init__(self, matcher: Any, words: int, eos_ids: Sequence[int]):
+        self.m, self.words, self.eos = matcher, words, set(eos_ids)
+        self.done = False  # an end token was emitted: the answer is complete
+        self.masks_computed = 0  # bitmasks computed so far (the cost docs/structured-output.md measures)
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Follow emitted tokens. Tokens after an end token are ignored (a row that finished may decode on)."""
+        for t in tokens:
+            if self.done:
+                return
+            if t in self.eos:
+                self.done = True
+                return
+            if not self.m.consume_token(t):
+                raise RuntimeError(f"the grammar refused emitted token {t}: {self.m.get_error()}")
+
+    def _fill(self, out: torch.Tensor) -> None:
+        """The mask of the matcher's current state into out [W] (int32). A state with nothing allowed (the answer
+        is complete and no end token is in the vocabulary) allows everything: the row's text ends here anyway."""
+        self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        self.masks_computed += 1
+        if not out.any():
+            out.fill_(ALL)
+
+    def masks(self, paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[bool]]:
+        """The bitmask after each path of tokens from the current state, [P, W] int32, and whether the grammar
+        allows each path (a refused path's mask allows everything: nothing below it is ever accepted)."""
+        out = torch.full((len(paths), self.words), ALL, dtype=torch.int32)
+        ok = []
+        for i, path in enumerate(paths):
+            if self.done:
+                ok.append(True)
+                continue
+            n = self.m.try_consume_tokens(list(path))
+            ok.append(n == len(path))
+            if n == len(path):
+                self._fill(out[i])
+            if n:
+                self.m.rollback(n)
+        return out, ok
+
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, list[bool]]:
+        """Masks [N+1, W] after the root (the current state) and after each node of a draft tree (tokens [N],
+        parents [N], -1: the root; parents precede children), and whether each node's path is allowed [N]. Walks
+        the tree depth first: consume a node, take its mask, its children, roll back."""
+        n = len(tokens)
+        out = torch.full((n + 1, self.words), ALL, dtype=torch.int32)
+        ok = [False] * n
+        if self.done:
+            return out, [True] * n
+        children: list[list[int]] = [[] for _ in range(n + 1)]  # N+1 indexing: 0 is the root
+        for j, p in enumerate(parents):
+            children[p + 1].append(j + 1)
+        self._fill(out[0])
+        stack: list[tuple[int, bool]] = [(c, True) for c in reversed(children[0])]
+        while stack:
+            u, enter = stack.pop()
+            if not enter:
+                self.m.rollback(1)
+                continue
+            if tokens[u - 1] < 0:  # padding
+                continue
+            if tokens[u - 1] in self.eos or not self.m.try_consume_tokens([tokens[u - 1]]):
+                ok[u - 1] = tokens[u - 1] in self.eos and self.m.is_accepting()  # an end token ends the walk
+                continue
+            ok[u - 1] = True
+            self._fill(out[u])
+            stack.append((u, False))
+            stack.extend((c, True) for c in reversed(children[u]))
+        return out, ok
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [..., V] from bitmasks [..., W] int32 (bit b of word w is token 32·w + b)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[..., None] >> shifts) & 1  # [..., W, 32]
+    return bits.flatten(-2)[..., :vocab_size].bool()
+
+
+def tree_allowed(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]],
+                 parents: Sequence[Sequence[int]], vocab_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For B rows' draft trees (tokens [B][N], -1: padding; parents [B][N], -1: the root), the tokens allowed after
+    the root and after each node, bool [B, N+1, V], and which nodes the grammar allows, bool [B, N]. Rows past
+    `grammars`, or whose grammar is None, allow everything. Empty trees give each row's next-token mask."""
+    b, n = len(tokens), len(tokens[0]) if tokens else 0
+    masks = torch.full((b, n + 1, (vocab_size + 31) // 32), ALL, dtype=torch.int32)
+    ok = torch.ones(b, n, dtype=torch.bool)
+    for r, g in enumerate(grammars[:b]):
+        if g is not None:
+            m, good = g.tree_masks(tokens[r], parents[r])
+            masks[r] = m
+            ok[r] = torch.tensor(good, dtype=torch.bool)
+    return allowed_tokens(masks.to(device), vocab_size), ok.to(device)
+
+
+def frontier_allowed(grammars: Sequence[Grammar | None], frontier: torch.Tensor | None, tokens: torch.Tensor | None,
+                     parents: torch.Tensor | None, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """`eagle3.decoding.expand.Constrain` in target ids for the rows of `grammars`: the tokens allowed after each
+    frontier node (record indices [R, T] into tokens / parents [R, records]; None: the roots, T = 1), bool
+    [R, T, V]. Reads the tensors on the host."""
+    r = len(grammars)
+    if frontier is None:
+        paths, width = [[[]] for _ in range(r)], 1
+    else:
+        f, toks, pars = frontier.tolist(), tokens.tolist(), parents.tolist()
+        width = frontier.shape[1]
+
+        def path(i: int, rec: int) -> list[int]:  # the tokens from row i's root to record `rec`
+            out = []
+            while rec >= 0:
+                out.append(toks[i][rec])
+                rec = pars[i][rec]
+            return out[::-1]
+
+        paths = [[path(i, rec) for rec in f[i]] if g is not None else [] for i, g in enumerate(grammars)]
+    masks = torch.full((r, width, (vocab_size + 31) // 32), ALL, dtype=torch.int32)
+    for i, g in enumerate(grammars):
+        if g is not None:
+            masks[i] = g.masks(paths[i])[0]
+    return allowed_tokens(masks.to(device), vocab_size)
+
+
+def restrict(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A drafter's logits [..., Vd] as fp32 with -inf where `allowed` [..., Vd] is False; a row that allows none
+    of the drafter's tokens keeps them all (its drafts are then never accepted)."""
+    logits = logits.float()
+    return torch.where(allowed.any(dim=-1, keepdim=True), logits.masked_fill(~allowed, float("-inf")), logits)

@@ -1,0 +1,320 @@
+"""Constrained decoding (`eagle3.decoding.grammar`): JSON-schema answers, with speculation, on both backends.
+
+- The masks a draft tree gets (one walk with fork and roll back) equal those of each node's path on its own.
+- Greedy and sampled constrained speculation (chain and tree, fast rows and HF rows) emit exactly the tokens of
+  constrained plain decoding, which differ from unconstrained decoding (negative control).
+- Sampled constrained answers follow the target's distribution restricted by the grammar: the frequencies of an
+  enum's values over many seeds against the exact probabilities (summed over every tokenization the grammar
+  allows), with negative controls (verification without the mask; another temperature).
+- `eagle3 generate --json-schema` and its errors; SmolLM2 with the bundled drafter answers valid JSON (slow).
+
+Run: pytest tests/test_structured.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from eagle3.cli import main
+from eagle3.config import DraftShape, SamplingConfig
+from eagle3.decoding.drafters import Eagle3Proposer
+from eagle3.decoding.engine import SpeculativeEngine
+from eagle3.decoding.grammar import GrammarCompiler, GrammarError, tree_allowed
+from eagle3.decoding.proposers import NoDraftProposer
+from eagle3.fast import row_grammar
+from eagle3.fast.engine import FastEngine
+from eagle3.fast.rows import FastRows
+from eagle3.fast.target import FastTarget
+from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter
+from eagle3.target import Target
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                                           "pet": {"enum": ["cat", "dog", "bird"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+PETS = {"enum": ["cat", "dog", "bird"]}
+
+
+@pytest.fixture(scope="module")
+def setup(stories260k):
+    model, tok = stories260k
+    eos = eos_token_ids(model, tok)
+    return model, tok, eos, GrammarCompiler.for_model(model, tok, eos), init_drafter(model, seed=0)
+
+
+def test_tree_masks_equal_the_masks_of_each_path(setup):
+    _, tok, _, gc, _ = setup
+    g = gc.compile(PERSON)
+    g.consume(tok.convert_tokens_to_ids(["<0x7B>", '"', "n", "am", "e", '"']))  # {"name"
+    gen = torch.Generator().manual_seed(0)
+    seen = []
+    for _ in range(5):  # random trees: mostly allowed tokens, some refused
+        tokens, parents, paths = [], [], []
+        for j in range(12):
+            p = int(torch.randint(-1, j, (1,), generator=gen)) if j else -1
+            path = paths[p] if p >= 0 else []
+            masks, ok = g.masks([path])
+            allowed = [t for t in range(512) if masks[0, t // 32] >> (t % 32) & 1] if ok[0] else list(range(512))
+            pick = allowed if torch.rand(1, generator=gen) < 0.8 else list(range(3, 512))
+            t = pick[int(torch.randint(len(pick), (1,), generator=gen))]
+            tokens.append(t)
+            parents.append(p)
+            paths.append([*path, t])
+        tree, ok = g.tree_masks(tokens, parents)
+        each, each_ok = g.masks([[], *paths])
+        assert ok == each_ok[1:]
+        seen += ok
+        for j in range(len(paths) + 1):
+            if j == 0 or ok[j - 1]:
+                assert torch.equal(tree[j], each[j])
+    assert 0 < sum(seen) < len(seen)  # some nodes allowed, some refused
+    # the matcher is back where it was: the next mask is the root's
+    assert torch.equal(g.masks([[]])[0], tree[:1])
+
+
+def test_grammar_refuses_tokens_and_ends_only_when_complete(setup):
+    _, tok, eos, gc, _ = setup
+    g = gc.compile(PETS)
+    quote = tok.convert_tokens_to_ids(['"'])
+    word = tok.convert_tokens_to_ids(['"', "c", "at", '"'])
+    _, ok = g.tree_masks([*word, eos[0]], [-1, *range(len(word))])
+    assert all(ok)  # the whole answer, then the end token
+    _, ok = g.tree_masks([*quote, eos[0]], [-1, 0])
+    assert ok == [True, False]  # an end token inside the string is refused
+    with pytest.raises(RuntimeError, match="refused"):
+        g.consume(tok.convert_tokens_to_ids(["c", "ow"]))
+    with pytest.raises(GrammarError, match="Invalid type"):
+        gc.compile({"type": "strin"})
+
+
+def constrained_engines(setup, backend: str, shape: DraftShape | None):
+    model, tok, _, _, d = setup
+    if backend == "fast":
+        return FastEngine(model, draft="none" if shape is None else "eagle3", spec=shape,
+                          drafter=None if shape is None else d, tokenizer=tok)
+    proposer = NoDraftProposer() if shape is None else Eagle3Proposer(d, shape)
+    return SpeculativeEngine(Target(model, [] if shape is None else d.config.aux_layer_ids), proposer, tok)
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("shape", [DraftShape.chain(4), DraftShape(3, 3, 8)], ids=["chain", "tree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_speculation_emits_what_constrained_plain_decoding_emits(setup, backend, shape, temperature):
+    _, tok, eos, gc, _ = setup
+    ids = encode_prompt(tok, prompt="Once upon a time")
+    sampling = SamplingConfig(temperature=temperature, seed=11)
+
+    def run(s, schema=PERSON):
+        return constrained_engines(setup, backend, s).generate(
+            ids, max_new_tokens=60, sampling=sampling, eos_token_ids=eos,
+            **({"grammar": gc.compile(schema)} if schema is not None else {}))
+
+    plain, spec = run(None), run(shape)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.tau > 1.0  # drafts were accepted: forced tokens at least
+    check = gc.compile(PERSON)
+    check.consume(plain.token_ids)  # every token is one the grammar allows (raises otherwise)
+    assert run(None, schema=None).token_ids != plain.token_ids  # the mask changed the answer
+
+
+def exact_enum_distribution(model, tok, eos, gc, prompt: list[int], temperature: float) -> dict[str, float]:
+    """P(answer) of constrained sampling at `temperature`, summed over every token path the grammar allows to
+    the end token (a depth-first walk with the target's masked distribution at each step)."""
+    out: dict[str, float] = {}
+    g = gc.compile(PETS)
+
+    def walk(path: list[int], p: float) -> None:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + path])).logits[0, -1].float()  # [V]
+        allowed, _ = tree_allowed([g], [path], [list(range(-1, len(path) - 1))], logits.shape[-1], logits.device)
+        probs = torch.softmax(logits.masked_fill(~allowed[0, -1], float("-inf")) / temperature, dim=-1)
+        for t in torch.nonzero(probs > 0).flatten().tolist():
+            q = p * float(probs[t])
+            if t in eos:
+                text = tok.decode(path)
+                out[text] = out.get(text, 0.0) + q
+            elif q > 1e-7:
+                walk([*path, t], q)
+
+    walk([], 1.0)
+    return out
+
+
+def sample_enum(setup, prompt: list[int], n: int, temperature: float) -> dict[str, int]:
+    """Answers of n sampled rows (seeds 0..n-1) decoded together with a random drafter's trees."""
+    model, tok, eos, gc, d = setup
+    rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=64, seq_len=128,
+                    shapes=lambda _b: DraftShape(3, 3, 8), graphs=False)
+    counts: dict[str, int] = {}
+    for lo in range(0, n, 64):
+        seeds = range(lo, min(lo + 64, n))
+        out = [[x] for x in rows.add_many([prompt] * len(seeds),
+                                          sampling=[SamplingConfig(temperature=temperature, seed=s) for s in seeds],
+                                          grammars=[gc.compile(PETS) for _ in seeds])]
+        while not all(o[-1] in eos for o in out):
+            for o, new in zip(out, rows.cycle(True), strict=True):
+                if o[-1] not in eos:
+                    o += new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+        for o in out:
+            text = tok.decode(o[:-1])
+            counts[text] = counts.get(text, 0) + 1
+        rows.clear()
+    return counts
+
+
+def chi_square_p(counts: dict[str, int], probs: dict[str, float]) -> float:
+    """The p-value of Pearson's test of `counts` against `probs` (an answer `probs` does not have: 0)."""
+    if set(counts) - set(probs):
+        return 0.0
+    n = sum(counts.values())
+    stat = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items())
+    k = len(probs) - 1  # the chi-square survival function for k degrees of freedom (k = 2 here: closed form)
+    assert k == 2
+    return math.exp(-stat / 2)
+
+
+N_DRAWS = 1536
+
+
+def test_sampled_constrained_answers_follow_the_masked_target(setup, monkeypatch):
+    model, tok, eos, gc, _ = setup
+    prompt = encode_prompt(tok, prompt="Tom had a pet. It was a")
+    exact = exact_enum_distribution(model, tok, eos, gc, prompt, 1.0)
+    assert len(exact) == 3 and min(exact.values()) > 0.02 and abs(sum(exact.values()) - 1) < 1e-3
+    counts = sample_enum(setup, prompt, N_DRAWS, 1.0)
+    assert chi_square_p(counts, exact) > 1e-3, (counts, exact)
+    # negative controls: another temperature; verification that ignores the grammar
+    assert chi_square_p(sample_enum(setup, prompt, N_DRAWS, 0.6), exact) < 1e-3
+    real = row_grammar.tree_allowed
+
+    def unmasked(grammars, tokens, parents, vocab_size, device):
+        allowed, ok = real(grammars, tokens, parents, vocab_size, device)
+        return torch.ones_like(allowed), ok
+
+    monkeypatch.setattr(row_grammar, "tree_allowed", unmasked)
+    with pytest.raises(RuntimeError, match="refused"):  # an answer the grammar refuses
+        sample_enum(setup, prompt, 256, 1.0)
+
+
+def test_generate_json_schema_flag_and_its_errors(tmp_path, capsys):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    assert main(["generate", "--target", "stories260k", "--prompt", "Once upon a time", "--json-schema",
+                 str(schema), "--max-new-tokens", "24", "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert text.startswith("{")
+    for content, message in [('{"type": "strin"}', "Invalid type"), ("[1", "is not JSON"),
+                             ("[1]", "must be a JSON object")]:
+        schema.write_text(content)
+        assert main(["generate", "--target", "stories260k", "--prompt", "x", "--json-schema", str(schema)]) == 2
+        assert "eagle3: error: " in (err := capsys.readouterr().err) and message in err
+    assert main(["generate", "--target", "stories260k", "--prompt", "x", "--json-schema", str(tmp_path / "no")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_answers_valid_json_with_the_bundled_drafter(smollm2, capsys, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "city": {"type": "string"}},
+              "required": ["name", "age", "city"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    answers = {}
+    for draft in (["--draft", "none"], ["--chain", "4"], ["--tree", "3,4,12"]):
+        assert main(["generate", "--target", "smollm2", "--drafter", "src/eagle3/assets/smollm2-drafter", *draft,
+                     "--chat", "Describe a person named Alice, aged 31, who lives in Paris, as JSON.",
+                     "--json-schema", str(path), "--json", "--max-new-tokens", "64"]) == 0
+        answers[draft[-1]] = json.loads(capsys.readouterr().out)
+    for a in answers.values():
+        jsonschema.validate(json.loads(a["text"]), schema)
+        assert a["token_ids"] == answers["none"]["token_ids"]
+    assert answers["4"]["tau"] > 2.0
+
+
+# -- the server: response_format ----------------------------------------------------------------
+def chat_answer(setup, messages: list[dict], schema: dict, max_tokens: int) -> str:
+    """The single-request constrained greedy answer (generic engine, no drafts) to a chat under the test
+    server's template."""
+    from test_serving import TEMPLATE
+
+    model, tok, eos, gc, _ = setup
+    text = tok.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    engine = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
+    try:
+        return engine.generate(ids, max_new_tokens=max_tokens, eos_token_ids=eos, grammar=gc.compile(schema)).text
+    finally:
+        engine.target.close()
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["fast-rows", "hf-rows"])
+def test_server_response_format_answers_equal_the_single_request(setup, stories260k, rows):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serving import MODEL, PROMPTS, make_server
+
+    jobs = [([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], i % 2 == 0) for i in range(16)]
+    want = {p[0]["content"]: chat_answer(setup, p, PERSON, 40) for p, _ in jobs[:len(PROMPTS)]}
+    srv = make_server(*stories260k, rows=rows, max_batch_size=16)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+        def one(job):
+            messages, stream = job
+            if stream:
+                chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                        response_format=fmt, stream=True))
+                return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                          response_format=fmt)
+            return r.choices[0].message.content
+
+        with ThreadPoolExecutor(16) as pool:  # 16 concurrent clients, streamed and not
+            answers = list(pool.map(one, jobs, timeout=240))
+        for (messages, _), text in zip(jobs, answers, strict=True):
+            assert text == want[messages[0]["content"]]
+        # json_object: any JSON object; a sampled request's tokens all follow the grammar too
+        r = c.chat.completions.create(model=MODEL, messages=jobs[0][0], max_tokens=30, temperature=1.0, seed=3,
+                                      response_format={"type": "json_object"})
+        assert r.choices[0].message.content.lstrip().startswith("{")
+        if rows:
+            assert srv.app.state.scheduler.fast_rows.spec_cycles > 0
+    finally:
+        srv.stop()
+
+
+def test_server_refuses_bad_response_formats(stories260k):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serving import MODEL, make_server
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = [
+        ({"type": "xml"}, {}, "response_format.type"),
+        ({"type": "json_schema"}, {}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}, {},
+         "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "no spaces", "schema": {}}}, {},
+         "response_format.json_schema.name"),
+        ({"type": "json_schema", "json_schema": {"name": "p", "schema": []}}, {}, "response_format.json_schema.schema"),
+        ({"type": "json_object", "json_schema": {}}, {}, "response_format.json_schema"),
+        ({"type": "json_object"}, {"tools": [tool], "tool_choice": "required"}, "response_format"),
+    ]
+    srv = make_server(*stories260k, spec=False)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for fmt, extra, param in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model=MODEL, messages=msgs, response_format=fmt, **extra)
+            assert e.value.body["param"] == param, fmt
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, response_format={"type": "text"})
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        srv.stop()
