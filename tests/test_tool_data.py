@@ -420,6 +420,47 @@ def test_eval_runs_bfcl_on_stories260k(tmp_path, capsys):
     assert [r["category"] for r in run["per_prompt"]] == ["simple", "multiple"]
 
 
+@needs_bfcl
+def test_bfcl_json_set_asks_for_arguments_under_their_schema():
+    from jsonschema import validators
+
+    from eagle3.evaluate import load_prompt_rows
+
+    name, prompts, _ = load_prompt_rows("bfcl_json")
+    assert name == "bfcl_json" and len(prompts) == 200 and len({p[0]["content"] for p in prompts}) == 200
+    for p in prompts:
+        assert p.schema["type"] == "object" and p.schema["additionalProperties"] is False and not p.tools
+        validators.validator_for(p.schema, default=validators.Draft202012Validator).check_schema(p.schema)
+        assert json.dumps(p.schema) in p[0]["content"]
+
+
+@needs_bfcl
+def test_eval_counts_valid_json_answers_on_bfcl_json(tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert main(["eval", "--target", "stories260k", "--draft", "ngram", "--datasets", "bfcl_json", "--limit", "2",
+                 "--max-new-tokens", "6", "--chain", "2", "--temperatures", "0", "--chat-template", "chatml",
+                 "--out", str(out)]) == 0
+    run = json.loads((out / "eval.json").read_text())["runs"][0]
+    assert run["dataset"] == "bfcl_json" and run["constrained"] == 2
+    assert run["valid_json"] == sum(r["valid"] for r in run["per_prompt"]) == 0  # 6 tokens end no answer
+    assert "valid JSON answers: 0/2" in capsys.readouterr().out
+
+
+def test_valid_answer_needs_an_ended_answer_that_follows_the_schema():
+    from eagle3.decoding.engine import GenerationResult
+    from eagle3.evaluate import valid_answer
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def answer(text, finish="stop"):
+        return GenerationResult(token_ids=[], text=text, finish_reason=finish, stats=None)
+
+    assert valid_answer(answer('{"a": 1}'), schema)
+    assert not valid_answer(answer('{"a": 1}', "length"), schema)
+    assert not valid_answer(answer('{"a": "x"}'), schema)
+    assert not valid_answer(answer('{"a": 1'), schema)
+
+
 def test_bfcl_without_the_wheel_says_how_to_install(monkeypatch):
     import eagle3.bfcl
 

@@ -6,6 +6,10 @@ heavy and pinned, so it is installed without them (`INSTALL`) and read here as d
 `bfcl_eval/data/BFCL_v4_<category>.json`, one object per line with `id`, `question` (a list of turns, each a
 list of messages) and `function` (the functions offered).
 
+`bfcl_json_prompts()` gives the JSON-schema set (`eagle3 eval --datasets bfcl_json`): `JSON_PROMPTS` questions of
+the simple category, each asking for the arguments of its function as a JSON object, constrained to the
+function's parameter schema (`eagle3.decoding.grammar`).
+
 `bfcl_prompts()` gives `PROMPTS` prompts, an even mix of three categories taken in turn (simple, multiple,
 parallel; rows spread evenly over each file, so the order is fixed): the first turn's messages and the functions
 as OpenAI tools. Functions are converted as BFCL converts them for function-calling models
@@ -30,6 +34,7 @@ BFCL_VERSION = "2026.3.23"
 INSTALL = f"pip install --no-deps bfcl-eval=={BFCL_VERSION}"
 CATEGORIES = ("simple_python", "multiple", "parallel")  # file names: BFCL_v4_<category>.json
 PROMPTS = 80
+JSON_PROMPTS = 200
 
 # BFCL type names -> JSON Schema (bfcl_eval/constants/type_mappings.py, GORILLA_TO_OPENAPI)
 JSON_TYPES = {
@@ -102,4 +107,23 @@ def bfcl_prompts(limit: int | None = None) -> list[tuple[list[dict], list[dict],
                 row, category = rows[k]
                 messages = [{"role": m["role"], "content": m["content"]} for m in row["question"][0]]
                 out.append((messages, [to_tool(f) for f in row["function"]], category.removesuffix("_python")))
+    return out
+
+
+def bfcl_json_prompts(limit: int | None = None) -> list[tuple[list[dict], dict]]:
+    """(messages, schema) for the first `limit` (at most `JSON_PROMPTS`) prompts of the JSON-schema set: a
+    simple-category question and its function's description and parameter schema (no further properties), to be
+    answered with the call's arguments as one JSON object."""
+    with open(data_dir() / f"BFCL_v4_{CATEGORIES[0]}.json", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    n = JSON_PROMPTS if limit is None else min(limit, JSON_PROMPTS)
+    out = []
+    for row in _spread(rows, n):
+        f = to_tool(row["function"][0])["function"]
+        # a call's arguments: no properties beyond the function's (as OpenAI's strict function calling asks)
+        f["parameters"]["additionalProperties"] = False
+        question = "\n".join(m["content"] for m in row["question"][0] if m["role"] == "user")
+        ask = (f"{question}\n\nAnswer with the arguments for the function `{f['name']}` ({f.get('description', '')})"
+               f" as one JSON object following this schema:\n{json.dumps(f['parameters'])}")
+        out.append(([{"role": "user", "content": ask}], f["parameters"]))
     return out

@@ -323,6 +323,8 @@ def cmd_eval(args) -> int:
             print(f"{name:10s} {r.method:22s} T={temp:<4} tau {r.tau:.3f}  "
                   f"accept/pos {[round(x, 2) for x in r.acceptance_per_position]}  "
                   f"{r.to_dict()['tokens_per_s']} tok/s", flush=True)
+            if r.constrained:
+                print(f"           valid JSON answers: {r.valid}/{r.constrained}", flush=True)
             if r.tau_by_category:
                 print("           by category: " + ", ".join(f"{c} {t:.2f}" for c, t in r.tau_by_category.items()),
                       flush=True)

@@ -32,15 +32,17 @@ from tqdm import tqdm
 from eagle3.config import ConfigError, DraftShape, SamplingConfig
 
 BENCH_SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
-TOOL_SETS = ("bfcl",)  # opt-in: read from an optional wheel (eagle3.bfcl)
+TOOL_SETS = ("bfcl", "bfcl_json")  # opt-in: read from an optional wheel (eagle3.bfcl)
 
 
 class Prompt(list):
-    """A prompt's messages (a list of dicts), and the tools offered with them (`tools`, OpenAI function tools)."""
+    """A prompt's messages (a list of dicts), the tools offered with them (`tools`, OpenAI function tools), and
+    the JSON schema its answer is constrained to (`schema`; None: free text)."""
 
-    def __init__(self, messages: list[dict], tools: list[dict] | None = None):
+    def __init__(self, messages: list[dict], tools: list[dict] | None = None, schema: dict | None = None):
         super().__init__(messages)
         self.tools = list(tools or [])
+        self.schema = schema
 
 
 def bench_path(name: str) -> Path:
@@ -57,6 +59,11 @@ def load_prompts(name_or_path: str, limit: int | None = None) -> tuple[str, list
 
 def load_prompt_rows(name_or_path: str, limit: int | None = None) -> tuple[str, list[list[dict]], list[str | None]]:
     """`load_prompts` and each row's `category` (None where it has none)."""
+    if name_or_path == "bfcl_json":
+        from eagle3.bfcl import bfcl_json_prompts
+
+        rows = bfcl_json_prompts(limit)
+        return name_or_path, [Prompt(m, schema=schema) for m, schema in rows], [None] * len(rows)
     if name_or_path in TOOL_SETS:
         from eagle3.bfcl import bfcl_prompts
 
@@ -147,7 +154,9 @@ class RunResult:
     seconds: float = 0.0
     new_tokens_in_cycles: int = 0  # tokens emitted by verification cycles (the prefill token excluded)
     per_prompt: list[dict] = field(default_factory=list)  # {"new_tokens", "cycles", "cycle_tokens", "tau"[,
-    # "category"]} per prompt; cycle_tokens: emitted by its cycles (tau = cycle_tokens / cycles)
+    # "category"][, "valid"]} per prompt; cycle_tokens: emitted by its cycles (tau = cycle_tokens / cycles)
+    constrained: int = 0  # prompts answered under a JSON schema
+    valid: int = 0  # of those, answers that ended and are JSON valid under the schema (`valid_answer`)
 
     @property
     def tau(self) -> float:
@@ -157,16 +166,21 @@ class RunResult:
     def acceptance_per_position(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tried, strict=True)]
 
-    def add(self, st, category: str | None = None) -> None:
-        """Count one generation's `GenerationStats`: its tokens, cycles and per-position acceptance."""
+    def add(self, st, category: str | None = None, valid: bool | None = None) -> None:
+        """Count one generation's `GenerationStats`: its tokens, cycles and per-position acceptance; `valid`:
+        whether a constrained answer is valid (None: not constrained)."""
         self.prompts += 1
+        if valid is not None:
+            self.constrained += 1
+            self.valid += valid
         self.new_tokens += st.new_tokens
         self.cycles += st.cycles
         in_cycles = sum(st.accepted_per_cycle) + st.cycles
         self.new_tokens_in_cycles += in_cycles
         row = {"new_tokens": st.new_tokens, "cycles": st.cycles, "cycle_tokens": in_cycles,
                "tau": round(in_cycles / st.cycles, 4) if st.cycles else 0.0}
-        self.per_prompt.append(row if category is None else {**row, "category": category})
+        row = row if category is None else {**row, "category": category}
+        self.per_prompt.append(row if valid is None else {**row, "valid": valid})
         depth = max(st.drafted_depth_per_cycle, default=0)
         if len(self.accepted) < depth:
             self.accepted += [0] * (depth - len(self.accepted))
@@ -183,6 +197,7 @@ class RunResult:
                 "tau": round(self.tau, 4), "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
                 "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0,
                 "seconds": round(self.seconds, 2), **({"tau_by_category": by_category} if by_category else {}),
+                **({"valid_json": self.valid, "constrained": self.constrained} if self.constrained else {}),
                 "per_prompt": self.per_prompt}
 
     @property
@@ -206,17 +221,45 @@ def method_name(draft: str, spec: DraftShape) -> str:
 def run_dataset(rt, dataset: str, prompts: list[list[dict]], sampling: SamplingConfig, max_new_tokens: int,
                 progress: bool = True, categories: list[str | None] | None = None) -> RunResult:
     res = RunResult(dataset=dataset, method=method_name(rt.draft, rt.spec), temperature=sampling.temperature)
+    grammars = None
+    if any(getattr(p, "schema", None) is not None for p in prompts):
+        from eagle3.decoding.grammar import GrammarCompiler
+
+        grammars = GrammarCompiler.for_model(rt.model, rt.tokenizer, rt.eos_token_ids)
     t0 = time.perf_counter()
     for i, msgs in enumerate(tqdm(prompts, desc=f"{dataset} {res.method} T={sampling.temperature}",
                                   disable=not progress, leave=False)):
         ids = encode_prompt_messages(rt.tokenizer, msgs)
         s = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                            seed=None if sampling.seed is None else sampling.seed + i)
-        st = rt.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=s,
-                                eos_token_ids=rt.eos_token_ids).stats
-        res.add(st, categories[i] if categories else None)
+        schema = getattr(msgs, "schema", None)
+        grammar = {"grammar": grammars.compile(schema)} if schema is not None else {}
+        out = rt.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=s, eos_token_ids=rt.eos_token_ids,
+                                 **grammar)
+        res.add(out.stats, categories[i] if categories else None,
+                valid_answer(out, schema) if schema is not None else None)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def valid_answer(out, schema: dict) -> bool:
+    """Whether a constrained answer ended (not cut by max_new_tokens) and is JSON valid under `schema` (checked
+    with `jsonschema` where it is installed, else only parsed)."""
+    if out.finish_reason != "stop":
+        return False
+    try:
+        value = json.loads(out.text)
+    except json.JSONDecodeError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return True
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
 
 
 def plot_report(report: dict, png: str | Path) -> Path | None:
