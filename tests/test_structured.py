@@ -91,6 +91,15 @@ def test_grammar_refuses_tokens_and_ends_only_when_complete(setup):
         gc.compile({"type": "strin"})
 
 
+def test_matchers_of_one_schema_are_independent_copies(setup):
+    _, tok, _, gc, _ = setup
+    a, b = gc.compile(PETS), gc.compile(PETS)
+    start = b.masks([[]])[0]
+    a.consume(tok.convert_tokens_to_ids(['"', "c"]))
+    assert torch.equal(b.masks([[]])[0], start) and not torch.equal(a.masks([[]])[0], start)
+    assert torch.equal(gc.compile(PETS).masks([[]])[0], start)  # a new copy starts fresh
+
+
 def constrained_engines(setup, backend: str, shape: DraftShape | None):
     model, tok, _, _, d = setup
     if backend == "fast":

@@ -446,6 +446,20 @@ def test_eval_counts_valid_json_answers_on_bfcl_json(tmp_path, capsys):
     assert "valid JSON answers: 0/2" in capsys.readouterr().out
 
 
+@needs_bfcl
+def test_bench_times_constrained_answers_on_bfcl_json(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", "stories260k", "--drafter", "random", "--dataset", "bfcl_json", "--limit", "2",
+                 "--max-new-tokens", "8", "--methods", "hf,plain,chain", "--chain", "3", "--out", str(out)]) == 0
+    assert "skipping HF generate" in capsys.readouterr().out
+    rec = json.loads((out / "bench.json").read_text())
+    by = {s["method"]: s for s in rec["summary"]}
+    assert set(by) == {"plain", "chain"} and rec["dataset"] == "bfcl_json"
+    for s in by.values():
+        assert s["valid_json"] == 0 and s["identical"] == 2  # 8 tokens end no answer; the same tokens
+        assert s["masks_per_token"] >= 1 and s["mask_us_per_token"] > 0
+
+
 def test_valid_answer_needs_an_ended_answer_that_follows_the_schema():
     from eagle3.decoding.engine import GenerationResult
     from eagle3.evaluate import valid_answer

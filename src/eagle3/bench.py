@@ -43,6 +43,7 @@ from eagle3.config import (
     SamplingConfig,
 )
 from eagle3.defaults import CPU_TREE
+from eagle3.evaluate import valid_answer
 
 log = logging.getLogger("eagle3.bench")
 
@@ -124,15 +125,22 @@ def _hf_runner(model, kind: str, max_new_tokens: int, eos: list[int], pad: int, 
     return run
 
 
-def _engine_runner(engine, max_new_tokens: int, eos: list[int], temperature: float = 0.0):
-    def run(ids: list[int], seed: int) -> dict:
+def _engine_runner(engine, max_new_tokens: int, eos: list[int], temperature: float = 0.0, grammars=None):
+    """`grammars` (`eagle3.decoding.grammar.GrammarCompiler`): a prompt with a schema is answered under it."""
+
+    def run(ids: list[int], seed: int, schema: dict | None = None) -> dict:
         sampling = SamplingConfig(temperature=temperature, seed=seed)
-        res = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos, sampling=sampling)
+        grammar = grammars.compile(schema) if schema is not None else None
+        res = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos, sampling=sampling,
+                              **({"grammar": grammar} if grammar is not None else {}))
         st = res.stats
         drafting = st.cycles - st.plain_steps  # tau counts cycles that drafted (the guard's plain steps emit one)
-        return {"ids": res.token_ids, "seconds": st.total_s, "cycles": drafting,
-                "emitted_in_cycles": sum(st.accepted_per_cycle) + drafting, "decode_s": st.verify_s,
-                "plain_steps": st.plain_steps}
+        out = {"ids": res.token_ids, "seconds": st.total_s, "cycles": drafting,
+               "emitted_in_cycles": sum(st.accepted_per_cycle) + drafting, "decode_s": st.verify_s,
+               "plain_steps": st.plain_steps}
+        if grammar is not None:
+            out.update(valid=valid_answer(res, schema), masks=grammar.masks_computed, mask_s=grammar.mask_s)
+        return out
 
     return run
 
@@ -178,6 +186,7 @@ def run_bench(
     """
     import transformers
 
+    from eagle3.decoding.grammar import GrammarCompiler
     from eagle3.defaults import decoding_for, device_tree, load_for_decoding, tuned_choice, with_flags
     from eagle3.evaluate import load_prompts
     from eagle3.fast import FastEngine, FastOptions, FastTarget, build_engine, fast_support
@@ -209,6 +218,13 @@ def run_bench(
     prompts = [encode_messages(tok, m) for m in chats]
     if not prompts:
         raise ConfigError(f"dataset {dataset!r} has no prompts")
+    schemas = [getattr(m, "schema", None) for m in chats]  # constrained answers (`eagle3.decoding.grammar`)
+    grammars = None
+    if any(x is not None for x in schemas):
+        grammars = GrammarCompiler.for_model(model, tok, eos)
+        if any(m.startswith("hf") for m in methods):
+            echo(f"{name} constrains its answers to JSON schemas: skipping HF generate (a, b, c), which cannot")
+            methods = [m for m in methods if not m.startswith("hf")]
     longest = max(prompts, key=len)
 
     d = None
@@ -299,12 +315,12 @@ def run_bench(
             engine = None
         else:
             engine = engine_for(kind, spec)
-            run = _engine_runner(engine, max_new_tokens, eos, temperature)
+            run = _engine_runner(engine, max_new_tokens, eos, temperature, grammars)
         t0 = time.perf_counter()
         for _ in range(warmup):
-            run(longest, seed)
+            run(longest, seed, schemas[prompts.index(longest)])
         warm_s = time.perf_counter() - t0
-        results[m] = [run(ids, seed + i) for i, ids in enumerate(prompts)]
+        results[m] = [run(ids, seed + i, x) for i, (ids, x) in enumerate(zip(prompts, schemas, strict=True))]
         fast = isinstance(engine, FastEngine)
         compiled = kind == "hf_static" and dev.type == "cuda"
         ran = "hf" if engine is None else ("fast" if fast else "generic")
@@ -353,6 +369,10 @@ def _summarise(summary: list[dict], results: dict[str, list[dict]], prompts: lis
             tau_median=round(statistics.median(taus), 4),
             identical=sum(identical), prompts=len(res), new_tokens=total_tokens,
         )
+        if "valid" in res[0]:  # constrained answers: how many are valid, and what their masks cost
+            s.update(valid_json=sum(r["valid"] for r in res), masks_per_token=round(
+                sum(r["masks"] for r in res) / total_tokens, 3), mask_us_per_token=round(
+                1e6 * sum(r["mask_s"] for r in res) / total_tokens, 2))
         decode = [(len(r["ids"]) - 1) / r["decode_s"] for r in res if r["decode_s"] and len(r["ids"]) > 1]
         s["decode_tokens_per_s_median"] = round(statistics.median(decode), 3) if decode else None
     by = _by_method(summary)
