@@ -24,7 +24,7 @@ from eagle3.cli import main
 from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.grammar import GrammarCompiler, GrammarError, tree_allowed
+from eagle3.decoding.grammar import GrammarCompiler, GrammarError, engine_tokenizer_json, tree_allowed
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.fast import row_grammar
 from eagle3.fast.engine import FastEngine
@@ -223,6 +223,29 @@ def test_generate_json_schema_flag_and_its_errors(tmp_path, capsys):
         assert "eagle3: error: " in (err := capsys.readouterr().err) and message in err
     assert main(["generate", "--target", "stories260k", "--prompt", "x", "--json-schema", str(tmp_path / "no")]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_byte_level_vocabulary_flagged_byte_fallback_is_read_as_byte_level(smollm2, stories260k):
+    import llguidance
+
+    _, tok = smollm2
+    ours = tok.backend_tokenizer.to_str()
+    assert engine_tokenizer_json(ours) == ours  # read right as it is
+    sp = stories260k[1].backend_tokenizer.to_str()
+    assert engine_tokenizer_json(sp) == sp  # a SentencePiece vocabulary with byte fallback: as it is
+    config = json.loads(ours)  # as transformers 5.17 converts SmolLM2's GGUF
+    config["model"]["byte_fallback"] = True
+    config["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+    ids = tok.encode(' Info {"', add_special_tokens=False)
+
+    def spelled(text: str) -> list[bytes]:
+        return [llguidance.LLTokenizer(text, n_vocab=len(tok), eos_token=[2]).decode_bytes([i]) for i in ids]
+
+    assert spelled(json.dumps(config))[0] == "\u0120Info".encode()  # the engine misreads it (negative control)
+    assert spelled(engine_tokenizer_json(json.dumps(config))) == [b" Info", b' {"']
 
 
 @pytest.mark.slow

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from eagle3.config import ConfigError
@@ -54,10 +53,12 @@ class GrammarCompiler:
         self.eos_ids = list(eos_ids)
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask
         self._compiled: dict[str, object] = {}  # schema JSON -> its compiled matcher, least recently used first
-        try:  # the engine reads the vocabulary of a fast (Rust) tokenizer
-            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids)
-        except ValueError as e:
-            raise ConfigError(f"constrained decoding cannot use this tokenizer: {e}") from None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ConfigError("constrained decoding needs a fast (Rust) tokenizer; this one is "
+                              f"{type(tokenizer).__name__}")
+        self._tokenizer = llguidance.LLTokenizer(engine_tokenizer_json(backend.to_str()), n_vocab=vocab_size,
+                                                 eos_token=self.eos_ids)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, eos_ids: Sequence[int]) -> GrammarCompiler:
@@ -93,6 +94,23 @@ class GrammarCompiler:
         return Grammar(template.deep_copy(), self.words, self.eos_ids)
 
 
+def engine_tokenizer_json(text: str) -> str:
+    """A tokenizer's JSON as the grammar engine must read it. The engine takes a BPE vocabulary with
+    `byte_fallback` for SentencePiece-style (tokens are literal text, "▁" a space); a byte-level one (GPT-2 style:
+    a ByteLevel pre-tokenizer, "Ġ" a space) flagged so, as transformers 5.17 converts SmolLM2's GGUF, would then
+    spell every spaced token wrongly and allow none of them. Such a vocabulary is given to it as byte-level."""
+    config = json.loads(text)
+    pre = config.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    model = config.get("model") or {}
+    if model.get("byte_fallback") and any(p.get("type") == "ByteLevel" for p in parts):
+        model["byte_fallback"] = False
+        config["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                             "use_regex": True}
+        return json.dumps(config)
+    return text
+
+
 def load_schema(text: str, where: str) -> dict:
     """A JSON schema from JSON text (a file's content, a request field); GrammarError names `where`."""
     try:
@@ -125,13 +143,15 @@ class Grammar:
                 raise RuntimeError(f"the grammar refused emitted token {t}: {self.m.get_error()}")
 
     def _fill(self, out: torch.Tensor) -> None:
-        """The mask of the matcher's current state into out [W] (int32). A state with nothing allowed (the answer
-        is complete and no end token is in the vocabulary) allows everything: the row's text ends here anyway."""
+        """The mask of the matcher's current state into out [W] (int32). A finished answer with no end token left
+        to allow (the matcher stopped) allows everything: the row's text ends there anyway."""
         t0 = time.perf_counter()
         self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
         self.mask_s += time.perf_counter() - t0
         self.masks_computed += 1
         if not out.any():
+            if not self.m.is_stopped():
+                raise RuntimeError(f"the grammar allows no token of this vocabulary here: {self.m.get_error()}")
             out.fill_(ALL)
 
     def masks(self, paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[bool]]:
