@@ -115,7 +115,7 @@ def test_bench_keeps_the_methods_measured_before_a_failure(tmp_path, monkeypatch
     def failing(*args, **kwargs):
         made.append(1)
         if len(made) > 1:
-            def run(ids, seed):
+            def run(ids, seed, schema=None):
                 raise RuntimeError("stopped")
             return run
         return real(*args, **kwargs)

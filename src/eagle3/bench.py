@@ -43,7 +43,7 @@ from eagle3.config import (
     SamplingConfig,
 )
 from eagle3.defaults import CPU_TREE
-from eagle3.evaluate import valid_answer
+from eagle3.evaluate import encode_prompt_messages, valid_answer
 
 log = logging.getLogger("eagle3.bench")
 
@@ -103,7 +103,7 @@ def _hf_runner(model, kind: str, max_new_tokens: int, eos: list[int], pad: int, 
         kw["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
     count = kind != "hf_static"  # a Python hook inside a compiled call would break its graph
 
-    def run(ids: list[int], seed: int) -> dict:
+    def run(ids: list[int], seed: int, schema: None = None) -> dict:  # constrained sets skip HF generate
         calls = [0]
         hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if count else None
         x = torch.tensor([ids], device=device)
@@ -195,7 +195,7 @@ def run_bench(
     from eagle3.fast.target import fuse_level
     from eagle3.models import select_device
     from eagle3.record import run_record
-    from eagle3.runtime import drafter_for, encode_messages, eos_token_ids
+    from eagle3.runtime import drafter_for, eos_token_ids
 
     methods = methods or list(METHODS)
     dev = select_device(device)
@@ -215,7 +215,7 @@ def run_bench(
     eos = eos_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     name, chats = load_prompts(dataset, limit=limit)
-    prompts = [encode_messages(tok, m) for m in chats]
+    prompts = [encode_prompt_messages(tok, m) for m in chats]  # tools rendered as the server renders them
     if not prompts:
         raise ConfigError(f"dataset {dataset!r} has no prompts")
     schemas = [getattr(m, "schema", None) for m in chats]  # constrained answers (`eagle3.decoding.grammar`)
