@@ -63,7 +63,8 @@ class GrammarSteps:
             anc, top, aux = self._verify(nb, tokens, parents1, mode)
         finally:
             self.allowed = None
-        keep, n_acc, emitted = self.pieces.run("_accept", nb, tokens, parents1, anc, top, valid & ok)
+        # eagerly: a compiled acceptance would compile again for the `valid` argument
+        keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top, valid & ok)
         self._commit(nb, keep, n_acc, emitted, aux)
 
     def _follow(self) -> None:
