@@ -350,3 +350,30 @@ def test_server_refuses_bad_response_formats(stories260k):
         assert r.choices[0].finish_reason == "length"
     finally:
         srv.stop()
+
+
+def test_a_schema_the_engine_refuses_at_admission_fails_that_request_only(stories260k, monkeypatch):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serving import MODEL, make_server
+
+    real = GrammarCompiler.compile
+
+    def compile(self, schema):
+        if schema.get("title") == "refused":
+            raise GrammarError("refused for this tokenizer")
+        return real(self, schema)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", compile)
+    srv = make_server(*stories260k, spec=False)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Hi"}]
+        with pytest.raises(openai.BadRequestError, match="refused for this tokenizer"):
+            c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, response_format={
+                "type": "json_schema", "json_schema": {"name": "p", "schema": {**PETS, "title": "refused"}}})
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "p", "schema": PETS}})
+        assert r.choices[0].message.content.lstrip().startswith('"')
+    finally:
+        srv.stop()

@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from eagle3.config import SamplingConfig
+from eagle3.config import ConfigError, SamplingConfig
 from eagle3.decoding.grammar import Grammar, GrammarCompiler
 from eagle3.serving.policy import SpeedGate
 from eagle3.serving.requests import GenParams, RequestHandle, _Row
@@ -68,9 +68,18 @@ class PathsMixin:
 
     def _add_rows(self, batch: _Batch, take: list[RequestHandle]) -> None:
         t0 = time.perf_counter()
+        grammars: dict[str, Grammar | None] = {}
+        for h in list(take):
+            try:
+                grammars[h.id] = self._grammar(h)
+            except ConfigError as e:  # a schema the engine refuses for this tokenizer: this request only
+                self._send_error(h, f"response_format cannot be followed: {e}", status=400)
+                take.remove(h)
+        if not take:
+            return
         firsts = batch.backend.add_many([list(h.params.prompt_ids) for h in take],
                                         sampling=[_row_sampling(h) for h in take],
-                                        grammars=[self._grammar(h) for h in take])
+                                        grammars=[grammars[h.id] for h in take])
         now = time.perf_counter()
         self.metrics.observe("eagle3_prefill_seconds", now - t0)
         base = len(batch.rows)  # the new rows are base, base + 1, ... (as in the backend)
