@@ -179,7 +179,7 @@ def cmd_adapt(args) -> int:
 
 
 def add_adapt_parser(sub) -> None:
-    from eagle3.cli import duration_seconds
+    from eagle3.cli_args import duration_seconds
 
     a = sub.add_parser("adapt", help="continue training a drafter on recorded traffic; written only if no worse",
                        usage="%(prog)s --target MODEL --drafter DIR --data TRAFFIC --out NEW [options]")

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from eagle3.cli_args import draft_vocab_size, duration_seconds, layer_ids
 from eagle3.config import (
     BATCH_INVARIANT_HELP,
     DEFAULT_DRAFT_VOCAB_SIZE,
@@ -25,39 +26,6 @@ from eagle3.config import (
 ENGINE_CHOICES = ("auto", "fast", "generic")
 ENGINE_HELP = ("fast: static KV cache + CUDA graphs (Llama/Mistral/Qwen families); generic: any HF model; "
                "auto: fast where the family and draft kind allow it")
-
-def duration_seconds(text: str) -> float:
-    """'90', '90s', '20m' or '1.5h' -> seconds (argparse type for --time-budget)."""
-    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
-    t = text.strip().lower()
-    scale = units.get(t[-1:])
-    try:
-        value = float(t[:-1] if scale else t) * (scale or 1.0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a duration: write seconds (1200), or 90s, 20m, 1.5h") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be positive")
-    return value
-
-
-def draft_vocab_size(text: str) -> int:
-    """'32000' -> 32000, 'full' or '0' -> 0 (the full vocabulary; argparse type for init-drafter)."""
-    t = text.strip().lower()
-    if t == "full":
-        return 0
-    if not t.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of tokens (e.g. 32000), or full")
-    return int(t)
-
-
-def layer_ids(text: str) -> list[int]:
-    """'2,15,29' -> [2, 15, 29] (argparse type for --aux-layers; range and order are checked against the target)."""
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give three non-negative layer numbers, low,mid,high (e.g. 2,15,27 for a 30-layer target)")
-    return [int(p) for p in parts]
 
 
 def add_trust_remote_code(p) -> None:
@@ -88,20 +56,19 @@ def _add_decoding(p) -> None:
 
 
 def cmd_generate(args) -> int:
+    from eagle3.decoding.grammar import GrammarCompiler, schema_file
     from eagle3.runtime import encode_prompt, load_runtime
 
     spec = DraftShape.from_flags(args.tree, args.chain)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    schema = _json_schema(args.json_schema) if args.json_schema else None  # refused before the model loads
+    schema = schema_file(args.json_schema) if args.json_schema else None  # refused before the model loads
     rt = load_runtime(args.target, drafter=args.drafter, draft=args.draft, spec=spec, device=args.device,
                       dtype=args.dtype, draft_model=args.draft_model, engine="fast" if args.fast else args.engine)
     ids = encode_prompt(rt.tokenizer, prompt=args.prompt, chat=args.chat)
     grammar = None
     if schema is not None:
-        from eagle3.decoding.grammar import GrammarCompiler
-
         grammar = GrammarCompiler.for_model(rt.model, rt.tokenizer, rt.eos_token_ids).compile(schema)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     from eagle3.defaults import decoder_from_args, ran_with, ran_with_line
@@ -127,19 +94,6 @@ def cmd_generate(args) -> int:
         print(f"[{rt.draft}] {st.new_tokens} tokens in {st.total_s:.2f}s ({st.tokens_per_s:.1f} tok/s), "
               f"tau {st.tau:.2f}, {st.cycles} target forwards", file=sys.stderr)
     return 0
-
-
-def _json_schema(path: str) -> dict:
-    """`--json-schema FILE`: the schema, checked by the grammar engine."""
-    from eagle3.decoding.grammar import GrammarCompiler, load_schema
-
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"--json-schema {path}: cannot read it ({e.strerror})") from None
-    schema = load_schema(text, f"--json-schema {path}")
-    GrammarCompiler.grammar_text(schema)
-    return schema
 
 
 def cmd_init_drafter(args) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -27,7 +28,7 @@ import torch
 from eagle3.config import ConfigError
 
 __all__ = ["Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "frontier_allowed", "load_schema",
-           "restrict", "tree_allowed"]
+           "restrict", "schema_file", "tree_allowed"]
 
 ALL = -1  # a bitmask word with every token allowed
 # Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
@@ -119,6 +120,17 @@ def load_schema(text: str, where: str) -> dict:
         raise GrammarError(f"{where} is not JSON: {e}") from None
     if not isinstance(schema, dict):
         raise GrammarError(f"{where} must be a JSON object (a JSON schema), got {type(schema).__name__}")
+    return schema
+
+
+def schema_file(path: str) -> dict:
+    """The JSON schema in a file (`--json-schema FILE`), checked by the grammar engine before a model loads."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--json-schema {path}: cannot read it ({e.strerror})") from None
+    schema = load_schema(text, f"--json-schema {path}")
+    GrammarCompiler.grammar_text(schema)
     return schema
 
 
