@@ -34,7 +34,9 @@ class GrammarSteps:
         nb = self._drafting_rows
         grammars = [*self.grammars[:nb], *[None] * (nb - len(self.grammars))]  # idle rows of a bucket: None
         allowed = frontier_allowed(grammars, frontier, tokens, parents, self.t.vocab_size, self.device)
-        return allowed[..., self.draft_target_ids]  # [nb, T, Vd]
+        # the draft vocabulary's target ids, read now: a drafter swapped in place may map them anew
+        ids = self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))  # [Vd]
+        return allowed[..., ids]  # [nb, T, Vd]
 
     def _constrained_cycle(self, nb: int, spec: bool, mode: int) -> None:
         """One cycle of the first nb rows with the grammars' masks (module docstring), eagerly."""

@@ -140,7 +140,6 @@ class FastRows(RowSteps, GrammarSteps):
             self.dv = torch.zeros_like(self.dk)
             self.ar_sd = torch.arange(self.sd, device=dev)
             self.last_out = torch.zeros(capacity, fd.hidden_size, dtype=fd.dtype, device=dev)
-            self.draft_target_ids = fd.to_target_ids(torch.arange(fd.lm_head.shape[0], device=dev))  # [Vd]
         self.feed_window = feed_window if self.d is not None else 0
         if self.feed_window:
             w = self.feed_window
