@@ -44,8 +44,7 @@ class GrammarError(ConfigError):
 class GrammarCompiler:
     """Grammars for one tokenizer: `compile(schema)` gives a request's `Grammar`. `eos_ids` end a constrained
     answer (the first is the grammar engine's end token); `vocab_size` is the target's (it may exceed the
-    tokenizer's, the extra ids never allowed). Building the engine's view of a 49k-token vocabulary takes about a
-    third of a second, once."""
+    tokenizer's, the extra ids never allowed). The engine's view of the vocabulary is built once, here."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
         if not eos_ids:
@@ -81,8 +80,8 @@ class GrammarCompiler:
 
     def compile(self, schema: dict | None) -> Grammar:
         """A fresh matcher for `schema` (see `grammar_text`). Matchers of one schema are copies of one compiled
-        matcher, which share what the engine learns about the vocabulary as they run: a schema's later answers
-        compute their masks in about half the time of its first (docs/structured-output.md)."""
+        matcher, which share what the engine learns about the vocabulary as they run, so a schema's later answers
+        compute their masks faster than its first."""
         key = json.dumps(schema, sort_keys=True)
         template = self._compiled.pop(key, None)
         if template is None:
