@@ -377,3 +377,72 @@ def test_a_schema_the_engine_refuses_at_admission_fails_that_request_only(storie
         assert r.choices[0].message.content.lstrip().startswith('"')
     finally:
         srv.stop()
+
+
+# -- forced tool calls ---------------------------------------------------------------------------
+GO = [{"type": "function", "function": {"name": "go", "parameters": {
+    "type": "object", "properties": {"u": {"enum": ["c", "f"]}}, "required": ["u"]}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_a_forced_tool_call_is_constrained_to_the_functions_schema(setup, stories260k, choice):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from eagle3.serving.tools import render
+    from test_serving import MODEL, TEMPLATE, make_server
+
+    model, tok, eos, gc, _ = setup
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    function = "go" if choice == "function" else None
+    text, calls = render(tok, messages, GO, choice, function, True, TEMPLATE)
+    assert calls.grammar is not None and text.endswith(calls.prefix)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    engine = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
+    try:
+        want = engine.generate(ids, max_new_tokens=40, eos_token_ids=eos, grammar=gc.compile_text(calls.grammar))
+        free = engine.generate(ids, max_new_tokens=40, eos_token_ids=eos)
+    finally:
+        engine.target.close()
+    gc.compile_text(calls.grammar).consume(want.token_ids)  # every token follows the call's grammar
+    with pytest.raises(RuntimeError, match="refused"):  # negative control: unconstrained, the model does not
+        gc.compile_text(calls.grammar).consume(free.token_ids)
+    srv = make_server(*stories260k, rows=True)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        tool_choice = {"type": "function", "function": {"name": "go"}} if function else "required"
+        r = c.chat.completions.create(model=MODEL, messages=messages, tools=GO, tool_choice=tool_choice,
+                                      max_tokens=40, temperature=0)
+        assert r.choices[0].message.content == calls.prefix + want.text  # cut by max_tokens: returned as text
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_smollm2_forced_tool_calls_are_valid_calls(smollm2):
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("fastapi")
+    from eagle3.serving.app import create_app
+    from eagle3.serving.config import ServeConfig
+    from eagle3.serving.server import ServerThread, build_scheduler
+
+    model, tok = smollm2
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": params}},
+             {"type": "function", "function": {"name": "get_time", "description": "Time in a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+    sched = build_scheduler(Target(model, []), tok, eos_token_ids(model, tok), None, None,
+                            ServeConfig(model_name="smollm2"))
+    with ServerThread(create_app(sched)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = c.chat.completions.create(model="smollm2", messages=messages, tools=tools, tool_choice=choice,
+                                          max_tokens=64, temperature=0)
+            assert r.choices[0].finish_reason == "tool_calls"
+            call = r.choices[0].message.tool_calls[0].function
+            schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), schema)

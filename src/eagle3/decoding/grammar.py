@@ -33,7 +33,7 @@ __all__ = ["Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "fron
 ALL = -1  # a bitmask word with every token allowed
 # Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
 # bounded. The engine's default (`[ \n\r\t]+`) lets a model that is unsure emit newlines until max_tokens.
-COMPILED_SCHEMAS = 256  # compiled matchers kept (`GrammarCompiler.compile`)
+COMPILED_SCHEMAS = 256  # compiled matchers kept (`GrammarCompiler.compile_text`)
 WHITESPACE = r"[\x20\x09]{0,4}(\x0A[\x20\x09]{0,32})?"
 
 
@@ -52,7 +52,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask
-        self._compiled: dict[str, object] = {}  # schema JSON -> its compiled matcher, least recently used first
+        self._compiled: dict[str, object] = {}  # grammar text -> its compiled matcher, least recently used first
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ConfigError("constrained decoding needs a fast (Rust) tokenizer; this one is "
@@ -78,17 +78,29 @@ class GrammarCompiler:
             raise GrammarError(f"the JSON schema cannot be used: {messages[0]}")
         return text
 
+    @staticmethod
+    def lark_text(lark: str) -> str:
+        """The engine's grammar for a Lark grammar (JSON schemas inside as `%json {...}`); raises GrammarError."""
+        text = llguidance.LLMatcher.grammar_from_lark(lark)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+        if failed:
+            raise GrammarError(f"the grammar cannot be used: {messages[0]}")
+        return text
+
     def compile(self, schema: dict | None) -> Grammar:
-        """A fresh matcher for `schema` (see `grammar_text`). Matchers of one schema are copies of one compiled
-        matcher, which share what the engine learns about the vocabulary as they run, so a schema's later answers
-        compute their masks faster than its first."""
-        key = json.dumps(schema, sort_keys=True)
-        template = self._compiled.pop(key, None)
+        """A fresh matcher for `schema` (see `grammar_text`)."""
+        return self.compile_text(self.grammar_text(schema))
+
+    def compile_text(self, text: str) -> Grammar:
+        """A fresh matcher for an engine grammar (`grammar_text`, `lark_text`). Matchers of one grammar are copies
+        of one compiled matcher, which share what the engine learns about the vocabulary as they run, so a
+        grammar's later answers compute their masks faster than its first."""
+        template = self._compiled.pop(text, None)
         if template is None:
-            template = llguidance.LLMatcher(self._tokenizer, self.grammar_text(schema), log_level=0)
+            template = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
             if template.is_error():
-                raise GrammarError(f"the JSON schema cannot be used: {template.get_error()}")
-        self._compiled[key] = template  # most recently used last
+                raise GrammarError(f"the grammar cannot be used: {template.get_error()}")
+        self._compiled[text] = template  # most recently used last
         while len(self._compiled) > COMPILED_SCHEMAS:
             self._compiled.pop(next(iter(self._compiled)))
         return Grammar(template.deep_copy(), self.words, self.eos_ids)

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -207,6 +208,8 @@ def create_app(scheduler: Scheduler) -> FastAPI:
     async def run(request: Request, req, ids: list[int], endpoint: str,
                   calls: T.ToolCalls | None = None) -> Response:
         params = gen_params(req, ids, endpoint)
+        if calls is not None and calls.grammar is not None:  # a forced tool call, constrained
+            params = replace(params, grammar=calls.grammar)
         handle, queue = submit(params)
         rid = P.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
         model = cfg.model_name

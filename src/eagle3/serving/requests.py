@@ -28,6 +28,7 @@ class GenParams:
     endpoint: str = "completions"  # a metrics label
     record: bool = True  # into the server's traffic record, when it keeps one (`ServeConfig.record`)
     json_schema: dict | None = None  # the answer is JSON valid under this schema (`eagle3.decoding.grammar`)
+    grammar: str | None = None  # or follows this engine grammar (a forced tool call, `eagle3.serving.tools`)
 
 
 @dataclass

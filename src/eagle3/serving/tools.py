@@ -7,8 +7,10 @@ Hermes format in ordinary turns (`hermes_messages`): the tools as JSON lines ins
 system turn, past calls as `<tool_call>` blocks in the assistant's turn, results as a user turn of
 `<tool_response>` blocks (the layout of Qwen2.5's template, Qwen/Qwen2.5-7B-Instruct `tokenizer_config.json`).
 `tool_choice` "required" or a named function starts the assistant's turn with the opening of a call (`prefix`),
-which the model continues; "none" renders no tools and parses nothing. All of this is prompt-level: without
-constrained decoding the model may still write a malformed call.
+which the model continues; "none" renders no tools and parses nothing. In the Hermes format a forced call is also
+constrained (`ToolCalls.grammar`): the rest of the turn must be a call of an offered function whose arguments
+follow its parameter schema (`eagle3.decoding.grammar`); the other formats are prompt-level, where the model may
+still write a malformed call.
 
 Parsing (`CallStream`), one parser per format, chosen from the template's source (`parser_for`):
     hermes   <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one block per call (Hermes 2 Pro, Qwen)
@@ -32,6 +34,8 @@ import re
 import secrets
 import string
 from dataclasses import dataclass
+
+from eagle3.decoding.grammar import WHITESPACE, GrammarCompiler, GrammarError
 
 __all__ = ["CallStream", "ToolCalls", "hermes_messages", "new_call_id", "parser_for", "render", "takes_tools"]
 
@@ -100,6 +104,24 @@ class HermesParser:
             return self.OPEN + "\n"
         return f'{self.OPEN}\n{{"name": {json.dumps(function)}, "arguments": '
 
+    def grammar(self, tools: list[dict], function: str | None, parallel: bool) -> str | None:
+        """What may follow `prefix(function)`, as a Lark grammar with JSON schemas (llguidance): the named
+        function's arguments and the call's end, or a call of any offered function (more calls after it where
+        `parallel`); then the answer ends."""
+        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+
+        def schema(s: dict) -> str:
+            return "%json " + json.dumps({**s, "x-guidance": {"whitespace_pattern": WHITESPACE}})
+
+        close = json.dumps("\n" + self.CLOSE)
+        if function is not None:
+            return f'start: args "}}" {close}\nargs: {schema(params[function])}\n'
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+                           "required": ["name", "arguments"], "additionalProperties": False}
+                          for n, p in params.items()]}
+        more = f' ({json.dumps(chr(10) + self.OPEN + chr(10))} call {close})*' if parallel else ""
+        return f"start: call {close}{more}\ncall: {schema(call)}\n"
+
     def opening(self, text: str, start: bool) -> int:
         return text.find(self.OPEN)
 
@@ -123,6 +145,9 @@ class Llama3JsonParser:
     name = "llama3"
     separators = " \t\r\n;"
     TAG = "<|python_tag|>"
+
+    def grammar(self, tools: list[dict], function: str | None, parallel: bool) -> str | None:
+        return None  # prompt-level only
 
     def prefix(self, function: str | None) -> str:
         return '{"name": "' if function is None else f'{{"name": {json.dumps(function)}, "parameters": '
@@ -156,6 +181,9 @@ class MistralParser:
     separators = None
     MARK = "[TOOL_CALLS]"
     _BARE = re.compile(r"\s*\[\s*(\{|\Z)")  # the array at the start of an answer (or its beginning)
+
+    def grammar(self, tools: list[dict], function: str | None, parallel: bool) -> str | None:
+        return None  # prompt-level only
 
     def prefix(self, function: str | None) -> str:
         return self.MARK if function is None else f'{self.MARK}[{{"name": {json.dumps(function)}, "arguments": '
@@ -331,6 +359,7 @@ class ToolCalls:
     prefix: str = ""
     parallel: bool = True
     errors: int = 0  # malformed calls of the last `parse`
+    grammar: str | None = None  # a forced call's grammar (engine text, `eagle3.decoding.grammar`); None: free
 
     def stream(self) -> CallStream:
         return CallStream(self.parser, self.names, self.prefix, self.parallel)
@@ -416,6 +445,21 @@ def render(tokenizer, messages: list[dict], tools: list[dict], tool_choice: str 
                                          tokenize=False, **kwargs)
     if not offered:
         return text, None
-    prefix = parser.prefix(tool_function) if tool_choice in ("required", "function") else ""
+    forced = tool_choice in ("required", "function")
+    prefix = parser.prefix(tool_function) if forced else ""
     names = {t["function"]["name"] for t in offered}
-    return text + prefix, ToolCalls(parser, names, prefix, parallel)
+    return text + prefix, ToolCalls(parser, names, prefix, parallel, grammar=_call_grammar(
+        parser, offered, tool_function, parallel) if forced else None)
+
+
+def _call_grammar(parser: ToolParser, tools: list[dict], function: str | None, parallel: bool) -> str | None:
+    """A forced call's grammar in the engine's text, or None where the format has none or the engine refuses a
+    parameter schema (the call is then prompt-level, as in any other format)."""
+    lark = parser.grammar(tools, function, parallel)
+    if lark is None:
+        return None
+    try:
+        return GrammarCompiler.lark_text(lark)
+    except GrammarError as e:
+        log.warning("the forced tool call is not constrained: %s", e)
+        return None
