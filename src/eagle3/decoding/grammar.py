@@ -28,7 +28,7 @@ import torch
 from eagle3.config import ConfigError
 
 __all__ = ["Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "frontier_allowed", "load_schema",
-           "restrict", "schema_file", "tree_allowed"]
+           "next_allowed", "restrict", "schema_file", "tree_allowed"]
 
 ALL = -1  # a bitmask word with every token allowed
 # Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
@@ -247,6 +247,12 @@ def tree_allowed(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[i
             masks[r] = m
             ok[r] = torch.tensor(good, dtype=torch.bool)
     return allowed_tokens(masks.to(device), vocab_size), ok.to(device)
+
+
+def next_allowed(grammars: Sequence[Grammar | None], rows: int, vocab_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """The tokens each of `rows` rows may emit next, bool [rows, 1, V] (`tree_allowed` of empty trees)."""
+    return tree_allowed(grammars, [[]] * rows, [[]] * rows, vocab_size, device)[0]
 
 
 def frontier_allowed(grammars: Sequence[Grammar | None], frontier: torch.Tensor | None, tokens: torch.Tensor | None,

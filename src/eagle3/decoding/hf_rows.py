@@ -25,7 +25,7 @@ import torch
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter
-from eagle3.decoding.grammar import Grammar, frontier_allowed, tree_allowed
+from eagle3.decoding.grammar import Grammar, frontier_allowed, next_allowed, tree_allowed
 from eagle3.decoding.hf_batch import BatchKV, accept_batch, batched_forward, prefill
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
@@ -107,7 +107,7 @@ class HFRows:
         self._settle()
         kv, last, aux = prefill(self.t, prompts)  # last [r, V]
         if any(g is not None for g in grammars):
-            allowed = tree_allowed(grammars, [[]] * r, [[]] * r, last.shape[-1], last.device)[0][:, 0]  # [r, V]
+            allowed = next_allowed(grammars, r, last.shape[-1], last.device)[:, 0]  # [r, V]
             last = last.masked_fill(~allowed, float("-inf"))
         modes = [sampling_mode(s.temperature, s.top_p, s.top_k) for s in sampling]
         self._draws.set(self.n, sampling)

@@ -9,29 +9,22 @@ Such cycles run eagerly, because the host computes the masks between the device'
     advance  the emitted tokens are fed to the matchers before the cycle returns
 
 Rows without a grammar take every token, so they decode as in any other cycle. The same masks give the first
-token at admission (`prefill_allowed`) and the token of a plain cycle.
+token at admission and the token of a plain cycle (`eagle3.decoding.grammar.next_allowed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from eagle3.decoding.grammar import Grammar, frontier_allowed, tree_allowed
+from eagle3.decoding.grammar import frontier_allowed, next_allowed, tree_allowed
 
 
 class GrammarSteps:
     """Mixed into `FastRows`: `grammars` [n] (None: unconstrained) mirrors the active rows."""
 
-    def prefill_allowed(self, grammars: Sequence[Grammar | None], width: int) -> torch.Tensor:
-        """Allowed first tokens [width, 1, V] of rows being admitted (grammars in a fresh state)."""
-        return tree_allowed(grammars, [[]] * width, [[]] * width, self.t.vocab_size, self.device)[0]
-
-    def _frontier_allowed(self, frontier: torch.Tensor | None, tokens: torch.Tensor | None,
+    def _frontier_allowed(self, nb: int, frontier: torch.Tensor | None, tokens: torch.Tensor | None,
                           parents: torch.Tensor | None) -> torch.Tensor:
-        """`eagle3.decoding.expand.Constrain` for the rows' drafting, in draft ids: [nb, T, Vd]."""
-        nb = self._drafting_rows
+        """`eagle3.decoding.expand.Constrain` for the drafting of the first nb rows, in draft ids: [nb, T, Vd]."""
         grammars = [*self.grammars[:nb], *[None] * (nb - len(self.grammars))]  # idle rows of a bucket: None
         allowed = frontier_allowed(grammars, frontier, tokens, parents, self.t.vocab_size, self.device)
         # the draft vocabulary's target ids, read now: a drafter swapped in place may map them anew
@@ -41,7 +34,7 @@ class GrammarSteps:
     def _constrained_cycle(self, nb: int, spec: bool, mode: int) -> None:
         """One cycle of the first nb rows with the grammars' masks (module docstring), eagerly."""
         if not spec:
-            self.allowed = self.prefill_allowed(self.grammars, nb)  # [nb, 1, V] after each row's root
+            self.allowed = next_allowed(self.grammars, nb, self.t.vocab_size, self.device)  # [nb, 1, V]
             try:
                 self._plain_cycle(nb, mode)
             finally:
@@ -51,8 +44,7 @@ class GrammarSteps:
             tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
             self._nodes = self.host_nodes
         else:
-            self._drafting_rows = nb
-            self.constrain = self._frontier_allowed
+            self.constrain = lambda f, t, p: self._frontier_allowed(nb, f, t, p)
             try:
                 tokens, parents1 = self._draft(nb, mode)  # [nb, N], [nb, N+1]
             finally:

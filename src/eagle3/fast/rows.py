@@ -37,7 +37,7 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
-from eagle3.decoding.grammar import Grammar
+from eagle3.decoding.grammar import Grammar, next_allowed
 from eagle3.decoding.sampling import GREEDY, MODES, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention as split
@@ -128,10 +128,8 @@ class FastRows(RowSteps, GrammarSteps):
         # rows that follow a grammar (`eagle3.fast.row_grammar`): their cycles run eagerly, with the tokens each
         # node allows in `allowed` (bool [nb, M, V], read by `_choose`) and the drafter's in `constrain`
         self.grammars: list[Grammar | None] = []
-        self.grammar_words = (target.vocab_size + 31) // 32
         self.allowed: torch.Tensor | None = None
         self.constrain = None
-        self._drafting_rows = 0
         if self.d is not None:
             fd = self.d
             self.sd = seq_len + scratch + d_max + 2
@@ -293,7 +291,7 @@ class FastRows(RowSteps, GrammarSteps):
         if any(modes) and not self.sampling:
             raise ConfigError("these FastRows were built with sampling=False; sampled requests need sampling=True")
         for g in grammars:
-            if g is not None and g.words != self.grammar_words:
+            if g is not None and g.words != (self.t.vocab_size + 31) // 32:
                 raise ConfigError(f"the grammar masks {g.words * 32} token ids; the target has {self.t.vocab_size}")
         for s, mode in zip(sampling, modes, strict=True):
             if mode != GREEDY and s.seed is None:
@@ -320,7 +318,7 @@ class FastRows(RowSteps, GrammarSteps):
         if self.sampling:
             p.sampling.set(0, [*sampling, *[None] * (p.r - r)])
         if constrained:  # the first tokens under each grammar's first mask (eagerly)
-            self.allowed = self.prefill_allowed(grammars, p.r)
+            self.allowed = next_allowed(grammars, p.r, self.t.vocab_size, self.device)  # [R, 1, V]
         try:
             if p.runner is not None and not constrained:
                 p.runner()

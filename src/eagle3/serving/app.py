@@ -158,7 +158,7 @@ def create_app(scheduler: Scheduler) -> FastAPI:
                                param="max_tokens", code="context_length_exceeded")
         return GenParams(prompt_ids=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), stream=req.stream, endpoint=endpoint,
-                         record=getattr(req, "store", True), json_schema=getattr(req, "json_schema", None))
+                         record=getattr(req, "store", True), grammar=getattr(req, "grammar", None))
 
     mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}  # one per loop serving this app
 

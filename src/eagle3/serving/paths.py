@@ -96,13 +96,11 @@ class PathsMixin:
     def _grammar(self, h: RequestHandle) -> Grammar | None:
         """A constrained request's fresh matcher: its response_format, or its forced tool call (the grammar
         engine's view of the vocabulary is built once)."""
-        if h.params.json_schema is None and h.params.grammar is None:
+        if h.params.grammar is None:
             return None
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, sorted(self.eos))
-        if h.params.grammar is not None:
-            return self._grammars.compile_text(h.params.grammar)
-        return self._grammars.compile(h.params.json_schema)
+        return self._grammars.compile_text(h.params.grammar)
 
     def _remove_row(self, batch: _Batch, i: int) -> None:
         """Free row i; the last row moves into its place, here as in the backend."""

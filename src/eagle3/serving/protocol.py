@@ -159,7 +159,7 @@ class ChatRequest(_Sampling):
     tool_function: str | None = None
     parallel_tool_calls: bool = True
     store: bool = True  # False: not recorded (`ServeConfig.record`)
-    json_schema: dict | None = None  # `response_format` json_object ({"type": "object"}) or json_schema
+    grammar: str | None = None  # `response_format` json_object / json_schema as the engine's grammar text
 
 
 @dataclass
@@ -447,16 +447,16 @@ def parse_chat(raw: bytes | str, max_stop: int = 4) -> ChatRequest:
     req.tools = _tools(body.get("tools"))
     req.tool_choice, req.tool_function = _tool_choice(body.get("tool_choice"), req.tools)
     req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
-    req.json_schema = _response_format(body.get("response_format"))
-    if req.json_schema is not None and req.tool_choice in ("required", "function"):
+    req.grammar = _response_format(body.get("response_format"))
+    if req.grammar is not None and req.tool_choice in ("required", "function"):
         raise _invalid("response_format", "a JSON answer cannot be combined with a 'tool_choice' that forces a tool "
                        "call; use tool_choice 'auto' or 'none'.")
     return req
 
 
-def _response_format(v: Any) -> dict | None:
-    """OpenAI's `response_format`: None for text, else the JSON schema the answer must follow (json_object: any
-    JSON object). The schema is checked by the grammar engine here, so a bad one is a 400 naming the field."""
+def _response_format(v: Any) -> str | None:
+    """OpenAI's `response_format`: None for text, else the grammar (engine text) of the JSON schema the answer
+    must follow (json_object: any JSON object). Built here, so a bad schema is a 400 naming the field."""
     if v is None:
         return None
     fmt = _object("response_format", v, {"type", "json_schema"})
@@ -483,10 +483,9 @@ def _response_format(v: Any) -> dict | None:
         if "strict" in js and not isinstance(js["strict"], bool):
             raise _bad_type("response_format.json_schema.strict", "a boolean", js["strict"])
     try:
-        GrammarCompiler.grammar_text(schema)
+        return GrammarCompiler.grammar_text(schema)
     except GrammarError as e:
         raise _invalid("response_format.json_schema.schema", f"{e}.") from None
-    return schema
 
 
 def parse_completion(raw: bytes | str, max_stop: int = 4) -> CompletionRequest:

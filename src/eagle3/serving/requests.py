@@ -27,8 +27,9 @@ class GenParams:
     stream: bool = False
     endpoint: str = "completions"  # a metrics label
     record: bool = True  # into the server's traffic record, when it keeps one (`ServeConfig.record`)
-    json_schema: dict | None = None  # the answer is JSON valid under this schema (`eagle3.decoding.grammar`)
-    grammar: str | None = None  # or follows this engine grammar (a forced tool call, `eagle3.serving.tools`)
+    # the answer follows this grammar (engine text, `eagle3.decoding.grammar`): response_format's JSON schema,
+    # or a forced tool call (`eagle3.serving.tools`)
+    grammar: str | None = None
 
 
 @dataclass
