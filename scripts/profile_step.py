@@ -232,7 +232,7 @@ def profile_rows(target: FastTarget, drafter, shape: DraftShape, n: int, context
     print(f"rows={n}: tree cycle = {out['spec_cycle']['wall_us'] / plain_us:.2f} plain steps of one row")
     if pieces:
         tokens, parents1 = rows.pieces.run("_draft", nb, GREEDY)
-        anc, top, aux = rows._verify(nb, tokens, parents1, GREEDY)
+        anc, top, aux = rows._verify(nb, tokens, parents1, GREEDY)[:3]
         keep, n_acc, emitted = rows.pieces.run("_accept", nb, tokens, parents1, anc, top, None)
         steps = {"draft": lambda: rows.pieces.run("_draft", nb, GREEDY),
                  "verify": lambda: rows._verify(nb, tokens, parents1, GREEDY),

@@ -1,6 +1,7 @@
 """Constrained decoding (`eagle3.decoding.grammar`): JSON-schema answers, with speculation, on both backends.
 
-- The masks a draft tree gets (one walk with fork and roll back) equal those of each node's path on its own.
+- Verification's walk along the accepted path emits what constrained plain decoding emits, one mask per token;
+  fast rows verifying trees that hold their next tokens emit eager plain cycles' tokens (captured on a GPU).
 - Greedy and sampled constrained speculation (chain and tree, fast rows and HF rows) emit exactly the tokens of
   constrained plain decoding, which differ from unconstrained decoding (negative control).
 - Sampled constrained answers follow the target's distribution restricted by the grammar: the frequencies of an
@@ -13,6 +14,7 @@ Run: pytest tests/test_structured.py -q
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +26,13 @@ from eagle3.cli import main
 from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
-from eagle3.decoding.grammar import GrammarCompiler, GrammarError, engine_tokenizer_json, tree_allowed
+from eagle3.decoding.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    allowed_tokens,
+    engine_tokenizer_json,
+    walk_tree,
+)
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.fast import row_grammar
 from eagle3.fast.engine import FastEngine
@@ -46,34 +54,66 @@ def setup(stories260k):
     return model, tok, eos, GrammarCompiler.for_model(model, tok, eos), init_drafter(model, seed=0)
 
 
-def test_tree_masks_equal_the_masks_of_each_path(setup):
+def scores(path: list[int], vocab: int = 512) -> torch.Tensor:
+    """Made-up target logits [V] after a path (a fixed function of it)."""
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(hash(tuple(path)) % 2**31))
+
+
+def masked_argmax(path: list[int], mask: torch.Tensor) -> int:
+    allowed = allowed_tokens(mask, 512)
+    return int(scores(path).masked_fill(~allowed, float("-inf")).argmax())
+
+
+def test_the_walk_emits_what_constrained_plain_decoding_emits(setup):
     _, tok, _, gc, _ = setup
-    g = gc.compile(PERSON)
-    g.consume(tok.convert_tokens_to_ids(["<0x7B>", '"', "n", "am", "e", '"']))  # {"name"
+    start = tok.convert_tokens_to_ids(["<0x7B>", '"', "n", "am", "e", '"'])  # {"name"
+    reference = gc.compile(PERSON)  # plain constrained decoding, one mask per token
+    reference.consume(start)
+    plain: list[int] = []
+    for _ in range(8):
+        reference.mask_into(mask := torch.empty(reference.words, dtype=torch.int32))
+        plain.append(masked_argmax(plain, mask))
+        reference.consume(plain[-1:])
     gen = torch.Generator().manual_seed(0)
-    seen = []
-    for _ in range(5):  # random trees: mostly allowed tokens, some refused
-        tokens, parents, paths = [], [], []
-        for j in range(12):
-            p = int(torch.randint(-1, j, (1,), generator=gen)) if j else -1
-            path = paths[p] if p >= 0 else []
-            masks, ok = g.masks([path])
-            allowed = [t for t in range(512) if masks[0, t // 32] >> (t % 32) & 1] if ok[0] else list(range(512))
-            pick = allowed if torch.rand(1, generator=gen) < 0.8 else list(range(3, 512))
-            t = pick[int(torch.randint(len(pick), (1,), generator=gen))]
-            tokens.append(t)
-            parents.append(p)
-            paths.append([*path, t])
-        tree, ok = g.tree_masks(tokens, parents)
-        each, each_ok = g.masks([[], *paths])
-        assert ok == each_ok[1:]
-        seen += ok
-        for j in range(len(paths) + 1):
-            if j == 0 or ok[j - 1]:
-                assert torch.equal(tree[j], each[j])
-    assert 0 < sum(seen) < len(seen)  # some nodes allowed, some refused
-    # the matcher is back where it was: the next mask is the root's
-    assert torch.equal(g.masks([[]])[0], tree[:1])
+    for depth in (0, 1, 3, 7):  # rows whose trees hold the first `depth` choices as a chain, among other nodes
+        trees = []
+        for _ in range(3):
+            tokens, parents, right = [], [], -1  # `right`: the node holding the choices so far (-1: the root)
+
+            def wrong(j: int) -> int:  # a token that is not the choice after j drafted tokens
+                return next(t for t in torch.randint(3, 512, (8,), generator=gen).tolist() if t != plain[j])
+
+            for j in range(depth):  # a wrong sibling with a child, then the right node
+                tokens += [wrong(j), wrong(j), plain[j]]
+                parents += [right, len(tokens) - 3, right]
+                right = len(tokens) - 1
+            tokens.append(wrong(depth))  # a wrong leaf under the last right node
+            parents.append(right)
+            trees.append((tokens, parents))
+        grammars = [gc.compile(PERSON), None, gc.compile(PERSON)]
+        for g in grammars[::2]:
+            g.consume(start)
+        calls: list[list[bool]] = []
+
+        def choose(nodes, masks, walking, trees=trees, calls=calls):
+            calls.append(list(walking))
+            out = []
+            for r, (node, mask) in enumerate(zip(nodes, masks, strict=True)):
+                tokens, parents = trees[r]
+                path, j = [], node - 1
+                while j >= 0:
+                    path.insert(0, tokens[j])
+                    j = parents[j]
+                out.append(masked_argmax(path, mask) if walking[r] else -1)
+            return out
+
+        steps = walk_tree(grammars, [t for t, _ in trees], [p for _, p in trees], choose)
+        assert steps == depth + 1 == len(calls)  # one step per emitted token: the drafted ones and the last
+        assert all(c == [True, False, True] for c in calls)  # the unconstrained row is not walked
+        for g in grammars[::2]:  # each walking row's grammar consumed exactly the tokens plain decoding emits
+            check = gc.compile(PERSON)
+            check.consume([*start, *plain[: depth + 1]])
+            assert torch.equal(g.masks([[]])[0], check.masks([[]])[0])
 
 
 def test_grammar_refuses_tokens_and_ends_only_when_complete(setup):
@@ -81,10 +121,10 @@ def test_grammar_refuses_tokens_and_ends_only_when_complete(setup):
     g = gc.compile(PETS)
     quote = tok.convert_tokens_to_ids(['"'])
     word = tok.convert_tokens_to_ids(['"', "c", "at", '"'])
-    _, ok = g.tree_masks([*word, eos[0]], [-1, *range(len(word))])
-    assert all(ok)  # the whole answer, then the end token
-    _, ok = g.tree_masks([*quote, eos[0]], [-1, 0])
-    assert ok == [True, False]  # an end token inside the string is refused
+    masks, ok = g.masks([word, quote, [*quote, 0]])
+    assert ok == [True, True, False]
+    ends = allowed_tokens(masks[:2], 512)[:, eos[0]]
+    assert ends.tolist() == [True, False]  # the end token after the whole answer only, not inside the string
     with pytest.raises(RuntimeError, match="refused"):
         g.consume(tok.convert_tokens_to_ids(["c", "ow"]))
     with pytest.raises(GrammarError, match="Invalid type"):
@@ -130,6 +170,54 @@ def test_constrained_speculation_emits_what_constrained_plain_decoding_emits(set
     assert run(None, schema=None).token_ids != plain.token_ids  # the mask changed the answer
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_constrained_rows_verify_trees_along_the_walk(setup, device):
+    """Two constrained rows (greedy, sampled) beside an unconstrained one verify trees that hold their next tokens
+    (host trees): every row emits what eager plain cycles emit, several tokens a cycle. On a GPU the constrained
+    pieces are captured when first used, while the unconstrained row is mid-answer (its state kept around the
+    warm-up cycles), and replayed."""
+    model, tok, _, gc, _ = setup
+    if device == "cuda":
+        model = copy.deepcopy(model).cuda()
+    prompt = encode_prompt(tok, prompt="Once upon a time")
+    settings = [None, None, SamplingConfig(1.0, seed=3)]
+    ref_rows = FastRows(FastTarget(model), None, capacity=4, seq_len=256, graphs=False)
+    ref = [[f] for f in ref_rows.add_many([prompt] * 3, sampling=settings,
+                                          grammars=[None, gc.compile(PERSON), gc.compile(PERSON)])]
+    for _ in range(40):
+        for o, new in zip(ref, ref_rows.cycle(False), strict=True):
+            o += new
+    rows = FastRows(FastTarget(model), None, capacity=4, seq_len=256, host_nodes=8, graphs=device == "cuda")
+    rows.prepare()
+    out = [[rows.add(prompt)]]
+
+    def cycle(spec: bool) -> None:
+        for i, o in enumerate(out):  # a wrong child of the root, and the next three tokens as a chain
+            nxt = ref[i][len(o) : len(o) + 3]
+            rows.load_tree(i, [(nxt[0] + 1) % 512, *nxt], [-1, -1, 1, 2])
+        for o, new in zip(out, rows.cycle(spec), strict=True):
+            o += new
+
+    cycle(True)
+    cycle(False)
+    out += [[f] for f in rows.add_many([prompt] * 2, sampling=settings[1:],
+                                       grammars=[gc.compile(PERSON) for _ in range(2)])]
+    cycles = 0
+    while min(len(o) for o in out) < 30:
+        cycle(cycles % 3 != 2)
+        cycles += 1
+    assert [o[:30] for o in out] == [r[:30] for r in ref]
+    assert cycles < 12  # drafted tokens were accepted under the grammars
+    pieces = [k for k in rows._runners if isinstance(k[0], str)]
+    assert {k[0] for k in pieces} == set(row_grammar.GRAMMAR_PIECES)
+    if device == "cuda":
+        assert all(rows._runners[k].graph is not None for k in pieces)
+
+
 def exact_enum_distribution(model, tok, eos, gc, prompt: list[int], temperature: float) -> dict[str, float]:
     """P(answer) of constrained sampling at `temperature`, summed over every token path the grammar allows to
     the end token (a depth-first walk with the target's masked distribution at each step)."""
@@ -139,8 +227,8 @@ def exact_enum_distribution(model, tok, eos, gc, prompt: list[int], temperature:
     def walk(path: list[int], p: float) -> None:
         with torch.no_grad():
             logits = model(torch.tensor([prompt + path])).logits[0, -1].float()  # [V]
-        allowed, _ = tree_allowed([g], [path], [list(range(-1, len(path) - 1))], logits.shape[-1], logits.device)
-        probs = torch.softmax(logits.masked_fill(~allowed[0, -1], float("-inf")) / temperature, dim=-1)
+        allowed = allowed_tokens(g.masks([path])[0][0], logits.shape[-1])  # [V]
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")) / temperature, dim=-1)
         for t in torch.nonzero(probs > 0).flatten().tolist():
             q = p * float(probs[t])
             if t in eos:
@@ -198,13 +286,8 @@ def test_sampled_constrained_answers_follow_the_masked_target(setup, monkeypatch
     assert chi_square_p(counts, exact) > 1e-3, (counts, exact)
     # negative controls: another temperature; verification that ignores the grammar
     assert chi_square_p(sample_enum(setup, prompt, N_DRAWS, 0.6), exact) < 1e-3
-    real = row_grammar.tree_allowed
-
-    def unmasked(grammars, tokens, parents, vocab_size, device):
-        allowed, ok = real(grammars, tokens, parents, vocab_size, device)
-        return torch.ones_like(allowed), ok
-
-    monkeypatch.setattr(row_grammar, "tree_allowed", unmasked)
+    real = row_grammar.allowed_tokens
+    monkeypatch.setattr(row_grammar, "allowed_tokens", lambda words, v: torch.ones_like(real(words, v)))
     with pytest.raises(RuntimeError, match="refused"):  # an answer the grammar refuses
         sample_enum(setup, prompt, 256, 1.0)
 

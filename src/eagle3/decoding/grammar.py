@@ -7,18 +7,19 @@ what a mask costs.
 
 A constrained row's tokens are the target's choices under the mask at every position: greedy is the argmax over
 the allowed tokens, sampling draws from the target's distribution restricted to them (`eagle3.decoding.sampling`
-with -inf elsewhere). Speculation keeps this exactly, because the mask after a draft node depends only on the
-tokens on its path: `Grammar.tree_masks` walks a draft tree with the matcher (consume a node, take its mask,
-recurse, roll back), so verification applies to each node the mask plain decoding would apply there, and a node
-the grammar does not allow is never accepted. The drafter proposes under the same masks (`Grammar.masks` for a
-step's frontier), so its drafts are tokens the grammar allows.
+with -inf elsewhere). Speculation keeps this exactly: verification walks the drafted tree along the path it
+accepts (`walk_tree`): at each step the row's matcher gives the mask after the tokens emitted so far, the target's
+choice is taken under it and consumed, and the walk moves to the child drafted with that token or ends there (the
+choice is then the cycle's last token). That is plain constrained decoding, one mask per emitted token, with the
+target's logits for the whole tree computed in one forward. Where cycles run eagerly the drafter proposes under the
+masks of its frontier (`Grammar.masks`), so its drafts are tokens the grammar allows.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,8 @@ import torch
 
 from eagle3.config import ConfigError
 
-__all__ = ["Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "frontier_allowed", "load_schema",
-           "next_allowed", "restrict", "schema_file", "tree_allowed"]
+__all__ = ["Choose", "Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "frontier_allowed", "load_schema",
+           "next_allowed", "next_masks", "restrict", "schema_file", "walk_tree"]
 
 ALL = -1  # a bitmask word with every token allowed
 # Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
@@ -177,6 +178,13 @@ class Grammar:
                 raise RuntimeError(f"the grammar allows no token of this vocabulary here: {self.m.get_error()}")
             out.fill_(ALL)
 
+    def mask_into(self, out: torch.Tensor) -> None:
+        """The bitmask of the tokens allowed next into out [W] (int32); everything once the answer has ended."""
+        if self.done:
+            out.fill_(ALL)
+        else:
+            self._fill(out)
+
     def masks(self, paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[bool]]:
         """The bitmask after each path of tokens from the current state, [P, W] int32, and whether the grammar
         allows each path (a refused path's mask allows everything: nothing below it is ever accepted)."""
@@ -194,36 +202,6 @@ class Grammar:
                 self.m.rollback(n)
         return out, ok
 
-    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, list[bool]]:
-        """Masks [N+1, W] after the root (the current state) and after each node of a draft tree (tokens [N],
-        parents [N], -1: the root; parents precede children), and whether each node's path is allowed [N]. Walks
-        the tree depth first: consume a node, take its mask, its children, roll back."""
-        n = len(tokens)
-        out = torch.full((n + 1, self.words), ALL, dtype=torch.int32)
-        ok = [False] * n
-        if self.done:
-            return out, [True] * n
-        children: list[list[int]] = [[] for _ in range(n + 1)]  # N+1 indexing: 0 is the root
-        for j, p in enumerate(parents):
-            children[p + 1].append(j + 1)
-        self._fill(out[0])
-        stack: list[tuple[int, bool]] = [(c, True) for c in reversed(children[0])]
-        while stack:
-            u, enter = stack.pop()
-            if not enter:
-                self.m.rollback(1)
-                continue
-            if tokens[u - 1] < 0:  # padding
-                continue
-            if tokens[u - 1] in self.eos or not self.m.try_consume_tokens([tokens[u - 1]]):
-                ok[u - 1] = tokens[u - 1] in self.eos and self.m.is_accepting()  # an end token ends the walk
-                continue
-            ok[u - 1] = True
-            self._fill(out[u])
-            stack.append((u, False))
-            stack.extend((c, True) for c in reversed(children[u]))
-        return out, ok
-
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool [..., V] from bitmasks [..., W] int32 (bit b of word w is token 32·w + b)."""
@@ -232,27 +210,60 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.flatten(-2)[..., :vocab_size].bool()
 
 
-def tree_allowed(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]],
-                 parents: Sequence[Sequence[int]], vocab_size: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For B rows' draft trees (tokens [B][N], -1: padding; parents [B][N], -1: the root), the tokens allowed after
-    the root and after each node, bool [B, N+1, V], and which nodes the grammar allows, bool [B, N]. Rows past
-    `grammars`, or whose grammar is None, allow everything. Empty trees give each row's next-token mask."""
-    b, n = len(tokens), len(tokens[0]) if tokens else 0
-    masks = torch.full((b, n + 1, (vocab_size + 31) // 32), ALL, dtype=torch.int32)
-    ok = torch.ones(b, n, dtype=torch.bool)
-    for r, g in enumerate(grammars[:b]):
+def next_masks(grammars: Sequence[Grammar | None], rows: int, words: int) -> torch.Tensor:
+    """The bitmasks of the tokens each of `rows` rows may emit next, [rows, W] int32 on the host (rows past
+    `grammars`, or whose grammar is None, allow everything)."""
+    masks = torch.full((rows, words), ALL, dtype=torch.int32)
+    for r, g in enumerate(grammars[:rows]):
         if g is not None:
-            m, good = g.tree_masks(tokens[r], parents[r])
-            masks[r] = m
-            ok[r] = torch.tensor(good, dtype=torch.bool)
-    return allowed_tokens(masks.to(device), vocab_size), ok.to(device)
+            g.mask_into(masks[r])
+    return masks
 
 
 def next_allowed(grammars: Sequence[Grammar | None], rows: int, vocab_size: int,
                  device: torch.device) -> torch.Tensor:
-    """The tokens each of `rows` rows may emit next, bool [rows, 1, V] (`tree_allowed` of empty trees)."""
-    return tree_allowed(grammars, [[]] * rows, [[]] * rows, vocab_size, device)[0]
+    """`next_masks` as bool [rows, 1, V] on `device`."""
+    return allowed_tokens(next_masks(grammars, rows, (vocab_size + 31) // 32).to(device), vocab_size)[:, None]
+
+
+# choose(nodes, masks, walking) -> the target's choice after node nodes[r] (N+1 indexing) of each row r among the
+# tokens of masks[r] ([B, W] int32 bitmasks), for the rows where walking[r]; [B] token ids
+Choose = Callable[[list[int], torch.Tensor, list[bool]], list[int]]
+
+
+def walk_tree(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]],
+              choose: Choose) -> int:
+    """Verification of B rows' draft trees under their grammars (tokens [B][N], -1: padding or a node that does not
+    count; parents [B][N], -1: the root; rows whose grammar is None are not walked). From each root: the mask after
+    the tokens emitted so far, the target's choice under it (`choose`, which keeps it as that node's choice), the
+    choice consumed, then on to the child drafted with that token (the first of equal siblings, as
+    `eagle3.decoding.verify.accept_rows` takes it) or the walk of that row ends. The choices are the row's emitted
+    tokens, already consumed by its grammar. Returns the steps walked (one `choose` call each)."""
+    b = len(tokens)
+    children: list[dict[tuple[int, int], int]] = [{} for _ in range(b)]  # (node, token) -> child, N+1 indexing
+    for r in range(b):
+        for j, (t, p) in enumerate(zip(tokens[r], parents[r], strict=True)):
+            if t >= 0:
+                children[r].setdefault((p + 1, t), j + 1)
+    walking = [r < len(grammars) and grammars[r] is not None for r in range(b)]
+    words = next(g.words for g in grammars if g is not None) if any(walking) else 1
+    node = [0] * b
+    masks = torch.full((b, words), ALL, dtype=torch.int32)
+    steps = 0
+    while any(walking):
+        for r in range(b):
+            if walking[r]:
+                grammars[r].mask_into(masks[r])
+        choices = choose(node, masks, walking)
+        steps += 1
+        for r in range(b):
+            if walking[r]:
+                g = grammars[r]
+                g.consume([choices[r]])
+                nxt = children[r].get((node[r], choices[r]))
+                walking[r] = nxt is not None and not g.done
+                node[r] = nxt or 0
+    return steps
 
 
 def frontier_allowed(grammars: Sequence[Grammar | None], frontier: torch.Tensor | None, tokens: torch.Tensor | None,

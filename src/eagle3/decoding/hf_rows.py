@@ -25,7 +25,7 @@ import torch
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter
-from eagle3.decoding.grammar import Grammar, frontier_allowed, next_allowed, tree_allowed
+from eagle3.decoding.grammar import Choose, Grammar, allowed_tokens, frontier_allowed, next_allowed, walk_tree
 from eagle3.decoding.hf_batch import BatchKV, accept_batch, batched_forward, prefill
 from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
@@ -205,10 +205,10 @@ class HFRows:
         appended_at = self.kv.width
         logits, aux = batched_forward(self.t, ids, self.kv, anc, offsets)  # [B, N+1, V], [B, N+1, 3·Ht]
         tok_host = tokens.tolist()
-        if any(g is not None for g in self._grammars):  # each node's allowed tokens; refused nodes never match
-            allowed, _ = tree_allowed(self._grammars, tok_host, parents.tolist(), logits.shape[-1], dev)
-            logits = logits.masked_fill(~allowed, float("-inf"))
         top = self._choose(logits, offsets, lengths)  # [B, N+1]
+        constrained = any(g is not None for g in self._grammars)
+        if constrained:  # the constrained rows' choices along the path they accept; their grammars follow
+            walk_tree(self._grammars, tok_host, parents.tolist(), self._masked_choice(logits, offsets, lengths, top))
         paths, nxt = accept_batch(tokens, parents1, anc, top)
         keep = [[0, *p] for p in paths]  # root + accepted nodes, offsets into the appended block
         self.kv.compact(appended_at, keep)
@@ -216,9 +216,6 @@ class HFRows:
         self.drafted = [sum(x >= 0 for x in row) for row in tok_host]  # on the host: no second device read
         new = [[tok_host[i][j - 1] for j in paths[i]] + [nxt[i]] for i in range(b)]
         self._roots = [t[-1] for t in new]
-        for g, t in zip(self._grammars, new, strict=True):
-            if g is not None:
-                g.consume(t)
         if drafting:
             self._extend(aux, keep, new, drafting)
         elif self.drafter is not None:
@@ -260,6 +257,23 @@ class HFRows:
         lengths_t = torch.tensor(lengths, device=logits.device)
         pos = lengths_t[:, None] + offsets + 1  # [B, N+1] position of the token each node predicts
         return self._draws.draw(logits, pos, mode, fused=logits.is_cuda)
+
+    def _masked_choice(self, logits: torch.Tensor, offsets: torch.Tensor, lengths: list[int],
+                       top: torch.Tensor) -> Choose:
+        """`eagle3.decoding.grammar.walk_tree`'s choice for this cycle's logits [B, N+1, V]: the target's token after
+        each row's node under its mask, written into `top` [B, N+1] for the walking rows."""
+        rows = torch.arange(self.n, device=logits.device)
+
+        def choose(nodes: list[int], masks: torch.Tensor, walking: list[bool]) -> list[int]:
+            node = torch.tensor(nodes, device=logits.device)  # [B]
+            allowed = allowed_tokens(masks.to(logits.device), logits.shape[-1])  # [B, V]
+            at = logits[rows, node].masked_fill(~allowed, float("-inf"))[:, None]  # [B, 1, V]
+            choice = self._choose(at, offsets[rows, node][:, None], lengths)[:, 0]  # [B]
+            keep = torch.tensor(walking, device=logits.device)
+            top[rows, node] = torch.where(keep, choice, top[rows, node])
+            return choice.tolist()
+
+        return choose
 
     # -- the drafter follows the rows ------------------------------------------------------------
     def _extend(self, aux: torch.Tensor | None, keep: list[list[int]], new: list[list[int]],

@@ -252,8 +252,8 @@ class FastEngine:
         on_text: Callable[[str], None] | None = None,
         grammar: Grammar | None = None,
     ) -> GenerationResult:
-        """`grammar` (`eagle3.decoding.grammar`, fresh) constrains every token to what it allows; its cycles run
-        eagerly, with the masks computed on the host between drafting and verification."""
+        """`grammar` (`eagle3.decoding.grammar`, fresh) constrains every token to what it allows: the host computes
+        its masks between the cycle's pieces (`eagle3.fast.row_grammar`)."""
         req = Request.check(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop_strings, on_text,
                             self.tokenizer)
         eos, stream, prompt = req.eos, req.stream, req.prompt

@@ -209,7 +209,7 @@ def measure_overhead(
         saved = rows.length.clone()
 
         def book(rows=rows, tree=tree, checked=checked, saved=saved):
-            anc, top, aux = checked[0]
+            anc, top, aux = checked[0][:3]
             keep, n_acc, emitted = rows.pieces.run("_accept", 1, *tree, anc, top, None)
             rows._commit(1, keep, n_acc, emitted, aux)
             rows.length.copy_(saved)  # keep the state fixed across repetitions

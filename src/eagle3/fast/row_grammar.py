@@ -1,68 +1,139 @@
 """Cycles of `eagle3.fast.rows.FastRows` where a row follows a grammar (`eagle3.decoding.grammar`).
 
-Such cycles run eagerly, because the host computes the masks between the device's steps:
+The host computes a constrained row's masks between the device's steps, so such a cycle runs in pieces, each a
+fixed-shape step that a CUDA graph captures like any other cycle:
 
-    draft    at each expansion step, the host reads the frontier's paths and gives each node's children the tokens
-             the row's grammar allows after it (`_frontier_allowed`), so the drafter proposes only those
-    verify   the host walks the drafted tree with the row's matcher (`Grammar.tree_masks`) and the target's choice
-             after every node is taken over that node's allowed tokens; nodes the grammar refuses never count
-    advance  the emitted tokens are fed to the matchers before the cycle returns
+    plain    the host writes each row's mask for its next token (`mask_words`), then the plain cycle chooses under it
+    front    draft and verify: the target's logits for every node of every row's tree
+    walk     one step of `eagle3.decoding.grammar.walk_tree` per emitted token: the host writes each walking row's
+             node and mask, the step takes the target's choice there under the mask into the front's choices
+    back     acceptance by those choices, commit, the drafter's feed: the rest of an ordinary speculative cycle
 
-Rows without a grammar take every token, so they decode as in any other cycle. The same masks give the first
-token at admission and the token of a plain cycle (`eagle3.decoding.grammar.next_allowed`).
+Rows without a grammar take every token, so they decode as in any other cycle. Where cycles run eagerly (a CPU)
+the drafter proposes only tokens the grammar allows: the host gives each frontier node's children their mask at
+every expansion step (`_frontier_allowed`). Captured drafting cannot wait for the host, so there the drafts are
+the drafter's own, and a draft the grammar refuses is never accepted. The pieces are captured the first time a
+constrained cycle of that bucket and mode runs; the rows' state is kept around the capture's warm-up cycles.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-from eagle3.decoding.grammar import frontier_allowed, next_allowed, tree_allowed
+from eagle3.decoding.grammar import allowed_tokens, frontier_allowed, next_masks, walk_tree
+from eagle3.fast.graphs import StepRunner
+
+GRAMMAR_PIECES = ("plain", "front", "walk", "back")
 
 
 class GrammarSteps:
-    """Mixed into `FastRows`: `grammars` [n] (None: unconstrained) mirrors the active rows."""
+    """Mixed into `FastRows`: `grammars` [n] (None: unconstrained) mirrors the active rows; `mask_words` [B, W]
+    (int32 bitmasks), `walk_in` [2, B] (each row's node, whether it walks) and `walk_out` [B] (the choice) are the
+    pieces' inputs and output; `_fronts` holds each (bucket, mode)'s front outputs for its walk and back."""
 
     def _frontier_allowed(self, nb: int, frontier: torch.Tensor | None, tokens: torch.Tensor | None,
                           parents: torch.Tensor | None) -> torch.Tensor:
         """`eagle3.decoding.expand.Constrain` for the drafting of the first nb rows, in draft ids: [nb, T, Vd]."""
-        grammars = [*self.grammars[:nb], *[None] * (nb - len(self.grammars))]  # idle rows of a bucket: None
-        allowed = frontier_allowed(grammars, frontier, tokens, parents, self.t.vocab_size, self.device)
+        allowed = frontier_allowed(self._bucket_grammars(nb), frontier, tokens, parents, self.t.vocab_size,
+                                   self.device)
         # the draft vocabulary's target ids, read now: a drafter swapped in place may map them anew
         ids = self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))  # [Vd]
         return allowed[..., ids]  # [nb, T, Vd]
 
+    def _bucket_grammars(self, nb: int) -> list:
+        return [*self.grammars[:nb], *[None] * (nb - len(self.grammars))]  # idle rows of a bucket: None
+
     def _constrained_cycle(self, nb: int, spec: bool, mode: int) -> None:
-        """One cycle of the first nb rows with the grammars' masks (module docstring), eagerly."""
+        """One cycle of the first nb rows under the grammars' masks (module docstring)."""
+        grammars = self._bucket_grammars(nb)
         if not spec:
-            self.allowed = next_allowed(self.grammars, nb, self.t.vocab_size, self.device)  # [nb, 1, V]
-            try:
-                self._plain_cycle(nb, mode)
-            finally:
-                self.allowed = None
+            plain = self._grammar_piece("plain", nb, mode)
+            self.mask_words[:nb].copy_(next_masks(grammars, nb, self.mask_words.shape[1]))
+            plain()
             return
-        if self.host_nodes:
-            tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
-            self._nodes = self.host_nodes
-        else:
+        front, walk, back = (self._grammar_piece(k, nb, mode) for k in ("front", "walk", "back"))
+        if self.d is not None and not self.graphs:  # eager drafting under the frontier's masks
             self.constrain = lambda f, t, p: self._frontier_allowed(nb, f, t, p)
-            try:
-                tokens, parents1 = self._draft(nb, mode)  # [nb, N], [nb, N+1]
-            finally:
-                self.constrain = None
-            valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
-        # [nb, N+1, V], [nb, N]
-        self.allowed, ok = tree_allowed(self.grammars, tokens.tolist(), (parents1[:, 1:] - 1).tolist(),
-                                        self.t.vocab_size, self.device)
         try:
-            anc, top, aux = self._verify(nb, tokens, parents1, mode)
+            front()
+        finally:
+            self.constrain = None
+        f = self._fronts[(nb, mode)]
+        tokens = f.tokens if f.valid is None else f.tokens.masked_fill(~f.valid, -1)  # [nb, N]
+        host = torch.cat([tokens, f.parents1[:, 1:] - 1], dim=1).tolist()  # one read: tokens, parents
+        n = tokens.shape[1]
+
+        def choose(nodes: list[int], masks: torch.Tensor, walking: list[bool]) -> list[int]:
+            self.mask_words[:nb].copy_(masks)
+            self.walk_in[:, :nb].copy_(torch.tensor([nodes, walking], dtype=torch.long))
+            walk()
+            return self.walk_out[:nb].tolist()
+
+        walk_tree(grammars, [h[:n] for h in host], [h[n:] for h in host], choose)
+        back()
+
+    def _grammar_piece(self, kind: str, nb: int, mode: int) -> StepRunner:
+        """The runner of one piece (`GRAMMAR_PIECES`) for a bucket and mode, captured on first use."""
+        key = (kind, nb, mode)
+        runner = self._runners.get(key)
+        if runner is None:
+            fn = {"plain": lambda: self._masked_plain(nb, mode),
+                  "front": lambda: self._fronts.__setitem__((nb, mode), self._spec_front(nb, mode)),
+                  "walk": lambda: self._walk_step(nb, mode),
+                  "back": lambda: self._spec_back(nb, self._fronts[(nb, mode)])}[kind]
+            runner = StepRunner(fn, self.device, graphs=self.graphs, pool=self._pool,
+                                name=f"rows_grammar_{kind}_b{nb}_m{mode}")
+            with self._state_kept():
+                runner.prepare()
+            self._runners[key] = runner
+        return runner
+
+    @contextmanager
+    def _state_kept(self):
+        """Restore the rows' step state after a capture's warm-up cycles (they run for real). Every step writes
+        the caches only at or past a row's length, so the committed rows survive without a copy."""
+        state = [self.root, self.length]
+        if self.d is not None:
+            state.append(self.last_out)
+        if self.feed_window:
+            state.append(self.held_n)
+        if not (self.graphs and self.n):  # eager runners have no warm-up
+            yield
+            return
+        saved = [t.clone() for t in state]
+        try:
+            yield
+        finally:
+            for t, s in zip(state, saved, strict=True):
+                t.copy_(s)
+
+    def _masked_plain(self, nb: int, mode: int) -> None:
+        """A plain cycle choosing each row's token under its mask in `mask_words`."""
+        self.allowed = allowed_tokens(self.mask_words[:nb], self.t.vocab_size)[:, None]  # [nb, 1, V]
+        try:
+            self._plain_cycle(nb, mode)
         finally:
             self.allowed = None
-        # eagerly: a compiled acceptance would compile again for the `valid` argument
-        keep, n_acc, emitted = self._accept(nb, tokens, parents1, anc, top, valid & ok)
-        self._commit(nb, keep, n_acc, emitted, aux)
+
+    def _walk_step(self, nb: int, mode: int) -> None:
+        """The target's choice after node walk_in[0, r] of each row r under its mask, into `walk_out` and, for the
+        rows that walk (walk_in[1]), into the front's choices."""
+        f = self._fronts[(nb, mode)]
+        rows = torch.arange(nb, device=self.device)
+        node, walking = self.walk_in[0, :nb], self.walk_in[1, :nb].bool()  # [nb]
+        self.allowed = allowed_tokens(self.mask_words[:nb], self.t.vocab_size)[:, None]  # [nb, 1, V]
+        try:
+            choice = self._choose(self.row_sampling, f.logits[rows, node][:, None], f.pos[rows, node][:, None],
+                                  mode)[:, 0]  # [nb]
+        finally:
+            self.allowed = None
+        f.top[rows, node] = torch.where(walking, choice, f.top[rows, node])
+        self.walk_out[:nb].copy_(choice)
 
     def _follow(self) -> None:
-        """Feed the tokens of the cycle just run to the active rows' grammars (a host read)."""
+        """Feed the token of the plain cycle just run to the active rows' grammars (a host read)."""
         pkt = self.packet[: self.n].tolist()
         for g, p in zip(self.grammars, pkt, strict=True):
             if g is not None:

@@ -4,6 +4,8 @@ speculative cycle's draft, verification, acceptance and commit."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
@@ -11,6 +13,19 @@ from eagle3.decoding.grammar import restrict
 from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots, scratch_path_slots
 from eagle3.decoding.verify import accept_rows
+
+
+class Front(NamedTuple):
+    """A speculative cycle up to the target's choices (`RowSteps._spec_front`), per row of the bucket."""
+
+    tokens: torch.Tensor  # [nb, N] draft tokens
+    parents1: torch.Tensor  # [nb, N+1] parents, N+1 indexing
+    valid: torch.Tensor | None  # [nb, N] nodes that count (host trees), None: all
+    anc: torch.Tensor  # bool [nb, N+1, N+1] ancestry
+    top: torch.Tensor  # [nb, N+1] the target's choice after the root and each node
+    aux: torch.Tensor | None  # [nb, N+1, 3·Ht] the drafter's features
+    logits: torch.Tensor  # [nb, N+1, V]
+    pos: torch.Tensor  # [nb, N+1] the position of the token each node predicts
 
 
 class RowSteps:
@@ -76,15 +91,24 @@ class RowSteps:
         self.held_n[:nb].zero_()
 
     def _spec_cycle(self, nb: int, mode: int) -> None:
-        if self.host_nodes:  # the trees `load_tree` wrote
+        self._spec_back(nb, self._spec_front(nb, mode))
+
+    def _spec_front(self, nb: int, mode: int) -> Front:
+        """Draft (or take the trees `load_tree` wrote) and verify: the cycle up to the target's choices."""
+        if self.host_nodes:
             tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
             self._nodes = self.host_nodes
+        elif self.constrain is not None:  # drafts under grammars: the host reads every step (never compiled)
+            tokens, parents1, valid = *self._draft(nb, mode), None
         else:
             tokens, parents1 = self.pieces.run("_draft", nb, mode)  # [nb, N], [nb, N+1]
             valid = None
-        anc, top, aux = self._verify(nb, tokens, parents1, mode)
-        keep, n_acc, emitted = self.pieces.run("_accept", nb, tokens, parents1, anc, top, valid)
-        self._commit(nb, keep, n_acc, emitted, aux)
+        return Front(tokens, parents1, valid, *self._verify(nb, tokens, parents1, mode))
+
+    def _spec_back(self, nb: int, f: Front) -> None:
+        """Accept by the choices in `f.top`, commit, feed the drafter."""
+        keep, n_acc, emitted = self.pieces.run("_accept", nb, f.tokens, f.parents1, f.anc, f.top, f.valid)
+        self._commit(nb, keep, n_acc, emitted, f.aux)
 
     def _draft(self, nb: int, mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
         """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
@@ -156,7 +180,8 @@ class RowSteps:
 
     def _verify(self, nb: int, tokens: torch.Tensor, parents1: torch.Tensor, mode: int):
         """Target forward over [root, nodes] per row: ancestry [nb, N+1, N+1], the target's choice after each node
-        [nb, N+1] (argmax, or the row's position-keyed draw), aux."""
+        [nb, N+1] (argmax, or the row's position-keyed draw), aux, the logits [nb, N+1, V] and the position each
+        node predicts [nb, N+1]."""
         by_paths = self.t.by_splits(tokens.shape[1] + 1)
         anc, ids, pos, slots, mask, tail = self.pieces.run("_tree_inputs", nb, tokens, parents1, by_paths)
         k, v, _ = self._caches(nb)
@@ -165,7 +190,7 @@ class RowSteps:
         # logits [nb, N+1, V], aux [nb, N+1, 3·Ht]
         # node j predicts the token at pos[j] + 1
         top = self._choose(self.row_sampling, logits, pos + 1, mode)  # [nb, N+1]
-        return anc, top, aux
+        return anc, top, aux, logits, pos + 1
 
     def _accept(self, nb: int, tokens, parents1, anc, top, valid=None):
         """Acceptance per row (`eagle3.decoding.verify.accept_rows`; `valid` [nb, N]: the nodes of host trees

@@ -125,11 +125,15 @@ class FastRows(RowSteps, GrammarSteps):
         # sampled rows draft with the noise of their own draws (`coupled_top_k`); False: the drafter's top-k
         self.coupled = coupled
         self._modes: list[int] = []  # host mirror: how active row i chooses its tokens
-        # rows that follow a grammar (`eagle3.fast.row_grammar`): their cycles run eagerly, with the tokens each
-        # node allows in `allowed` (bool [nb, M, V], read by `_choose`) and the drafter's in `constrain`
+        # rows that follow a grammar (`eagle3.fast.row_grammar`): `_choose` takes the tokens `allowed` (bool
+        # [nb, M, V]) where set, eager drafting the drafter's in `constrain`; the pieces' inputs and output
         self.grammars: list[Grammar | None] = []
         self.allowed: torch.Tensor | None = None
         self.constrain = None
+        self.mask_words = torch.full((capacity, (target.vocab_size + 31) // 32), -1, dtype=torch.int32, device=dev)
+        self.walk_in = torch.zeros(2, capacity, dtype=torch.long, device=dev)  # [2, B] node, walking
+        self.walk_out = torch.zeros(capacity, dtype=torch.long, device=dev)  # [B] the choice there
+        self._fronts: dict = {}  # (bucket, mode) -> its `Front`
         if self.d is not None:
             fd = self.d
             self.sd = seq_len + scratch + d_max + 2
@@ -164,7 +168,7 @@ class FastRows(RowSteps, GrammarSteps):
         self.chain_stop = chain_stop
         self._set_span()  # span, d_span: the cache slots the next cycle attends over
         self._pool = graph_pool(dev)
-        self._runners: dict[tuple[int, bool, int], StepRunner] = {}
+        self._runners: dict[tuple, StepRunner] = {}  # (bucket, spec, mode), or a grammar piece's key
         self._feeds: dict[int, StepRunner] = {}  # bucket -> its feed step
         self._launched: deque[tuple[torch.Tensor, torch.cuda.Event | None, int]] = deque()  # `collect`
         self._packets = [torch.empty(self.packet.shape, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -450,8 +454,8 @@ class FastRows(RowSteps, GrammarSteps):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         self._launched.append((buf, event, self._nodes if spec else 0))
-        if constrained:  # the next cycle's masks follow this one's tokens
-            self._follow()
+        if constrained and not spec:  # the next cycle's masks follow this token (a speculative cycle's walk
+            self._follow()  # consumed its tokens)
 
     def collect(self) -> list[list[int]]:
         """The new tokens of the oldest cycle in flight, per row (the one host sync per cycle)."""
