@@ -46,8 +46,9 @@ class StepRunner:
     """`runner()` runs `fn`; on CUDA with `graphs`, `prepare()` captures it and later calls replay the graph."""
 
     def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool = True, pool=None,
-                 name: str = "step", warmup: int = 2):
-        self.call, self.name, self.warmup = fn, name, warmup
+                 name: str = "step", warmup: int = 2, reset: Callable[[], None] | None = None):
+        """`reset`: run after each warm-up call (on its stream), to undo what a step that runs for real did."""
+        self.call, self.name, self.warmup, self.reset = fn, name, warmup, reset
         self.device = torch.device(device)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.pool = pool
@@ -57,6 +58,8 @@ class StepRunner:
     def _warm(self) -> None:
         for _ in range(self.warmup):
             self.call()
+            if self.reset is not None:
+                self.reset()
 
     def prepare(self) -> None:
         """Warm up and capture; a no-op for eager runners."""

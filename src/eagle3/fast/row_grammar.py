@@ -11,14 +11,13 @@ fixed-shape step that a CUDA graph captures like any other cycle:
 
 Rows without a grammar take every token, so they decode as in any other cycle. Where cycles run eagerly (a CPU)
 the drafter proposes only tokens the grammar allows: the host gives each frontier node's children their mask at
-every expansion step (`_frontier_allowed`). Captured drafting cannot wait for the host, so there the drafts are
-the drafter's own, and a draft the grammar refuses is never accepted. The pieces are captured the first time a
-constrained cycle of that bucket and mode runs; the rows' state is kept around the capture's warm-up cycles.
+every expansion step (`_frontier_allowed`). Captured drafting cannot wait for the host, so there only the root's
+children are drafted under a mask (the next token's, written before the front); deeper drafts are the drafter's
+own, and a draft the grammar refuses is never accepted. The pieces are captured the first time a constrained
+cycle of that bucket and mode runs; the rows' state is put back after each warm-up cycle.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 
@@ -56,6 +55,8 @@ class GrammarSteps:
         front, walk, back = (self._grammar_piece(k, nb, mode) for k in ("front", "walk", "back"))
         if self.d is not None and not self.graphs:  # eager drafting under the frontier's masks
             self.constrain = lambda f, t, p: self._frontier_allowed(nb, f, t, p)
+        elif self.d is not None:  # captured drafting: the root's children under the next-token masks
+            self.mask_words[:nb].copy_(next_masks(grammars, nb, self.mask_words.shape[1]))
         try:
             front()
         finally:
@@ -80,34 +81,33 @@ class GrammarSteps:
         runner = self._runners.get(key)
         if runner is None:
             fn = {"plain": lambda: self._masked_plain(nb, mode),
-                  "front": lambda: self._fronts.__setitem__((nb, mode), self._spec_front(nb, mode)),
+                  "front": lambda: self._fronts.__setitem__((nb, mode), self._masked_front(nb, mode)),
                   "walk": lambda: self._walk_step(nb, mode),
                   "back": lambda: self._spec_back(nb, self._fronts[(nb, mode)])}[kind]
             runner = StepRunner(fn, self.device, graphs=self.graphs, pool=self._pool,
-                                name=f"rows_grammar_{kind}_b{nb}_m{mode}")
-            with self._state_kept():
-                runner.prepare()
+                                name=f"rows_grammar_{kind}_b{nb}_m{mode}", reset=self._state_keeper())
+            runner.prepare()
             self._runners[key] = runner
         return runner
 
-    @contextmanager
-    def _state_kept(self):
-        """Restore the rows' step state after a capture's warm-up cycles (they run for real). Every step writes
-        the caches only at or past a row's length, so the committed rows survive without a copy."""
+    def _state_keeper(self):
+        """A capture's warm-up cycles run for real on the active rows: what puts their step state back after each
+        (None without active rows). Every step writes the caches only at or past a row's length, so the committed
+        rows survive without a copy."""
+        if not (self.graphs and self.n):
+            return None
         state = [self.root, self.length]
         if self.d is not None:
             state.append(self.last_out)
         if self.feed_window:
             state.append(self.held_n)
-        if not (self.graphs and self.n):  # eager runners have no warm-up
-            yield
-            return
         saved = [t.clone() for t in state]
-        try:
-            yield
-        finally:
+
+        def restore() -> None:
             for t, s in zip(state, saved, strict=True):
                 t.copy_(s)
+
+        return restore
 
     def _masked_plain(self, nb: int, mode: int) -> None:
         """A plain cycle choosing each row's token under its mask in `mask_words`."""
@@ -116,6 +116,15 @@ class GrammarSteps:
             self._plain_cycle(nb, mode)
         finally:
             self.allowed = None
+
+    def _masked_front(self, nb: int, mode: int):
+        """`_spec_front`; where drafting is captured, the root's children are drafted among the tokens of
+        `mask_words` (the deeper nodes' masks depend on the drafts: the host cannot give them in time)."""
+        if self.d is None or self.constrain is not None:
+            return self._spec_front(nb, mode)
+        allowed = allowed_tokens(self.mask_words[:nb], self.t.vocab_size)  # [nb, V]
+        ids = self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))  # [Vd]
+        return self._spec_front(nb, mode, allowed[:, None, ids])  # [nb, 1, Vd]
 
     def _walk_step(self, nb: int, mode: int) -> None:
         """The target's choice after node walk_in[0, r] of each row r under its mask, into `walk_out` and, for the

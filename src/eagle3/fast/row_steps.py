@@ -93,15 +93,16 @@ class RowSteps:
     def _spec_cycle(self, nb: int, mode: int) -> None:
         self._spec_back(nb, self._spec_front(nb, mode))
 
-    def _spec_front(self, nb: int, mode: int) -> Front:
-        """Draft (or take the trees `load_tree` wrote) and verify: the cycle up to the target's choices."""
+    def _spec_front(self, nb: int, mode: int, first: torch.Tensor | None = None) -> Front:
+        """Draft (or take the trees `load_tree` wrote) and verify: the cycle up to the target's choices. `first`
+        [nb, 1, Vd]: the draft tokens allowed as the root's children (`_draft`)."""
         if self.host_nodes:
             tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
             self._nodes = self.host_nodes
         elif self.constrain is not None:  # drafts under grammars: the host reads every step (never compiled)
             tokens, parents1, valid = *self._draft(nb, mode), None
         else:
-            tokens, parents1 = self.pieces.run("_draft", nb, mode)  # [nb, N], [nb, N+1]
+            tokens, parents1 = self.pieces.run("_draft", nb, mode, first)  # [nb, N], [nb, N+1]
             valid = None
         return Front(tokens, parents1, valid, *self._verify(nb, tokens, parents1, mode))
 
@@ -110,10 +111,12 @@ class RowSteps:
         keep, n_acc, emitted = self.pieces.run("_accept", nb, f.tokens, f.parents1, f.anc, f.top, f.valid)
         self._commit(nb, keep, n_acc, emitted, f.aux)
 
-    def _draft(self, nb: int, mode: int = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft(self, nb: int, mode: int = GREEDY,
+               first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
         indexing; the root is its own parent). Row r drafts its token at length[r] + 1 + step; a chain stops
-        drafting once every row's joint draft probability is below `chain_stop`. Sampled rows draft coupled to
+        drafting once every row's joint draft probability is below `chain_stop`. `first` [nb, 1, Vd]: the draft
+        tokens allowed as the root's children (None: all, or as `constrain` says). Sampled rows draft coupled to
         their own draws (`coupled_top_k`; the first child is the drafter's token under the row's noise)."""
         shape = self.shape_of(nb)
         d, k = self.d, shape.top_k
@@ -137,8 +140,11 @@ class RowSteps:
         if self.chain_stop is not None and shape.is_chain:  # every row unsure: stop
             stop = self.chain_stop
             until = lambda scores: float(scores.exp().max()) < stop  # noqa: E731
+        constrain = self.constrain
+        if first is not None:  # only the root's children restricted
+            constrain = lambda frontier, _t, _p: first if frontier is None else None  # noqa: E731
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
-                                      self.ranked, until, self.constrain)
+                                      self.ranked, until, constrain)
         self._nodes = tokens.shape[1]
         return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
 

@@ -37,7 +37,7 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
-from eagle3.decoding.grammar import Grammar, next_allowed
+from eagle3.decoding.grammar import Grammar, next_masks
 from eagle3.decoding.sampling import GREEDY, MODES, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention as split
@@ -321,16 +321,14 @@ class FastRows(RowSteps, GrammarSteps):
         p.has_root.copy_(root >= 0)
         if self.sampling:
             p.sampling.set(0, [*sampling, *[None] * (p.r - r)])
-        if constrained:  # the first tokens under each grammar's first mask (eagerly)
-            self.allowed = next_allowed(grammars, p.r, self.t.vocab_size, self.device)  # [R, 1, V]
-        try:
-            if p.runner is not None and not constrained:
-                p.runner()
-            else:
-                with varying_shape_attention(self.device):  # a new width per admission
-                    prefill_step(self, p, max(modes))
-        finally:
-            self.allowed = None
+        if constrained or p.masked:  # the first tokens under each grammar's first mask
+            p.mask_words.copy_(next_masks(grammars, p.r, p.mask_words.shape[1]))
+            p.masked = constrained
+        if p.runner is not None:
+            p.runner()
+        else:
+            with varying_shape_attention(self.device):  # a new width per admission
+                prefill_step(self, p, max(modes))
         t = p.t  # padding K/V lands in slots a row's length never covers before they are overwritten
         self.k[:, i : i + r, :, :t].copy_(p.k[:, :r])
         self.v[:, i : i + r, :, :t].copy_(p.v[:, :r])

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle3.decoding.grammar import allowed_tokens
 from eagle3.decoding.sampling import FILTERED, GREEDY, SamplingRows
 
 if TYPE_CHECKING:
@@ -57,6 +58,9 @@ class Prefill:
         self.root = torch.zeros(r, dtype=torch.long, device=dev)  # [R] a first token known in advance
         self.has_root = torch.zeros(r, dtype=torch.bool, device=dev)  # [R]
         self.first = torch.zeros(r, dtype=torch.long, device=dev)  # [R] out: each row's first new token
+        # [R, W] bitmasks of the tokens each first token may be (a grammar's, `eagle3.decoding.grammar`; else all)
+        self.mask_words = torch.full((r, (tg.vocab_size + 31) // 32), -1, dtype=torch.int32, device=dev)
+        self.masked = False  # whether a mask other than "all" is set
         self.k, self.v = staging(rows, "target", tg.num_layers, (r, tg.nkv, t, tg.hd), tg.dtype,
                                  shared)  # [L, R, n_kv, T, hd]
         if rows.d is not None:
@@ -97,7 +101,11 @@ def prefill_step(rows: FastRows, p: Prefill, mode: int | None = None) -> None:
                                       want_aux=d is not None)  # [R, 1, V], [R, T, 3·Ht]
     if mode is None:
         mode = FILTERED if rows.sampling else GREEDY
-    tok = rows._choose(p.sampling, logits, p.lens[:, None], mode)[:, 0]  # [R]
+    rows.allowed = allowed_tokens(p.mask_words, rows.t.vocab_size)[:, None]  # [R, 1, V]
+    try:
+        tok = rows._choose(p.sampling, logits, p.lens[:, None], mode)[:, 0]  # [R]
+    finally:
+        rows.allowed = None
     p.first.copy_(torch.where(p.has_root, p.root, tok))
     if d is not None:
         nxt = torch.cat([p.ids[:, 1:], p.ids[:, :1]], dim=1).scatter(1, (p.lens - 1)[:, None], p.first[:, None])
