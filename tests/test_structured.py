@@ -218,6 +218,32 @@ def test_constrained_rows_verify_trees_along_the_walk(setup, device):
         assert all(rows._runners[k].graph is not None for k in pieces)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_constrained_cycles_with_a_drafter_decode_as_eager_ones(setup):
+    """On a GPU, constrained rows with an EAGLE-3 drafter (greedy and sampled, chain and tree, beside an
+    unconstrained row): captured pieces give the tokens eager cycles give on the same GPU."""
+    model, tok, _, gc, d = setup
+    model, d = copy.deepcopy(model).cuda(), copy.deepcopy(d).cuda()
+    prompt = encode_prompt(tok, prompt="Once upon a time")
+    settings = [None, None, SamplingConfig(1.0, seed=3)]
+    for shape in (DraftShape.chain(4), DraftShape(3, 3, 8)):
+        outs = []
+        for graphs in (False, True):
+            rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=256,
+                            shapes=lambda _b, s=shape: s, graphs=graphs)
+            rows.prepare()
+            out = [[f] for f in rows.add_many([prompt] * 3, sampling=settings,
+                                              grammars=[None, gc.compile(PERSON), gc.compile(PERSON)])]
+            for k in range(16):
+                for o, new in zip(out, rows.cycle(k % 4 != 3), strict=True):
+                    o += new
+            outs.append([o[:17] for o in out])  # 16 cycles: at least 17 tokens each
+        assert outs[1] == outs[0]
+        for o in outs[1][1:]:
+            gc.compile(PERSON).consume(o)  # the answers follow the grammar (raises otherwise)
+
+
 def exact_enum_distribution(model, tok, eos, gc, prompt: list[int], temperature: float) -> dict[str, float]:
     """P(answer) of constrained sampling at `temperature`, summed over every token path the grammar allows to
     the end token (a depth-first walk with the target's masked distribution at each step)."""

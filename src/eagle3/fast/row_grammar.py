@@ -52,7 +52,7 @@ class GrammarSteps:
             self.mask_words[:nb].copy_(next_masks(grammars, nb, self.mask_words.shape[1]))
             plain()
             return
-        front, walk, back = (self._grammar_piece(k, nb, mode) for k in ("front", "walk", "back"))
+        front = self._grammar_piece("front", nb, mode)
         if self.d is not None and not self.graphs:  # eager drafting under the frontier's masks
             self.constrain = lambda f, t, p: self._frontier_allowed(nb, f, t, p)
         elif self.d is not None:  # captured drafting: the root's children under the next-token masks
@@ -61,6 +61,9 @@ class GrammarSteps:
             front()
         finally:
             self.constrain = None
+        # captured after the front has run: a capture records without running, so the front's outputs, which
+        # their warm-up cycles read, hold this cycle's values only from its first replay on
+        walk, back = (self._grammar_piece(k, nb, mode) for k in ("walk", "back"))
         f = self._fronts[(nb, mode)]
         tokens = f.tokens if f.valid is None else f.tokens.masked_fill(~f.valid, -1)  # [nb, N]
         host = torch.cat([tokens, f.parents1[:, 1:] - 1], dim=1).tolist()  # one read: tokens, parents
@@ -84,6 +87,8 @@ class GrammarSteps:
                   "front": lambda: self._fronts.__setitem__((nb, mode), self._masked_front(nb, mode)),
                   "walk": lambda: self._walk_step(nb, mode),
                   "back": lambda: self._spec_back(nb, self._fronts[(nb, mode)])}[kind]
+            if kind == "walk":  # its warm-up cycles must not write the front's choices
+                self.walk_in[1].zero_()
             runner = StepRunner(fn, self.device, graphs=self.graphs, pool=self._pool,
                                 name=f"rows_grammar_{kind}_b{nb}_m{mode}", reset=self._state_keeper())
             runner.prepare()
