@@ -36,6 +36,7 @@ from eagle3.decoding.grammar import (
 from eagle3.decoding.proposers import NoDraftProposer
 from eagle3.fast import row_grammar
 from eagle3.fast.engine import FastEngine
+from eagle3.fast.graphs import StepRunner
 from eagle3.fast.rows import FastRows
 from eagle3.fast.target import FastTarget
 from eagle3.runtime import encode_prompt, eos_token_ids, init_drafter
@@ -216,6 +217,36 @@ def test_constrained_rows_verify_trees_along_the_walk(setup, device):
     assert {k[0] for k in pieces} == set(row_grammar.GRAMMAR_PIECES)
     if device == "cuda":
         assert all(rows._runners[k].graph is not None for k in pieces)
+
+
+@pytest.mark.parametrize("shape", [DraftShape.chain(4), DraftShape(3, 3, 8)], ids=["chain", "tree"])
+def test_capture_warm_ups_leave_the_rows_as_they_were(setup, shape, monkeypatch):
+    """Constrained pieces are captured mid-answer, and a capture first runs its piece twice for real (warm-up):
+    what those cycles do (advance the rows, move the tree's K/V into place) must be undone. Simulated on the CPU
+    (each runner's warm-up without the capture, drafting as where it is captured): the rows emit what eager
+    cycles emit."""
+    model, tok, _, gc, d = setup
+    prompt = encode_prompt(tok, prompt="Once upon a time")
+    settings = [None, None, SamplingConfig(1.0, seed=3)]
+    outs = []
+    for warm in (False, True):
+        rows = FastRows(FastTarget(model, d.config.aux_layer_ids), d, capacity=4, seq_len=256,
+                        shapes=lambda _b: shape, graphs=False)
+        if warm:
+            monkeypatch.setattr(StepRunner, "prepare", StepRunner._warm)
+            rows.graphs = True  # bucketed rows, captured drafting, state kept around warm-ups
+        rows.prepare()
+        out = [[rows.add(prompt)]]
+        for k in range(3):  # the unconstrained row alone, then two constrained rows join
+            out[0] += rows.cycle(k != 1)[0]
+        out += [[f] for f in rows.add_many([prompt] * 2, sampling=settings[1:],
+                                           grammars=[gc.compile(PERSON) for _ in range(2)])]
+        for k in range(14):
+            for o, new in zip(out, rows.cycle(k % 4 != 3), strict=True):
+                o += new
+        outs.append([o[:17] for o in out])
+        monkeypatch.undo()
+    assert outs[1] == outs[0]
 
 
 @pytest.mark.gpu

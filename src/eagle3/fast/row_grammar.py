@@ -63,7 +63,10 @@ class GrammarSteps:
             self.constrain = None
         # captured after the front has run: a capture records without running, so the front's outputs, which
         # their warm-up cycles read, hold this cycle's values only from its first replay on
+        new = ("back", nb, mode) not in self._runners
         walk, back = (self._grammar_piece(k, nb, mode) for k in ("walk", "back"))
+        if new and self.graphs:  # the back's warm-up cycles moved the tree's K/V in the cache: verify again
+            front()
         f = self._fronts[(nb, mode)]
         tokens = f.tokens if f.valid is None else f.tokens.masked_fill(~f.valid, -1)  # [nb, N]
         host = torch.cat([tokens, f.parents1[:, 1:] - 1], dim=1).tolist()  # one read: tokens, parents
