@@ -557,6 +557,39 @@ def test_a_forced_tool_call_is_constrained_to_the_functions_schema(setup, storie
         srv.stop()
 
 
+LLAMA3 = ('{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}Respond in the format {"name": function '
+          'name, "parameters": dictionary}. {{ tools | tojson }}\nassistant:')
+MISTRAL = ("[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% for m in messages %}[INST]{{ m.content }}"
+           "[/INST]{% endfor %} Calls follow [TOOL_CALLS].")
+
+
+@pytest.mark.parametrize("template", [LLAMA3, MISTRAL], ids=["llama3", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_forced_calls_in_the_llama3_and_mistral_formats_are_constrained(setup, template, choice):
+    from eagle3.serving.tools import render
+
+    model, tok, eos, gc, _ = setup
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    function = "go" if choice == "function" else None
+    tools = [{"type": "function", "function": {"name": "go", "parameters": {
+        **GO[0]["function"]["parameters"], "additionalProperties": False}}}]  # an answer that must end soon
+    text, calls = render(tok, messages, tools, choice, function, False, template)
+    assert calls.parser.name == ("llama3" if template == LLAMA3 else "mistral") and calls.grammar is not None
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    engine = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
+    try:
+        want = engine.generate(ids, max_new_tokens=480, eos_token_ids=eos, grammar=gc.compile_text(calls.grammar))
+        free = engine.generate(ids, max_new_tokens=40, eos_token_ids=eos)
+    finally:
+        engine.target.close()
+    assert want.finish_reason == "stop"  # one call, then the grammar allows only the end
+    content, found = calls.parse(want.text)
+    assert content is None and len(found) == 1 and calls.errors == 0
+    assert found[0]["function"]["name"] == "go" and json.loads(found[0]["function"]["arguments"])["u"] in "cf"
+    with pytest.raises(RuntimeError, match="refused"):  # negative control: unconstrained, the model does not
+        gc.compile_text(calls.grammar).consume(free.token_ids)
+
+
 @pytest.mark.slow
 def test_smollm2_forced_tool_calls_are_valid_calls(smollm2):
     openai = pytest.importorskip("openai")

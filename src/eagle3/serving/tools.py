@@ -7,10 +7,9 @@ Hermes format in ordinary turns (`hermes_messages`): the tools as JSON lines ins
 system turn, past calls as `<tool_call>` blocks in the assistant's turn, results as a user turn of
 `<tool_response>` blocks (the layout of Qwen2.5's template, Qwen/Qwen2.5-7B-Instruct `tokenizer_config.json`).
 `tool_choice` "required" or a named function starts the assistant's turn with the opening of a call (`prefix`),
-which the model continues; "none" renders no tools and parses nothing. In the Hermes format a forced call is also
-constrained (`ToolCalls.grammar`): the rest of the turn must be a call of an offered function whose arguments
-follow its parameter schema (`eagle3.decoding.grammar`); the other formats are prompt-level, where the model may
-still write a malformed call.
+which the model continues; "none" renders no tools and parses nothing. A forced call is also
+constrained (`ToolCalls.grammar`), in every format: the rest of the turn must be a call of an offered function
+whose arguments follow its parameter schema (`eagle3.decoding.grammar`).
 
 Parsing (`CallStream`), one parser per format, chosen from the template's source (`parser_for`):
     hermes   <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one block per call (Hermes 2 Pro, Qwen)
@@ -108,19 +107,12 @@ class HermesParser:
         """What may follow `prefix(function)`, as a Lark grammar with JSON schemas (llguidance): the named
         function's arguments and the call's end, or a call of any offered function (more calls after it where
         `parallel`); then the answer ends."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
-
-        def schema(s: dict) -> str:
-            return "%json " + json.dumps({**s, "x-guidance": {"whitespace_pattern": WHITESPACE}})
-
+        params = _parameters(tools)
         close = json.dumps("\n" + self.CLOSE)
         if function is not None:
-            return f'start: args "}}" {close}\nargs: {schema(params[function])}\n'
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-                           "required": ["name", "arguments"], "additionalProperties": False}
-                          for n, p in params.items()]}
+            return f'start: args "}}" {close}\nargs: {_json_rule(params[function])}\n'
         more = f' ({json.dumps(chr(10) + self.OPEN + chr(10))} call {close})*' if parallel else ""
-        return f"start: call {close}{more}\ncall: {schema(call)}\n"
+        return f"start: call {close}{more}\ncall: {_json_rule(_call_schema(params, 'arguments'))}\n"
 
     def opening(self, text: str, start: bool) -> int:
         return text.find(self.OPEN)
@@ -147,7 +139,21 @@ class Llama3JsonParser:
     TAG = "<|python_tag|>"
 
     def grammar(self, tools: list[dict], function: str | None, parallel: bool) -> str | None:
-        return None  # prompt-level only
+        """What may follow `prefix(function)` (Lark, llguidance): the named function's parameters and the
+        object's end; or, after the opened name, an offered function's name, its parameters, the end (more whole
+        calls after `; ` where `parallel`); then the answer ends."""
+        params = _parameters(tools)
+        if function is not None:
+            return f'start: args "}}"\nargs: {_json_rule(params[function])}\n'
+        names = list(params)
+        rules = [f'first: {" | ".join(f"call{i}" for i in range(len(names)))}']
+        for i, n in enumerate(names):
+            rest = json.dumps(n + '", "parameters": ')  # the name's end, then its parameters' key
+            rules.append(f'call{i}: {rest} args{i} "}}"')
+            rules.append(f"args{i}: {_json_rule(params[n])}")
+        more = ' ("; " call)*' if parallel else ""
+        rules.append(f"call: {_json_rule(_call_schema(params, 'parameters'))}")
+        return f"start: first{more}\n" + "\n".join(rules) + "\n"
 
     def prefix(self, function: str | None) -> str:
         return '{"name": "' if function is None else f'{{"name": {json.dumps(function)}, "parameters": '
@@ -183,7 +189,13 @@ class MistralParser:
     _BARE = re.compile(r"\s*\[\s*(\{|\Z)")  # the array at the start of an answer (or its beginning)
 
     def grammar(self, tools: list[dict], function: str | None, parallel: bool) -> str | None:
-        return None  # prompt-level only
+        """What may follow `prefix(function)` (Lark, llguidance): the named function's arguments and the
+        array's end, or an array of calls of offered functions (one unless `parallel`); then the answer ends."""
+        params = _parameters(tools)
+        if function is not None:
+            return f'start: args "}}]"\nargs: {_json_rule(params[function])}\n'
+        more = ' (", " call)*' if parallel else ""
+        return f'start: "[" call{more} "]"\ncall: {_json_rule(_call_schema(params, "arguments"))}\n'
 
     def prefix(self, function: str | None) -> str:
         return self.MARK if function is None else f'{self.MARK}[{{"name": {json.dumps(function)}, "arguments": '
@@ -212,6 +224,22 @@ class MistralParser:
 
 
 ToolParser = HermesParser | Llama3JsonParser | MistralParser
+
+
+def _parameters(tools: list[dict]) -> dict[str, dict]:
+    """Each offered function's parameter schema (any object where it gives none)."""
+    return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+
+
+def _json_rule(schema: dict) -> str:
+    """A Lark rule body matching JSON under `schema`, with the bounded whitespace of `eagle3.decoding.grammar`."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}})
+
+
+def _call_schema(params: dict[str, dict], key: str) -> dict:
+    """A call object of any offered function: {"name": its name, key: its arguments}."""
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: p},
+                       "required": ["name", key], "additionalProperties": False} for n, p in params.items()]}
 
 
 def _shape(obj, key: str) -> list[tuple] | None:
@@ -453,8 +481,8 @@ def render(tokenizer, messages: list[dict], tools: list[dict], tool_choice: str 
 
 
 def _call_grammar(parser: ToolParser, tools: list[dict], function: str | None, parallel: bool) -> str | None:
-    """A forced call's grammar in the engine's text, or None where the format has none or the engine refuses a
-    parameter schema (the call is then prompt-level, as in any other format)."""
+    """A forced call's grammar in the engine's text, or None where the engine refuses a parameter schema (the
+    call is then prompt-level: the model may still write a malformed call)."""
     lark = parser.grammar(tools, function, parallel)
     if lark is None:
         return None
