@@ -524,34 +524,43 @@ GO = [{"type": "function", "function": {"name": "go", "parameters": {
     "type": "object", "properties": {"u": {"enum": ["c", "f"]}}, "required": ["u"]}}}]
 
 
-@pytest.mark.parametrize("choice", ["required", "function"])
-def test_a_forced_tool_call_is_constrained_to_the_functions_schema(setup, stories260k, choice):
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
+def forced_call(setup, tools: list[dict], choice: str, parallel: bool, template: str, max_new_tokens: int):
+    """A call forced by `choice` ("required" or "function": go), rendered with `template` and answered by the tiny
+    model greedily under its grammar: (ToolCalls, the answer). Each token follows the grammar, while the free
+    answer to the same prompt is refused by it (a negative control)."""
     from eagle3.serving.tools import render
-    from test_serving import MODEL, TEMPLATE, make_server
 
     model, tok, eos, gc, _ = setup
     messages = [{"role": "user", "content": "Once upon a time"}]
-    function = "go" if choice == "function" else None
-    text, calls = render(tok, messages, GO, choice, function, True, TEMPLATE)
+    text, calls = render(tok, messages, tools, choice, "go" if choice == "function" else None, parallel, template)
     assert calls.grammar is not None and text.endswith(calls.prefix)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     engine = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
     try:
-        want = engine.generate(ids, max_new_tokens=40, eos_token_ids=eos, grammar=gc.compile_text(calls.grammar))
+        want = engine.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                               grammar=gc.compile_text(calls.grammar))
         free = engine.generate(ids, max_new_tokens=40, eos_token_ids=eos)
     finally:
         engine.target.close()
-    gc.compile_text(calls.grammar).consume(want.token_ids)  # every token follows the call's grammar
-    with pytest.raises(RuntimeError, match="refused"):  # negative control: unconstrained, the model does not
+    gc.compile_text(calls.grammar).consume(want.token_ids)  # raises on a token the grammar refuses
+    with pytest.raises(RuntimeError, match="refused"):
         gc.compile_text(calls.grammar).consume(free.token_ids)
+    return calls, want
+
+
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_a_forced_tool_call_is_constrained_to_the_functions_schema(setup, stories260k, choice):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serving import MODEL, TEMPLATE, make_server
+
+    calls, want = forced_call(setup, GO, choice, True, TEMPLATE, 40)
     srv = make_server(*stories260k, rows=True)
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        tool_choice = {"type": "function", "function": {"name": "go"}} if function else "required"
-        r = c.chat.completions.create(model=MODEL, messages=messages, tools=GO, tool_choice=tool_choice,
-                                      max_tokens=40, temperature=0)
+        tool_choice = {"type": "function", "function": {"name": "go"}} if choice == "function" else "required"
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once upon a time"}],
+                                      tools=GO, tool_choice=tool_choice, max_tokens=40, temperature=0)
         assert r.choices[0].message.content == calls.prefix + want.text  # cut by max_tokens: returned as text
     finally:
         srv.stop()
@@ -566,28 +575,14 @@ MISTRAL = ("[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% for m in m
 @pytest.mark.parametrize("template", [LLAMA3, MISTRAL], ids=["llama3", "mistral"])
 @pytest.mark.parametrize("choice", ["required", "function"])
 def test_forced_calls_in_the_llama3_and_mistral_formats_are_constrained(setup, template, choice):
-    from eagle3.serving.tools import render
-
-    model, tok, eos, gc, _ = setup
-    messages = [{"role": "user", "content": "Once upon a time"}]
-    function = "go" if choice == "function" else None
     tools = [{"type": "function", "function": {"name": "go", "parameters": {
         **GO[0]["function"]["parameters"], "additionalProperties": False}}}]  # an answer that must end soon
-    text, calls = render(tok, messages, tools, choice, function, False, template)
-    assert calls.parser.name == ("llama3" if template == LLAMA3 else "mistral") and calls.grammar is not None
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    engine = SpeculativeEngine(Target(model, []), NoDraftProposer(), tok)
-    try:
-        want = engine.generate(ids, max_new_tokens=480, eos_token_ids=eos, grammar=gc.compile_text(calls.grammar))
-        free = engine.generate(ids, max_new_tokens=40, eos_token_ids=eos)
-    finally:
-        engine.target.close()
+    calls, want = forced_call(setup, tools, choice, False, template, 480)
+    assert calls.parser.name == ("llama3" if template == LLAMA3 else "mistral")
     assert want.finish_reason == "stop"  # one call, then the grammar allows only the end
     content, found = calls.parse(want.text)
     assert content is None and len(found) == 1 and calls.errors == 0
     assert found[0]["function"]["name"] == "go" and json.loads(found[0]["function"]["arguments"])["u"] in "cf"
-    with pytest.raises(RuntimeError, match="refused"):  # negative control: unconstrained, the model does not
-        gc.compile_text(calls.grammar).consume(free.token_ids)
 
 
 @pytest.mark.slow

@@ -252,13 +252,6 @@ class FastTarget(nn.Module):
             return h, self.pointwise.norm(h, norm, self.eps)
         return self.pointwise.add_norm(h, self.linear(x, w, b), norm, self.eps)
 
-    def mlp_block(self, h: torch.Tensor, lw: _Layer) -> torch.Tensor:
-        """The post-attention half of a decoder layer: h + the MLP of the normed h, [N, H]."""
-        x = h if self.folded else self.pointwise.norm(h, lw.ln2, self.eps)
-        if lw.moe is not None:
-            return h + self.experts(x, lw)
-        return self.add_linear(h, self.gated(x, lw), lw.w2, lw.b2)
-
     def post_attention(
         self, i: int, h: torch.Tensor, o: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
