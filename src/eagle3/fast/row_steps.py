@@ -99,12 +99,10 @@ class RowSteps:
         if self.host_nodes:
             tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
             self._nodes = self.host_nodes
-        elif self.constrain is not None or first is not None:
-            # drafts under grammars are not compiled: the host reads every step, or (`first`) the compiled variant
-            # failed an index assert on an H100 (2026-12-07)
-            tokens, parents1, valid = *self._draft(nb, mode, first), None
+        elif self.constrain is not None:  # drafts under the frontier's masks: the host reads every step
+            tokens, parents1, valid = *self._draft(nb, mode), None
         else:
-            tokens, parents1 = self.pieces.run("_draft", nb, mode)  # [nb, N], [nb, N+1]
+            tokens, parents1 = self.pieces.run("_draft", nb, mode, first)  # [nb, N], [nb, N+1]
             valid = None
         return Front(tokens, parents1, valid, *self._verify(nb, tokens, parents1, mode))
 
