@@ -28,8 +28,8 @@ import torch
 
 from eagle3.config import ConfigError
 
-__all__ = ["Choose", "Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "frontier_allowed", "load_schema",
-           "next_allowed", "next_masks", "restrict", "schema_file", "walk_tree"]
+__all__ = ["ALL", "Choose", "Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "bitmask_words",
+           "frontier_allowed", "load_schema", "next_allowed", "next_masks", "restrict", "schema_file", "walk_tree"]
 
 ALL = -1  # a bitmask word with every token allowed
 # Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
@@ -52,7 +52,7 @@ class GrammarCompiler:
             raise ConfigError("constrained decoding needs an end-of-sequence token to end the answer with")
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
-        self.words = (vocab_size + 31) // 32  # int32 words per bitmask
+        self.words = bitmask_words(vocab_size)
         self._compiled: dict[str, object] = {}  # grammar text -> its compiled matcher, least recently used first
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
@@ -203,6 +203,11 @@ class Grammar:
         return out, ok
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask of a vocabulary."""
+    return (vocab_size + 31) // 32
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool [..., V] from bitmasks [..., W] int32 (bit b of word w is token 32·w + b)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
@@ -223,7 +228,7 @@ def next_masks(grammars: Sequence[Grammar | None], rows: int, words: int) -> tor
 def next_allowed(grammars: Sequence[Grammar | None], rows: int, vocab_size: int,
                  device: torch.device) -> torch.Tensor:
     """`next_masks` as bool [rows, 1, V] on `device`."""
-    return allowed_tokens(next_masks(grammars, rows, (vocab_size + 31) // 32).to(device), vocab_size)[:, None]
+    return allowed_tokens(next_masks(grammars, rows, bitmask_words(vocab_size)).to(device), vocab_size)[:, None]
 
 
 # choose(nodes, masks, walking) -> the target's choice after node nodes[r] (N+1 indexing) of each row r among the
@@ -232,13 +237,14 @@ Choose = Callable[[list[int], torch.Tensor, list[bool]], list[int]]
 
 
 def walk_tree(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]],
-              choose: Choose) -> int:
+              choose: Choose, first: torch.Tensor | None = None) -> int:
     """Verification of B rows' draft trees under their grammars (tokens [B][N], -1: padding or a node that does not
     count; parents [B][N], -1: the root; rows whose grammar is None are not walked). From each root: the mask after
     the tokens emitted so far, the target's choice under it (`choose`, which keeps it as that node's choice), the
     choice consumed, then on to the child drafted with that token (the first of equal siblings, as
     `eagle3.decoding.verify.accept_rows` takes it) or the walk of that row ends. The choices are the row's emitted
-    tokens, already consumed by its grammar. Returns the steps walked (one `choose` call each)."""
+    tokens, already consumed by its grammar. `first` [B, W]: the rows' next-token masks where the caller has them
+    (`next_masks`), for the first step. Returns the steps walked (one `choose` call each)."""
     b = len(tokens)
     children: list[dict[tuple[int, int], int]] = [{} for _ in range(b)]  # (node, token) -> child, N+1 indexing
     for r in range(b):
@@ -248,11 +254,11 @@ def walk_tree(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]
     walking = [r < len(grammars) and grammars[r] is not None for r in range(b)]
     words = next(g.words for g in grammars if g is not None) if any(walking) else 1
     node = [0] * b
-    masks = torch.full((b, words), ALL, dtype=torch.int32)
+    masks = first.clone() if first is not None else torch.full((b, words), ALL, dtype=torch.int32)
     steps = 0
     while any(walking):
         for r in range(b):
-            if walking[r]:
+            if walking[r] and (steps or first is None):
                 grammars[r].mask_into(masks[r])
         choices = choose(node, masks, walking)
         steps += 1
@@ -286,7 +292,7 @@ def frontier_allowed(grammars: Sequence[Grammar | None], frontier: torch.Tensor 
             return out[::-1]
 
         paths = [[path(i, rec) for rec in f[i]] if g is not None else [] for i, g in enumerate(grammars)]
-    masks = torch.full((r, width, (vocab_size + 31) // 32), ALL, dtype=torch.int32)
+    masks = torch.full((r, width, bitmask_words(vocab_size)), ALL, dtype=torch.int32)
     for i, g in enumerate(grammars):
         if g is not None:
             masks[i] = g.masks(paths[i])[0]

@@ -37,9 +37,11 @@ class GrammarSteps:
         """`eagle3.decoding.expand.Constrain` for the drafting of the first nb rows, in draft ids: [nb, T, Vd]."""
         allowed = frontier_allowed(self._bucket_grammars(nb), frontier, tokens, parents, self.t.vocab_size,
                                    self.device)
-        # the draft vocabulary's target ids, read now: a drafter swapped in place may map them anew
-        ids = self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))  # [Vd]
-        return allowed[..., ids]  # [nb, T, Vd]
+        return allowed[..., self._draft_ids()]  # [nb, T, Vd]
+
+    def _draft_ids(self) -> torch.Tensor:
+        """The draft vocabulary's target ids [Vd], read each time: a drafter swapped in place may map them anew."""
+        return self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))
 
     def _bucket_grammars(self, nb: int) -> list:
         return [*self.grammars[:nb], *[None] * (nb - len(self.grammars))]  # idle rows of a bucket: None
@@ -53,10 +55,12 @@ class GrammarSteps:
             plain()
             return
         front = self._grammar_piece("front", nb, mode)
+        first = None  # the next-token masks, where computed before the front (the walk's first step takes them)
         if self.d is not None and not self.graphs:  # eager drafting under the frontier's masks
             self.constrain = lambda f, t, p: self._frontier_allowed(nb, f, t, p)
         elif self.d is not None:  # captured drafting: the root's children under the next-token masks
-            self.mask_words[:nb].copy_(next_masks(grammars, nb, self.mask_words.shape[1]))
+            first = next_masks(grammars, nb, self.mask_words.shape[1])
+            self.mask_words[:nb].copy_(first)
         try:
             front()
         finally:
@@ -78,7 +82,7 @@ class GrammarSteps:
             walk()
             return self.walk_out[:nb].tolist()
 
-        walk_tree(grammars, [h[:n] for h in host], [h[n:] for h in host], choose)
+        walk_tree(grammars, [h[:n] for h in host], [h[n:] for h in host], choose, first)
         back()
 
     def _grammar_piece(self, kind: str, nb: int, mode: int) -> StepRunner:
@@ -131,8 +135,7 @@ class GrammarSteps:
         if self.d is None or self.constrain is not None:
             return self._spec_front(nb, mode)
         allowed = allowed_tokens(self.mask_words[:nb], self.t.vocab_size)  # [nb, V]
-        ids = self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))  # [Vd]
-        return self._spec_front(nb, mode, allowed[:, None, ids])  # [nb, 1, Vd]
+        return self._spec_front(nb, mode, allowed[:, None, self._draft_ids()])  # [nb, 1, Vd]
 
     def _walk_step(self, nb: int, mode: int) -> None:
         """The target's choice after node walk_in[0, r] of each row r under its mask, into `walk_out` and, for the

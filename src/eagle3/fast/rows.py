@@ -37,7 +37,7 @@ import torch
 
 from eagle3.attention import varying_shape_attention
 from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
-from eagle3.decoding.grammar import Grammar, next_masks
+from eagle3.decoding.grammar import ALL, Grammar, bitmask_words, next_masks
 from eagle3.decoding.sampling import GREEDY, MODES, SamplingRows, sampling_mode
 from eagle3.drafter import Eagle3Drafter
 from eagle3.fast import split_attention as split
@@ -130,7 +130,8 @@ class FastRows(RowSteps, GrammarSteps):
         self.grammars: list[Grammar | None] = []
         self.allowed: torch.Tensor | None = None
         self.constrain = None
-        self.mask_words = torch.full((capacity, (target.vocab_size + 31) // 32), -1, dtype=torch.int32, device=dev)
+        words = bitmask_words(target.vocab_size)
+        self.mask_words = torch.full((capacity, words), ALL, dtype=torch.int32, device=dev)  # [B, W]
         self.walk_in = torch.zeros(2, capacity, dtype=torch.long, device=dev)  # [2, B] node, walking
         self.walk_out = torch.zeros(capacity, dtype=torch.long, device=dev)  # [B] the choice there
         self._fronts: dict = {}  # (bucket, mode) -> its `Front`
@@ -295,7 +296,7 @@ class FastRows(RowSteps, GrammarSteps):
         if any(modes) and not self.sampling:
             raise ConfigError("these FastRows were built with sampling=False; sampled requests need sampling=True")
         for g in grammars:
-            if g is not None and g.words != (self.t.vocab_size + 31) // 32:
+            if g is not None and g.words != self.mask_words.shape[1]:
                 raise ConfigError(f"the grammar masks {g.words * 32} token ids; the target has {self.t.vocab_size}")
         for s, mode in zip(sampling, modes, strict=True):
             if mode != GREEDY and s.seed is None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle3.decoding.grammar import allowed_tokens
+from eagle3.decoding.grammar import ALL, allowed_tokens, bitmask_words
 from eagle3.decoding.sampling import FILTERED, GREEDY, SamplingRows
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Prefill:
         self.has_root = torch.zeros(r, dtype=torch.bool, device=dev)  # [R]
         self.first = torch.zeros(r, dtype=torch.long, device=dev)  # [R] out: each row's first new token
         # [R, W] bitmasks of the tokens each first token may be (a grammar's, `eagle3.decoding.grammar`; else all)
-        self.mask_words = torch.full((r, (tg.vocab_size + 31) // 32), -1, dtype=torch.int32, device=dev)
+        self.mask_words = torch.full((r, bitmask_words(tg.vocab_size)), ALL, dtype=torch.int32, device=dev)
         self.masked = False  # whether a mask other than "all" is set
         self.k, self.v = staging(rows, "target", tg.num_layers, (r, tg.nkv, t, tg.hd), tg.dtype,
                                  shared)  # [L, R, n_kv, T, hd]
