@@ -48,7 +48,7 @@ from eagle3.training.checkpoints import latest_checkpoint, save_checkpoint, trun
 from eagle3.training.config import TrainConfig, TrainResult
 from eagle3.training.distributed import Dist, init_dist
 from eagle3.training.resume import ResumeMixin
-from eagle3.training.schedule import BUDGET_WINDOW, budget_steps
+from eagle3.training.schedule import BUDGET_SKIP_STEPS, BUDGET_WINDOW, budget_steps
 from eagle3.training.setup import SetupMixin, _say
 from eagle3.training.step import METRIC_ROWS, VAL_LOG_FILE, StepMixin
 
@@ -149,6 +149,7 @@ class _Trainer(SetupMixin, ResumeMixin, StepMixin):
                 self.budget.add_step(time.perf_counter() - mark)
                 self._size_budget(step, clock_start, bar)
                 end = self.total if cfg.stop_after is None else min(self.total, first + cfg.stop_after)
+            sized = time.perf_counter()
             self.train_seconds = time.perf_counter() - clock_start
             window += metrics
             window_tokens += tokens
@@ -174,7 +175,8 @@ class _Trainer(SetupMixin, ResumeMixin, StepMixin):
                         self._tensorboard(last_record)
                 window.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
-            if (cfg.save_every and step % cfg.save_every == 0) or step == end:
+            logged = time.perf_counter()
+            if (cfg.save_every and step % cfg.save_every == 0) or step == end or self._time_closing(step, first):
                 t_val = time.perf_counter()
                 if self.val_plan:
                     limit = self._val_limit(step == end)
@@ -189,7 +191,7 @@ class _Trainer(SetupMixin, ResumeMixin, StepMixin):
                                              cfg.keep_checkpoints)
                 if self.budget is not None:
                     self.budget.save_s = time.perf_counter() - t_save
-            mark = time.perf_counter()
+            mark = time.perf_counter() - (logged - sized)  # the next step's time carries this one's logging
         if bar is not None:
             bar.close()
         drafter_dir = self.out / "drafter"
@@ -250,6 +252,12 @@ class _Trainer(SetupMixin, ResumeMixin, StepMixin):
             _say(f"eagle3 train: time budget {b.seconds:g} s, {elapsed:.0f} s spent: {step_s:.3f} s/step -> "
                  f"{self.total} steps in all (about {epochs:.2f} epochs; {self.upper} without the budget), sized "
                  "again after every step", bar)
+
+    def _time_closing(self, step: int, first: int) -> bool:
+        """Whether to checkpoint now only to time it: a budgeted run that has not yet measured a checkpoint does so
+        once its early steps are done, so the closing writes are counted when it is sized, not after."""
+        b = self.budget
+        return b is not None and b.save_s == 0.0 and step == first + BUDGET_SKIP_STEPS and step < self.total
 
     def _val_seconds(self, batches: int) -> float:
         """What `batches` held-out batches take: as long as the last validation's, or at most a training step."""
