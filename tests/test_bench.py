@@ -105,34 +105,66 @@ def test_bench_samples_with_one_seed_per_prompt(tmp_path):
         bench([*argv, "--temperature", "-1", "--out", str(tmp_path / "x")])
 
 
-def test_bench_keeps_the_methods_measured_before_a_failure(tmp_path, monkeypatch):
-    """A run stopped part way (here the second method fails; on a device, a time limit) leaves the record of the
-    methods before it, marked incomplete; a finished run's record says complete."""
+def test_bench_keeps_the_prompts_measured_before_a_failure(tmp_path, monkeypatch):
+    """A run stopped part way (here the tree fails on the second prompt; on a device, a time limit) leaves the
+    record of the prompts every method ran before it, marked incomplete; a finished run's record says complete."""
     import eagle3.bench as bench_mod
 
     real, made = bench_mod._engine_runner, []
 
     def failing(*args, **kwargs):
         made.append(1)
-        if len(made) > 1:
-            def run(ids, seed, schema=None):
-                raise RuntimeError("stopped")
+        run = real(*args, **kwargs)
+        if len(made) == 1:
             return run
-        return real(*args, **kwargs)
+        calls = []
+
+        def stops(ids, seed, schema=None):  # the warm-up and the first prompt run, the second stops
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("stopped")
+            return run(ids, seed, schema)
+        return stops
 
     monkeypatch.setattr(bench_mod, "_engine_runner", failing)
-    argv = ["--target", "stories260k", "--drafter", "random", "--limit", "2", "--max-new-tokens", "8",
+    argv = ["--target", "stories260k", "--drafter", "random", "--limit", "3", "--max-new-tokens", "8",
             "--device", "cpu", "--methods", "plain,tree", "--tree", "4,3,8", "--out", str(tmp_path)]
     with pytest.raises(RuntimeError, match="stopped"):
         bench(argv)
     rec = json.loads((tmp_path / "bench.json").read_text())
     assert rec["complete"] is False and rec["bandwidth"] is None
-    assert [s["method"] for s in rec["summary"]] == ["plain"] and rec["methods"] == ["plain", "tree"]
-    assert rec["summary"][0]["tokens_per_s_median"] > 0 and len(rec["rows"]) == 2
+    assert [s["method"] for s in rec["summary"]] == ["plain", "tree"] and rec["methods"] == ["plain", "tree"]
+    assert [s["prompts"] for s in rec["summary"]] == [1, 1] and len(rec["rows"]) == 2
+    assert rec["summary"][1]["tokens_per_s_median"] > 0
     monkeypatch.setattr(bench_mod, "_engine_runner", real)
     assert bench(argv) == 0
     rec = json.loads((tmp_path / "bench.json").read_text())
-    assert rec["complete"] is True and [s["method"] for s in rec["summary"]] == ["plain", "tree"]
+    assert rec["complete"] is True and [s["prompts"] for s in rec["summary"]] == [3, 3]
+
+
+def test_bench_methods_take_turns_on_each_prompt(tmp_path, monkeypatch):
+    """The methods run prompt by prompt, each in turn, the first method rotating: a device that slows down
+    during the run slows every method alike, where timing one method after another would charge it to the last."""
+    import eagle3.bench as bench_mod
+
+    real, order = bench_mod._engine_runner, []
+
+    def logged(engine, *args, **kwargs):
+        run, name = real(engine, *args, **kwargs), engine.mode
+
+        def log(ids, seed, schema=None):
+            order.append((name, seed))
+            return run(ids, seed, schema)
+        return log
+
+    monkeypatch.setattr(bench_mod, "_engine_runner", logged)
+    assert bench(["--target", "stories260k", "--drafter", "random", "--limit", "3", "--max-new-tokens", "4",
+                  "--device", "cpu", "--methods", "plain,ngram,tree", "--tree", "4,3,8", "--warmup", "1",
+                  "--out", str(tmp_path)]) == 0
+    timed = order[3:]  # after one warm-up each
+    assert [m for m, _ in order[:3]] == ["none", "host", "eagle3"]  # n-grams: a host proposer
+    assert timed == [("none", 0), ("host", 0), ("eagle3", 0), ("host", 1), ("eagle3", 1), ("none", 1),
+                     ("eagle3", 2), ("none", 2), ("host", 2)]
 
 
 def test_overhead_tiny(tmp_path, capsys):

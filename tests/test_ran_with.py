@@ -59,7 +59,7 @@ def test_bench_reports_engine_dtype_and_device(tmp_path, capsys):
     assert bench(["--target", "stories260k", "--drafter", "random", "--limit", "1", "--max-new-tokens", "8",
                   "--device", "cpu", "--methods", "hf,plain,chain", "--chain", "3", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert f"eagle3 bench: fast engine, {AUTO_DTYPE} on cpu" in text and "done on the fast engine" in text
+    assert f"eagle3 bench: fast engine, {AUTO_DTYPE} on cpu" in text and "ready on the fast engine" in text
     rec = json.loads((tmp_path / "bench.json").read_text())
     assert (rec["engine"], rec["dtype"], rec["device"]["torch_device"]) == ("fast", AUTO_DTYPE, "cpu")
     assert {s["method"]: s["engine"] for s in rec["summary"]} == {"hf": "hf", "plain": "fast", "chain": "fast"}

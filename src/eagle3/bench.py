@@ -11,8 +11,9 @@ Methods (with the letters the tables print):
     (f) chain      EAGLE-3 chain of K drafts on the fast path
     (g) tree       EAGLE-3 EAGLE-2-style tree on the fast path
 
-Each method is warmed up (graph capture, compilation) on the longest prompt, then run once per prompt; rows are
-per prompt, summaries are medians of per-prompt tokens/s (plus the aggregate). tau = tokens emitted per target
+Each method is warmed up (graph capture, compilation) on the longest prompt; then the methods take turns on each
+prompt (the order rotating from prompt to prompt), so drift in the device's speed during the run reaches every
+method alike. Rows are per prompt, summaries are medians of per-prompt tokens/s (plus the aggregate). tau = tokens emitted per target
 verification forward, bonus token included (for HF prompt lookup: forwards counted with a hook). Every method's
 greedy token ids are compared with (d)'s. The bandwidth floor is (weight bytes + KV bytes at the mean context) /
 measured device copy bandwidth; the fraction (d)'s decoding rate reaches is printed beside it.
@@ -25,12 +26,14 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from eagle3.config import (
     BATCH_INVARIANT_HELP,
@@ -178,8 +181,8 @@ def run_bench(
 
     Several tree shapes (`tree` a list) each get their own method, `tree-DEPTH,TOPK,TOTAL`, timed in the same run
     against the same plain decoding: how to find the tree that pays best on a device. `on_progress` gets the
-    record of the methods done so far after each one (`complete` False, no bandwidth yet), so that a run stopped
-    part way, by a time limit say, keeps what it measured. At `temperature` > 0 prompt i samples with seed
+    record of the prompts every method has run so far after each prompt (`complete` False, no bandwidth yet), so that
+    a run stopped part way, by a time limit say, keeps what it measured. At `temperature` > 0 prompt i samples with seed
     `seed + i` in every eagle3 method, so their answers are the same draws and still compared token for token.
     `chain` / `tree` None: the shape a tuned choice or the device's defaults give (`eagle3.defaults`), as every
     command drafts, with the guard where it applies (`guard` auto/on/off).
@@ -306,6 +309,9 @@ def run_bench(
         rec["device"]["torch_device"] = str(dev)  # "device" also describes the machine (run_record)
         return rec
 
+    # every method is built and warmed up first, then timed prompt by prompt in turn (the order rotating), so a
+    # device whose speed drifts during the run (a shared CPU, clocks) slows every method alike
+    timed = []  # (method, run)
     for m, kind, spec in runs:
         letter, label = METHODS[kind]
         if m != kind:
@@ -320,18 +326,21 @@ def run_bench(
         for _ in range(warmup):
             run(longest, seed, schemas[prompts.index(longest)])
         warm_s = time.perf_counter() - t0
-        results[m] = [run(ids, seed + i, x) for i, (ids, x) in enumerate(zip(prompts, schemas, strict=True))]
         fast = isinstance(engine, FastEngine)
         compiled = kind == "hf_static" and dev.type == "cuda"
         ran = "hf" if engine is None else ("fast" if fast else "generic")
         summary.append({"method": m, "letter": letter, "label": label, "engine": ran, "warmup_s": round(warm_s, 3),
                         "fast_path": fast, "compiled": compiled, "cuda_graphs": fast and engine.graphed,
                         "drafting_compiled": fast and engine.drafting_compiled})
-        echo(f"({letter}) {label}: done on the {ran} engine ({len(prompts)} prompts, warm-up {warm_s:.1f}s)")
-        del engine
-        partial = record(None)  # also fills the summary, which the bandwidth's fraction of the floor reads
+        echo(f"({letter}) {label}: ready on the {ran} engine (warm-up {warm_s:.1f}s)")
+        results[m] = []
+        timed.append((m, run))
+    for i, (ids, x) in enumerate(tqdm(list(zip(prompts, schemas, strict=True)), desc="bench", unit="prompt",
+                                      disable=not sys.stderr.isatty())):
+        for m, run in timed[i % len(timed):] + timed[: i % len(timed)]:
+            results[m].append(run(ids, seed + i, x))
         if on_progress is not None:
-            on_progress(partial)
+            on_progress(record(None))  # the prompts done so far, in every method
 
     bandwidth = _bandwidth(model, shared, prompts, max_new_tokens, dev, _by_method(summary).get("plain"),
                            copy_bandwidth, cache_len)
@@ -563,7 +572,7 @@ def cmd_bench(args) -> int:
     trees = [DraftShape.parse(t) for t in args.tree] if args.tree else None
     if trees and len(set(trees)) < len(trees):
         raise ConfigError(f"--tree {' '.join(args.tree)}: a shape is given twice")
-    def save(partial: dict) -> Path:  # after every method: a run stopped part way keeps them
+    def save(partial: dict) -> Path:  # after every prompt: a run stopped part way keeps what it measured
         return write_json(partial, out / "bench.json")
 
     record = run_bench(
