@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -292,6 +293,7 @@ def test_seed_reproducibility(client, ref):
 
 
 def test_models_health_metrics(client, server):
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)  # something to count
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     h = httpx.get(server.url + "/health", timeout=10)
@@ -302,6 +304,13 @@ def test_models_health_metrics(client, server):
                  "eagle3_request_latency_seconds_bucket", "eagle3_time_to_first_token_seconds_count"):
         assert name in text, name
     assert metric(server, "eagle3_spec_row_steps_total") > 0  # speculation really ran
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # a Prometheus parser reads it all
+    assert families["eagle3_requests"].type == "counter" and families["eagle3_tau"].type == "histogram"
+    rates = [s.value for s in families["eagle3_acceptance_rate"].samples]
+    assert rates and all(0 <= r <= 1 for r in rates)
+    tried = {s.labels["position"]: s.value for s in families["eagle3_draft_position_tried"].samples
+             if s.name.endswith("_total")}
+    assert tried["1"] >= max(tried.values())  # every row that drafted tried position 1
 
 
 # -- 400s ------------------------------------------------------------------------------------

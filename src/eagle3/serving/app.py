@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagle3.runtime import encode_prompt
 from eagle3.serving import protocol as P
 from eagle3.serving import tools as T
+from eagle3.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle3.serving.protocol import RequestError
 from eagle3.serving.requests import Event, GenParams, RequestHandle, SchedulerUnavailable
 from eagle3.serving.scheduler import Scheduler, SwapRefused
@@ -303,7 +304,7 @@ def create_app(scheduler: Scheduler) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     if cfg.admin_token is not None:  # without one the /admin routes do not exist (404)
         _add_admin_routes(app, scheduler, error)

@@ -271,7 +271,7 @@ def describe(sched) -> str:
 def cmd_serve(args) -> int:
     import sys
 
-    require_extra("serve", ("fastapi", "uvicorn"), "eagle3 serve")
+    require_extra("serve", ("fastapi", "uvicorn", "prometheus_client"), "eagle3 serve")
     import uvicorn
 
     sched, app = load_server(args)
