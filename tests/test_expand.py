@@ -86,3 +86,39 @@ def test_a_tree_of_top_k_one_is_a_chain():
         want.append(int(log_probs(code).argmax()))
         code = code_of(code, want[-1])
     assert tokens[0].tolist() == want
+
+
+@pytest.mark.parametrize("shape", [DraftShape.chain(4), DraftShape(3, 3, 9)])
+def test_a_token_the_grammar_forces_is_drafted_even_outside_the_draft_vocabulary(shape):
+    """Where a constraint allows one token after a node, that token is the node's child (certain: the path's score
+    does not fall) and drafting goes on below it, also where the draft vocabulary (here the even target ids) lacks
+    it. The negative control: without the forcing the child would be a draft token, never the odd forced one."""
+    k, forced = shape.top_k, 2 * 7 + 1  # target id 15: odd, outside the draft vocabulary
+    _, run = synthetic(k)
+    target_vocab = 2 * VOCAB
+
+    def children(out, step, allowed=None):  # draft ids d are target ids 2d; restricted to what is allowed
+        lp = torch.stack([torch.stack([log_probs(float(c)) for c in row[:, 0]]) for row in out])  # [R, T, Vd]
+        if allowed is not None:
+            ok = allowed[..., ::2]  # [R, T, Vd] in draft ids
+            lp = torch.where(ok.any(dim=-1, keepdim=True), lp.masked_fill(~ok, float("-inf")), lp)
+        return lp.topk(k, dim=-1)
+
+    def constrain(frontier, tokens, parents):  # the root's child is forced; anything after it
+        width = 1 if frontier is None else frontier.shape[1]
+        allowed = torch.ones(1, width, target_vocab, dtype=torch.bool)
+        if frontier is None:
+            allowed[:] = False
+            allowed[..., forced] = True
+        return allowed
+
+    tokens, parents = expand_tree(torch.tensor([[9.0]], dtype=torch.float64), shape, children, run, lambda h: h,
+                                  lambda ids: 2 * ids, constrain=constrain)
+    tokens, parents = tokens[0].tolist(), parents[0].tolist()
+    assert tokens[0] == forced and parents[0] == -1
+    assert parents.count(-1) == 1  # the forced token is the root's only child
+    below = [t for t, p in zip(tokens, parents, strict=True) if p == 0]
+    assert below and all(t % 2 == 0 for t in below)  # the drafter's own drafts continue past it
+    free, _ = expand_tree(torch.tensor([[9.0]], dtype=torch.float64), shape, children, run, lambda h: h,
+                          lambda ids: 2 * ids)
+    assert forced not in free[0].tolist()

@@ -29,9 +29,9 @@ from eagle3.decoding.sampling import SamplingRows, coupled_draft_scores
 # returned: the tokens each output may propose
 Children = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # constrain(frontier [R, T] record indices (None: the roots, T = 1), tokens [R, records] target ids, parents
-# [R, records] record indices (-1: the root)) -> allowed bool [R, T, V or Vd]: what may follow each frontier node
-# (a grammar, `eagle3.decoding.grammar`); it reads the tensors on the host
-Constrain = Callable[[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+# [R, records] record indices (-1: the root)) -> allowed bool [R, T, V] in target ids, or None: what may follow
+# each frontier node (a grammar, `eagle3.decoding.grammar`); it may read the tensors on the host
+Constrain = Callable[[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
 # run(step, hidden [R, k, H], tokens [R, k], ancestry bool [R, k, step·k]) -> drafter outputs [R, k, H]: the
 # frontier's forward at depth `step`; ancestry says which of the expansion's earlier rows (k per step, in step
 # order) each frontier node descends from, itself included
@@ -119,6 +119,18 @@ def top_n_in_order(scores: torch.Tensor, n: int, ranked: bool = False) -> torch.
     return _place(torch.where(kept, kept.cumsum(dim=-1) - 1, n), n)
 
 
+def force_single(lp: torch.Tensor, ids: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Children log-probabilities and target ids [R, T, k] where `allowed` [R, T, V] leaves a node one token: that
+    token as its first child, certain (log-probability 0), and no other child (-inf). A grammar's forced token is
+    then drafted whether or not the draft vocabulary has it, and the drafter drafts on past it."""
+    one = (allowed.sum(dim=-1) == 1)[..., None]  # [R, T, 1]
+    token = allowed.to(torch.uint8).argmax(dim=-1, keepdim=True)  # [R, T, 1] the allowed token where one
+    first = torch.arange(ids.shape[-1], device=ids.device) == 0  # [k]
+    ids = torch.where(one & first, token, ids)
+    lp = torch.where(one, torch.where(first, 0.0, float("-inf")), lp)
+    return lp, ids
+
+
 def coupled_top_k(logits: torch.Tensor, positions: torch.Tensor, rows: SamplingRows, mode: int,
                   draft_h: torch.Tensor, k: int, ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A sampled request's top k drafts after logits [R, T, Vd], coupled to its own draws at positions [R]
@@ -142,20 +154,27 @@ def expand_tree(
     """The EAGLE-2 tree of every row: target token ids [R, N] and parents [R, N] (node index, -1: the root), with
     N = min(shape.total, recorded nodes); parents precede their children. `until(frontier scores [R, k])`, read
     on the host before each further step, ends the expansion early when it returns True (a chain that stops
-    where the drafter is unsure: cycles that run eagerly); `constrain` restricts each node's children."""
+    where the drafter is unsure: cycles that run eagerly); `constrain` restricts each node's children, and where
+    it allows one token, that token is the node's child (`force_single`)."""
     r, k, dev = last.shape[0], shape.top_k, last.device
     rec_tokens: list[torch.Tensor] = []  # per step: target ids [R, k or k²]
     rec_parents: list[torch.Tensor] = []  # per step: record indices [R, k or k²] (-1: the root)
 
     def propose(out: torch.Tensor, step: int, frontier: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if constrain is None:
-            return children(out, step)
-        tokens = torch.cat(rec_tokens, dim=1) if rec_tokens else None
-        return children(out, step, constrain(frontier, tokens, torch.cat(rec_parents, dim=1) if rec_tokens else None))
+        """Children of the frontier's outputs: log-probabilities and target ids [R, T, k]."""
+        allowed = None
+        if constrain is not None:
+            tokens = torch.cat(rec_tokens, dim=1) if rec_tokens else None
+            allowed = constrain(frontier, tokens, torch.cat(rec_parents, dim=1) if rec_tokens else None)
+        if allowed is None:
+            lp, ids = children(out, step)
+            return lp, to_target(ids)
+        lp, ids = children(out, step, allowed)
+        return force_single(lp, to_target(ids), allowed)
 
     scores, ids = (t[:, 0] for t in propose(last[:, None], 0, None))  # [R, k]
     rec_scores = [scores]
-    rec_tokens.append(to_target(ids))
+    rec_tokens.append(ids)
     rec_parents.append(torch.full((r, k), -1, dtype=torch.long, device=dev))
     rows = torch.arange(r, device=dev)[:, None]  # [R, 1]
     ar_k = torch.arange(k, device=dev)
@@ -173,7 +192,7 @@ def expand_tree(
         top_lp, top_ids = propose(out, step, frontier)  # [R, k, k]
         cum = (f_scores[:, :, None] + top_lp).reshape(r, k * k)  # [R, k²]
         rec_scores.append(cum)
-        rec_tokens.append(to_target(top_ids.reshape(r, k * k)))
+        rec_tokens.append(top_ids.reshape(r, k * k))
         rec_parents.append(frontier[:, :, None].expand(r, k, k).reshape(r, k * k))
         all_tokens = torch.cat(rec_tokens, dim=1)
         best = top_k_last(cum, k, ranked)[1]  # [R, k] among this step's k²

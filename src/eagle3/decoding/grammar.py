@@ -12,7 +12,8 @@ accepts (`walk_tree`): at each step the row's matcher gives the mask after the t
 choice is taken under it and consumed, and the walk moves to the child drafted with that token or ends there (the
 choice is then the cycle's last token). That is plain constrained decoding, one mask per emitted token, with the
 target's logits for the whole tree computed in one forward. Where cycles run eagerly the drafter proposes under the
-masks of its frontier (`Grammar.masks`), so its drafts are tokens the grammar allows.
+masks of its frontier (`Grammar.masks`), so its drafts are tokens the grammar allows, and a token the grammar forces
+(its mask allows no other) is drafted as certain, in or out of the draft vocabulary (`expand.force_single`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ fixed-shape step that a CUDA graph captures like any other cycle:
 
 Rows without a grammar take every token, so they decode as in any other cycle. Where cycles run eagerly (a CPU)
 the drafter proposes only tokens the grammar allows: the host gives each frontier node's children their mask at
-every expansion step (`_frontier_allowed`). Captured drafting cannot wait for the host, so there only the root's
+every expansion step (`_frontier_allowed`), and a node whose mask allows one token gets it as its child, certain
+(`eagle3.decoding.expand.force_single`), also where the draft vocabulary lacks it. Captured drafting cannot wait for the host, so there only the root's
 children are drafted under a mask (the next token's, written before the front); deeper drafts are the drafter's
 own, and a draft the grammar refuses is never accepted. The pieces are captured the first time a constrained
 cycle of that bucket and mode runs; the rows' state is put back after each warm-up cycle.
@@ -34,14 +35,8 @@ class GrammarSteps:
 
     def _frontier_allowed(self, nb: int, frontier: torch.Tensor | None, tokens: torch.Tensor | None,
                           parents: torch.Tensor | None) -> torch.Tensor:
-        """`eagle3.decoding.expand.Constrain` for the drafting of the first nb rows, in draft ids: [nb, T, Vd]."""
-        allowed = frontier_allowed(self._bucket_grammars(nb), frontier, tokens, parents, self.t.vocab_size,
-                                   self.device)
-        return allowed[..., self._draft_ids()]  # [nb, T, Vd]
-
-    def _draft_ids(self) -> torch.Tensor:
-        """The draft vocabulary's target ids [Vd], read each time: a drafter swapped in place may map them anew."""
-        return self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))
+        """`eagle3.decoding.expand.Constrain` for the drafting of the first nb rows: [nb, T, V]."""
+        return frontier_allowed(self._bucket_grammars(nb), frontier, tokens, parents, self.t.vocab_size, self.device)
 
     def _bucket_grammars(self, nb: int) -> list:
         return [*self.grammars[:nb], *[None] * (nb - len(self.grammars))]  # idle rows of a bucket: None
@@ -134,8 +129,7 @@ class GrammarSteps:
         `mask_words` (the deeper nodes' masks depend on the drafts: the host cannot give them in time)."""
         if self.d is None or self.constrain is not None:
             return self._spec_front(nb, mode)
-        allowed = allowed_tokens(self.mask_words[:nb], self.t.vocab_size)  # [nb, V]
-        return self._spec_front(nb, mode, allowed[:, None, self._draft_ids()])  # [nb, 1, Vd]
+        return self._spec_front(nb, mode, allowed_tokens(self.mask_words[:nb], self.t.vocab_size)[:, None])
 
     def _walk_step(self, nb: int, mode: int) -> None:
         """The target's choice after node walk_in[0, r] of each row r under its mask, into `walk_out` and, for the

@@ -95,7 +95,7 @@ class RowSteps:
 
     def _spec_front(self, nb: int, mode: int, first: torch.Tensor | None = None) -> Front:
         """Draft (or take the trees `load_tree` wrote) and verify: the cycle up to the target's choices. `first`
-        [nb, 1, Vd]: the draft tokens allowed as the root's children (`_draft`)."""
+        [nb, 1, V]: the tokens allowed as the root's children (`_draft`)."""
         if self.host_nodes:
             tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
             self._nodes = self.host_nodes
@@ -115,8 +115,8 @@ class RowSteps:
                first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
         indexing; the root is its own parent). Row r drafts its token at length[r] + 1 + step; a chain stops
-        drafting once every row's joint draft probability is below `chain_stop`. `first` [nb, 1, Vd]: the draft
-        tokens allowed as the root's children (None: all, or as `constrain` says). Sampled rows draft coupled to
+        drafting once every row's joint draft probability is below `chain_stop`. `first` [nb, 1, V]: the tokens
+        allowed as the root's children (None: all, or as `constrain` says). Sampled rows draft coupled to
         their own draws (`coupled_top_k`; the first child is the drafter's token under the row's noise)."""
         shape = self.shape_of(nb)
         d, k = self.d, shape.top_k
@@ -148,20 +148,24 @@ class RowSteps:
         self._nodes = tokens.shape[1]
         return tokens, parents_with_root(parents)  # [nb, N], [nb, N+1]
 
+    def _draft_ids(self) -> torch.Tensor:
+        """The draft vocabulary's target ids [Vd], read each time: a drafter swapped in place may map them anew."""
+        return self.d.to_target_ids(torch.arange(self.d.lm_head.shape[0], device=self.device))
+
     def choose_drafts(self, out: torch.Tensor, positions: torch.Tensor, mode: int, k: int,
                       allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k drafts after each of the drafter's outputs out [nb, T, H], candidates for row r's token at
         positions[r]: draft log-probabilities [nb, T, k] (what a tree ranks its paths by) and draft-vocabulary ids
         [nb, T, k]. Greedy rows (or `coupled` off): the drafter's top k; sampled rows: `coupled_top_k`, the first
         coupled to the row's own draw. A draft is accepted where it equals the target's choice either way.
-        `allowed` [nb, T, Vd]: the draft tokens a grammar allows there (the drafter's distribution restricted to
-        them; an output with none allowed keeps all, and its drafts are never accepted)."""
+        `allowed` [nb, T, V]: the tokens a grammar allows there (the drafter's distribution restricted to those
+        of its vocabulary; an output with none of them allowed keeps all, and its drafts are never accepted)."""
         d = self.d
         if allowed is None:
             if mode == GREEDY or not self.coupled:
                 return d.top_k(out, k, self._top_k_ops.get(k), self.ranked)
             return coupled_top_k(d.logits(out), positions, self.row_sampling, mode, d.draft_h, k, self.ranked)
-        logits = restrict(d.logits(out), allowed)  # [nb, T, Vd]
+        logits = restrict(d.logits(out), allowed[..., self._draft_ids()])  # [nb, T, Vd]
         if mode == GREEDY or not self.coupled:
             return top_k_last(torch.log_softmax(logits, dim=-1), k, self.ranked)
         return coupled_top_k(logits, positions, self.row_sampling, mode, d.draft_h, k, self.ranked)
