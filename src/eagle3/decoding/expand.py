@@ -124,7 +124,7 @@ def force_single(lp: torch.Tensor, ids: torch.Tensor, allowed: torch.Tensor) -> 
     token as its first child, certain (log-probability 0), and no other child (-inf). A grammar's forced token is
     then drafted whether or not the draft vocabulary has it, and the drafter drafts on past it."""
     one = (allowed.sum(dim=-1) == 1)[..., None]  # [R, T, 1]
-    token = allowed.to(torch.uint8).argmax(dim=-1, keepdim=True)  # [R, T, 1] the allowed token where one
+    token = allowed.float().argmax(dim=-1, keepdim=True)  # [R, T, 1] the allowed token where one
     first = torch.arange(ids.shape[-1], device=ids.device) == 0  # [k]
     ids = torch.where(one & first, token, ids)
     lp = torch.where(one, torch.where(first, 0.0, float("-inf")), lp)

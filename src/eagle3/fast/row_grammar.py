@@ -12,9 +12,9 @@ fixed-shape step that a CUDA graph captures like any other cycle:
 Rows without a grammar take every token, so they decode as in any other cycle. Where cycles run eagerly (a CPU)
 the drafter proposes only tokens the grammar allows: the host gives each frontier node's children their mask at
 every expansion step (`_frontier_allowed`), and a node whose mask allows one token gets it as its child, certain
-(`eagle3.decoding.expand.force_single`), also where the draft vocabulary lacks it. Captured drafting cannot wait for the host, so there only the root's
-children are drafted under a mask (the next token's, written before the front); deeper drafts are the drafter's
-own, and a draft the grammar refuses is never accepted. The pieces are captured the first time a constrained
+(`eagle3.decoding.expand.force_single`), also where the draft vocabulary lacks it. Captured drafting cannot wait
+for the host, so there only the root's children are drafted under a mask (the next token's, written before the
+front); deeper drafts are the drafter's own, and a draft the grammar refuses is never accepted. The pieces are captured the first time a constrained
 cycle of that bucket and mode runs; the rows' state is put back after each warm-up cycle.
 """
 
