@@ -104,7 +104,7 @@ def test_a_token_the_grammar_forces_is_drafted_even_outside_the_draft_vocabulary
             lp = torch.where(ok.any(dim=-1, keepdim=True), lp.masked_fill(~ok, float("-inf")), lp)
         return lp.topk(k, dim=-1)
 
-    def constrain(frontier, tokens, parents):  # the root's child is forced; anything after it
+    def constrain(step, frontier, tokens, parents):  # the root's child is forced; anything after it
         width = 1 if frontier is None else frontier.shape[1]
         allowed = torch.ones(1, width, target_vocab, dtype=torch.bool)
         if frontier is None:

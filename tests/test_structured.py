@@ -27,10 +27,12 @@ from eagle3.config import DraftShape, SamplingConfig
 from eagle3.decoding.drafters import Eagle3Proposer
 from eagle3.decoding.engine import SpeculativeEngine
 from eagle3.decoding.grammar import (
+    ALL,
     GrammarCompiler,
     GrammarError,
     allowed_tokens,
     engine_tokenizer_json,
+    forced_path_masks,
     walk_tree,
 )
 from eagle3.decoding.proposers import NoDraftProposer
@@ -115,6 +117,35 @@ def test_the_walk_emits_what_constrained_plain_decoding_emits(setup):
             check = gc.compile(PERSON)
             check.consume([*start, *plain[: depth + 1]])
             assert torch.equal(g.masks([[]])[0], check.masks([[]])[0])
+
+
+def test_forced_path_masks_follow_the_tokens_the_grammar_forces(setup):
+    """At every state of a constrained answer, the masks captured drafting gets: level 0 the next-token mask; while
+    a level allows one token, the next level is the mask after it (checked on a fresh matcher that consumed the same
+    tokens); past the first level that allows several, everything. Some state must have a forced chain two deep."""
+    _, _, _, gc, _ = setup
+    g, emitted, deep = gc.compile(PERSON), [], 0
+    while not g.done and len(emitted) < 60:
+        levels = forced_path_masks([g], 1, 4, g.words)[0]  # [D, W]
+        fresh = gc.compile(PERSON)
+        fresh.consume(emitted)
+        free = False
+        for level in levels:
+            if free:
+                assert (level == ALL).all()
+                continue
+            mask = torch.empty(g.words, dtype=torch.int32)
+            fresh.mask_into(mask)
+            assert torch.equal(level, mask)
+            allowed = allowed_tokens(level, g.words * 32)
+            free = int(allowed.sum()) != 1 or fresh.done
+            if not free:
+                fresh.consume([int(allowed.nonzero()[0, 0])])
+        deep += not (levels[2] == ALL).all()
+        mask = levels[0]
+        emitted.append(masked_argmax(emitted, mask))
+        g.consume(emitted[-1:])
+    assert deep > 0
 
 
 def test_grammar_refuses_tokens_and_ends_only_when_complete(setup):

@@ -28,10 +28,10 @@ from eagle3.decoding.sampling import SamplingRows, coupled_draft_scores
 # places after each row's first drafted one; under a `Constrain`, children(out, step, allowed) with what it
 # returned: the tokens each output may propose
 Children = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# constrain(frontier [R, T] record indices (None: the roots, T = 1), tokens [R, records] target ids, parents
+# constrain(step, frontier [R, T] record indices (None: the roots, T = 1), tokens [R, records] target ids, parents
 # [R, records] record indices (-1: the root)) -> allowed bool [R, T, V] in target ids, or None: what may follow
-# each frontier node (a grammar, `eagle3.decoding.grammar`); it may read the tensors on the host
-Constrain = Callable[[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
+# each frontier node at expansion step `step` (a grammar, `eagle3.decoding.grammar`); it may read the host
+Constrain = Callable[[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
 # run(step, hidden [R, k, H], tokens [R, k], ancestry bool [R, k, step·k]) -> drafter outputs [R, k, H]: the
 # frontier's forward at depth `step`; ancestry says which of the expansion's earlier rows (k per step, in step
 # order) each frontier node descends from, itself included
@@ -165,7 +165,7 @@ def expand_tree(
         allowed = None
         if constrain is not None:
             tokens = torch.cat(rec_tokens, dim=1) if rec_tokens else None
-            allowed = constrain(frontier, tokens, torch.cat(rec_parents, dim=1) if rec_tokens else None)
+            allowed = constrain(step, frontier, tokens, torch.cat(rec_parents, dim=1) if rec_tokens else None)
         if allowed is None:
             lp, ids = children(out, step)
             return lp, to_target(ids)

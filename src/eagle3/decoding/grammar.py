@@ -30,7 +30,8 @@ import torch
 from eagle3.config import ConfigError
 
 __all__ = ["ALL", "Choose", "Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "bitmask_words",
-           "frontier_allowed", "load_schema", "next_allowed", "next_masks", "restrict", "schema_file", "walk_tree"]
+           "forced_path_masks", "frontier_allowed", "load_schema", "next_allowed", "next_masks", "restrict",
+           "schema_file", "walk_tree"]
 
 ALL = -1  # a bitmask word with every token allowed
 # Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
@@ -223,6 +224,26 @@ def next_masks(grammars: Sequence[Grammar | None], rows: int, words: int) -> tor
     for r, g in enumerate(grammars[:rows]):
         if g is not None:
             g.mask_into(masks[r])
+    return masks
+
+
+def forced_path_masks(grammars: Sequence[Grammar | None], rows: int, depth: int, words: int) -> torch.Tensor:
+    """Drafting masks the host can give before drafting starts, [rows, depth, W] int32: level 0 the tokens each row
+    may emit next (`next_masks`); while a level allows a single token, the grammar forces it, and the next level is
+    the mask after it; every level past the first that allows several tokens allows everything (what follows
+    depends on the drafts). Rows past `grammars`, or whose grammar is None, allow everything."""
+    masks = torch.full((rows, depth, words), ALL, dtype=torch.int32)
+    for r, g in enumerate(grammars[:rows]):
+        if g is None:
+            continue
+        path: list[int] = []
+        for level in range(depth):
+            m, ok = g.masks([path])
+            masks[r, level] = m[0]
+            allowed = allowed_tokens(m[0], words * 32)
+            if not ok[0] or g.done or int(allowed.sum()) != 1:
+                break
+            path.append(int(allowed.nonzero()[0, 0]))
     return masks
 
 

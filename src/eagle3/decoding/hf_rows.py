@@ -236,7 +236,7 @@ class HFRows:
         grammars = [self._grammars[i] for i in drafting]
         constrain = None
         if any(g is not None for g in grammars):  # drafts among the tokens each row's grammar allows
-            constrain = lambda f, t, p: frontier_allowed(grammars, f, t, p, self.t.vocab_size, dev)  # noqa: E731
+            constrain = lambda _s, f, t, p: frontier_allowed(grammars, f, t, p, self.t.vocab_size, dev)  # noqa: E731
         t, p = self.drafter.propose(drafting, self.shape_of(b), [self._sampling[i] for i in drafting],
                                     constrain)  # [R, N]
         if self.t.recurrent_layers and t.shape[1] and not torch.equal(p[0], torch.arange(-1, t.shape[1] - 1,

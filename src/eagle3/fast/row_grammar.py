@@ -13,8 +13,9 @@ Rows without a grammar take every token, so they decode as in any other cycle. W
 the drafter proposes only tokens the grammar allows: the host gives each frontier node's children their mask at
 every expansion step (`_frontier_allowed`), and a node whose mask allows one token gets it as its child, certain
 (`eagle3.decoding.expand.force_single`), also where the draft vocabulary lacks it. Captured drafting cannot wait
-for the host, so there only the root's children are drafted under a mask (the next token's, written before the
-front); deeper drafts are the drafter's own, and a draft the grammar refuses is never accepted. The pieces are captured the first time a constrained
+for the host, so there the host writes before the front the masks it knows: the next token's, and the masks along
+the tokens the grammar forces from there (`forced_path_masks`); drafts past that are the drafter's own, and a draft
+the grammar refuses is never accepted. The pieces are captured the first time a constrained
 cycle of that bucket and mode runs; the rows' state is put back after each warm-up cycle.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.decoding.grammar import allowed_tokens, frontier_allowed, next_masks, walk_tree
+from eagle3.decoding.grammar import allowed_tokens, forced_path_masks, frontier_allowed, next_masks, walk_tree
 from eagle3.fast.graphs import StepRunner
 
 GRAMMAR_PIECES = ("plain", "front", "walk", "back")
@@ -52,10 +53,11 @@ class GrammarSteps:
         front = self._grammar_piece("front", nb, mode)
         first = None  # the next-token masks, where computed before the front (the walk's first step takes them)
         if self.d is not None and not self.graphs:  # eager drafting under the frontier's masks
-            self.constrain = lambda f, t, p: self._frontier_allowed(nb, f, t, p)
-        elif self.d is not None:  # captured drafting: the root's children under the next-token masks
-            first = next_masks(grammars, nb, self.mask_words.shape[1])
-            self.mask_words[:nb].copy_(first)
+            self.constrain = lambda _s, f, t, p: self._frontier_allowed(nb, f, t, p)
+        elif self.d is not None:  # captured drafting: under the masks the host knows before it starts
+            levels = forced_path_masks(grammars, nb, self.draft_words.shape[1], self.draft_words.shape[2])
+            self.draft_words[:nb].copy_(levels)
+            first = levels[:, 0]
         try:
             front()
         finally:
@@ -125,11 +127,12 @@ class GrammarSteps:
             self.allowed = None
 
     def _masked_front(self, nb: int, mode: int):
-        """`_spec_front`; where drafting is captured, the root's children are drafted among the tokens of
-        `mask_words` (the deeper nodes' masks depend on the drafts: the host cannot give them in time)."""
+        """`_spec_front`; where drafting is captured, each expansion step drafts among the tokens of its level of
+        `draft_words`: the next token's mask, then the masks along the tokens the grammar forces from there (the
+        masks after tokens the drafter chooses depend on the drafts: the host cannot give them in time)."""
         if self.d is None or self.constrain is not None:
             return self._spec_front(nb, mode)
-        return self._spec_front(nb, mode, allowed_tokens(self.mask_words[:nb], self.t.vocab_size)[:, None])
+        return self._spec_front(nb, mode, allowed_tokens(self.draft_words[:nb], self.t.vocab_size))  # [nb, D, V]
 
     def _walk_step(self, nb: int, mode: int) -> None:
         """The target's choice after node walk_in[0, r] of each row r under its mask, into `walk_out` and, for the

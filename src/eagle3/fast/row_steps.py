@@ -95,7 +95,7 @@ class RowSteps:
 
     def _spec_front(self, nb: int, mode: int, first: torch.Tensor | None = None) -> Front:
         """Draft (or take the trees `load_tree` wrote) and verify: the cycle up to the target's choices. `first`
-        [nb, 1, V]: the tokens allowed as the root's children (`_draft`)."""
+        [nb, D, V]: the tokens allowed at each expansion step (`_draft`)."""
         if self.host_nodes:
             tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
             self._nodes = self.host_nodes
@@ -115,9 +115,10 @@ class RowSteps:
                first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
         indexing; the root is its own parent). Row r drafts its token at length[r] + 1 + step; a chain stops
-        drafting once every row's joint draft probability is below `chain_stop`. `first` [nb, 1, V]: the tokens
-        allowed as the root's children (None: all, or as `constrain` says). Sampled rows draft coupled to
-        their own draws (`coupled_top_k`; the first child is the drafter's token under the row's noise)."""
+        drafting once every row's joint draft probability is below `chain_stop`. `first` [nb, D, V]: the tokens
+        allowed to every frontier node at each step, as the host gave them before drafting
+        (`eagle3.decoding.grammar.forced_path_masks`; None: all, or as `constrain` says). Sampled rows draft
+        coupled to their own draws (`coupled_top_k`; the first child is the drafter's token under the row's noise)."""
         shape = self.shape_of(nb)
         d, k = self.d, shape.top_k
         length = self.length[:nb]
@@ -141,8 +142,8 @@ class RowSteps:
             stop = self.chain_stop
             until = lambda scores: float(scores.exp().max()) < stop  # noqa: E731
         constrain = self.constrain
-        if first is not None:  # only the root's children restricted
-            constrain = lambda frontier, _t, _p: first if frontier is None else None  # noqa: E731
+        if first is not None:  # each step's frontier under its level's mask
+            constrain = lambda step, f, _t, _p: first[:, step, None].expand(nb, 1 if f is None else k, -1)  # noqa: E731
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
                                       self.ranked, until, constrain)
         self._nodes = tokens.shape[1]

@@ -132,6 +132,8 @@ class FastRows(RowSteps, GrammarSteps):
         self.constrain = None
         words = bitmask_words(target.vocab_size)
         self.mask_words = torch.full((capacity, words), ALL, dtype=torch.int32, device=dev)  # [B, W]
+        # captured drafting's masks, one level per expansion step (`forced_path_masks`) [B, D, W]
+        self.draft_words = torch.full((capacity, max(d_max, 1), words), ALL, dtype=torch.int32, device=dev)
         self.walk_in = torch.zeros(2, capacity, dtype=torch.long, device=dev)  # [2, B] node, walking
         self.walk_out = torch.zeros(capacity, dtype=torch.long, device=dev)  # [B] the choice there
         self._fronts: dict = {}  # (bucket, mode) -> its `Front`
