@@ -132,7 +132,7 @@ class GrammarSteps:
         masks after tokens the drafter chooses depend on the drafts: the host cannot give them in time)."""
         if self.d is None or self.constrain is not None:
             return self._spec_front(nb, mode)
-        return self._spec_front(nb, mode, allowed_tokens(self.draft_words[:nb], self.t.vocab_size))  # [nb, D, V]
+        return self._spec_front(nb, mode, self.draft_words[:nb])
 
     def _walk_step(self, nb: int, mode: int) -> None:
         """The target's choice after node walk_in[0, r] of each row r under its mask, into `walk_out` and, for the

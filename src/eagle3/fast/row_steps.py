@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from eagle3.decoding.expand import coupled_top_k, expand_tree, top_k_last
-from eagle3.decoding.grammar import restrict
+from eagle3.decoding.grammar import allowed_tokens, restrict
 from eagle3.decoding.sampling import GREEDY, SamplingRows
 from eagle3.decoding.tree import ancestry, parents_with_root, path_slots, scratch_path_slots
 from eagle3.decoding.verify import accept_rows
@@ -93,16 +93,16 @@ class RowSteps:
     def _spec_cycle(self, nb: int, mode: int) -> None:
         self._spec_back(nb, self._spec_front(nb, mode))
 
-    def _spec_front(self, nb: int, mode: int, first: torch.Tensor | None = None) -> Front:
-        """Draft (or take the trees `load_tree` wrote) and verify: the cycle up to the target's choices. `first`
-        [nb, D, V]: the tokens allowed at each expansion step (`_draft`)."""
+    def _spec_front(self, nb: int, mode: int, levels: torch.Tensor | None = None) -> Front:
+        """Draft (or take the trees `load_tree` wrote) and verify: the cycle up to the target's choices. `levels`
+        [nb, D, W] int32: the bitmasks of the tokens allowed at each expansion step (`_draft`)."""
         if self.host_nodes:
             tokens, parents1, valid = self.tree_tokens[:nb], self.tree_parents1[:nb], self.tree_valid[:nb]
             self._nodes = self.host_nodes
         elif self.constrain is not None:  # drafts under the frontier's masks: the host reads every step
             tokens, parents1, valid = *self._draft(nb, mode), None
         else:
-            tokens, parents1 = self.pieces.run("_draft", nb, mode, first)  # [nb, N], [nb, N+1]
+            tokens, parents1 = self.pieces.run("_draft", nb, mode, levels)  # [nb, N], [nb, N+1]
             valid = None
         return Front(tokens, parents1, valid, *self._verify(nb, tokens, parents1, mode))
 
@@ -112,11 +112,11 @@ class RowSteps:
         self._commit(nb, keep, n_acc, emitted, f.aux)
 
     def _draft(self, nb: int, mode: int = GREEDY,
-               first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               levels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The EAGLE-2 tree of every row (`eagle3.decoding.expand`): tokens [nb, N] and parents [nb, N+1] (N+1
         indexing; the root is its own parent). Row r drafts its token at length[r] + 1 + step; a chain stops
-        drafting once every row's joint draft probability is below `chain_stop`. `first` [nb, D, V]: the tokens
-        allowed to every frontier node at each step, as the host gave them before drafting
+        drafting once every row's joint draft probability is below `chain_stop`. `levels` [nb, D, W] int32: the
+        bitmasks of the tokens allowed to every frontier node at each step, as the host gave them before drafting
         (`eagle3.decoding.grammar.forced_path_masks`; None: all, or as `constrain` says). Sampled rows draft
         coupled to their own draws (`coupled_top_k`; the first child is the drafter's token under the row's noise)."""
         shape = self.shape_of(nb)
@@ -142,8 +142,12 @@ class RowSteps:
             stop = self.chain_stop
             until = lambda scores: float(scores.exp().max()) < stop  # noqa: E731
         constrain = self.constrain
-        if first is not None:  # each step's frontier under its level's mask
-            constrain = lambda step, f, _t, _p: first[:, step, None].expand(nb, 1 if f is None else k, -1)  # noqa: E731
+        if levels is not None:  # each step's frontier under its level's mask, unpacked one level at a time
+
+            def constrain(step: int, frontier, _tokens, _parents) -> torch.Tensor:  # [nb, T, V]
+                allowed = allowed_tokens(levels[:, step], self.t.vocab_size)[:, None]  # [nb, 1, V]
+                return allowed.expand(nb, 1 if frontier is None else k, -1)
+
         tokens, parents = expand_tree(self.last_out[:nb], shape, children, run, d.feedback, d.to_target_ids,
                                       self.ranked, until, constrain)
         self._nodes = tokens.shape[1]
