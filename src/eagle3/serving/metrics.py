@@ -61,6 +61,10 @@ METRICS: dict[str, tuple[str, str, tuple]] = {
 }
 
 
+_SNAPSHOT = {n for n, (kind, _, extra) in METRICS.items() if kind != "histogram" and not extra} | {
+    f"{n}_{part}" for n, (kind, _, _) in METRICS.items() if kind == "histogram" for part in ("sum", "count")}
+
+
 class _DraftPositions:
     """Per draft depth: row cycles that drafted that deep, those that accepted that many, and their ratio."""
 
@@ -137,14 +141,9 @@ class Metrics:
         return self.registry.get_sample_value(name, labels) or 0.0
 
     def snapshot(self) -> dict[str, float]:
-        """Unlabelled counters and gauges, plus histogram sums and counts (for benchmarks)."""
-        out = {}
-        for name, (kind, _, extra) in METRICS.items():
-            if kind == "histogram":
-                out[f"{name}_sum"], out[f"{name}_count"] = self.get(f"{name}_sum"), self.get(f"{name}_count")
-            elif not extra:
-                out[name] = self.get(name)
-        return out
+        """Unlabelled counters and gauges, plus histogram sums and counts (for benchmarks), in one collection."""
+        return {s.name: s.value for family in self.registry.collect() for s in family.samples
+                if s.name in _SNAPSHOT and not s.labels}
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
