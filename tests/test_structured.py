@@ -119,6 +119,40 @@ def test_the_walk_emits_what_constrained_plain_decoding_emits(setup):
             assert torch.equal(g.masks([[]])[0], check.masks([[]])[0])
 
 
+def test_the_walk_keeps_unmasked_choices_the_grammar_allows(setup):
+    """Where the target's unmasked choice at a node is allowed, the walk takes it without asking `choose`; where it
+    is refused, `choose` gives the masked choice. Either way the rows emit constrained plain decoding's tokens."""
+    _, tok, _, gc, _ = setup
+    start = tok.convert_tokens_to_ids(["<0x7B>", '"', "n", "am", "e", '"'])  # {"name"
+    reference = gc.compile(PERSON)
+    reference.consume(start)
+    plain: list[int] = []
+    refused: list[int] = []  # a token the grammar refuses before each of plain's tokens
+    for _ in range(8):
+        reference.mask_into(mask := torch.empty(reference.words, dtype=torch.int32))
+        plain.append(masked_argmax(plain, mask))
+        refused.append(int((~allowed_tokens(mask, 512)).nonzero()[0, 0]))
+        reference.consume(plain[-1:])
+    tokens, parents = plain[:6], list(range(-1, 5))  # a chain of the first six choices
+    for unmasked_right in ([True] * 7, [False] * 7, [True, False, True, True, False, False, True]):
+        top = [plain[j] if right else refused[j] for j, right in enumerate(unmasked_right)]
+        grammars = [gc.compile(PERSON), None]
+        grammars[0].consume(start)
+        asked: list[int] = []
+
+        def choose(nodes, masks, walking, asked=asked):
+            asked.append(nodes[0])
+            assert walking == [True, False]
+            path = plain[: nodes[0]]
+            return [masked_argmax(path, masks[0]), -1]
+
+        calls = walk_tree(grammars, [tokens, [-1] * 6], [parents, [-1] * 6], choose, top=[top, [0] * 7])
+        assert asked == [j for j, right in enumerate(unmasked_right) if not right] and calls == len(asked)
+        check = gc.compile(PERSON)
+        check.consume([*start, *plain[:7]])
+        assert torch.equal(grammars[0].masks([[]])[0], check.masks([[]])[0])
+
+
 def test_forced_path_masks_follow_the_tokens_the_grammar_forces(setup):
     """At every state of a constrained answer, the masks captured drafting gets: level 0 the next-token mask; while
     a level allows one token, the next level is the mask after it (checked on a fresh matcher that consumed the same

@@ -11,7 +11,9 @@ with -inf elsewhere). Speculation keeps this exactly: verification walks the dra
 accepts (`walk_tree`): at each step the row's matcher gives the mask after the tokens emitted so far, the target's
 choice is taken under it and consumed, and the walk moves to the child drafted with that token or ends there (the
 choice is then the cycle's last token). That is plain constrained decoding, one mask per emitted token, with the
-target's logits for the whole tree computed in one forward. Where cycles run eagerly the drafter proposes under the
+target's logits for the whole tree computed in one forward. Where the caller knows the target's unmasked choice at
+a node and the grammar allows it, that is the choice (greedy and temperature-only draws: the winner over all
+tokens is the winner over any subset holding it), and the step needs no device step. Where cycles run eagerly the drafter proposes under the
 masks of its frontier (`Grammar.masks`), so its drafts are tokens the grammar allows, and a token the grammar forces
 (its mask allows no other) is drafted as certain, in or out of the draft vocabulary (`expand.force_single`).
 """
@@ -259,14 +261,17 @@ Choose = Callable[[list[int], torch.Tensor, list[bool]], list[int]]
 
 
 def walk_tree(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]],
-              choose: Choose, first: torch.Tensor | None = None) -> int:
+              choose: Choose, first: torch.Tensor | None = None,
+              top: Sequence[Sequence[int]] | None = None) -> int:
     """Verification of B rows' draft trees under their grammars (tokens [B][N], -1: padding or a node that does not
     count; parents [B][N], -1: the root; rows whose grammar is None are not walked). From each root: the mask after
     the tokens emitted so far, the target's choice under it (`choose`, which keeps it as that node's choice), the
     choice consumed, then on to the child drafted with that token (the first of equal siblings, as
     `eagle3.decoding.verify.accept_rows` takes it) or the walk of that row ends. The choices are the row's emitted
     tokens, already consumed by its grammar. `first` [B, W]: the rows' next-token masks where the caller has them
-    (`next_masks`), for the first step. Returns the steps walked (one `choose` call each)."""
+    (`next_masks`), for the first step. `top` [B][N+1]: the target's choice at each node without a mask, for
+    greedy and temperature-only draws; a row whose grammar allows it there takes it (the mask cannot change it)
+    and is not walked by `choose` at that step. Returns the `choose` calls made."""
     b = len(tokens)
     children: list[dict[tuple[int, int], int]] = [{} for _ in range(b)]  # (node, token) -> child, N+1 indexing
     for r in range(b):
@@ -277,12 +282,24 @@ def walk_tree(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]
     words = next(g.words for g in grammars if g is not None) if any(walking) else 1
     node = [0] * b
     masks = first.clone() if first is not None else torch.full((b, words), ALL, dtype=torch.int32)
-    steps = 0
+    calls = steps = 0
     while any(walking):
+        choices = [-1] * b
+        masked = [False] * b  # rows whose choice this step is the target's under the mask
         for r in range(b):
-            if walking[r] and (steps or first is None):
+            if not walking[r]:
+                continue
+            if steps or first is None:
                 grammars[r].mask_into(masks[r])
-        choices = choose(node, masks, walking)
+            t = top[r][node[r]] if top is not None else -1
+            if t >= 0 and int(masks[r, t >> 5]) >> (t & 31) & 1:
+                choices[r] = t
+            else:
+                masked[r] = True
+        if any(masked):
+            chosen = choose(node, masks, masked)
+            calls += 1
+            choices = [c if m else k for c, m, k in zip(chosen, masked, choices, strict=True)]
         steps += 1
         for r in range(b):
             if walking[r]:
@@ -291,7 +308,7 @@ def walk_tree(grammars: Sequence[Grammar | None], tokens: Sequence[Sequence[int]
                 nxt = children[r].get((node[r], choices[r]))
                 walking[r] = nxt is not None and not g.done
                 node[r] = nxt or 0
-    return steps
+    return calls
 
 
 def frontier_allowed(grammars: Sequence[Grammar | None], frontier: torch.Tensor | None, tokens: torch.Tensor | None,

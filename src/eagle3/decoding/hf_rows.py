@@ -27,7 +27,7 @@ from eagle3.config import FEED_WINDOW, ConfigError, DraftShape, SamplingConfig
 from eagle3.decoding.drafters import BatchDrafter, Eagle3BatchDrafter
 from eagle3.decoding.grammar import Choose, Grammar, allowed_tokens, frontier_allowed, next_allowed, walk_tree
 from eagle3.decoding.hf_batch import BatchKV, accept_batch, batched_forward, prefill
-from eagle3.decoding.sampling import GREEDY, SamplingRows, sampling_mode
+from eagle3.decoding.sampling import FILTERED, GREEDY, SamplingRows, sampling_mode
 from eagle3.decoding.tree import ancestry, parents_with_root
 from eagle3.target import Target
 
@@ -208,7 +208,9 @@ class HFRows:
         top = self._choose(logits, offsets, lengths)  # [B, N+1]
         constrained = any(g is not None for g in self._grammars)
         if constrained:  # the constrained rows' choices along the path they accept; their grammars follow
-            walk_tree(self._grammars, tok_host, parents.tolist(), self._masked_choice(logits, offsets, lengths, top))
+            known = top.tolist() if max(self._modes) != FILTERED else None  # kept where the grammar allows them
+            walk_tree(self._grammars, tok_host, parents.tolist(), self._masked_choice(logits, offsets, lengths, top),
+                      top=known)
         paths, nxt = accept_batch(tokens, parents1, anc, top)
         keep = [[0, *p] for p in paths]  # root + accepted nodes, offsets into the appended block
         self.kv.compact(appended_at, keep)

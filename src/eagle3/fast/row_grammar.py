@@ -5,8 +5,10 @@ fixed-shape step that a CUDA graph captures like any other cycle:
 
     plain    the host writes each row's mask for its next token (`mask_words`), then the plain cycle chooses under it
     front    draft and verify: the target's logits for every node of every row's tree
-    walk     one step of `eagle3.decoding.grammar.walk_tree` per emitted token: the host writes each walking row's
-             node and mask, the step takes the target's choice there under the mask into the front's choices
+    walk     one step of `eagle3.decoding.grammar.walk_tree` per emitted token that needs its mask (the front's own
+             choice is kept where the grammar allows it and the draw is greedy or temperature-only): the host writes
+             each walking row's node and mask, the step takes the target's choice there under the mask into the
+             front's choices
     back     acceptance by those choices, commit, the drafter's feed: the rest of an ordinary speculative cycle
 
 Rows without a grammar take every token, so they decode as in any other cycle. Where cycles run eagerly (a CPU)
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.decoding.grammar import allowed_tokens, forced_path_masks, frontier_allowed, next_masks, walk_tree
+from eagle3.decoding.sampling import FILTERED
 from eagle3.fast.graphs import StepRunner
 
 GRAMMAR_PIECES = ("plain", "front", "walk", "back")
@@ -70,7 +73,9 @@ class GrammarSteps:
             front()
         f = self._fronts[(nb, mode)]
         tokens = f.tokens if f.valid is None else f.tokens.masked_fill(~f.valid, -1)  # [nb, N]
-        host = torch.cat([tokens, f.parents1[:, 1:] - 1], dim=1).tolist()  # one read: tokens, parents
+        # one read: tokens, parents and the target's unmasked choices, which the walk takes where the grammar allows
+        # them (not under top-p / top-k, which the mask changes)
+        host = torch.cat([tokens, f.parents1[:, 1:] - 1, f.top], dim=1).tolist()  # [nb, 3N+1]
         n = tokens.shape[1]
 
         def choose(nodes: list[int], masks: torch.Tensor, walking: list[bool]) -> list[int]:
@@ -79,7 +84,8 @@ class GrammarSteps:
             walk()
             return self.walk_out[:nb].tolist()
 
-        walk_tree(grammars, [h[:n] for h in host], [h[n:] for h in host], choose, first)
+        top = [h[2 * n:] for h in host] if mode != FILTERED else None
+        walk_tree(grammars, [h[:n] for h in host], [h[n : 2 * n] for h in host], choose, first, top)
         back()
 
     def _grammar_piece(self, kind: str, nb: int, mode: int) -> StepRunner:
