@@ -33,6 +33,7 @@ from eagle3.decoding.grammar import (
     allowed_tokens,
     engine_tokenizer_json,
     forced_path_masks,
+    single_token,
     walk_tree,
 )
 from eagle3.decoding.proposers import NoDraftProposer
@@ -151,6 +152,21 @@ def test_the_walk_keeps_unmasked_choices_the_grammar_allows(setup):
         check = gc.compile(PERSON)
         check.consume([*start, *plain[:7]])
         assert torch.equal(grammars[0].masks([[]])[0], check.masks([[]])[0])
+
+
+def test_single_token_reads_the_one_allowed_token_from_the_words():
+    for token in (0, 5, 31, 32, 63, 511, 49151):  # bit 31: a negative int32 word
+        mask = torch.zeros(1536, dtype=torch.int32)
+        mask.view(-1)[token // 32] = torch.tensor(1 << (token % 32)).to(torch.int32)
+        assert single_token(mask) == token == int(allowed_tokens(mask, 49152).nonzero()[0, 0])
+        other = mask.clone()
+        other[(token // 32 + 1) % 1536] = 1  # a second token in another word
+        assert single_token(other) is None
+        same = mask.clone()
+        same[token // 32] |= 1 << ((token + 1) % 32)  # a second token in the same word
+        assert single_token(same) is None
+    assert single_token(torch.zeros(16, dtype=torch.int32)) is None
+    assert single_token(torch.full((16,), ALL, dtype=torch.int32)) is None
 
 
 def test_forced_path_masks_follow_the_tokens_the_grammar_forces(setup):

@@ -33,7 +33,7 @@ from eagle3.config import ConfigError
 
 __all__ = ["ALL", "Choose", "Grammar", "GrammarCompiler", "GrammarError", "allowed_tokens", "bitmask_words",
            "forced_path_masks", "frontier_allowed", "load_schema", "next_allowed", "next_masks", "restrict",
-           "schema_file", "walk_tree"]
+           "schema_file", "single_token", "walk_tree"]
 
 ALL = -1  # a bitmask word with every token allowed
 # Whitespace between JSON tokens: compact or pretty-printed (a newline and up to 32 spaces of indentation), but
@@ -242,11 +242,22 @@ def forced_path_masks(grammars: Sequence[Grammar | None], rows: int, depth: int,
         for level in range(depth):
             m, ok = g.masks([path])
             masks[r, level] = m[0]
-            allowed = allowed_tokens(m[0], words * 32)
-            if not ok[0] or g.done or int(allowed.sum()) != 1:
+            forced = single_token(m[0])
+            if not ok[0] or g.done or forced is None:
                 break
-            path.append(int(allowed.nonzero()[0, 0]))
+            path.append(forced)
     return masks
+
+
+def single_token(mask: torch.Tensor) -> int | None:
+    """The one token a bitmask [W] (int32) allows, or None where it allows several or none; read from its words
+    without unpacking the vocabulary's bits."""
+    words = mask.nonzero()
+    if words.shape[0] != 1:
+        return None
+    i = int(words[0, 0])
+    w = int(mask[i]) & 0xFFFFFFFF
+    return i * 32 + w.bit_length() - 1 if w & (w - 1) == 0 else None
 
 
 def next_allowed(grammars: Sequence[Grammar | None], rows: int, vocab_size: int,
