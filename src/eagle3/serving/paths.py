@@ -85,7 +85,6 @@ class PathsMixin:
         base = len(batch.rows)  # the new rows are base, base + 1, ... (as in the backend)
         for h in take:
             self.metrics.inc("eagle3_prompt_tokens_total", len(h.params.prompt_ids))
-            h.first_token_at = now
             self.metrics.observe("eagle3_time_to_first_token_seconds", now - h.arrival)
             h.drafter_version = self.drafter_version  # recorded traffic names the drafter it ran with
             batch.rows.append(_Row(h))

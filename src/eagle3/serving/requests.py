@@ -54,7 +54,6 @@ class RequestHandle:
         self.id = uuid.uuid4().hex
         self.seed = params.seed if params.seed is not None else new_seed()
         self.arrival = time.perf_counter()
-        self.first_token_at: float | None = None
         self.cancelled = False
         self.finished = False
         self.drafter_version: str | None = None  # the server's drafter when it was admitted to a batch

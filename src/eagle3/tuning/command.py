@@ -52,7 +52,9 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
     # eager pieces, the costs favoured small trees: docs/tuning.md). Prompts prefill eagerly (not timed).
     options = FastOptions(graph_prefill=False)
     echo(f"eagle3 tune: {base.engine} engine, {str(param.dtype).removeprefix('torch.')} on {param.device}; "
-         f"{len(prompts)} prompts x {max_new_tokens} tokens")
+         f"{len(prompts)} prompts x {max_new_tokens} tokens; {len(shapes_tried)} shapes and plain decoding at "
+         f"{len(temperatures)} temperature(s)" + ("" if cpu else "; each shape compiles its drafting on first use, "
+                                                   "tens of seconds before its line"))
 
     def run(shape: DraftShape, temperature: float, chain_stop: float | None = None, label: str | None = None):
         d = replace(base, shape=shape, chain_stop=chain_stop, guard=False, speculate=True)
