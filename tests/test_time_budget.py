@@ -48,9 +48,10 @@ def log_records(out):
 def test_a_short_budget_stops_within_5_percent_and_the_cosine_ends_with_it(data_dir, tmp_path, monkeypatch):
     """A 3 s budget, steps slowed to about 0.15 s: about 18 steps fit, fewer than the 23 after which the schedule
     was first sized before (it then ran 23 steps, 3.5 s, at nearly the peak learning rate). The run ends within half
-    a step of its budget when every step's logging is counted and its closing writes are timed before it is sized. The time the budget
-    counts (first step to written drafter) must be within 5 % of it; the whole call may add the loading before
-    the first step, which the budget leaves out by definition, so the test measures it and allows exactly that."""
+    a step of its budget when every step's logging is counted and its closing writes are timed before it is sized.
+    The time the budget counts (first step to written drafter) must be within 5 % of it; the whole call may add the
+    loading before the first step, which the budget leaves out by definition, so the test measures it and allows
+    exactly that."""
     real_step = trainer_mod._Trainer._step
     first_step: list[float] = []
 

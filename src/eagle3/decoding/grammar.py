@@ -13,9 +13,10 @@ choice is taken under it and consumed, and the walk moves to the child drafted w
 choice is then the cycle's last token). That is plain constrained decoding, one mask per emitted token, with the
 target's logits for the whole tree computed in one forward. Where the caller knows the target's unmasked choice at
 a node and the grammar allows it, that is the choice (greedy and temperature-only draws: the winner over all
-tokens is the winner over any subset holding it), and the step needs no device step. Where cycles run eagerly the drafter proposes under the
-masks of its frontier (`Grammar.masks`), so its drafts are tokens the grammar allows, and a token the grammar forces
-(its mask allows no other) is drafted as certain, in or out of the draft vocabulary (`expand.force_single`).
+tokens is the winner over any subset holding it), and the step needs no device step. Where cycles run eagerly
+the drafter proposes under the masks of its frontier (`Grammar.masks`), so its drafts are tokens the grammar
+allows, and a token the grammar forces (its mask allows no other) is drafted as certain, in or out of the draft
+vocabulary (`expand.force_single`).
 """
 
 from __future__ import annotations
