@@ -7,6 +7,8 @@ import json
 from importlib import resources
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from eagle3.cli import main
 from eagle3.config import DraftShape
@@ -77,6 +79,19 @@ def test_export_both_formats_and_generate_from_them(capsys, random_drafter, tmp_
         capsys.readouterr()
         assert run_json(capsys, "--drafter", str(out))["token_ids"] == ref["token_ids"]
 
+
+
+def test_export_in_bf16_without_the_embedding(capsys, random_drafter, tmp_path):
+    """The compact form the bundled drafter ships in: bf16 weights, no embedding (taken from the target)."""
+    ref = run_json(capsys, "--drafter", str(random_drafter))
+    out = tmp_path / "compact"
+    assert main(["export", "--drafter", str(random_drafter), "--format", "speculators", "--out", str(out),
+                 "--dtype", "bfloat16", "--no-embedding"]) == 0
+    tensors = load_file(out / "model.safetensors")
+    assert "embed_tokens.weight" not in tensors and tensors["fc.weight"].dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    capsys.readouterr()
+    assert run_json(capsys, "--drafter", str(out))["token_ids"] == ref["token_ids"]
 
 @pytest.mark.parametrize(
     ("args", "needle"),

@@ -114,6 +114,7 @@ def test_round_trip_keeps_logits_and_config(tmp_path, fmt, draft_vocab, flags):
     cfg = make_cfg(draft_vocab, **FLAGS[flags])
     drafter = random_drafter(cfg)
     save_drafter(drafter, tmp_path / "ckpt", fmt)
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in (tmp_path / "ckpt").iterdir())  # servers run as others
     loaded = load_drafter(tmp_path / "ckpt", target_config=target())
     assert loaded.config.to_dict() == cfg.to_dict()
     torch.testing.assert_close(two_step_logits(loaded), two_step_logits(drafter), rtol=0, atol=0)

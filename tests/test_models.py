@@ -269,6 +269,7 @@ def test_gguf_is_converted_once_then_loads_fast_as_a_plain_model(tmp_path, monke
 
     cached = list((tmp_path / "gguf").iterdir())
     assert len(cached) == 1 and (cached[0] / "model.safetensors").is_file()
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in cached[0].iterdir())  # a shared cache: readable by all
     assert t_second < t_first / 3
     for m in (first, second):
         assert type(m) is transformers.LlamaForCausalLM

@@ -120,7 +120,8 @@ def cmd_export(args) -> int:
     target_config = load_target_config(args.target) if args.target else None  # config only, no weights
     tuned = serving_choice(args.drafter) if Path(args.drafter).is_dir() else None
     shape = tuned[0] if tuned else None
-    export_drafter(args.drafter, args.format, args.out, verifier_name=args.verifier_name, target_config=target_config,
+    export_drafter(args.drafter, args.format, args.out, include_embedding=False if args.no_embedding else None,
+                   dtype=args.dtype, verifier_name=args.verifier_name, target_config=target_config,
                    speculative_tokens=shape.depth if shape else None)
     print(f"wrote {args.format} checkpoint to {args.out}")
     if shape is not None:
@@ -365,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target (folder, hub id, .gguf or bundled name; only its config is read): gives the "
                         "layer count and, for drafters whose config names no aux layers, the EAGLE-3 default "
                         "[2, L//2, L-3]; the drafter is checked against it")
+    e.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="the weights' dtype (default: the source's; training writes float32)")
+    e.add_argument("--no-embedding", action="store_true",
+                   help="leave out the embedding, a copy of the target's that vLLM, SGLang and eagle3 take from the "
+                        "target")
     e.set_defaults(func=cmd_export)
 
     pr = sub.add_parser("prepare", help="tokenize conversations with the target's chat template (or raw text for a "

@@ -549,6 +549,8 @@ def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
         clean.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
         clean.generation_config = gguf_model.generation_config
         clean.save_pretrained(tmp)
+        for weights in tmp.glob("*.safetensors"):
+            weights.chmod(0o644)  # safetensors creates files 0600
         del clean, gguf_model
 
         # transformers versions have differed on the tokenizer they build from a GGUF (some dropped BOS):

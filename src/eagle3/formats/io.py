@@ -292,6 +292,7 @@ def save_drafter(
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is read by servers running as other users
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS_NAME, 0o644)  # safetensors creates files 0600
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
         old = None
         if out_dir.exists():
