@@ -78,6 +78,28 @@ def test_tune_stores_a_choice_that_generate_uses(tmp_path, capsys, monkeypatch):
     assert "device defaults" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["drafting"]
 
 
+def test_tune_times_only_the_default_and_the_best_predicted(tmp_path, capsys):
+    """With `--confirm N` (a GPU's default, where each shape compiles its drafting), every shape's acceptance is
+    measured and predicted, but only the device's default and the best predicted are timed; the choice is the
+    fastest of those (or plain decoding)."""
+    drafter = tmp_path / "d"
+    assert main(["init-drafter", "--target", "stories260k", "--out", str(drafter), "--draft-vocab-size", "256"]) == 0
+    assert main(["tune", "--target", "stories260k", "--drafter", str(drafter), "--dtype", "float32", "--limit", "1",
+                 "--max-new-tokens", "8", "--max-chain", "3", "--trees", "2,2,3", "--confirm", "2", "--dry-run",
+                 "--out", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    entry = json.loads((tmp_path / "t" / "tune.json").read_text())["entry"]
+    rows = {r["shape"]: r for r in entry["table"]}
+    assert set(rows) == {"plain", "chain 1", "chain 2", "chain 3", "tree 2,2,3"}
+    assert all(r["predicted_tok_s"] > 0 for r in rows.values())
+    timed = {k for k, r in rows.items() if r["measured_tok_s"] is not None}
+    assert {"plain", "chain 2"} <= timed and len(timed) <= 3  # plain, the device's default (chain 2), one more
+    best = max(timed, key=lambda k: rows[k]["measured_tok_s"])
+    choice = entry["choices"]["0.0"]["shape"]
+    assert (choice is None) if best == "plain" else (choice == DraftShape.from_dict(rows[best]["spec"]).to_dict())
+    assert entry["timed_shapes"] == 2 and " - " in out  # untimed shapes print no measurement
+
+
 @pytest.mark.slow
 def test_generate_with_no_flags_is_plain_decoding(capsys, smollm2):
     """The device's defaults (bf16 on the fast engine on CPUs with native bf16, else fp32) give the text plain

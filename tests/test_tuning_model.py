@@ -124,6 +124,24 @@ def test_tune_spreads_its_prompts_over_the_set():
 
 
 # -- interpolation ----------------------------------------------------------------------------------------
+def test_draft_steps_from_timed_runs():
+    """A run's cycle less the verification of its rows, per drafting step: the one-row step from the longest chain,
+    a tree's wider steps after its root step; from a tree alone, every step costs the same."""
+    from eagle3.tuning.sweep import Run, with_draft_steps
+
+    rows = Costs(plain_s=0.010, verify_s={1: 0.010, 5: 0.012, 61: 0.016}, draft_step_s={1: 0.0})
+
+    def run(cycle_s: float, depth: float) -> Run:
+        return Run("x", seconds=cycle_s * 10, cycles=10, tokens=30, tau=3.0, acceptance=[], drafted_depth=depth)
+
+    chain, tree = DraftShape.chain(4), DraftShape(6, 10, 60)
+    both = with_draft_steps(rows, [(chain, run(0.016, 4)), (tree, run(0.026, 6))])
+    assert both.draft_step(1) == pytest.approx(0.001) and both.draft_step(10) == pytest.approx(0.0018)
+    alone = with_draft_steps(rows, [(tree, run(0.022, 6))])
+    assert alone.draft_step(1) == pytest.approx(0.001) == alone.draft_step(10)
+    assert alone.plain_s == rows.plain_s and alone.verify_s == rows.verify_s
+
+
 def test_costs_interpolate_and_extrapolate():
     costs = Costs(plain_s=1.0, verify_s={8: 3.0, 1: 1.0, 4: 1.0}, draft_step_s={2: 0.5})
     assert costs.verify(0) == 1.0  # below the smallest point: its value

@@ -1,6 +1,7 @@
 """`eagle3 tune`: measure on this device what a draft step and a verification of n rows cost and what each draft
-shape's acceptance is, predict each shape's tokens/s from those, time each shape, and store the fastest (or plain
-decoding, where nothing beats it) for every command to use on this device."""
+shape's acceptance is, predict each shape's tokens/s from those, time the shapes that may win as the commands run
+them (every shape on a CPU; on a GPU, where each shape compiles its drafting, the default and the best predicted),
+and store the fastest (or plain decoding, where nothing beats it) for every command to use on this device."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from pathlib import Path
 from eagle3.config import DTYPE_HELP, ConfigError, DraftShape, SamplingConfig
 from eagle3.tuning.model import CPU_TREES, GPU_TREES, AcceptanceProfile, candidate_shapes, predict
 
+CPU_PROMPTS, CPU_TOKENS = 4, 64  # every shape is timed on a CPU: a short run
+GPU_PROMPTS, GPU_TOKENS = 16, 128  # acceptance runs with eager drafting cost little on a GPU: a longer, steadier one
+GPU_CONFIRM = 2  # shapes timed compiled on a GPU (each compiles its drafting pieces, tens of seconds)
+CONFIRM_MARGIN = 0.03  # a shape predicted this far below the best timed one is not timed
+
 
 def spread(items: list, n: int) -> list:
     """`n` items evenly spaced over `items` (all of them if there are fewer): bundled sets are ordered by category
@@ -22,89 +28,113 @@ def spread(items: list, n: int) -> list:
 
 
 def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = "auto", dataset: str = "mt_bench",
-             limit: int = 4, max_new_tokens: int = 64, temperatures: tuple[float, ...] = (0.0,), max_chain: int = 8,
-             trees: tuple[str, ...] | None = None, write: bool = True, echo=print) -> dict:
-    """Measure, predict, time and choose (module docstring); returns the run record with the stored entry."""
+             limit: int | None = None, max_new_tokens: int | None = None, temperatures: tuple[float, ...] = (0.0,),
+             max_chain: int = 8, trees: tuple[str, ...] | None = None, confirm: int | None = None, write: bool = True,
+             echo=print) -> dict:
+    """Measure, predict, time and choose (module docstring); returns the run record with the stored entry.
+
+    `confirm`: time only this many shapes as the commands run them, the device's default first (its cycles give
+    the drafting cost), then the best predicted; the others' acceptance is measured with eager drafting. None:
+    every shape on a CPU (nothing compiles there), `GPU_CONFIRM` where drafting compiles per shape."""
     from eagle3.defaults import decoding_for
     from eagle3.evaluate import load_prompts
-    from eagle3.fast.engine import FastOptions
+    from eagle3.fast.engine import FastOptions, drafting_compiled_by_default
     from eagle3.record import run_record
     from eagle3.runtime import decoder, encode_messages, load_runtime
     from eagle3.tuning.cache import drafter_store, tuning_key, user_store
-    from eagle3.tuning.sweep import measure_costs, time_engine
+    from eagle3.tuning.sweep import measure_rows, time_engine, with_draft_steps
 
-    if limit < 1 or max_new_tokens < 8 or max_chain < 1:
-        raise ConfigError("--limit must be >= 1, --max-new-tokens >= 8 and --max-chain >= 1")
     t_start = time.perf_counter()
     rt = load_runtime(target, drafter=drafter, draft="eagle3", device=device, dtype=dtype)
     base = decoding_for(rt.model, "eagle3")
-    cpu = next(rt.model.parameters()).device.type == "cpu"
-    # On a GPU every other chain length is timed (the acceptance of each comes from the longest chain's run): each
-    # shape compiles its own drafting pieces there
-    shapes_tried = candidate_shapes(max_chain, trees if trees is not None else CPU_TREES if cpu else GPU_TREES,
-                                    chain_step=1 if cpu else 2)
-    chains = [s for s in shapes_tried if s.is_chain]
-    tree_shapes = [s for s in shapes_tried if not s.is_chain]
+    param = next(rt.model.parameters())
+    cpu = param.device.type == "cpu"
+    compiles = base.engine == "fast" and drafting_compiled_by_default(param.device)
+    limit = limit if limit is not None else GPU_PROMPTS if compiles else CPU_PROMPTS
+    max_new_tokens = max_new_tokens if max_new_tokens is not None else GPU_TOKENS if compiles else CPU_TOKENS
+    confirm = confirm if confirm is not None else GPU_CONFIRM if compiles else None
+    if limit < 1 or max_new_tokens < 8 or max_chain < 1 or (confirm is not None and confirm < 1):
+        raise ConfigError("--limit and --confirm must be >= 1, --max-new-tokens >= 8 and --max-chain >= 1")
+    # On a GPU every other chain length is tried (the acceptance of each comes from the longest chain's run)
+    shapes = {str(s): s for s in candidate_shapes(max_chain, trees if trees is not None else CPU_TREES if cpu
+                                                  else GPU_TREES, chain_step=1 if cpu else 2)}
+    stops = {}  # label -> chain_stop: the device's default chain that stops where the drafter is unsure
+    default = str(base.shape)
+    if base.chain_stop:
+        default = f"{base.shape} stop {base.chain_stop:g}"
+        stops[default] = base.chain_stop
+    shapes.setdefault(default, base.shape)
+    screen = confirm is not None and confirm < len(shapes)
     _, chats = load_prompts(dataset)
     prompts = [encode_messages(rt.tokenizer, m) for m in spread(chats, limit)]
-    param = next(rt.model.parameters())
     # Cycles are timed as every command runs them: on CUDA with inductor-compiled drafting pieces (timed with
     # eager pieces, the costs favoured small trees: docs/tuning.md). Prompts prefill eagerly (not timed).
     options = FastOptions(graph_prefill=False)
+    eager = replace(options, compile_drafting=False) if screen else options
+    plan = f"{len(shapes)} shapes timed"
+    if screen:
+        plan = (f"acceptance of {len(shapes)} shapes{' with eager drafting' if compiles else ''}, then at most "
+                f"{confirm} timed as the commands run them" + ("; each compiles its drafting, tens of seconds"
+                                                               if compiles else ""))
     echo(f"eagle3 tune: {base.engine} engine, {str(param.dtype).removeprefix('torch.')} on {param.device}; "
-         f"{len(prompts)} prompts x {max_new_tokens} tokens; {len(shapes_tried)} shapes and plain decoding at "
-         f"{len(temperatures)} temperature(s)" + ("" if cpu else "; each shape compiles its drafting on first use, "
-                                                   "tens of seconds before its line"))
+         f"{len(prompts)} prompts x {max_new_tokens} tokens at {len(temperatures)} temperature(s); {plan}")
 
-    def run(shape: DraftShape, temperature: float, chain_stop: float | None = None, label: str | None = None):
-        d = replace(base, shape=shape, chain_stop=chain_stop, guard=False, speculate=True)
-        r = time_engine(decoder(rt, d, options), prompts, max_new_tokens, SamplingConfig(temperature=temperature),
-                        label or str(shape))
-        echo(f"  T={temperature:g} {r.label:>18}: tau {r.tau:.2f}, {r.tokens_per_s:.1f} tok/s")
+    def run(label: str, temperature: float, opts, timed: bool = True):
+        d = replace(base, shape=shapes[label], chain_stop=stops.get(label), guard=False, speculate=True)
+        r = time_engine(decoder(rt, d, opts), prompts, max_new_tokens, SamplingConfig(temperature=temperature), label)
+        echo(f"  T={temperature:g} {label:>18}: tau {r.tau:.2f}" +
+             (f", {r.tokens_per_s:.1f} tok/s" if timed else " (acceptance only)"))
         return r
 
     table, choices, profiles, costs = [], {}, {}, None
+    chains = [s for s in shapes.values() if s.is_chain]
+    longest = str(max(chains, key=lambda s: s.depth)) if chains else None
     for temp in temperatures:
-        greedy = SamplingConfig(temperature=temp)
-        shapes = {str(s): s for s in [*chains, *tree_shapes]}
-        runs = {label: run(s, temp) for label, s in shapes.items()}
-        if base.chain_stop:  # the device's default: a chain that stops where the drafter is unsure
-            stop_label = f"{base.shape} stop {base.chain_stop:g}"
-            shapes[stop_label] = base.shape
-            runs[stop_label] = run(base.shape, temp, base.chain_stop, stop_label)
+        runs = {label: run(label, temp, eager, timed=not screen) for label in shapes}
+        timed = {default: run(default, temp, options)} if screen else dict(runs)
         if costs is None:
-            costs, _ = measure_costs(rt, base, prompts, max_new_tokens, tree_shapes, runs[str(chains[-1])],
-                                     {t.text: runs[str(t)] for t in tree_shapes}, options, echo=echo)
+            sizes = [s.total + 1 for s in shapes.values()]
+            rows = measure_rows(rt, base, prompts, max_new_tokens, sizes, options, echo=echo)
+            costs = with_draft_steps(rows, [(shapes[k], r) for k, r in timed.items() if k not in stops])
         plain = time_engine(decoder(rt, replace(base, guard=False, speculate=False), options), prompts, max_new_tokens,
-                            greedy, "plain")
-        profile = AcceptanceProfile(temperature=temp, chain=tuple(runs[str(chains[-1])].acceptance),
-                                    tree_tau={t.text: runs[str(t)].tau for t in tree_shapes})
+                            SamplingConfig(temperature=temp), "plain")
+        profile = AcceptanceProfile(temperature=temp, chain=tuple(runs[longest].acceptance) if longest else (),
+                                    tree_tau={s.text: runs[k].tau for k, s in shapes.items() if not s.is_chain})
         profiles[str(temp)] = profile.to_dict()
-        rows = [{"shape": "plain", "temperature": temp, "tau": 1.0, "predicted_tok_s": round(1 / costs.plain_s, 2),
-                 "measured_tok_s": round(plain.tokens_per_s, 2), "speedup": 1.0}]
+        predicted = {}
         for label, r in runs.items():
-            shape = shapes[label]
-            pred = predict(shape, costs, profile) if label == str(shape) else None
+            pred = None if label in stops else predict(shapes[label], costs, profile)
             if pred is None:  # a stopped chain: its measured tau over the tokens it drafted on average
-                depth = r.drafted_depth
-                cycle = depth * costs.draft_step(1) + costs.verify(depth + 1)
-                predicted = r.tau / cycle if cycle > 0 else 0.0
+                cycle = r.drafted_depth * costs.draft_step(1) + costs.verify(r.drafted_depth + 1)
+                predicted[label] = r.tau / cycle if cycle > 0 else 0.0
             else:
-                predicted = pred.tokens_per_s
-            rows.append({"shape": label, "spec": shape.to_dict(), "temperature": temp, "tau": round(r.tau, 3),
-                         "predicted_tok_s": round(predicted, 2), "measured_tok_s": round(r.tokens_per_s, 2),
-                         "speedup": round(r.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else 0.0})
-        best = max(rows, key=lambda row: row["measured_tok_s"])
-        stop = base.chain_stop if " stop " in best["shape"] else None
-        shape = best.get("spec")  # None: plain decoding
-        choices[str(temp)] = {"shape": shape, "chain_stop": stop, "speedup": best["speedup"]}
-        table += rows
+                predicted[label] = pred.tokens_per_s
+        if screen:  # the best predicted next, while they may beat what is timed (within the model's error)
+            for label in sorted(predicted, key=predicted.get, reverse=True):
+                if len(timed) >= confirm or predicted[label] < (1 - CONFIRM_MARGIN) * max(predicted[k] for k in timed):
+                    break
+                if label not in timed:
+                    timed[label] = run(label, temp, options)
+        rows_t = [{"shape": "plain", "temperature": temp, "tau": 1.0, "predicted_tok_s": round(1 / costs.plain_s, 2),
+                   "measured_tok_s": round(plain.tokens_per_s, 2), "speedup": 1.0}]
+        for label, r in runs.items():
+            t = timed.get(label)
+            rows_t.append({"shape": label, "spec": shapes[label].to_dict(), "temperature": temp, "tau": round(r.tau, 3),
+                           "predicted_tok_s": round(predicted[label], 2),
+                           "measured_tok_s": round(t.tokens_per_s, 2) if t else None,
+                           "speedup": round(t.tokens_per_s / plain.tokens_per_s, 3) if t and plain.tokens_per_s
+                           else None})
+        best = max((row for row in rows_t if row["measured_tok_s"] is not None), key=lambda row: row["measured_tok_s"])
+        choices[str(temp)] = {"shape": best.get("spec"), "chain_stop": stops.get(best["shape"]),
+                              "speedup": best["speedup"]}  # shape None: plain decoding
+        table += rows_t
 
     key = tuning_key(str(param.device), str(param.dtype).removeprefix("torch."), base.engine, target,
                      rt.model.config.to_dict(), drafter)
     entry = {"key": key, "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "costs": costs.to_dict(), "profiles": profiles, "choices": choices,
-             "choice": choices[str(temperatures[0])], "table": table}
+             "choice": choices[str(temperatures[0])], "table": table,
+             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "timed_shapes": confirm if screen else None}
     stored = None
     if write:
         for store in (drafter_store(drafter), user_store()):
@@ -121,8 +151,9 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
 def format_table(table: list[dict]) -> str:
     lines = [f"{'T':>4} {'shape':>18} {'tau':>6} {'predicted':>10} {'measured':>9} {'speedup':>8}"]
     for r in table:
+        measured = ("-", "-") if r["measured_tok_s"] is None else (f"{r['measured_tok_s']:.1f}", f"{r['speedup']:.2f}x")
         lines.append(f"{r['temperature']:>4g} {r['shape']:>18} {r['tau']:>6.2f} {r['predicted_tok_s']:>10.1f} "
-                     f"{r['measured_tok_s']:>9.1f} {r['speedup']:>7.2f}x")
+                     f"{measured[0]:>9} {measured[1]:>8}")
     return "\n".join(lines)
 
 
@@ -133,7 +164,7 @@ def cmd_tune(args) -> int:
         raise ConfigError(f"--drafter {args.drafter}: not a folder; tune stores its choice in the drafter's folder")
     rec = run_tune(args.target, args.drafter, device=args.device, dtype=args.dtype, dataset=args.dataset,
                    limit=args.limit, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
-                   max_chain=args.max_chain, trees=tuple(args.trees) if args.trees else None,
+                   max_chain=args.max_chain, trees=tuple(args.trees) if args.trees else None, confirm=args.confirm,
                    write=not args.dry_run)
     entry = rec["entry"]
     print("tokens/s per shape (predicted from the costs and acceptance, and measured):")
@@ -164,12 +195,18 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     t.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     t.add_argument("--dataset", default="mt_bench", help="bundled set or JSONL file of your traffic")
-    t.add_argument("--limit", type=int, default=4, metavar="N", help="prompts, spread over the set (default 4)")
-    t.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    t.add_argument("--limit", type=int, default=None, metavar="N",
+                   help=f"prompts, spread over the set (default {CPU_PROMPTS} on a CPU, {GPU_PROMPTS} on a GPU)")
+    t.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens per answer (default {CPU_TOKENS} on a CPU, {GPU_TOKENS} on a GPU)")
     t.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T")
     t.add_argument("--max-chain", type=int, default=8, metavar="K", help="longest chain tried (default 8; on a GPU every other length is timed)")
     t.add_argument("--trees", nargs="+", default=None, metavar="D,K,N", help="tree shapes tried (default: 2 on a "
                    "CPU, 5 on a GPU)")
+    t.add_argument("--confirm", type=int, default=None, metavar="N",
+                   help="time only N shapes as the commands run them (the device's default, then the best predicted); "
+                        "the others' acceptance is measured with eager drafting (default: all on a CPU, "
+                        f"{GPU_CONFIRM} on a GPU, where each shape compiles its drafting)")
     t.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
     t.add_argument("--out", default="tune-out", metavar="DIR", help="folder for tune.json (the run record)")
     t.set_defaults(func=cmd_tune)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,35 +72,46 @@ def time_engine(engine, prompts: list[list[int]], max_new_tokens: int, sampling:
     return Run(label, seconds, cycles, tokens, acc.tau, acc.acceptance_per_position, mean_depth)
 
 
-def measure_costs(rt, decoding: Decoding, prompts: list[list[int]], max_new_tokens: int, shapes: list[DraftShape],
-                  chain_run: Run, tree_runs: dict[str, Run], options=None,
-                  echo: Callable[[str], None] = print) -> tuple[Costs, Run]:
-    """A plain step, verifications of n rows (fixed chains that are rejected), and the draft steps the chain and
-    tree runs imply: their cycle time less the verification of as many rows, per drafting step."""
-    from dataclasses import replace
-
+def measure_rows(rt, decoding: Decoding, prompts: list[list[int]], max_new_tokens: int, sizes: list[int],
+                 options=None, echo: Callable[[str], None] = print) -> Costs:
+    """A plain step and verifications of n rows (fixed chains that are rejected); no drafting costs yet
+    (`with_draft_steps`)."""
     from eagle3.runtime import decoder
 
     greedy = SamplingConfig()
     plain = time_engine(decoder(rt, replace(decoding, speculate=False, guard=False), options), prompts[:1],
                         max_new_tokens, greedy, "plain")
-    sizes = sorted({n for s in shapes for n in (s.total + 1,)} | {2, 3, 5, 9})
     verify: dict[int, float] = {1: plain.cycle_s}
     device = next(rt.model.parameters()).device
-    for n in sizes:
+    for n in sorted(set(sizes) | {2, 3, 5, 9}):
         t0 = time.perf_counter()
         engine = _fixed_engine(rt, decoding, n - 1, device, options)
         verify[n] = time_engine(engine, prompts[:1], max(8, max_new_tokens // 2), greedy, f"verify {n}").cycle_s
         echo(f"  verification of {n:3d} rows: {1e3 * verify[n]:.2f} ms ({time.perf_counter() - t0:.1f}s)")
-    rows = Costs(plain_s=plain.cycle_s, verify_s=verify, draft_step_s={1: 0.0})
-    k = round(chain_run.drafted_depth) or 1
-    step1 = max(0.0, (chain_run.cycle_s - rows.verify(k + 1)) / k)
-    steps = {1: step1}
-    for text, run in tree_runs.items():
-        t = DraftShape.parse(text)
-        if t.depth > 1:
+    return Costs(plain_s=plain.cycle_s, verify_s=verify, draft_step_s={1: 0.0})
+
+
+def with_draft_steps(rows: Costs, runs: list[tuple[DraftShape, Run]]) -> Costs:
+    """`rows` with the drafting steps that timed runs imply: a run's cycle less the verification of as many rows,
+    per drafting step. The one-row step comes from the longest chain; without a chain, a tree's steps are taken to
+    cost the same whatever their rows (a GPU's drafting steps are bound by launches, not by rows)."""
+    chains = [(s, r) for s, r in runs if s.is_chain]
+    step1 = None
+    if chains:
+        _, run = max(chains, key=lambda sr: sr[0].depth)
+        k = round(run.drafted_depth) or 1
+        step1 = max(0.0, (run.cycle_s - rows.verify(k + 1)) / k)
+    steps = {} if step1 is None else {1: step1}
+    for t, run in runs:
+        if t.is_chain:
+            continue
+        if step1 is None:
+            each = max(0.0, (run.cycle_s - rows.verify(t.total + 1)) / t.depth)
+            steps.setdefault(1, each)
+            steps.setdefault(t.top_k, each)
+        elif t.depth > 1:
             steps[t.top_k] = max(0.0, (run.cycle_s - rows.verify(t.total + 1) - step1) / (t.depth - 1))
-    return Costs(plain_s=plain.cycle_s, verify_s=verify, draft_step_s=steps), plain
+    return replace(rows, draft_step_s=steps or {1: 0.0})
 
 
 def _fixed_engine(rt, decoding: Decoding, n: int, device, options=None):
@@ -108,8 +119,6 @@ def _fixed_engine(rt, decoding: Decoding, n: int, device, options=None):
     from eagle3.decoding.engine import SpeculativeEngine
 
     if decoding.engine == "fast":
-        from dataclasses import replace
-
         from eagle3.fast.engine import FastEngine, FastOptions
 
         # the verification is what is timed here: drafting-side pieces stay eager (one compilation per n saved)
