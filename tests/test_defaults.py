@@ -81,7 +81,8 @@ def test_tune_stores_a_choice_that_generate_uses(tmp_path, capsys, monkeypatch):
 def test_tune_times_only_the_default_and_the_best_predicted(tmp_path, capsys):
     """With `--confirm N` (a GPU's default, where each shape compiles its drafting), every shape's acceptance is
     measured and predicted, but only the device's default and the best predicted are timed; the choice is the
-    fastest of those (or plain decoding)."""
+    fastest by measurement where timed, else by prediction scaled to the default's measurement (or plain
+    decoding)."""
     drafter = tmp_path / "d"
     assert main(["init-drafter", "--target", "stories260k", "--out", str(drafter), "--draft-vocab-size", "256"]) == 0
     assert main(["tune", "--target", "stories260k", "--drafter", str(drafter), "--dtype", "float32", "--limit", "1",
@@ -94,10 +95,16 @@ def test_tune_times_only_the_default_and_the_best_predicted(tmp_path, capsys):
     assert all(r["predicted_tok_s"] > 0 for r in rows.values())
     timed = {k for k, r in rows.items() if r["measured_tok_s"] is not None}
     assert {"plain", "chain 2"} <= timed and len(timed) <= 3  # plain, the device's default (chain 2), one more
-    best = max(timed, key=lambda k: rows[k]["measured_tok_s"])
-    choice = entry["choices"]["0.0"]["shape"]
-    assert (choice is None) if best == "plain" else (choice == DraftShape.from_dict(rows[best]["spec"]).to_dict())
+    scale = rows["chain 2"]["measured_tok_s"] / rows["chain 2"]["predicted_tok_s"]
+    for k, r in rows.items():  # untimed: the prediction, scaled as the default's measurement is to its prediction
+        want = r["measured_tok_s"] if k in timed else r["predicted_tok_s"] * scale
+        assert r["estimated_tok_s"] == pytest.approx(want, rel=1e-3, abs=0.02)
+    best = max(rows, key=lambda k: rows[k]["estimated_tok_s"])
+    choice = entry["choices"]["0.0"]
+    assert choice["shape"] == (None if best == "plain" else rows[best]["spec"])
+    assert choice["measured"] == (best in timed)
     assert entry["timed_shapes"] == 2 and " - " in out  # untimed shapes print no measurement
+    assert set(entry["phase_seconds"]) == {"load", "acceptance", "costs", "timing"}
 
 
 @pytest.mark.slow

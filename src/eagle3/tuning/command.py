@@ -14,7 +14,7 @@ from eagle3.config import DTYPE_HELP, ConfigError, DraftShape, SamplingConfig
 from eagle3.tuning.model import CPU_TREES, GPU_TREES, AcceptanceProfile, candidate_shapes, predict
 
 CPU_PROMPTS, CPU_TOKENS = 4, 64  # every shape is timed on a CPU: a short run
-GPU_PROMPTS, GPU_TOKENS = 16, 128  # acceptance runs with eager drafting cost little on a GPU: a longer, steadier one
+GPU_PROMPTS, GPU_TOKENS = 8, 128
 GPU_CONFIRM = 2  # shapes timed compiled on a GPU (each compiles its drafting pieces, tens of seconds)
 CONFIRM_MARGIN = 0.03  # a shape predicted this far below the best timed one is not timed
 
@@ -79,11 +79,16 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
     echo(f"eagle3 tune: {base.engine} engine, {str(param.dtype).removeprefix('torch.')} on {param.device}; "
          f"{len(prompts)} prompts x {max_new_tokens} tokens at {len(temperatures)} temperature(s); {plan}")
 
+    phases = {"load": round(time.perf_counter() - t_start, 1), "acceptance": 0.0, "costs": 0.0, "timing": 0.0}
+
     def run(label: str, temperature: float, opts, timed: bool = True):
+        t0 = time.perf_counter()
         d = replace(base, shape=shapes[label], chain_stop=stops.get(label), guard=False, speculate=True)
         r = time_engine(decoder(rt, d, opts), prompts, max_new_tokens, SamplingConfig(temperature=temperature), label)
+        seconds = time.perf_counter() - t0
+        phases["timing" if timed else "acceptance"] += seconds
         echo(f"  T={temperature:g} {label:>18}: tau {r.tau:.2f}" +
-             (f", {r.tokens_per_s:.1f} tok/s" if timed else " (acceptance only)"))
+             (f", {r.tokens_per_s:.1f} tok/s" if timed else " (acceptance only)") + f" ({seconds:.1f}s)")
         return r
 
     table, choices, profiles, costs = [], {}, {}, None
@@ -93,11 +98,16 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
         runs = {label: run(label, temp, eager, timed=not screen) for label in shapes}
         timed = {default: run(default, temp, options)} if screen else dict(runs)
         if costs is None:
+            t0 = time.perf_counter()
             sizes = [s.total + 1 for s in shapes.values()]
-            rows = measure_rows(rt, base, prompts, max_new_tokens, sizes, options, echo=echo)
+            rows = measure_rows(rt, base, prompts, max_new_tokens, sizes, options, compiled=screen and compiles,
+                                echo=echo)
             costs = with_draft_steps(rows, [(shapes[k], r) for k, r in timed.items() if k not in stops])
+            phases["costs"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         plain = time_engine(decoder(rt, replace(base, guard=False, speculate=False), options), prompts, max_new_tokens,
                             SamplingConfig(temperature=temp), "plain")
+        phases["timing"] += time.perf_counter() - t0
         profile = AcceptanceProfile(temperature=temp, chain=tuple(runs[longest].acceptance) if longest else (),
                                     tree_tau={s.text: runs[k].tau for k, s in shapes.items() if not s.is_chain})
         profiles[str(temp)] = profile.to_dict()
@@ -115,18 +125,23 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
                     break
                 if label not in timed:
                     timed[label] = run(label, temp, options)
+        # untimed shapes: their prediction, scaled as the timed default's measurement is to its prediction
+        scale = timed[default].tokens_per_s / predicted[default] if screen and predicted[default] > 0 else 1.0
         rows_t = [{"shape": "plain", "temperature": temp, "tau": 1.0, "predicted_tok_s": round(1 / costs.plain_s, 2),
-                   "measured_tok_s": round(plain.tokens_per_s, 2), "speedup": 1.0}]
+                   "measured_tok_s": round(plain.tokens_per_s, 2), "estimated_tok_s": round(plain.tokens_per_s, 2),
+                   "speedup": 1.0}]
         for label, r in runs.items():
             t = timed.get(label)
+            estimate = t.tokens_per_s if t else predicted[label] * scale
             rows_t.append({"shape": label, "spec": shapes[label].to_dict(), "temperature": temp, "tau": round(r.tau, 3),
                            "predicted_tok_s": round(predicted[label], 2),
                            "measured_tok_s": round(t.tokens_per_s, 2) if t else None,
-                           "speedup": round(t.tokens_per_s / plain.tokens_per_s, 3) if t and plain.tokens_per_s
-                           else None})
-        best = max((row for row in rows_t if row["measured_tok_s"] is not None), key=lambda row: row["measured_tok_s"])
+                           "estimated_tok_s": round(estimate, 2),
+                           "speedup": round(estimate / plain.tokens_per_s, 3) if plain.tokens_per_s else 0.0})
+        best = max(rows_t, key=lambda row: row["estimated_tok_s"])
         choices[str(temp)] = {"shape": best.get("spec"), "chain_stop": stops.get(best["shape"]),
-                              "speedup": best["speedup"]}  # shape None: plain decoding
+                              "speedup": best["speedup"],  # shape None: plain decoding
+                              "measured": best["measured_tok_s"] is not None}
         table += rows_t
 
     key = tuning_key(str(param.device), str(param.dtype).removeprefix("torch."), base.engine, target,
@@ -134,7 +149,8 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
     entry = {"key": key, "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "costs": costs.to_dict(), "profiles": profiles, "choices": choices,
              "choice": choices[str(temperatures[0])], "table": table,
-             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "timed_shapes": confirm if screen else None}
+             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "timed_shapes": confirm if screen else None,
+             "phase_seconds": {k: round(v, 1) for k, v in phases.items()}}
     stored = None
     if write:
         for store in (drafter_store(drafter), user_store()):
@@ -149,11 +165,14 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
 
 
 def format_table(table: list[dict]) -> str:
-    lines = [f"{'T':>4} {'shape':>18} {'tau':>6} {'predicted':>10} {'measured':>9} {'speedup':>8}"]
+    """Rows of `run_tune`'s table; an untimed shape's speedup is its estimate, in parentheses."""
+    lines = [f"{'T':>4} {'shape':>18} {'tau':>6} {'predicted':>10} {'measured':>9} {'speedup':>9}"]
     for r in table:
-        measured = ("-", "-") if r["measured_tok_s"] is None else (f"{r['measured_tok_s']:.1f}", f"{r['speedup']:.2f}x")
+        timed = r["measured_tok_s"] is not None
+        measured = f"{r['measured_tok_s']:.1f}" if timed else "-"
+        speedup = f"{r['speedup']:.2f}x" if timed else f"({r['speedup']:.2f}x)"
         lines.append(f"{r['temperature']:>4g} {r['shape']:>18} {r['tau']:>6.2f} {r['predicted_tok_s']:>10.1f} "
-                     f"{measured[0]:>9} {measured[1]:>8}")
+                     f"{measured:>9} {speedup:>9}")
     return "\n".join(lines)
 
 
@@ -173,12 +192,15 @@ def cmd_tune(args) -> int:
     for temp, c in entry["choices"].items():
         shape = "plain decoding" if c["shape"] is None else DraftShape.from_dict(c["shape"])
         stop = f" stopping below {c['chain_stop']:g}" if c.get("chain_stop") else ""
-        print(f"T={temp}: {shape}{stop} ({c['speedup']:.2f}x plain decoding)")
+        how = "" if c.get("measured", True) else ", estimated: predicted, scaled as the default's measurement"
+        print(f"T={temp}: {shape}{stop} ({c['speedup']:.2f}x plain decoding{how})")
         if cpu_bf16 and isinstance(shape, DraftShape) and not shape.is_chain:
             print("  a bf16 tree on a CPU can differ from plain decoding at floating-point near-ties (greedy answers "
                   "are not guaranteed identical; a chain's are): docs/tuning.md")
     c = entry["costs"]
-    print(f"costs: plain step {1e3 * c['plain_s']:.2f} ms; draft step {1e3 * float(c['draft_step_s']['1']):.2f} ms")
+    print(f"costs: plain step {1e3 * c['plain_s']:.2f} ms; draft step {1e3 * float(c['draft_step_s']['1']):.3f} ms")
+    if entry.get("phase_seconds"):
+        print("seconds: " + ", ".join(f"{k} {v:g}" for k, v in entry["phase_seconds"].items()))
     print(f"stored in {rec['stored']}; every command on this device now drafts so" if rec["stored"]
           else "not stored (--dry-run)")
     write_json(rec, Path(args.out) / "tune.json")
