@@ -102,7 +102,7 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
             sizes = [s.total + 1 for s in shapes.values()]
             rows = measure_rows(rt, base, prompts, max_new_tokens, sizes, options, compiled=screen and compiles,
                                 echo=echo)
-            costs = with_draft_steps(rows, [(shapes[k], r) for k, r in timed.items() if k not in stops])
+            costs = with_draft_steps(rows, [(shapes[k], r) for k, r in timed.items()])  # a stopped chain: its depth
             phases["costs"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         plain = time_engine(decoder(rt, replace(base, guard=False, speculate=False), options), prompts, max_new_tokens,
@@ -222,7 +222,7 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per answer (default {CPU_TOKENS} on a CPU, {GPU_TOKENS} on a GPU)")
     t.add_argument("--temperatures", type=float, nargs="+", default=[0.0], metavar="T")
-    t.add_argument("--max-chain", type=int, default=8, metavar="K", help="longest chain tried (default 8; on a GPU every other length is timed)")
+    t.add_argument("--max-chain", type=int, default=8, metavar="K", help="longest chain tried (default 8; on a GPU every other length)")
     t.add_argument("--trees", nargs="+", default=None, metavar="D,K,N", help="tree shapes tried (default: 2 on a "
                    "CPU, 5 on a GPU)")
     t.add_argument("--confirm", type=int, default=None, metavar="N",
