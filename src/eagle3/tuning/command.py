@@ -95,8 +95,10 @@ def run_tune(target: str, drafter: str, device: str | None = None, dtype: str = 
     chains = [s for s in shapes.values() if s.is_chain]
     longest = str(max(chains, key=lambda s: s.depth)) if chains else None
     for temp in temperatures:
-        runs = {label: run(label, temp, eager, timed=not screen) for label in shapes}
-        timed = {default: run(default, temp, options)} if screen else dict(runs)
+        timed = {default: run(default, temp, options)} if screen else {}  # its acceptance too
+        runs = {label: timed[label] if label in timed else run(label, temp, eager, timed=not screen)
+                for label in shapes}
+        timed = timed if screen else dict(runs)
         if costs is None:
             t0 = time.perf_counter()
             sizes = [s.total + 1 for s in shapes.values()]
